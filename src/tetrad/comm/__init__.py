@@ -1,0 +1,159 @@
+"""Every collective and point-to-point transfer tetrad makes goes through `Comm`.
+
+Each call names its group explicitly and is recorded per (axis, operation): calls, buffer
+bytes (the tensor a rank hands to the collective) and bus bytes (what a ring algorithm
+makes each rank send: the nccl-tests convention, all-reduce 2(n-1)/n, all-gather and
+reduce-scatter (n-1)/n of the full buffer, broadcast and send 1x), and the seconds spent
+blocking. Tests compare these counts with the theoretical volume of each layout; the
+trainer reports them per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tetrad.mesh import Group
+
+
+def bus_factor(op: str, n: int) -> float:
+    """Bytes each rank sends per buffer byte, for a ring over n ranks (nccl-tests busbw)."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0  # broadcast, send
+
+
+@dataclass
+class OpStats:
+    """Totals for one (axis, op) pair."""
+
+    calls: int = 0
+    bytes: int = 0  # buffer bytes (full buffer for all-gather/reduce-scatter)
+    bus_bytes: float = 0.0  # bytes this rank sends on a ring
+    seconds: float = 0.0  # time blocked in the call or in its wait()
+
+
+class Work:
+    """An in-flight async collective; `wait()` charges its blocking time to the stats."""
+
+    def __init__(self, handle, stats: OpStats):
+        self._handle, self._stats = handle, stats
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            t0 = time.perf_counter()
+            self._handle.wait()
+            self._stats.seconds += time.perf_counter() - t0
+            self._handle = None
+
+
+class Comm:
+    """The collectives, with accounting. One per process, passed explicitly."""
+
+    def __init__(self) -> None:
+        self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+
+    def reset(self) -> None:
+        self.stats.clear()
+
+    def total_bus_bytes(self) -> float:
+        return sum(s.bus_bytes for s in self.stats.values())
+
+    def total_seconds(self) -> float:
+        return sum(s.seconds for s in self.stats.values())
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """{"axis/op": {calls, bytes, bus_bytes, seconds}} for reporting."""
+        return {
+            f"{axis}/{op}": {
+                "calls": s.calls,
+                "bytes": s.bytes,
+                "bus_bytes": s.bus_bytes,
+                "seconds": s.seconds,
+            }
+            for (axis, op), s in sorted(self.stats.items())
+        }
+
+    def _record(self, group: Group, op: str, nbytes: int) -> OpStats:
+        s = self.stats[(group.name, op)]
+        s.calls += 1
+        s.bytes += nbytes
+        s.bus_bytes += bus_factor(op, group.size) * nbytes
+        return s
+
+    def _run(self, stats: OpStats, fn, async_op: bool) -> Work | None:
+        t0 = time.perf_counter()
+        handle = fn(async_op)
+        if async_op:
+            return Work(handle, stats)
+        stats.seconds += time.perf_counter() - t0
+        return None
+
+    def all_reduce(self, t: torch.Tensor, group: Group, async_op: bool = False) -> Work | None:
+        """In-place sum over `group` (gloo has no AVG: callers scale)."""
+        if group.size == 1:
+            return Work(None, OpStats()) if async_op else None
+        s = self._record(group, "all_reduce", t.numel() * t.element_size())
+        return self._run(s, lambda a: dist.all_reduce(t, group=group.pg, async_op=a), async_op)
+
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
+    ) -> Work | None:
+        """Concatenate every rank's `inp` along dim 0 into `out` (size * inp)."""
+        if group.size == 1:
+            out.copy_(inp)
+            return Work(None, OpStats()) if async_op else None
+        s = self._record(group, "all_gather", out.numel() * out.element_size())
+        return self._run(
+            s, lambda a: dist.all_gather_single(out, inp, group=group.pg, async_op=a), async_op
+        )
+
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
+    ) -> Work | None:
+        """Sum `inp` over the group and keep this rank's dim-0 slice in `out`."""
+        if group.size == 1:
+            out.copy_(inp)
+            return Work(None, OpStats()) if async_op else None
+        s = self._record(group, "reduce_scatter", inp.numel() * inp.element_size())
+        return self._run(
+            s,
+            lambda a: dist.reduce_scatter_single(out, inp, group=group.pg, async_op=a),
+            async_op,
+        )
+
+    def broadcast(self, t: torch.Tensor, src: int, group: Group) -> None:
+        """Broadcast from group-local index `src`."""
+        if group.size == 1:
+            return
+        s = self._record(group, "broadcast", t.numel() * t.element_size())
+        src_global = group.ranks[src]
+        self._run(s, lambda a: dist.broadcast(t, src_global, group=group.pg, async_op=a), False)
+
+    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[Work]:
+        """Post sends/receives together: ops are ("send"|"recv", tensor, global peer rank)."""
+        p2p = []
+        for kind, t, peer in ops:
+            if kind == "send":
+                stats = self._record(group, "send", t.numel() * t.element_size())
+                p2p.append(dist.P2POp(dist.isend, t, peer, group=group.pg))
+            else:
+                stats = self.stats[(group.name, "recv")]
+                stats.calls += 1
+                p2p.append(dist.P2POp(dist.irecv, t, peer, group=group.pg))
+        if not p2p:
+            return []
+        handles = dist.batch_isend_irecv(p2p)
+        return [Work(h, self.stats[(group.name, "p2p_wait")]) for h in handles]
+
+    def barrier(self, group: Group) -> None:
+        if group.size > 1:
+            dist.barrier(group=group.pg)

@@ -1,0 +1,321 @@
+"""Typed configuration: dataclasses per component, TOML loading, CLI overrides, validation.
+
+Every rank builds and validates the whole configuration before the first collective, so a
+bad value fails the same way everywhere with a `ValueError` that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder. `ffn_dim=0` derives it Llama-style from `dim`."""
+
+    name: str = "small"
+    layers: int = 4
+    dim: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 256
+    ffn_dim: int = 0
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The SwiGLU inner size: 2/3 of 4·dim rounded up to a multiple of 32, unless given."""
+        if self.ffn_dim:
+            return self.ffn_dim
+        return 32 * -(-(8 * self.dim // 3) // 32)
+
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(layers=2, dim=32, heads=4, kv_heads=2, vocab=256),
+    "small": dict(layers=4, dim=128, heads=4, kv_heads=2, vocab=256),
+    "base": dict(layers=8, dim=256, heads=8, kv_heads=4, vocab=256),
+    "llama3-8b": dict(
+        layers=32,
+        dim=4096,
+        heads=32,
+        kv_heads=8,
+        vocab=128256,
+        ffn_dim=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": dict(
+        layers=80,
+        dim=8192,
+        heads=64,
+        kv_heads=8,
+        vocab=128256,
+        ffn_dim=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def model_preset(name: str) -> ModelConfig:
+    """A named model shape; the planner uses the large ones, tests the tiny one."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(MODEL_PRESETS)}")
+    return ModelConfig(name=name, **MODEL_PRESETS[name])
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of the four axes and how each axis behaves."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 3
+    sp: bool = False
+    pp_schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    pp_split: str = ""
+    bucket_mb: float = 25.0
+    reshard_after_forward: bool = True
+    reduce_dtype: str = "fp32"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.fsdp * self.tp * self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        return self.dp * self.fsdp
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and run control."""
+
+    steps: int = 200
+    global_batch: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    dtype: str = "fp32"
+    out: str = "runs/default"
+    progress: bool = True
+    device: str = "auto"
+    peak_tflops: float = 0.0  # 0: look it up from the device (CPU: a nominal figure)
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from: `synthetic`, `stdlib` (the embedded corpus) or a path."""
+
+    source: str = "stdlib"
+    max_bytes: int = 16 * 2**20
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint cadence and resume."""
+
+    every: int = 0
+    resume: bool = False
+    keep: int = 2
+
+
+@dataclass
+class Config:
+    """The whole job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.train.global_batch // (self.parallel.data_ranks * self.parallel.microbatches)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
+    """Overlay a nested dict (as read from TOML) on `base`; unknown keys are errors."""
+    cfg = dataclasses.replace(base) if base else Config()
+    for section, values in raw.items():
+        if section not in _SECTION_TYPES:
+            raise ValueError(f"unknown config section [{section}]; known: {sorted(_SECTION_TYPES)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"config section [{section}] must be a table, got {values!r}")
+        setattr(cfg, section, _overlay(getattr(cfg, section), values, section))
+    return cfg
+
+
+def _overlay(obj: Any, values: dict[str, Any], section: str) -> Any:
+    known = {f.name: f for f in fields(obj)}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"unknown key {key!r} in [{section}]; known: {sorted(known)}")
+        want = type(getattr(obj, key))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ValueError(
+                f"[{section}] {key} = {value!r} has type {type(value).__name__}, "
+                f"expected {want.__name__}"
+            )
+    return dataclasses.replace(obj, **values)
+
+
+def load_toml(path: str | Path, base: Config | None = None) -> Config:
+    """Read a TOML file into a Config (on top of `base`)."""
+    with open(path, "rb") as fh:
+        raw = tomllib.load(fh)
+    return from_dict(raw, base)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ValueError naming the offending values; called on every rank before any collective."""
+    _validate_model(cfg.model)
+    _validate_parallel(cfg.parallel, world_size)
+    _validate_train(cfg)
+    _validate_layout(cfg)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    for name in ("layers", "dim", "heads", "kv_heads", "vocab"):
+        _require(getattr(m, name) >= 1, f"model.{name} must be >= 1, got {getattr(m, name)}")
+    _require(m.dim % m.heads == 0, f"model.dim={m.dim} is not divisible by heads={m.heads}")
+    _require(m.head_dim % 2 == 0, f"head_dim={m.head_dim} (dim/heads) must be even for rotary")
+    _require(
+        m.heads % m.kv_heads == 0,
+        f"model.heads={m.heads} is not divisible by kv_heads={m.kv_heads}",
+    )
+    _require(m.init_std > 0, f"model.init_std must be > 0, got {m.init_std}")
+
+
+def _validate_parallel(p: ParallelConfig, world_size: int | None) -> None:
+    for name in ("dp", "fsdp", "tp", "pp", "microbatches", "virtual_stages"):
+        _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    if world_size is not None:
+        _require(
+            p.world_size == world_size,
+            f"world size {world_size} != dp*fsdp*tp*pp = {p.dp}*{p.fsdp}*{p.tp}*{p.pp}"
+            f" = {p.world_size}",
+        )
+    _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
+    _require(
+        p.pp_schedule in PP_SCHEDULES,
+        f"pp_schedule={p.pp_schedule!r} is not one of {PP_SCHEDULES}",
+    )
+    _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
+    _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {DTYPES}")
+    _require(not p.sp or p.tp > 1, "sp=True needs tp > 1 (sequence parallelism splits over tp)")
+    if p.virtual_stages > 1:
+        _require(
+            p.pp_schedule in ("interleaved-1f1b", "zb-v"),
+            f"virtual_stages={p.virtual_stages} needs an interleaved schedule, "
+            f"got pp_schedule={p.pp_schedule!r}",
+        )
+
+
+def _validate_train(cfg: Config) -> None:
+    t = cfg.train
+    _require(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
+    _require(t.global_batch >= 1, f"train.global_batch must be >= 1, got {t.global_batch}")
+    _require(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
+    _require(
+        t.seq_len <= cfg.model.max_seq_len,
+        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}",
+    )
+    _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _require(
+        0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"
+    )
+    _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables), got {t.grad_clip}")
+    _require(t.dtype in DTYPES, f"train.dtype={t.dtype!r} not in {DTYPES}")
+    _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} not auto/cpu/cuda")
+    d = cfg.data
+    if d.source in ("stdlib",):
+        _require(
+            cfg.model.vocab >= 256,
+            f"data.source='stdlib' is byte-level: model.vocab={cfg.model.vocab} must be >= 256",
+        )
+    elif d.source != "synthetic":
+        _require(Path(d.source).exists(), f"data.source={d.source!r}: no such file or directory")
+
+
+def _validate_layout(cfg: Config) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    per = p.data_ranks * p.microbatches
+    _require(
+        t.global_batch % per == 0,
+        f"global_batch={t.global_batch} is not divisible by data ranks (dp*fsdp={p.data_ranks})"
+        f" x microbatches={p.microbatches} = {per}",
+    )
+    if p.tp > 1:
+        _require(m.heads % p.tp == 0, f"model.heads={m.heads} is not divisible by tp={p.tp}")
+        _require(
+            m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
+            f"model.kv_heads={m.kv_heads} and tp={p.tp}: one must divide the other",
+        )
+        _require(m.dim % p.tp == 0, f"model.dim={m.dim} is not divisible by tp={p.tp}")
+        _require(
+            m.hidden_dim % p.tp == 0,
+            f"ffn hidden size {m.hidden_dim} is not divisible by tp={p.tp}",
+        )
+    if p.sp:
+        _require(
+            t.seq_len % p.tp == 0,
+            f"sp needs seq_len divisible by tp: seq_len={t.seq_len}, tp={p.tp}",
+        )
+    stages = p.pp * p.virtual_stages
+    _require(
+        m.layers >= stages,
+        f"model.layers={m.layers} < pp*virtual_stages={p.pp}*{p.virtual_stages} = {stages}",
+    )
+    if p.pp > 1 and p.pp_schedule == "interleaved-1f1b":
+        _require(
+            p.microbatches % p.pp == 0,
+            f"interleaved-1f1b needs microbatches % pp == 0: microbatches={p.microbatches},"
+            f" pp={p.pp}",
+        )

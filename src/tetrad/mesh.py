@@ -1,0 +1,139 @@
+"""The device mesh: four degrees -> each rank's coordinates -> its process groups.
+
+Axis order, outermost first, is (pp, dp, fsdp, tp). TP is innermost so a TP group is a
+run of adjacent ranks, which torchrun places on one node: TP communicates inside every
+layer and needs the fastest links (NVLink). PP is outermost because it sends the least
+(one activation per microbatch per boundary), so it is the axis that tolerates crossing
+the slowest links between nodes. This is Megatron's and torchtitan's order.
+
+The arithmetic (`coords`, `rank_of`, `axis_groups`) is pure and tested without processes;
+`Mesh.build` only turns its answers into `torch.distributed` groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any
+
+AXES = ("pp", "dp", "fsdp", "tp")  # outermost first
+# "data" is the combined dp x fsdp group: every rank that sees a different slice of the batch;
+# "world" is every rank (the one-scalar agreements: loss, grad norm, skip).
+GROUP_AXES = {
+    "pp": ("pp",),
+    "dp": ("dp",),
+    "fsdp": ("fsdp",),
+    "tp": ("tp",),
+    "data": ("dp", "fsdp"),
+    "world": AXES,
+}
+
+
+def _check_degrees(degrees: dict[str, int]) -> None:
+    if set(degrees) != set(AXES) or any(d < 1 for d in degrees.values()):
+        raise ValueError(f"degrees must give every axis {AXES} a value >= 1, got {degrees}")
+
+
+def coords(rank: int, degrees: dict[str, int]) -> dict[str, int]:
+    """Coordinates of `rank` on each axis (tp varies fastest)."""
+    _check_degrees(degrees)
+    world = prod(degrees.values())
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside world of size {world}")
+    out = {}
+    for axis in reversed(AXES):
+        rank, out[axis] = divmod(rank, degrees[axis])
+    return {axis: out[axis] for axis in AXES}
+
+
+def rank_of(coord: dict[str, int], degrees: dict[str, int]) -> int:
+    """Inverse of `coords`."""
+    rank = 0
+    for axis in AXES:
+        rank = rank * degrees[axis] + coord[axis]
+    return rank
+
+
+def axis_groups(degrees: dict[str, int], group: str) -> list[list[int]]:
+    """Partition of all ranks into groups that differ only along `group`'s axes."""
+    varying = GROUP_AXES[group]
+    world = prod(degrees.values())
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for r in range(world):
+        c = coords(r, degrees)
+        key = tuple(c[a] for a in AXES if a not in varying)
+        buckets.setdefault(key, []).append(r)
+    return list(buckets.values())
+
+
+@dataclass
+class Group:
+    """One process group as seen from one rank: its members, this rank's index, the handle."""
+
+    name: str
+    ranks: list[int]
+    rank: int  # index of this process inside `ranks`
+    pg: Any = None  # torch ProcessGroup, or None when size == 1 or before `Mesh.build`
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the 4-D mesh and its named groups. Built once, passed explicitly."""
+
+    degrees: dict[str, int]
+    rank: int
+    groups: dict[str, Group] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return prod(self.degrees.values())
+
+    @property
+    def coord(self) -> dict[str, int]:
+        return coords(self.rank, self.degrees)
+
+    def __getitem__(self, name: str) -> Group:
+        return self.groups[name]
+
+    @property
+    def pp_prev(self) -> int | None:
+        """Global rank of the previous pipeline stage, or None on the first."""
+        g = self.groups["pp"]
+        return g.ranks[g.rank - 1] if g.rank > 0 else None
+
+    @property
+    def pp_next(self) -> int | None:
+        """Global rank of the next pipeline stage, or None on the last."""
+        g = self.groups["pp"]
+        return g.ranks[g.rank + 1] if g.rank + 1 < g.size else None
+
+    @classmethod
+    def plan(cls, degrees: dict[str, int], rank: int) -> Mesh:
+        """The mesh with every group's membership but no process groups (pure)."""
+        mesh = cls(dict(degrees), rank)
+        for name in GROUP_AXES:
+            for ranks in axis_groups(degrees, name):
+                if rank in ranks:
+                    mesh.groups[name] = Group(name, ranks, ranks.index(rank))
+        return mesh
+
+    @classmethod
+    def build(cls, degrees: dict[str, int], rank: int) -> Mesh:
+        """Create the process groups. Every rank must call this with the same degrees."""
+        import torch.distributed as dist
+
+        mesh = cls.plan(degrees, rank)
+        world = mesh.world_size
+        for name in GROUP_AXES:
+            for ranks in axis_groups(degrees, name):
+                # new_group is collective over the world: every rank creates every group.
+                if len(ranks) == 1:
+                    continue
+                pg = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
+                if rank in ranks:
+                    mesh.groups[name].pg = pg
+        return mesh

@@ -1,0 +1,97 @@
+"""Layout-invariant initialisation: a parameter's full value is a function of (seed, name).
+
+Every layout builds the model on the meta device, shards it, then asks `materialize` to
+fill each local tensor with *its slice* of the same full tensor. So a single process and
+any layout start from identical weights, which is what makes equivalence testable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tetrad.config import ModelConfig
+
+# name -> index into the full tensor (a tuple of slices), or None for "the whole tensor"
+Slicer = Callable[[str], tuple[slice, ...] | None]
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (seed, parameter name), stable across processes and Python runs."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def init_std(name: str, cfg: ModelConfig) -> float | None:
+    """Std of a normal init, or None for a ones-initialised norm gain."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("wo.weight", "w2.weight")):
+        # residual-branch outputs scaled down with depth (GPT-2 / Megatron)
+        return cfg.init_std / math.sqrt(2 * cfg.layers)
+    return cfg.init_std
+
+
+def full_value(seed: int, name: str, shape: tuple[int, ...], cfg: ModelConfig) -> torch.Tensor:
+    """The full, unsharded float32 initial value of parameter `name`."""
+    std = init_std(name, cfg)
+    if std is None:
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    return torch.randn(shape, generator=gen) * std
+
+
+def full_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """Shape of the logical (unsharded) parameter `name` of a Llama with config `cfg`."""
+    d, hd, f = cfg.dim, cfg.head_dim, cfg.hidden_dim
+    leaf = name.split(".")[-2]
+    shapes = {
+        "tok_embeddings": (cfg.vocab, d),
+        "output": (cfg.vocab, d),
+        "wq": (cfg.heads * hd, d),
+        "wk": (cfg.kv_heads * hd, d),
+        "wv": (cfg.kv_heads * hd, d),
+        "wo": (d, cfg.heads * hd),
+        "w1": (f, d),
+        "w3": (f, d),
+        "w2": (d, f),
+    }
+    if name.endswith("norm.weight"):
+        return (d,)
+    if leaf not in shapes:
+        raise ValueError(f"no known full shape for parameter {name!r}")
+    return shapes[leaf]
+
+
+@torch.no_grad()
+def materialize(
+    model: nn.Module,
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device | str = "cpu",
+    slicer: Slicer | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Allocate `model`'s (meta) parameters on `device` and fill each with its slice."""
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        full = full_value(seed, name, full_shape(name, cfg), cfg)
+        index = slicer(name) if slicer else None
+        value = full[index] if index is not None else full
+        if value.shape != p.shape:
+            raise ValueError(f"{name}: slice {tuple(value.shape)} != local shape {tuple(p.shape)}")
+        p.copy_(value.to(dtype))
+    return model
+
+
+def build_model(cfg: ModelConfig, seed: int, device: str = "cpu") -> nn.Module:
+    """Single-process convenience: build on meta and materialise the full model."""
+    from tetrad.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    return materialize(model, cfg, seed, device)

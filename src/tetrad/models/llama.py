@@ -1,0 +1,145 @@
+"""A Llama-family decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+
+Free of parallelism: it imports only torch. Layers sharded by tensor parallelism are the
+same modules with smaller weights, so attention reads its local head count from its
+weights' shapes, never from the config. A pipeline stage is this model with the modules it
+does not own set to None (`first`/`last` say whether it embeds tokens and computes logits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tetrad.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary(seq_len: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """cos/sin tables, [s, head_dim/2, 2] in float32."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x [b, s, heads, head_dim] by position."""
+    xr = x.float().unflatten(-1, (-1, 2))  # [b, s, h, d/2, 2]
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    out = torch.stack(
+        (xr[..., 0] * cos - xr[..., 1] * sin, xr[..., 0] * sin + xr[..., 1] * cos), dim=-1
+    )
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.dim, cfg.heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.heads * hd, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # with sequence parallelism x is [b, s/tp, h] and the projections gather the sequence,
+        # so the sequence length is read from their outputs.
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim)  # [b, s, local heads, hd]
+        k = k.view(b, s, -1, self.head_dim)  # [b, s, local kv heads, hd]
+        v = v.view(b, s, -1, self.head_dim)
+        rope = rotary(s, self.head_dim, self.theta, q.device)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """The decoder. Build it under `torch.device("meta")`, shard, then materialise."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.first = True  # embeds token ids (a pipeline stage after the first gets hidden states)
+        self.last = True  # applies the final norm and the output head
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
+        # string keys keep parameter names ("layers.7....") stable when a stage drops layers
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, s] (first stage) or hidden [b, s, h] -> logits [b, s, V] or hidden."""
+        h = self.tok_embeddings(x) if self.first else x
+        for layer in self.layers.values():
+            h = layer(h)
+        if not self.last:
+            return h
+        return self.head(self.norm(h))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Output projection, tied to the embedding when configured."""
+        if self.output is not None:
+            return self.output(h)
+        return F.linear(h, self.tok_embeddings.weight)
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of token losses (targets == -100 are padding); callers divide by the global count."""
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=-100
+    )

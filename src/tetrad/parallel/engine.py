@@ -1,0 +1,111 @@
+"""The engine: a model laid out on the mesh, and the step mechanics that layout needs.
+
+The trainer only ever talks to an `Engine`: run forward and backward over this rank's
+microbatches, finish the gradient synchronisation, report this rank's share of the global
+gradient norm, and hand the optimizer its parameters. Layouts that change the step's
+mechanics (ZeRO shards, pipeline schedules) subclass it; layouts that only change the
+model's modules (tensor parallelism) do not need to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tetrad.comm import Comm
+from tetrad.config import Config
+from tetrad.mesh import Mesh
+from tetrad.models.llama import cross_entropy_sum
+from tetrad.parallel.data import GradBuckets
+from tetrad.train.data import Microbatch
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Axes a parameter is, by default, replicated over (identical on every rank of them).
+REPLICATED = ("dp", "fsdp", "tp")
+
+
+class Engine:
+    """Plain data-parallel execution of a (possibly TP-sharded) model."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config):
+        self.model, self.mesh, self.comm, self.cfg = model, mesh, comm, cfg
+        self.loss_fn: LossFn = cross_entropy_sum
+        # name -> axes over which that parameter is replicated; a layout that shards a
+        # parameter along an axis removes the axis (tensor parallelism: "tp").
+        self.replicated: dict[str, tuple[str, ...]] = {
+            n: REPLICATED for n, _ in model.named_parameters()
+        }
+        self.grad_sync: GradBuckets | None = None
+
+    def start_grad_sync(self) -> None:
+        """Bucket gradients over the data group (call once the model is final)."""
+        data = self.mesh["data"]
+        if data.size > 1:
+            bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
+            params = [p for _, p in self.named_parameters()]
+            self.grad_sync = GradBuckets(params, data, self.comm, bucket_bytes)
+
+    # --- what the trainer calls -------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters the optimizer updates, with their logical names."""
+        return list(self.model.named_parameters())
+
+    @property
+    def loss_owner(self) -> bool:
+        """Whether this rank's loss contribution is counted (once per data rank)."""
+        return self.mesh.coord["tp"] == 0 and (self.mesh.pp_next is None)
+
+    def forward_backward(self, micro: list[Microbatch], denom: float) -> torch.Tensor:
+        """Accumulate gradients of sum(token losses)/denom; return this rank's loss share."""
+        total = torch.zeros((), dtype=torch.float32)
+        for i, mb in enumerate(micro):
+            if self.grad_sync is not None:
+                # no_sync: only the last microbatch's backward launches the reductions
+                self.grad_sync.sync = i == len(micro) - 1
+            logits = self.model(mb.inputs.to(self.device))
+            loss = self.loss_fn(logits, mb.targets.to(self.device)) / denom
+            loss.backward()
+            total += loss.detach().float().cpu()
+        return total
+
+    def sync_grads(self) -> None:
+        """Wait for every gradient reduction of the step."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Sum of squared gradient entries this rank owns; summed over the world = norm²."""
+        coord = self.mesh.coord
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            if all(coord[a] == 0 for a in self.replicated[name]):
+                total += p.grad.detach().double().pow(2).sum()
+        return total.cpu()
+
+    def scale_grads(self, factor: float) -> None:
+        for _, p in self.named_parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def zero_grad(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.zero_grad()
+            return
+        for _, p in self.named_parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def after_step(self) -> None:
+        """Hook for layouts that must act after the optimizer (ZeRO re-gathers weights)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every logical parameter, full size, on CPU (for tests and checkpoint export)."""
+        return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device

@@ -1,0 +1,195 @@
+"""Which transformer layers each pipeline stage holds.
+
+A split is a list of layer counts, one per stage, summing to the number of layers. The
+embedding always sits on the first stage and the head (with the loss) on the last, so a
+first or last stage may hold no layer at all; a middle stage holds at least one.
+
+`balance` finds the split that minimises the slowest stage, given a cost per item
+(embedding, each layer, head+loss), exactly; `even_split` and `parse_split` are the
+cost-blind alternatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def even_split(n_layers: int, stages: int) -> list[int]:
+    """Layers as even as possible; the first stages take the remainder, since the last
+    stage also carries the head."""
+    if stages < 1 or n_layers < stages:
+        raise ValueError(f"cannot split n_layers={n_layers} into stages={stages}")
+    base, extra = divmod(n_layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def parse_split(text: str, n_layers: int | None = None, stages: int | None = None) -> list[int]:
+    """Parse an explicit split such as "4,4,3,3" and validate it."""
+    try:
+        split = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"pipeline split {text!r} must be comma-separated integers") from None
+    validate_split(split, n_layers, stages)
+    return split
+
+
+def validate_split(split: Sequence[int], n_layers: int | None, stages: int | None) -> None:
+    """Raise ValueError unless `split` is a valid layers-per-stage list."""
+    if not split or any(n < 0 for n in split):
+        raise ValueError(f"pipeline split {list(split)} needs non-negative layer counts")
+    if any(n < 1 for n in split[1:-1]):
+        raise ValueError(f"pipeline split {list(split)}: a middle stage holds no layer")
+    if stages is not None and len(split) != stages:
+        raise ValueError(f"pipeline split {list(split)} has {len(split)} stages, not {stages}")
+    if n_layers is not None and sum(split) != n_layers:
+        raise ValueError(f"pipeline split {list(split)} sums to {sum(split)}, not {n_layers}")
+
+
+def balance(
+    costs: Sequence[float],
+    stages: int,
+    memory: Sequence[float] | None = None,
+    memory_cap: float | None = None,
+) -> list[int]:
+    """Layers per stage minimising the costliest stage, exactly.
+
+    costs: one per item, [embedding, layer_0, ..., layer_{L-1}, head+loss]; stages are
+    contiguous, so the embedding lands on the first stage and the head on the last.
+    memory, memory_cap: optional per-item memory and a cap no stage may exceed.
+    Among the splits with the least maximum, the one with the least sum of squared stage
+    costs is returned, so stages below the bottleneck are balanced too.
+    """
+    n = len(costs)
+    if n < 2 or stages < 1 or stages > n:
+        raise ValueError(f"cannot balance {n} items (embedding, layers, head) into {stages}")
+    if (memory is None) != (memory_cap is None) or (memory is not None and len(memory) != n):
+        raise ValueError("memory needs one entry per cost item and a memory_cap")
+    if any(c < 0 for c in costs):
+        raise ValueError(f"costs must be non-negative, got {list(costs)}")
+    seg = _sums(costs)
+    fits = _fits(memory, memory_cap)
+    limit = _least_max(seg, n, stages, fits)
+    items = _least_squares(seg, n, stages, limit, fits)
+    return _items_to_layers(items)
+
+
+def stage_costs(costs: Sequence[float], split: Sequence[int]) -> list[float]:
+    """Per-stage sum of item costs for a layers-per-stage split (embedding to the first
+    stage, head to the last), e.g. to feed the simulator."""
+    validate_split(split, len(costs) - 2, None)
+    bounds = _layers_to_bounds(split)
+    return [sum(costs[i:j]) for i, j in zip(bounds, bounds[1:])]
+
+
+def llama_layer_costs(
+    n_layers: int,
+    dim: int,
+    ffn_dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    vocab: int,
+    seq_len: int,
+) -> list[float]:
+    """Analytic FLOPs of one sequence, forward plus backward (3x forward), per item:
+    [embedding, layer_0, ..., layer_{L-1}, head+loss].
+
+    A layer: q/k/v/o projections (k, v narrowed by grouped-query attention), attention
+    scores and values over the full s x s square, and a SwiGLU MLP of three matrices.
+    The embedding is a lookup (s*dim moves, no matmul); head = 2*s*dim*vocab, the
+    softmax of the loss (O(s*vocab)) is left out as 1/dim of it.
+    """
+    if dim % n_heads or n_heads % n_kv_heads:
+        raise ValueError(f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads} do not divide")
+    s, kv_dim = seq_len, dim // n_heads * n_kv_heads
+    projections = 2 * s * dim * (2 * dim + 2 * kv_dim)
+    attention = 2 * 2 * s * s * dim  # q·kᵀ and p·v
+    mlp = 3 * 2 * s * dim * ffn_dim
+    layer = 3.0 * (projections + attention + mlp)
+    return [3.0 * s * dim] + [layer] * n_layers + [3.0 * 2 * s * dim * vocab]
+
+
+# --- exact search -------------------------------------------------------------------
+
+
+def _sums(costs: Sequence[float]) -> Callable[[int, int], float]:
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # every comparison uses this one function, so round-off cannot split ties
+    return lambda i, j: prefix[j] - prefix[i]
+
+
+def _fits(memory: Sequence[float] | None, cap: float | None) -> Callable[[int, int], bool]:
+    if memory is None or cap is None:
+        return lambda i, j: True
+    prefix = [0.0]
+    for m in memory:
+        prefix.append(prefix[-1] + m)
+    return lambda i, j: prefix[j] - prefix[i] <= cap
+
+
+def _least_max(seg: Callable, n: int, stages: int, fits: Callable) -> float:
+    """Binary search over every segment sum: the least feasible bottleneck."""
+    candidates = sorted({seg(i, j) for i in range(n) for j in range(i + 1, n + 1)})
+    lo, hi = 0, len(candidates) - 1
+    if not _feasible(seg, n, stages, candidates[hi], fits):
+        raise ValueError(f"no split into {stages} stages keeps every stage under the memory cap")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _feasible(seg, n, stages, candidates[mid], fits):
+            hi = mid
+        else:
+            lo = mid + 1
+    return candidates[lo]
+
+
+def _feasible(seg: Callable, n: int, stages: int, limit: float, fits: Callable) -> bool:
+    """Greedy: fewest contiguous segments under `limit`. Needing at most `stages` is
+    enough, since a segment can always be cut further (costs are non-negative)."""
+    count, start = 0, 0
+    while start < n:
+        end = start
+        while end < n and seg(start, end + 1) <= limit and fits(start, end + 1):
+            end += 1
+        if end == start:
+            return False  # one item alone is over the limit
+        count, start = count + 1, end
+    return count <= stages
+
+
+def _least_squares(seg: Callable, n: int, stages: int, limit: float, fits: Callable) -> list[int]:
+    """DP over (stages used, items covered): least sum of squares with every stage under
+    `limit`; returns items per stage."""
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                c = seg(i, j)
+                if c <= limit and fits(i, j) and best[k - 1][i] + c * c < best[k][j]:
+                    best[k][j], cut[k][j] = best[k - 1][i] + c * c, i
+    counts, j = [], n
+    for k in range(stages, 0, -1):
+        counts.append(j - cut[k][j])
+        j = cut[k][j]
+    return counts[::-1]
+
+
+def _items_to_layers(items: list[int]) -> list[int]:
+    layers = list(items)
+    layers[0] -= 1  # the embedding
+    layers[-1] -= 1  # head + loss
+    return layers
+
+
+def _layers_to_bounds(split: Sequence[int]) -> list[int]:
+    """Item boundaries [0, ..., L + 2] of a layers-per-stage split."""
+    items = list(split)
+    items[0] += 1
+    items[-1] += 1
+    bounds = [0]
+    for n in items:
+        bounds.append(bounds[-1] + n)
+    return bounds

@@ -1,0 +1,361 @@
+"""Pipeline schedules as pure functions: one ordered list of actions per pp rank.
+
+A schedule is data. `build_schedule` returns, for every pp rank, the compute actions
+(F, B, W, BW) in the order the rank runs them, with the point-to-point transfers woven in:
+a receive sits just before the compute that needs it, a send just after the compute that
+produced it. The runtime executes the lists (sends non-blocking, receives pre-posted), the
+simulator times them and the checker proves them complete and deadlock-free; all three
+read the same lists, so prediction and execution cannot disagree.
+
+Stages are global model chunks 0..pp*v-1. `stage_to_rank` places them on ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+COMPUTE = ("F", "B", "W", "BW")
+TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program.
+
+    kind: "F" forward; "B" backward w.r.t. the stage input only (zero-bubble split);
+        "W" weight gradient; "BW" full backward (B and W together); "SEND_F"/"RECV_F"
+        an activation; "SEND_B"/"RECV_B" the gradient of an activation.
+    stage: global stage index. For a transfer it is the stage that *consumes* the tensor:
+        RECV_F(s) brings the input of stage s, SEND_F(s) ships it from stage s-1;
+        RECV_B(s) brings the gradient of stage s's output, SEND_B(s) ships it from s+1.
+        So (direction, stage, microbatch) names a tensor on both ends of the wire.
+    microbatch: microbatch index, 0..m-1.
+    peer: for transfers, the pp rank on the other end; None for compute.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int | None = None
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+    def __str__(self) -> str:
+        peer = "" if self.peer is None else f"<->r{self.peer}"
+        return f"{self.kind}(s{self.stage},mb{self.microbatch}){peer}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One compute action of a rank with the transfers around it, for the runtime.
+
+    post: receives to post (non-blocking) before this step; they may serve later steps.
+    wait: receives this compute needs (posted at this step or earlier).
+    sends: sends to post (non-blocking) right after the compute.
+    """
+
+    post: tuple[Action, ...]
+    wait: tuple[Action, ...]
+    compute: Action
+    sends: tuple[Action, ...]
+
+
+def num_stages(pp: int, virtual_stages: int) -> int:
+    """Number of global stages (model chunks)."""
+    return pp * virtual_stages
+
+
+def stage_to_rank(stage: int, pp: int, v: int, schedule: str) -> int:
+    """The pp rank holding `stage`.
+
+    Looped placement (every schedule but zb-v): stage k on rank k % pp, so with v = 1
+    stage k is rank k. zb-v's V shape: chunk 0 goes down the ranks and chunk 1 comes
+    back up, stage k < pp on rank k and stage k >= pp on rank 2*pp - 1 - k, so the first
+    and the last stage (embedding and loss) share rank 0.
+    """
+    if not 0 <= stage < pp * v:
+        raise ValueError(f"stage {stage} out of range for pp={pp}, v={v}")
+    if schedule == "zb-v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def rank_stages(rank: int, pp: int, v: int, schedule: str) -> list[int]:
+    """The stages a rank holds, in increasing order."""
+    return [s for s in range(pp * v) if stage_to_rank(s, pp, v, schedule) == rank]
+
+
+def validate(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
+    """Raise ValueError naming the values if the schedule cannot run this request."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
+    if pp < 1:
+        raise ValueError(f"pp must be >= 1, got pp={pp}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got microbatches={microbatches}")
+    v = virtual_stages
+    if name == "interleaved-1f1b":
+        if v < 2:
+            raise ValueError(f"interleaved-1f1b needs virtual_stages >= 2, got {v}")
+        if microbatches % pp != 0:
+            raise ValueError(
+                f"interleaved-1f1b needs microbatches % pp == 0, got "
+                f"microbatches={microbatches}, pp={pp}"
+            )
+    elif name == "zb-v":
+        if v != 2:
+            raise ValueError(f"zb-v holds exactly 2 stages per rank: virtual_stages=2, got {v}")
+    elif v != 1:
+        raise ValueError(f"{name} runs one stage per rank: virtual_stages must be 1, got {v}")
+
+
+def build_schedule(
+    name: str, pp: int, microbatches: int, virtual_stages: int = 1
+) -> list[list[Action]]:
+    """Per-rank action lists (compute and transfers interleaved) for schedule `name`."""
+    validate(name, pp, microbatches, virtual_stages)
+    orders = _ORDERS[name](pp, microbatches, virtual_stages)
+    place = placement(pp, virtual_stages, name)
+    return [add_transfers(order, place, pp * virtual_stages) for order in orders]
+
+
+def compute_only(rank_actions: list[Action]) -> list[Action]:
+    """Drop the transfers: the compute order of one rank."""
+    return [a for a in rank_actions if a.is_compute]
+
+
+def steps(actions: list[list[Action]], lookahead: int = 0) -> list[list[Step]]:
+    """Group every rank's list into steps, and say when to post each receive.
+
+    A receive is posted `lookahead` steps before the step that waits for it, or earlier
+    where needed so that on every link src -> dst the receives are posted in the order
+    src sends: a transport that matches messages in order and ignores tags (NCCL) then
+    pairs each tensor right. Posting early never blocks, so deadlock freedom (as proven
+    by check_schedule) is unchanged; it only holds buffers longer.
+    """
+    grouped = [_group(rank, acts) for rank, acts in enumerate(actions)]
+    link_pos = {
+        wire(a): i
+        for acts in actions
+        for i, a in enumerate(x for x in acts if x.kind.startswith("SEND"))
+    }
+    out = []
+    for rank_steps in grouped:
+        post_at = _post_steps(rank_steps, lookahead, link_pos)
+        posts: list[list[Action]] = [[] for _ in rank_steps]
+        for recv, i in sorted(post_at.items(), key=lambda kv: (kv[0].peer, link_pos[wire(kv[0])])):
+            posts[i].append(recv)
+        out.append([Step(tuple(p), w, c, s) for p, (w, c, s) in zip(posts, rank_steps)])
+    return out
+
+
+def _group(rank: int, rank_actions: list[Action]) -> list[tuple[tuple, Action, tuple]]:
+    """(receives waited, compute, sends) triples of one rank's list."""
+    out: list[tuple[tuple, Action, tuple]] = []
+    recvs: list[Action] = []
+    for a in rank_actions:
+        if a.kind.startswith("RECV"):
+            recvs.append(a)
+        elif a.is_compute:
+            out.append((tuple(recvs), a, ()))
+            recvs = []
+        elif not out:
+            raise ValueError(f"rank {rank}: {a} precedes any compute")
+        else:  # a send belongs to the compute that produced its tensor
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + (a,))
+    if recvs:
+        raise ValueError(f"rank {rank}: receives {[str(a) for a in recvs]} end the list")
+    return out
+
+
+def _post_steps(rank_steps: list, lookahead: int, link_pos: dict) -> dict[Action, int]:
+    """Step index at which to post each receive of one rank."""
+    post_at = {r: max(i - lookahead, 0) for i, (wait, _, _) in enumerate(rank_steps) for r in wait}
+    by_link: dict[int | None, list[Action]] = {}
+    for recv in sorted(post_at, key=lambda r: link_pos[wire(r)]):
+        by_link.setdefault(recv.peer, []).append(recv)
+    for recvs in by_link.values():
+        # walk each link backwards: a receive is posted no later than any after it
+        for k in range(len(recvs) - 2, -1, -1):
+            post_at[recvs[k]] = min(post_at[recvs[k]], post_at[recvs[k + 1]])
+    return post_at
+
+
+def wire(a: Action) -> tuple[str, int, int]:
+    """The tensor a transfer carries, the same key on both ends: (direction, stage, mb)."""
+    return (a.kind[-1], a.stage, a.microbatch)
+
+
+def add_transfers(order: list[Action], place: Callable[[int], int], n_stages: int) -> list[Action]:
+    """Weave receives (just before) and sends (just after) around each compute action."""
+    out: list[Action] = []
+    for a in order:
+        me = place(a.stage)
+        out += _recv_for(a, place, me, n_stages)
+        out.append(a)
+        out += _send_after(a, place, me, n_stages)
+    return out
+
+
+def _recv_for(a: Action, place: Callable[[int], int], me: int, n: int) -> list[Action]:
+    if a.kind == "F" and a.stage > 0 and place(a.stage - 1) != me:
+        return [Action("RECV_F", a.stage, a.microbatch, place(a.stage - 1))]
+    if a.kind in ("B", "BW") and a.stage < n - 1 and place(a.stage + 1) != me:
+        return [Action("RECV_B", a.stage, a.microbatch, place(a.stage + 1))]
+    return []
+
+
+def _send_after(a: Action, place: Callable[[int], int], me: int, n: int) -> list[Action]:
+    if a.kind == "F" and a.stage < n - 1 and place(a.stage + 1) != me:
+        return [Action("SEND_F", a.stage + 1, a.microbatch, place(a.stage + 1))]
+    if a.kind in ("B", "BW") and a.stage > 0 and place(a.stage - 1) != me:
+        return [Action("SEND_B", a.stage - 1, a.microbatch, place(a.stage - 1))]
+    return []
+
+
+def placement(pp: int, v: int, name: str) -> Callable[[int], int]:
+    """`stage_to_rank` bound to one layout: a function stage -> rank."""
+    return lambda stage: stage_to_rank(stage, pp, v, name)
+
+
+# --- compute orders: one list of F/B/W/BW per rank --------------------------------------
+
+
+def _gpipe(pp: int, m: int, v: int) -> list[list[Action]]:
+    """All forwards, then all backwards: m microbatches of activations held."""
+    return [
+        [Action("F", r, i) for i in range(m)] + [Action("BW", r, i) for i in range(m)]
+        for r in range(pp)
+    ]
+
+
+def _1f1b(pp: int, m: int, v: int) -> list[list[Action]]:
+    """PipeDream-flush: warm-up forwards, then one forward one backward, then drain.
+
+    Rank r runs pp-r-1 warm-up forwards, so it never holds more than pp-r microbatches.
+    With m < pp the warm-up is cut to m and the schedule degenerates to GPipe's order.
+    """
+    orders = []
+    for r in range(pp):
+        warm = min(pp - r - 1, m)
+        order = [Action("F", r, i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [Action("F", r, warm + i), Action("BW", r, i)]
+        order += [Action("BW", r, i) for i in range(m - warm, m)]
+        orders.append(order)
+    return orders
+
+
+def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B over v chunks per rank (looped placement).
+
+    Microbatches go through the chunks in groups of pp: forward k of a rank is chunk
+    (k // pp) % v of microbatch (k // (pp*v)) * pp + k % pp; backwards visit the chunks
+    in reverse. Warm-up covers the v-1 extra chunk rounds plus 2 per downstream rank:
+    one would do with free communication; the second hides the p2p round trip (with
+    comm > 0 it is worth about 2·comm per steady step), at the memory Korthikanti et al.
+    give: rank 0 holds v*pp + pp - 1 chunks, L·(1 + (pp-1)/(pp·v)) layers.
+    """
+    total = m * v
+    orders = []
+    for r in range(pp):
+        warm = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+        fwd = [_interleaved_action("F", k, r, pp, v) for k in range(total)]
+        bwd = [_interleaved_action("BW", k, r, pp, v) for k in range(total)]
+        order = fwd[:warm]
+        for i in range(total - warm):
+            order += [fwd[warm + i], bwd[i]]
+        orders.append(order + bwd[total - warm :])
+    return orders
+
+
+def _interleaved_action(kind: str, k: int, rank: int, pp: int, v: int) -> Action:
+    chunk = (k // pp) % v
+    if kind != "F":
+        chunk = v - 1 - chunk
+    return Action(kind, chunk * pp + rank, (k // (pp * v)) * pp + k % pp)
+
+
+def _zb_h1(pp: int, m: int, v: int) -> list[list[Action]]:
+    """Zero bubble H1 (Qi et al. 2023): 1F1B's order with B and W split.
+
+    B stays on the critical path; rank r defers each W by r microbatches, so the W's
+    of the cool-down fill the bubble that 1F1B leaves there. In-flight activations are
+    1F1B's (pp - r), plus r pending weight gradients.
+    """
+    orders = []
+    for r in range(pp):
+        warm = min(pp - r - 1, m)
+        order = [Action("F", r, i) for i in range(warm)]
+        for i in range(m):
+            if i + warm < m:
+                order.append(Action("F", r, i + warm))
+            order.append(Action("B", r, i))
+            if i - r >= 0:
+                order.append(Action("W", r, i - r))
+        order += [Action("W", r, i) for i in range(max(m - r, 0), m)]
+        orders.append(order)
+    return orders
+
+
+def _zb_v(pp: int, m: int, v: int) -> list[list[Action]]:
+    """ZB-V (Qi et al. 2024, Sec. 6): two chunks per rank in a V, B/W split.
+
+    Built for n = max(m, 2pp-1) microbatches (the fewest that fill the V), then the
+    actions of microbatches >= m are dropped; the checker proves the result sound.
+    """
+    n = max(m, 2 * pp - 1)
+    orders = []
+    for r in range(pp):
+        order = _zb_v_rank(r, pp, n)
+        orders.append([a for a in order if a.microbatch < m])
+    return orders
+
+
+def _zb_v_rank(r: int, pp: int, n: int) -> list[Action]:
+    c0, c1 = r, 2 * pp - 1 - r
+    count = {("F", c0): 0, ("F", c1): 0, ("B", c0): 0, ("B", c1): 0}
+    count |= {("W", c0): 0, ("W", c1): 0}
+    order: list[Action] = []
+
+    def do(*ops: tuple[str, int]) -> None:
+        for key in ops:
+            order.append(Action(key[0], key[1], count[key]))
+            count[key] += 1
+
+    # warm-up: fill chunk 0 down the V, then chunk 1 back up; the bottom of the V
+    # (rank pp-1) turns around at once
+    for _ in range(2 * (pp - r) - 1):
+        do(("F", c0))
+    for _ in range(r):
+        do(("F", c1), ("F", c0))
+    for _ in range(pp - r):
+        do(("F", c1), ("B", c1), ("W", c1))
+    # steady state: one F, B and W of each chunk per round
+    while count["F", c1] < count["F", c0] or count["F", c0] < n:
+        if count["F", c0] < n:
+            do(("F", c0))
+        do(("B", c0), ("W", c0), ("F", c1), ("B", c1), ("W", c1))
+    # cool-down: B's first (they are on the critical path), W's fill the gaps
+    for _ in range(r):
+        do(("B", c0), ("B", c1))
+    for _ in range(pp - r):
+        do(("B", c0), ("W", c0))
+    while count["W", c1] < count["B", c1]:
+        do(("W", c1))
+    while count["W", c0] < count["B", c0]:
+        do(("W", c0))
+    return order
+
+
+_ORDERS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
+    "gpipe": _gpipe,
+    "1f1b": _1f1b,
+    "interleaved-1f1b": _interleaved,
+    "zb-h1": _zb_h1,
+    "zb-v": _zb_v,
+}

@@ -1,0 +1,1 @@
+"""Prediction before a job starts: hardware presets and the cost model."""

@@ -1,0 +1,176 @@
+"""Helpers for multi-process tests and benchmarks: spawn N gloo ranks, fail fast, name the rank.
+
+`spawn(fn, world, *args)` starts `world` processes on loopback, runs `fn(rank, world, *args)`
+in each, and returns their results in rank order. A rank that raises, dies or outlives the
+timeout fails the whole call with an error naming it; every process is killed on the way
+out, so a hang never outlives its test.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tetrad.config import Config, from_dict
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Array:
+    """A tensor carried by value (torch's queues would share memory with a dying process)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.array = t.detach().cpu().numpy().copy()
+
+
+def _pack(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _Array(obj)
+    if isinstance(obj, dict):
+        return {k: _pack(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pack(v) for v in obj)
+    return obj
+
+
+def _unpack(obj: Any) -> Any:
+    if isinstance(obj, _Array):
+        return torch.from_numpy(obj.array)
+    if isinstance(obj, dict):
+        return {k: _unpack(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unpack(v) for v in obj)
+    return obj
+
+
+def _entry(fn, rank, world, port, results, threads, timeout, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(threads)
+    try:
+        if world > 1:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=timeout),
+            )
+        out = fn(rank, world, *args)
+        if world > 1:
+            dist.barrier()
+        results.put((rank, True, _pack(out)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0, threads: int = 1
+) -> list[Any]:
+    """Run fn(rank, world, *args) on `world` gloo ranks; results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, r, world, port, results, threads, timeout, args),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, world, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+
+def _collect(procs, results, world: int, timeout: float) -> list[Any]:
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < world:
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world)) - set(out))
+            raise TimeoutError(f"ranks {missing} of {world} did not finish within {timeout:.0f}s")
+        try:
+            rank, ok, payload = results.get(timeout=0.5)
+        except queue.Empty:
+            for r, p in enumerate(procs):
+                if r not in out and p.exitcode is not None:
+                    raise RuntimeError(f"rank {r} exited with code {p.exitcode} without a result")
+            continue
+        if not ok:
+            raise RuntimeError(f"rank {rank} of {world} failed:\n{payload}")
+        out[rank] = _unpack(payload)
+    return [out[r] for r in range(world)]
+
+
+def tiny_config(**overrides: dict[str, Any]) -> Config:
+    """The float32 test model: tiny Llama, synthetic data, 20 steps, no progress display."""
+    base = {
+        "model": {"layers": 2, "dim": 32, "heads": 4, "kv_heads": 2, "vocab": 64},
+        "train": {
+            "steps": 20, "global_batch": 8, "seq_len": 16, "lr": 1e-2,
+            "warmup_steps": 2, "progress": False,
+        },
+        "data": {"source": "synthetic"},
+    }  # fmt: skip
+    for section, values in overrides.items():
+        base.setdefault(section, {}).update(values)
+    return from_dict(base)
+
+
+def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """Train a config on this rank; return losses, norms, comm stats and the full weights."""
+    from tetrad.mesh import Mesh
+    from tetrad.train.loop import Trainer
+
+    cfg = from_dict(cfg_dict)
+    degrees = {a: getattr(cfg.parallel, a) for a in ("pp", "dp", "fsdp", "tp")}
+    mesh = Mesh.build(degrees, rank)
+    trainer = Trainer(cfg, mesh, torch.device("cpu"))
+    rows = trainer.fit()
+    state = trainer.engine.full_state_dict()
+    return {
+        "losses": [r["loss"] for r in rows],
+        "grad_norms": [r["grad_norm"] for r in rows],
+        "skipped": [r["skipped"] for r in rows],
+        "comm": trainer.comm.summary(),
+        "state": state if rank == 0 else None,
+    }
+
+
+def run_layout(cfg: Config, timeout: float = 240.0) -> dict[str, Any]:
+    """Train `cfg` on its world size (in-process when 1); rank 0's result."""
+    world = cfg.parallel.world_size
+    raw = cfg.to_dict()
+    if world == 1:
+        return train_worker(0, 1, raw)
+    return spawn(train_worker, world, raw, timeout=timeout)[0]

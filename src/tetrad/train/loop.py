@@ -1,0 +1,152 @@
+"""The training loop: one optimizer step at a time, the same code for every layout."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tetrad.comm import Comm
+from tetrad.config import Config, validate
+from tetrad.mesh import Mesh
+from tetrad.models.flops import flops_per_token
+from tetrad.parallel import parallelize
+from tetrad.plan.hardware import peak_tflops
+from tetrad.train.data import Loader, make_source
+from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
+from tetrad.train.optim import build_optimizer, lr_at, set_lr
+
+
+@dataclass
+class StepResult:
+    """What one step did, agreed on by every rank."""
+
+    loss: float
+    grad_norm: float
+    tokens: int
+    skipped: bool
+
+
+def pick_device(cfg: Config) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch.device]:
+    """Validate, then join the process group torchrun set up (if any) and build the mesh."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    validate(cfg, world)  # every rank, before the first collective
+    device = pick_device(cfg)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    degrees = {a: getattr(cfg.parallel, a) for a in ("pp", "dp", "fsdp", "tp")}
+    return Mesh.build(degrees, rank), device
+
+
+class Trainer:
+    """Builds the engine, optimizer and loader for this rank, and runs steps."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, comm: Comm | None = None):
+        validate(cfg, mesh.world_size)
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.comm = comm or Comm()
+        self.engine = parallelize(cfg, mesh, self.comm, device)
+        self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
+        source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
+        data = mesh["data"]
+        self.loader = Loader(
+            source,
+            cfg.train.global_batch,
+            cfg.train.seq_len,
+            data.rank,
+            data.size,
+            cfg.parallel.microbatches,
+        )
+        self.step = 0
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over the global batch."""
+        micro = self.loader.next()
+        count = torch.tensor([float(sum(mb.tokens for mb in micro))], dtype=torch.float64)
+        self.comm.all_reduce(count, self.mesh["data"])
+        tokens = int(count.item())
+        loss_share = self.engine.forward_backward(micro, max(tokens, 1))
+        self.engine.sync_grads()
+        # one collective agrees on the loss and the norm: every rank then decides alike
+        agreed = torch.stack(
+            [
+                loss_share.double()
+                if self.engine.loss_owner
+                else torch.zeros((), dtype=torch.float64),
+                self.engine.grad_sq_norm().double(),
+            ]
+        )
+        self.comm.all_reduce(agreed, self.mesh["world"])
+        loss, norm = float(agreed[0]), math.sqrt(float(agreed[1]))
+        skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        if not skipped:
+            self._apply(norm)
+        self.engine.zero_grad()
+        self.step += 1
+        return StepResult(loss, norm, tokens, skipped)
+
+    def _apply(self, norm: float) -> None:
+        clip = self.cfg.train.grad_clip
+        if clip > 0 and norm > clip:
+            self.engine.scale_grads(clip / (norm + 1e-6))
+        set_lr(self.optimizer, lr_at(self.step, self.cfg.train))
+        self.optimizer.step()
+        self.engine.after_step()
+
+    def metrics(self, result: StepResult, seconds: float, comm_bytes: float) -> dict[str, Any]:
+        """The metrics.jsonl row: sums and maxima over ranks come from two small collectives."""
+        summed = torch.tensor([comm_bytes], dtype=torch.float64)
+        self.comm.all_reduce(summed, self.mesh["world"])
+        maxed = torch.tensor([float(peak_memory_bytes(self.device)), seconds], dtype=torch.float64)
+        if self.mesh.world_size > 1:
+            dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self.mesh["world"].pg)
+        step_time = float(maxed[1])
+        tokens_per_s = result.tokens / step_time if step_time > 0 else 0.0
+        world = self.mesh.world_size
+        mfu = tokens_per_s * self.flops_per_token / (world * self.peak * 1e12)
+        return {
+            "step": self.step - 1,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": lr_at(self.step - 1, self.cfg.train),
+            "tokens": result.tokens,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "peak_mem_bytes": int(maxed[0]),
+            "comm_bytes": float(summed[0]),
+            "skipped": result.skipped,
+        }
+
+    def fit(self, writer: MetricsWriter | None = None) -> list[dict[str, Any]]:
+        """Run the remaining steps; rank 0 writes the metrics."""
+        rows = []
+        while self.step < self.cfg.train.steps:
+            self.comm.reset()
+            t0 = time.perf_counter()
+            result = self.train_step()
+            seconds = time.perf_counter() - t0
+            row = self.metrics(result, seconds, self.comm.total_bus_bytes())
+            rows.append(row)
+            if writer is not None and self.mesh.rank == 0:
+                writer.write(row)
+        return rows
