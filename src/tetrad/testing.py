@@ -124,7 +124,9 @@ def _collect(procs, results, world: int, timeout: float) -> list[Any]:
         except queue.Empty:
             for r, p in enumerate(procs):
                 if r not in out and p.exitcode is not None:
-                    raise RuntimeError(f"rank {r} exited with code {p.exitcode} without a result")
+                    raise RuntimeError(
+                        f"rank {r} exited with code {p.exitcode} without a result"
+                    ) from None
             continue
         if not ok:
             raise RuntimeError(f"rank {rank} of {world} failed:\n{payload}")
