@@ -66,6 +66,13 @@ def axis_groups(degrees: dict[str, int], group: str) -> list[list[int]]:
     return list(buckets.values())
 
 
+def pp_end_groups(degrees: dict[str, int]) -> list[list[int]]:
+    """First and last rank of every pipeline group (they share a tied embedding)."""
+    if degrees["pp"] == 1:
+        return []
+    return [[g[0], g[-1]] for g in axis_groups(degrees, "pp")]
+
+
 @dataclass
 class Group:
     """One process group as seen from one rank: its members, this rank's index, the handle."""
@@ -119,6 +126,8 @@ class Mesh:
             for ranks in axis_groups(degrees, name):
                 if rank in ranks:
                     mesh.groups[name] = Group(name, ranks, ranks.index(rank))
+        ends = next((g for g in pp_end_groups(degrees) if rank in g), [rank])
+        mesh.groups["pp_ends"] = Group("pp_ends", ends, ends.index(rank))
         return mesh
 
     @classmethod
@@ -136,4 +145,8 @@ class Mesh:
                 pg = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
                 if rank in ranks:
                     mesh.groups[name].pg = pg
+        for ranks in pp_end_groups(degrees):
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                mesh.groups["pp_ends"].pg = pg
         return mesh

@@ -124,12 +124,15 @@ class Llama(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [b, s] (first stage) or hidden [b, s, h] -> logits [b, s, V] or hidden."""
-        h = self.tok_embeddings(x) if self.first else x
-        for layer in self.layers.values():
-            h = layer(h)
-        if not self.last:
-            return h
-        return self.head(self.norm(h))
+        return self.forward_span(x, list(self.layers), self.first, self.last)
+
+    def forward_span(self, x: torch.Tensor, layers: list[str], embed: bool, head: bool):
+        """Run a contiguous span of this model's layers (a pipeline chunk), optionally
+        preceded by the embedding lookup and followed by the final norm and head."""
+        h = self.tok_embeddings(x) if embed else x
+        for name in layers:
+            h = self.layers[name](h)
+        return self.head(self.norm(h)) if head else h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Output projection, tied to the embedding when configured."""

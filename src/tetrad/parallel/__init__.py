@@ -9,7 +9,11 @@ from tetrad.config import Config
 from tetrad.mesh import Mesh
 from tetrad.models.init import materialize
 from tetrad.models.llama import Llama
+from tetrad.models.plans import LLAMA_PLAN
 from tetrad.parallel.engine import Engine
+from tetrad.parallel.pipeline.runtime import attach_pipeline
+from tetrad.parallel.pipeline.stage import prune, rank_chunks
+from tetrad.parallel.tensor import apply_tp
 
 
 def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> Engine:
@@ -25,13 +29,20 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
     """
     with torch.device("meta"):
         model = Llama(cfg.model)
+    chunks = None
     if mesh.degrees["pp"] > 1:
-        raise NotImplementedError("pipeline parallelism lands with the pipeline issue")
-    slicer = None
+        chunks = rank_chunks(cfg, mesh["pp"].rank)
+        prune(model, chunks)
+    layout = None
     if mesh.degrees["tp"] > 1:
-        raise NotImplementedError("tensor parallelism lands with the tensor-parallel issue")
-    materialize(model, cfg.model, cfg.train.seed, device, slicer)
+        layout = apply_tp(model, LLAMA_PLAN, mesh, comm, cfg)
+    materialize(model, cfg.model, cfg.train.seed, device, layout.slicer if layout else None)
     engine = Engine(model, mesh, comm, cfg)
+    if layout is not None:
+        engine.replicated.update(layout.replicated)  # tp shards: replicated over dp/fsdp only
+        engine.loss_fn, engine.unshard = layout.loss_fn, layout.unshard
+    if chunks is not None:
+        attach_pipeline(engine, cfg, chunks)  # before data parallelism wraps the parameters
     if mesh.degrees["fsdp"] > 1:
         raise NotImplementedError("sharded data parallelism lands with the ZeRO issue")
     engine.start_grad_sync()

@@ -19,6 +19,7 @@ from tetrad.config import Config
 from tetrad.mesh import Mesh
 from tetrad.models.llama import cross_entropy_sum
 from tetrad.parallel.data import GradBuckets
+from tetrad.parallel.pipeline.runtime import PipelineRuntime, gather_stages
 from tetrad.train.data import Microbatch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,6 +39,12 @@ class Engine:
             n: REPLICATED for n, _ in model.named_parameters()
         }
         self.grad_sync: GradBuckets | None = None
+        # set by a layout that splits parameters (tensor parallelism): rebuilds the full
+        # tensor from every rank's shard; a collective, so every rank calls it
+        self.unshard: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+        # set by pipeline parallelism: runs the schedule instead of a plain microbatch loop
+        self.pipeline: PipelineRuntime | None = None
+        self.tied_across_stages = False  # tied embedding held by the first and last stages
 
     def start_grad_sync(self) -> None:
         """Bucket gradients over the data group (call once the model is final)."""
@@ -55,10 +62,16 @@ class Engine:
     @property
     def loss_owner(self) -> bool:
         """Whether this rank's loss contribution is counted (once per data rank)."""
-        return self.mesh.coord["tp"] == 0 and (self.mesh.pp_next is None)
+        holds_head = self.pipeline.holds_last if self.pipeline else self.mesh.pp_next is None
+        return self.mesh.coord["tp"] == 0 and holds_head
 
     def forward_backward(self, micro: list[Microbatch], denom: float) -> torch.Tensor:
         """Accumulate gradients of sum(token losses)/denom; return this rank's loss share."""
+        if self.pipeline is not None:
+            if self.grad_sync is not None:
+                self.grad_sync.sync = False  # buckets are all launched after the schedule
+            self.pipeline_state = self.pipeline.run(micro, denom)
+            return self.pipeline_state.loss.float()
         total = torch.zeros((), dtype=torch.float32)
         for i, mb in enumerate(micro):
             if self.grad_sync is not None:
@@ -74,6 +87,10 @@ class Engine:
         """Wait for every gradient reduction of the step."""
         if self.grad_sync is not None:
             self.grad_sync.finish()
+        if self.tied_across_stages:
+            # first and last stage each hold the tied embedding: sum their gradients
+            grad = self.model.tok_embeddings.weight.grad
+            self.comm.all_reduce(grad, self.mesh["pp_ends"])
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Sum of squared gradient entries this rank owns; summed over the world = norm²."""
@@ -104,7 +121,14 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every logical parameter, full size, on CPU (for tests and checkpoint export)."""
-        return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}
+        unshard = self.unshard or (lambda _, t: t)
+        state = {
+            n: unshard(n, p.detach()).float().cpu().clone()
+            for n, p in self.model.named_parameters()
+        }
+        if self.pipeline is not None:
+            state = gather_stages(state, self.cfg, self.mesh, self.comm)
+        return state
 
     @property
     def device(self) -> torch.device:

@@ -13,9 +13,24 @@ PEAK_TFLOPS = {
     ("H100", "fp32"): 67.0,
     ("A100", "fp32"): 19.5,
 }
-# A nominal CPU core: 2 FMA units x 8 fp32 lanes x 2 FLOPs x 2.5 GHz = 80 GFLOP/s (AVX2).
-# It is a declared yardstick, not a measurement; `train.peak_tflops` overrides it.
-CPU_CORE_TFLOPS = 0.08
+
+
+def cpu_core_tflops() -> float:
+    """Declared fp32 peak of one CPU core: 2 FMA units x SIMD lanes x 2 FLOPs x clock.
+
+    Lanes are 16 with AVX-512, 8 with AVX2, 4 otherwise; the clock is /proc/cpuinfo's
+    (2.5 GHz if unknown). A yardstick for MFU, not a measurement; `train.peak_tflops`
+    overrides it.
+    """
+    flags, mhz = "", 2500.0
+    try:
+        text = open("/proc/cpuinfo").read()
+        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        mhz = float(next(ln for ln in text.splitlines() if ln.startswith("cpu MHz")).split(":")[1])
+    except (OSError, StopIteration, ValueError):
+        pass
+    lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
+    return 2 * lanes * 2 * mhz * 1e6 / 1e12
 
 
 def peak_tflops(device: torch.device, dtype: str) -> float:
@@ -26,4 +41,4 @@ def peak_tflops(device: torch.device, dtype: str) -> float:
             if kind in name and dt == dtype:
                 return tflops
         return PEAK_TFLOPS[("H100", dtype)]
-    return CPU_CORE_TFLOPS * torch.get_num_threads()
+    return cpu_core_tflops() * torch.get_num_threads()

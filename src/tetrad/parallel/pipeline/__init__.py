@@ -14,6 +14,7 @@ from tetrad.parallel.pipeline.schedules import (
     Step,
     build_schedule,
     placement,
+    rank_stages,
     stage_to_rank,
     steps,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "parse_split",
     "placement",
     "plot_timeline",
+    "rank_stages",
     "save_chrome_trace",
     "simulate",
     "simulate_schedule",

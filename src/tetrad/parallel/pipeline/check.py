@@ -10,18 +10,23 @@
 3. Causality: on each rank a compute follows the receive that brings its input, a send
    follows the compute that made its tensor, B (or BW) follows F, W follows B, and where
    neighbouring stages share a rank, F(s) follows F(s-1) and B(s) follows B(s+1).
-   With 2, this chains every F after the previous stage's F and every B after the next
-   stage's B across ranks.
+   With the matching of 2, every F therefore runs after the previous stage's F and
+   every B after the next stage's B, across ranks too.
 4. Progress under the runtime's semantics: sends are non-blocking (buffered) and a
-   receive blocks until its matching send has executed. Pre-posting receives earlier
-   does not change this, since it blocks nothing.
-5. Channel order: on every link src -> dst the SENDs leave in the order the RECVs are
-   posted, so a transport that matches point-to-point messages in order, ignoring tags
-   (NCCL), pairs every tensor correctly.
+   receive blocks until its matching send has executed. Posting receives earlier than
+   they are waited on does not change this, since posting blocks nothing.
 
-Optionally (`rendezvous=True`) it also proves progress when a send blocks until the
-receiver reaches the matching receive (a synchronous, unbuffered send). The schedules
-here do not all pass that; the runtime must not use blocking sends.
+Optional proofs:
+
+- `in_order=True`: on every link src -> dst the SENDs leave in the order the RECVs are
+  waited on, so a transport that matches messages in order and ignores tags (NCCL) can
+  post each receive just in time. All schedules here pass except zb-v, whose links
+  carry activations and gradients both ways; `schedules.steps` gives a posting order
+  that is in link order for every schedule.
+- `rendezvous=True`: progress when a send blocks until the receiver reaches the
+  matching receive (a synchronous, unbuffered send). gpipe passes; the others only
+  when pp = 1 or m = 1, since in a 1F1B-style steady state neighbours send to each
+  other at once. The runtime must therefore not use blocking sends.
 """
 
 from __future__ import annotations
@@ -116,7 +121,7 @@ def _check_coverage(
         raise ValueError(f"unexpected actions: {_fmt(extra)}")
 
 
-def _expected_keys(s: int, mb: int, n: int, place: Callable[[int], int], seen) -> set[Key]:
+def _expected_keys(s: int, mb: int, n: int, place: Callable[[int], int], seen: dict) -> set[Key]:
     keys: set[Key] = {("F", s, mb)}
     split = ("B", s, mb) in seen or ("W", s, mb) in seen
     if split and ("BW", s, mb) in seen:
@@ -144,7 +149,9 @@ def _check_causality(
                     )
 
 
-def _ordered_pairs(s: int, mb: int, n: int, place: Callable[[int], int], where) -> list:
+def _ordered_pairs(
+    s: int, mb: int, n: int, place: Callable[[int], int], where: dict
+) -> list[tuple[Key, Key]]:
     def bwd(stage: int) -> Key:
         return ("BW", stage, mb) if ("BW", stage, mb) in where else ("B", stage, mb)
 
@@ -204,6 +211,7 @@ def _can_run(
 
 
 def _check_channel_order(actions: list[list[Action]]) -> None:
+    """Per link, the order of sends must equal the order the receiver waits."""
     sends: dict[tuple[int, int], list[Key]] = {}
     recvs: dict[tuple[int, int], list[Key]] = {}
     for rank, acts in enumerate(actions):
@@ -222,5 +230,5 @@ def _check_channel_order(actions: list[list[Action]]) -> None:
                 )
 
 
-def _fmt(keys) -> str:
+def _fmt(keys: object) -> str:
     return ", ".join(f"{k}(s{s},mb{mb})" for k, s, mb in sorted(keys))

@@ -64,11 +64,6 @@ class Step:
     sends: tuple[Action, ...]
 
 
-def num_stages(pp: int, virtual_stages: int) -> int:
-    """Number of global stages (model chunks)."""
-    return pp * virtual_stages
-
-
 def stage_to_rank(stage: int, pp: int, v: int, schedule: str) -> int:
     """The pp rank holding `stage`.
 
@@ -87,6 +82,11 @@ def stage_to_rank(stage: int, pp: int, v: int, schedule: str) -> int:
 def rank_stages(rank: int, pp: int, v: int, schedule: str) -> list[int]:
     """The stages a rank holds, in increasing order."""
     return [s for s in range(pp * v) if stage_to_rank(s, pp, v, schedule) == rank]
+
+
+def placement(pp: int, v: int, name: str) -> Callable[[int], int]:
+    """`stage_to_rank` bound to one layout: a function stage -> rank."""
+    return lambda stage: stage_to_rank(stage, pp, v, name)
 
 
 def validate(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
@@ -217,11 +217,6 @@ def _send_after(a: Action, place: Callable[[int], int], me: int, n: int) -> list
     return []
 
 
-def placement(pp: int, v: int, name: str) -> Callable[[int], int]:
-    """`stage_to_rank` bound to one layout: a function stage -> rank."""
-    return lambda stage: stage_to_rank(stage, pp, v, name)
-
-
 # --- compute orders: one list of F/B/W/BW per rank --------------------------------------
 
 
@@ -256,9 +251,9 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
     Microbatches go through the chunks in groups of pp: forward k of a rank is chunk
     (k // pp) % v of microbatch (k // (pp*v)) * pp + k % pp; backwards visit the chunks
     in reverse. Warm-up covers the v-1 extra chunk rounds plus 2 per downstream rank:
-    one would do with free communication; the second hides the p2p round trip (with
-    comm > 0 it is worth about 2·comm per steady step), at the memory Korthikanti et al.
-    give: rank 0 holds v*pp + pp - 1 chunks, L·(1 + (pp-1)/(pp·v)) layers.
+    one would do if transfers were free; the second hides the p2p round trip when they
+    are not, at the memory Korthikanti et al. give: rank 0 holds v*pp + pp - 1 chunks,
+    L·(1 + (pp-1)/(pp·v)) layers.
     """
     total = m * v
     orders = []
@@ -285,7 +280,7 @@ def _zb_h1(pp: int, m: int, v: int) -> list[list[Action]]:
 
     B stays on the critical path; rank r defers each W by r microbatches, so the W's
     of the cool-down fill the bubble that 1F1B leaves there. In-flight activations are
-    1F1B's (pp - r), plus r pending weight gradients.
+    1F1B's (pp - r), plus r deferred weight gradients (r + 1 counting the newest).
     """
     orders = []
     for r in range(pp):
@@ -306,7 +301,10 @@ def _zb_v(pp: int, m: int, v: int) -> list[list[Action]]:
     """ZB-V (Qi et al. 2024, Sec. 6): two chunks per rank in a V, B/W split.
 
     Built for n = max(m, 2pp-1) microbatches (the fewest that fill the V), then the
-    actions of microbatches >= m are dropped; the checker proves the result sound.
+    actions of microbatches >= m are dropped; the checker proves the result sound. With
+    f = b = w per chunk and m >= 3pp/2 the only idle time is the (pp-1) chunk forwards
+    before the bottom of the V gets its first input; each rank holds 2pp chunks of
+    activations, 1F1B's memory.
     """
     n = max(m, 2 * pp - 1)
     orders = []

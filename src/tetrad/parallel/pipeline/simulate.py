@@ -38,6 +38,7 @@ class Costs:
 
 def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> Timeline:
     """Time every rank's action list; raise ValueError if the lists deadlock."""
+    _check_costs(costs, 1 + max((a.stage for acts in actions for a in acts), default=0))
     pp = len(actions)
     pc = [0] * pp
     clock = [0.0] * pp
@@ -57,6 +58,13 @@ def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> T
     if stuck:
         raise ValueError("schedule deadlocks: " + "; ".join(stuck))
     return Timeline(ranks, unit="cost", schedule=schedule)
+
+
+def _check_costs(costs: Costs, n_stages: int) -> None:
+    for name in ("f", "b", "w"):
+        value = getattr(costs, name)
+        if not isinstance(value, int | float) and len(value) < n_stages:
+            raise ValueError(f"Costs.{name} has {len(value)} entries for {n_stages} stages")
 
 
 def _step(

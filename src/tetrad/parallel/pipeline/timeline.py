@@ -35,6 +35,7 @@ class Timeline:
     ranks: ranks[r] holds rank r's events in execution order.
     unit: "s" for measured seconds; "cost" for the simulator's cost units.
     schedule: the schedule's name, for titles.
+    meta: free-form extras a recorder wants to keep (step, microbatches, ...).
     """
 
     ranks: list[list[Event]]
@@ -171,7 +172,10 @@ def _draw(ax, title: str, tl: Timeline) -> None:
     ax.set_xlabel(f"time ({tl.unit})")
     ax.set_title(f"{title}: bubble {100 * tl.bubble_fraction:.1f}% of the step")
     kinds = sorted({e.kind for ev in tl.ranks for e in ev}, key=list(_COLOURS).index)
+    handles = [Patch(facecolor=_COLOURS[k], edgecolor="black", label=k) for k in kinds]
+    if any(e.stage != first_stage[r] for r, ev in enumerate(tl.ranks) for e in ev):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="later chunk"))
     ax.legend(
-        handles=[Patch(facecolor=_COLOURS[k], edgecolor="black", label=k) for k in kinds],
-        loc="upper right", fontsize=7, ncol=len(kinds),
+        handles=handles,
+        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False,
     )  # fmt: skip

@@ -1,0 +1,70 @@
+"""A rank's share of the model under pipeline parallelism.
+
+Every rank keeps one `Llama` module holding only the layers of its stages (chunks), so
+parameter names stay the logical ones ("layers.7.attention.wq.weight"): initialisation,
+tensor parallelism, ZeRO and checkpoints need no translation. A `Chunk` is a view of one
+stage: which layers, and whether it embeds tokens (global stage 0) or ends in the head and
+the loss (the last global stage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from tetrad.config import Config
+from tetrad.parallel.pipeline.partition import balance, llama_layer_costs, parse_split
+from tetrad.parallel.pipeline.schedules import rank_stages
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline stage as held by its rank."""
+
+    stage: int
+    layers: tuple[str, ...]
+    first: bool
+    last: bool
+
+
+def layer_split(cfg: Config) -> list[int]:
+    """Layers per global stage: the user's `pp_split`, or balanced on analytic FLOPs
+    (embedding on the first stage, head and loss on the last)."""
+    p, m = cfg.parallel, cfg.model
+    stages = p.pp * p.virtual_stages
+    if p.pp_split:
+        return parse_split(p.pp_split, m.layers, stages)
+    costs = llama_layer_costs(
+        m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads, m.vocab, cfg.train.seq_len
+    )
+    return balance(costs, stages)
+
+
+def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
+    """The chunks `pp_rank` runs, in increasing stage order."""
+    p = cfg.parallel
+    split = layer_split(cfg)
+    starts = [sum(split[:i]) for i in range(len(split))]
+    out = []
+    for s in rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule):
+        layers = tuple(str(i) for i in range(starts[s], starts[s] + split[s]))
+        out.append(Chunk(s, layers, s == 0, s == len(split) - 1))
+    return out
+
+
+def prune(model: nn.Module, chunks: list[Chunk]) -> nn.Module:
+    """Drop (on the meta device) every module this rank's chunks do not use."""
+    keep = {name for c in chunks for name in c.layers}
+    for name in list(model.layers):
+        if name not in keep:
+            del model.layers[name]
+    embeds = any(c.first for c in chunks)
+    heads = any(c.last for c in chunks)
+    tied = model.output is None
+    if not embeds and not (heads and tied):
+        model.tok_embeddings = None
+    if not heads:
+        model.norm, model.output = None, None
+    model.first, model.last = embeds, heads
+    return model
