@@ -23,8 +23,11 @@ def assert_close_run(got: dict, ref: dict, rtol: float = 1e-5) -> None:
         rtol=rtol, atol=0,
     )  # fmt: skip
     assert got["state"].keys() == ref["state"].keys()
+    # Weights: norm-wise relative error per tensor. Adam turns round-off in near-zero
+    # gradients into visible element-wise differences, so element-wise rtol is too strict.
     for name, value in ref["state"].items():
-        torch.testing.assert_close(got["state"][name], value, rtol=rtol, atol=1e-6, msg=name)
+        err = float((got["state"][name].double() - value.double()).norm() / value.double().norm())
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
 
 
 @pytest.fixture(scope="session")

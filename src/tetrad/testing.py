@@ -139,7 +139,7 @@ def tiny_config(**overrides: dict[str, Any]) -> Config:
     base = {
         "model": {"layers": 2, "dim": 32, "heads": 4, "kv_heads": 2, "vocab": 64},
         "train": {
-            "steps": 20, "global_batch": 8, "seq_len": 16, "lr": 1e-2,
+            "steps": 20, "global_batch": 8, "seq_len": 16, "lr": 3e-3,
             "warmup_steps": 2, "progress": False,
         },
         "data": {"source": "synthetic"},
@@ -167,6 +167,20 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, A
         "comm": trainer.comm.summary(),
         "state": state if rank == 0 else None,
     }
+
+
+def train_many(rank: int, world: int, cfg_dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several trainings, one after the other, in one set of processes (saves start-ups)."""
+    return [train_worker(rank, world, raw) for raw in cfg_dicts]
+
+
+def run_layouts(cfgs: list[Config], timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Train configs of one world size in one spawn; rank 0's results in order."""
+    worlds = {c.parallel.world_size for c in cfgs}
+    if len(worlds) != 1:
+        raise ValueError(f"run_layouts needs one world size, got {sorted(worlds)}")
+    raws = [c.to_dict() for c in cfgs]
+    return spawn(train_many, worlds.pop(), raws, timeout=timeout)[0]
 
 
 def run_layout(cfg: Config, timeout: float = 240.0) -> dict[str, Any]:
