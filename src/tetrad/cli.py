@@ -35,7 +35,6 @@ TRAIN_FLAGS = {
     "dtype": ("train", "dtype", str),
     "out": ("train", "out", str),
     "data": ("data", "source", str),
-    "checkpoint_every": ("checkpoint", "every", int),
 }
 DEGREES = ("dp", "fsdp", "tp", "pp")
 
@@ -58,7 +57,6 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + flag.replace("_", "-"), type=typ, **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)
-    p.add_argument("--resume", action="store_true", default=None, help="resume from --out")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores/N)")
 
@@ -76,8 +74,6 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.parallel.sp = True
     if args.tie_embeddings:
         cfg.model.tie_embeddings = True
-    if args.resume:
-        cfg.checkpoint.resume = True
     if args.no_progress:
         cfg.train.progress = False
     return cfg
@@ -159,7 +155,10 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--nproc", type=int, default=2)
     bench.add_argument("--min-bytes", type=int, default=1024)
     bench.add_argument("--max-bytes", type=int, default=256 * 2**20)
-    bench.add_argument("--iters", type=int, default=5)
+    bench.add_argument("--factor", type=int, default=4, help="size step: 2 or 4 (default)")
+    bench.add_argument("--ops", default="all", help="comma-separated subset of the operations")
+    bench.add_argument("--iters", type=int, default=20, help="timed calls per size (at most)")
+    bench.add_argument("--seconds", type=float, default=0.5, help="time budget per size and op")
     bench.add_argument("--json", help="also write the results to this JSON file")
     return p
 

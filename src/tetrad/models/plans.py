@@ -1,0 +1,76 @@
+"""Tensor-parallel sharding plans, as data: module-name patterns -> styles.
+
+A plan says *what* each module is; `tetrad.parallel.tensor.apply_tp` decides how that is
+carried out (which weight dimension is split, which collective goes where). Patterns are
+dotted module names in which `*` matches exactly one name component (`layers.*.attention`).
+
+Styles:
+- `colwise`: a linear whose output features are split over tp; its input must already be
+  in the tp region (replicated, or gathered along the sequence with SP).
+- `kv`: a key or value projection: column-wise by whole kv heads when tp divides kv_heads;
+  when kv_heads < tp each head is computed by the tp/kv_heads ranks that need it.
+- `rowwise`: a linear whose input features are split; its partial outputs are summed
+  (all-reduce, or reduce-scatter along the sequence with SP).
+- `vocab`: an embedding or output head split over the vocabulary; the head's logits stay
+  split and feed the vocabulary-parallel cross-entropy.
+- `region`: a module whose (single) input enters the tp region once for all the column-wise
+  linears inside it (identity forward / all-reduce backward, or all-gather with SP).
+- `sequence`: a norm that works on s/tp of the sequence under SP (replicated otherwise);
+  its weight's gradient is summed over tp.
+- `replicated`: identical on every tp rank; nothing to do.
+"""
+
+from __future__ import annotations
+
+STYLES = ("colwise", "kv", "rowwise", "vocab", "region", "sequence", "replicated")
+
+# Megatron's split of a pre-norm Llama block: q/k/v and gate/up column-wise, o and down
+# row-wise, so each half of the block costs one collective forward and one backward.
+LLAMA_PLAN: dict[str, str] = {
+    "tok_embeddings": "vocab",
+    "layers.*.attention_norm": "sequence",
+    "layers.*.attention": "region",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "kv",
+    "layers.*.attention.wv": "kv",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.ffn_norm": "sequence",
+    "layers.*.feed_forward": "region",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "norm": "sequence",
+    "output": "vocab",
+}
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether dotted `name` matches `pattern` component by component (`*` = any one)."""
+    want, got = pattern.split("."), name.split(".")
+    return len(want) == len(got) and all(w in ("*", g) for w, g in zip(want, got))
+
+
+def style_of(name: str, plan: dict[str, str]) -> str | None:
+    """The style the plan gives module `name`, or None when no pattern matches it."""
+    found = [style for pattern, style in plan.items() if matches(pattern, name)]
+    if len(found) > 1:
+        raise ValueError(f"module {name!r} matches several plan entries: {found}")
+    return found[0] if found else None
+
+
+def check_plan(plan: dict[str, str]) -> None:
+    """Reject unknown styles (a typo must not silently leave a module unsharded)."""
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"plan entry {pattern!r}: unknown style {style!r}; known: {STYLES}")
+
+
+def assign(names: list[str], plan: dict[str, str]) -> dict[str, str]:
+    """Style of every named module the plan covers, in the order given."""
+    check_plan(plan)
+    out = {}
+    for name in names:
+        style = style_of(name, plan)
+        if style is not None:
+            out[name] = style
+    return out

@@ -1,0 +1,340 @@
+"""Tensor parallelism (Megatron) with optional sequence parallelism, applied from a plan.
+
+`apply_tp` walks the model on the meta device and swaps each planned module for its
+tensor-parallel twin with this rank's smaller weight, keeping every parameter's name, so
+`materialize` fills it with its slice of the layout-invariant full value. Per transformer
+block, forward, the collectives are (b microbatch, s sequence, h hidden, t = tp):
+
+    no SP:  x [b,s,h] -f-> q,k,v / w1,w3 (column) ... wo / w2 (row) -g-> [b,s,h]
+    SP:     x [b,s/t,h] -all-gather-> (column) ... (row) -reduce-scatter-> [b,s/t,h]
+
+two all-reduces (or two all-gather + reduce-scatter pairs) forward and two backward:
+8·b·s·h·(t-1)/t elements per layer per microbatch in bus terms, either way.
+
+Attention splits query heads over tp. Key/value heads are split too when tp divides
+kv_heads; when kv_heads < tp each kv head serves tp/kv_heads ranks: its weights are then
+stored split by input features across all of tp and all-gathered for each forward, so
+backward's reduce-scatter sums the gradient contributions of every rank that used a head
+and leaves each element on exactly one rank (no double count in the gradient norm).
+
+The output head is split over the vocabulary and its logits never leave their rank: the
+vocabulary-parallel cross-entropy combines per-rank log-sum-exps. The vocabulary is cut
+in blocks of ceil(V/tp), as if padded to a multiple of tp; the padding rows are never
+allocated (the last block is just shorter), so padded logits cannot leak into the loss.
+
+Tied embeddings work unchanged: the embedding and the head share the same vocab rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tetrad.comm import Comm
+from tetrad.comm.tp import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from tetrad.config import Config
+from tetrad.mesh import Group, Mesh
+from tetrad.models.init import Slicer, full_shape
+from tetrad.models.llama import RMSNorm
+from tetrad.models.plans import assign
+
+SHARDED = ("dp", "fsdp")  # a tp-sharded parameter is still replicated over the data axes
+
+
+@dataclass
+class TP:
+    """What the tp layers need: the collectives, the tp group, and whether SP is on."""
+
+    comm: Comm
+    group: Group
+    sp: bool
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Enter the tp region: replicate [b,s,h], or gather the sequence [b,s/t,h] -> [b,s,h]."""
+        if self.sp:
+            return gather_from_tp(x, self.comm, self.group, dim=1)
+        return copy_to_tp(x, self.comm, self.group)
+
+    def leave(self, partial: torch.Tensor) -> torch.Tensor:
+        """Leave the tp region: sum the partials [b,s,h], or sum and split the sequence."""
+        if self.sp:
+            return scatter_to_tp(partial, self.comm, self.group, dim=1)
+        return reduce_from_tp(partial, self.comm, self.group)
+
+
+# --- the layers -------------------------------------------------------------------------
+
+
+def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
+    """Token ids [start, end) of `rank`: blocks of ceil(vocab/tp), the last one short."""
+    block = -(-vocab // tp)
+    return min(rank * block, vocab), min((rank + 1) * block, vocab)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split over tp; its input is already in the tp region."""
+
+    def __init__(self, in_features: int, out_features: int, tp: int, device=None):
+        super().__init__(in_features, out_features // tp, bias=False, device=device)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split over tp; the partial products are summed across tp."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TP, device=None):
+        super().__init__(in_features // tp.group.size, out_features, bias=False, device=device)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.leave(F.linear(x, self.weight))  # [b, s, h] or [b, s/t, h]
+
+
+class ReplicatedKVLinear(nn.Module):
+    """A k or v projection when kv_heads < tp: this rank computes the one kv head it needs.
+
+    The weight [kv_heads·hd, h] is stored split by input features across tp ([.., h/t])
+    and gathered for each use; the gather's backward is a reduce-scatter, which sums the
+    gradients of the tp/kv_heads ranks sharing a head into each element's single owner.
+    """
+
+    def __init__(self, in_features: int, kv_heads: int, head_dim: int, tp: TP, device=None):
+        super().__init__()
+        t = tp.group.size
+        self.weight = nn.Parameter(
+            torch.empty(kv_heads * head_dim, in_features // t, device=device)
+        )
+        self.tp, self.head_dim = tp, head_dim
+        self.head = tp.group.rank * kv_heads // t  # the kv head of this rank's query heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        full = gather_from_tp(self.weight, self.tp.comm, self.tp.group, dim=1)  # [kv·hd, h]
+        rows = full[self.head * self.head_dim : (self.head + 1) * self.head_dim]
+        return F.linear(x, rows)  # [b, s, hd]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the embedding table; other ids contribute zero before the sum."""
+
+    def __init__(self, vocab: int, dim: int, tp: TP, device=None):
+        super().__init__()
+        self.start, end = vocab_range(vocab, tp.group.size, tp.group.rank)
+        self.weight = nn.Parameter(torch.empty(end - self.start, dim, device=device))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        local = ids - self.start
+        inside = (local >= 0) & (local < rows)
+        if rows == 0:  # a tiny vocabulary can leave the last ranks without rows
+            partial = self.weight.new_zeros((*ids.shape, self.weight.shape[1]))
+        else:
+            partial = F.embedding(local.clamp(0, rows - 1), self.weight)
+            partial = partial * inside.unsqueeze(-1).to(partial.dtype)
+        return self.tp.leave(partial)  # [b, s, h] or [b, s/t, h]
+
+
+class VocabParallelHead(nn.Linear):
+    """The output head, split over the vocabulary: [b, s, h] -> local logits [b, s, V_r]."""
+
+    def __init__(self, dim: int, vocab: int, tp: TP, device=None):
+        start, end = vocab_range(vocab, tp.group.size, tp.group.rank)
+        super().__init__(dim, end - start, bias=False, device=device)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.tp.enter(x), self.weight)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """The model's RMSNorm on s/t of the sequence; its weight's gradient is summed over tp.
+
+    Each rank sees a different part of the sequence, so each holds a partial gradient of
+    the (replicated) weight: forgetting this sum is the bug that shipped in Megatron and
+    GPT-NeoX. It is done in the graph (f on the weight), so it is right with accumulation.
+    """
+
+    def __init__(self, dim: int, eps: float, tp: TP, device=None):
+        with torch.device(device or "cpu"):
+            super().__init__(dim, eps)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the same arithmetic as llama.RMSNorm, with the weight entering the tp region
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * copy_to_tp(self.weight, self.tp.comm, self.tp.group)
+
+
+# --- the loss -----------------------------------------------------------------------------
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Sum of token losses from vocab-split logits; one all-gather of two floats per token."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, comm, group):
+        z = logits.float().flatten(0, -2)  # [N, V_r]: this rank's vocabulary only
+        t = targets.flatten()
+        valid = t != -100
+        local = t - start
+        mine = valid & (local >= 0) & (local < z.shape[1])
+        local = local.clamp(0, max(z.shape[1] - 1, 0))
+        picked = z.gather(1, local[:, None])[:, 0] if z.shape[1] else z.new_zeros(t.shape)
+        # per rank: log-sum-exp of its logits, and the target logit if it owns the target
+        stats = torch.stack((torch.logsumexp(z, dim=1), torch.where(mine, picked, 0.0)))
+        every = stats.new_empty((group.size * 2, stats.shape[1]))
+        comm.all_gather(every, stats, group)
+        every = every.view(group.size, 2, -1)  # [t, 2, N]
+        lse = torch.logsumexp(every[:, 0], dim=0)  # log-sum-exp over the whole vocabulary
+        per_token = torch.where(valid, lse - every[:, 1].sum(0), 0.0)
+        ctx.save_for_backward(z, lse, local, mine, valid)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return per_token.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, lse, local, mine, valid = ctx.saved_tensors
+        # d loss / d z = softmax(z) - onehot(target), restricted to this rank's columns
+        dz = torch.exp(z - lse[:, None]) * valid[:, None]
+        rows = mine.nonzero()[:, 0]
+        dz[rows, local[rows]] -= 1.0
+        return (dz * grad).view(ctx.shape).to(ctx.dtype), None, None, None, None
+
+
+class VocabParallelCrossEntropy:
+    """The engine's loss_fn under tp: (local logits [b, s, V_r], targets [b, s]) -> loss sum.
+
+    Equal to `cross_entropy_sum` over the full logits, which no rank ever holds.
+    """
+
+    def __init__(self, comm: Comm, group: Group, start: int):
+        self.comm, self.group, self.start = comm, group, start
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _VocabParallelCE.apply(logits, targets, self.start, self.comm, self.group)
+
+
+# --- applying a plan --------------------------------------------------------------------
+
+
+@dataclass
+class TPLayout:
+    """What `parallelize` needs after `apply_tp`: slices to materialise, norm and loss rules."""
+
+    slicer: Slicer
+    replicated: dict[str, tuple[str, ...]]  # parameter -> axes it is replicated over
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    unshard: Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[slice, ...]:
+    """Index of `rank`'s shard in a full tensor: split `rows`/`cols` evenly, or `vocab` rows."""
+    if kind == "vocab":
+        return (slice(*vocab_range(shape[0], tp, rank)), slice(None))
+    dim = {"rows": 0, "cols": 1}[kind]
+    if shape[dim] % tp:
+        raise ValueError(f"dimension {dim} of size {shape[dim]} is not divisible by tp={tp}")
+    n = shape[dim] // tp
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(rank * n, (rank + 1) * n)
+    return tuple(index)
+
+
+def _tp_module(name: str, module: nn.Module, style: str, tp: TP, cfg: Config):
+    """(replacement module, shard kind of its weight) for one planned module."""
+    if style in ("region", "replicated"):
+        return module, None
+    device, t, m = module.weight.device, tp.group.size, cfg.model
+    if style == "colwise":
+        return ColumnParallelLinear(module.in_features, module.out_features, t, device), "rows"
+    if style == "kv" and m.kv_heads < t:
+        return ReplicatedKVLinear(module.in_features, m.kv_heads, m.head_dim, tp, device), "cols"
+    if style == "kv":  # whole kv heads per rank: an ordinary column split
+        return ColumnParallelLinear(module.in_features, module.out_features, t, device), "rows"
+    if style == "rowwise":
+        return RowParallelLinear(module.in_features, module.out_features, tp, device), "cols"
+    if style == "vocab" and isinstance(module, nn.Embedding):
+        return VocabParallelEmbedding(m.vocab, m.dim, tp, device), "vocab"
+    if style == "vocab":
+        return VocabParallelHead(m.dim, m.vocab, tp, device), "vocab"
+    if style == "sequence" and tp.sp:
+        return SequenceParallelRMSNorm(module.weight.shape[0], module.eps, tp, device), None
+    return module, None  # a norm without SP: replicated
+
+
+def _check_coverage(model: nn.Module, styles: dict[str, str]) -> None:
+    """Every weight-carrying layer must be planned: an unplanned one would be silently wrong."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)) and name not in styles:
+            raise ValueError(f"tensor-parallel plan has no entry for module {name!r}")
+        linear = isinstance(module, nn.Linear) and module.bias is None
+        if styles.get(name) in ("colwise", "rowwise", "kv") and not linear:
+            raise ValueError(f"{name!r}: {styles[name]} needs a bias-free nn.Linear")
+
+
+def apply_tp(
+    model: nn.Module, plan: dict[str, str], mesh: Mesh, comm: Comm, cfg: Config
+) -> TPLayout:
+    """Shrink `model` (on the meta device) to this rank's tp shards, following `plan`."""
+    tp = TP(comm, mesh["tp"], cfg.parallel.sp)
+    styles = assign([n for n, _ in model.named_modules() if n], plan)
+    _check_coverage(model, styles)
+    kinds: dict[str, str] = {}  # parameter name -> shard kind
+    for name, style in styles.items():
+        module = model.get_submodule(name)
+        new, kind = _tp_module(name, module, style, tp, cfg)
+        if new is not module:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        if kind is not None:
+            kinds[name + ".weight"] = kind
+    for name, style in styles.items():
+        if style == "region":
+            model.get_submodule(name).register_forward_pre_hook(
+                lambda _, args: (tp.enter(args[0]),)
+            )
+    if getattr(model, "output", True) is None and getattr(model, "norm", None) is not None:
+        # tied head: the final norm's output feeds F.linear with the embedding's vocab rows
+        model.norm.register_forward_hook(lambda _, __, out: tp.enter(out))
+    return _layout(kinds, tp, cfg)
+
+
+def _layout(kinds: dict[str, str], tp: TP, cfg: Config) -> TPLayout:
+    t, rank, m = tp.group.size, tp.group.rank, cfg.model
+
+    def slicer(name: str) -> tuple[slice, ...] | None:
+        return shard_index(kinds[name], full_shape(name, m), t, rank) if name in kinds else None
+
+    def unshard(name: str, local: torch.Tensor) -> torch.Tensor:
+        if name not in kinds:
+            return local
+        return gather_full(local, kinds[name], full_shape(name, m), tp)
+
+    start = vocab_range(m.vocab, t, rank)[0]
+    return TPLayout(
+        slicer=slicer,
+        replicated={name: SHARDED for name in kinds},
+        loss_fn=VocabParallelCrossEntropy(tp.comm, tp.group, start),
+        unshard=unshard,
+    )
+
+
+@torch.no_grad()
+def gather_full(local: torch.Tensor, kind: str, shape: tuple[int, ...], tp: TP) -> torch.Tensor:
+    """The full tensor from every tp rank's shard (shards padded to rank 0's size to gather)."""
+    t = tp.group.size
+    index = [shard_index(kind, shape, t, r) for r in range(t)]
+    sizes = [torch.empty(shape, device="meta")[i].shape for i in index]
+    padded = local.new_zeros(sizes[0])
+    padded[tuple(slice(0, n) for n in local.shape)] = local
+    pieces = padded.new_empty((t * sizes[0][0], *sizes[0][1:]))
+    tp.comm.all_gather(pieces, padded.contiguous(), tp.group)
+    pieces = pieces.view(t, *sizes[0])
+    full = local.new_empty(shape)
+    for r in range(t):
+        full[index[r]] = pieces[r][tuple(slice(0, n) for n in sizes[r])]
+    return full

@@ -1,0 +1,116 @@
+"""Tensor (and sequence) parallelism reproduces the single process and moves Megatron's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close_run
+from tetrad.config import validate
+from tetrad.testing import run_layouts, spawn, tiny_config
+
+# Layouts by world size, each group trained in one set of processes: name -> (parallel,
+# model overrides). kv_heads=2 is == tp at tp=2 and < tp at tp=4 (each kv head replicated
+# on two ranks); vocab 63 and 66 do not divide by tp (the last vocab shard is short).
+LAYOUTS = {
+    2: {
+        "tp2": ({"tp": 2}, {}),
+        "tp2-sp-v63": ({"tp": 2, "sp": True}, {"vocab": 63}),
+        "tp2-sp-tied": ({"tp": 2, "sp": True}, {"tie_embeddings": True}),
+    },
+    4: {
+        "tp4-kv<tp-v66": ({"tp": 4}, {"vocab": 66}),
+        "tp4-sp-kv<tp-v66": ({"tp": 4, "sp": True}, {"vocab": 66}),
+        "tp4-sp-kv=tp": ({"tp": 4, "sp": True}, {"kv_heads": 4}),
+        "dp2xtp2-sp-mb2": ({"dp": 2, "tp": 2, "sp": True, "microbatches": 2}, {}),
+        "dp2xtp2": ({"dp": 2, "tp": 2}, {}),
+    },
+}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_tp_matches_single_process(reference, world):
+    cases = LAYOUTS[world]
+    runs = run_layouts([tiny_config(parallel=par, model=model) for par, model in cases.values()])
+    failed = []
+    for (name, (par, model)), got in zip(cases.items(), runs):
+        ref = reference(model=model, parallel={"microbatches": par.get("microbatches", 1)})
+        try:
+            assert_close_run(got, ref)
+        except AssertionError as e:
+            failed.append(f"{name}: {e}")
+    assert not failed, "\n".join(failed)
+
+
+def _comm_worker(rank: int, world: int, dicts: list[dict]) -> list[dict]:
+    """One step of each config on the same mesh; the comm layer's counts for that step."""
+    from tetrad.config import from_dict
+    from tetrad.mesh import Mesh
+    from tetrad.train.loop import Trainer
+
+    mesh = Mesh.build({"pp": 1, "dp": 1, "fsdp": 1, "tp": world}, rank)
+    out = []
+    for raw in dicts:
+        trainer = Trainer(from_dict(raw), mesh, torch.device("cpu"))
+        trainer.comm.reset()
+        trainer.train_step()
+        out.append(trainer.comm.summary())
+    return out
+
+
+def _bus(summary: dict, *ops: str) -> float:
+    return sum(summary.get(f"tp/{op}", {}).get("bus_bytes", 0.0) for op in ops)
+
+
+def _calls(summary: dict, op: str) -> int:
+    return summary.get(f"tp/{op}", {}).get("calls", 0)
+
+
+def test_tp_comm_volume_per_layer_is_megatron():
+    """Per layer per microbatch: 8·b·s·h·(t-1)/t elements on the bus, with SP or without.
+
+    The per-layer share is the difference between a 2-layer and a 1-layer model (the
+    embedding and the vocabulary-parallel loss have collectives of their own).
+    """
+    t, mb, h = 4, 2, 32
+    model = {"heads": 4, "kv_heads": 4, "dim": h}  # whole kv heads per rank: no weight gathers
+    cfgs = [
+        tiny_config(
+            model={**model, "layers": layers}, parallel={"tp": t, "sp": sp, "microbatches": mb}
+        )
+        for sp in (False, True)
+        for layers in (1, 2)
+    ]
+    plain1, plain2, sp1, sp2 = spawn(_comm_worker, t, [c.to_dict() for c in cfgs])[0]
+    b, s = cfgs[0].microbatch_size, cfgs[0].train.seq_len
+    megatron = 8 * b * s * h * (t - 1) / t * 4 * mb  # fp32 bytes per layer per step
+
+    assert _bus(plain2, "all_reduce") - _bus(plain1, "all_reduce") == pytest.approx(megatron)
+    assert _calls(plain2, "all_reduce") - _calls(plain1, "all_reduce") == 4 * mb
+    for op in ("all_gather", "reduce_scatter"):
+        assert _calls(plain2, op) == _calls(plain1, op)
+
+    moved = _bus(sp2, "all_gather", "reduce_scatter") - _bus(sp1, "all_gather", "reduce_scatter")
+    assert moved == pytest.approx(megatron)
+    for op in ("all_gather", "reduce_scatter"):  # two forward, two as backward's transposes
+        assert _calls(sp2, op) - _calls(sp1, op) == 4 * mb
+    # besides: the two norm weights' gradients, summed over tp (h elements each)
+    norm_grads = 2 * h * 4 * 2 * (t - 1) / t * mb
+    assert _bus(sp2, "all_reduce") - _bus(sp1, "all_reduce") == pytest.approx(norm_grads)
+
+
+@pytest.mark.parametrize(
+    "model,parallel,train,match",
+    [
+        ({"heads": 4, "kv_heads": 2}, {"tp": 3}, {}, "heads=4 is not divisible by tp=3"),
+        ({"dim": 48, "heads": 12, "kv_heads": 3}, {"tp": 4}, {}, "kv_heads=3 and tp=4"),
+        ({"dim": 64, "heads": 8, "kv_heads": 8, "ffn_dim": 100}, {"tp": 8}, {}, "100"),
+        ({}, {"tp": 4, "sp": True}, {"seq_len": 18}, "seq_len=18, tp=4"),
+        ({}, {"sp": True}, {}, "sp=True needs tp > 1"),
+    ],
+    ids=["heads", "kv-heads", "ffn-hidden", "sp-seq-len", "sp-without-tp"],
+)
+def test_bad_tp_layouts_raise(model, parallel, train, match):
+    cfg = tiny_config(model=model, parallel=parallel, train=train)
+    with pytest.raises(ValueError, match=match):
+        validate(cfg, cfg.parallel.world_size)
