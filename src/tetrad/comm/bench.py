@@ -1,0 +1,293 @@
+"""`tetrad bench comm`: what each collective costs on this backend, nccl-tests style.
+
+For every operation and buffer size it reports the time per call (the slowest rank's
+mean), the algorithm bandwidth `size / time` and the bus bandwidth `algbw * factor`, the
+factor being what a ring makes each rank send per buffer byte (all-reduce 2(n-1)/n,
+all-gather and reduce-scatter (n-1)/n, broadcast and send/recv 1). "size" is the full
+buffer: the all-reduced tensor, the all-gather output, the reduce-scatter input.
+
+It also fits the alpha-beta model `time = alpha + size / beta` per operation, by least
+squares on relative error (so the small, latency-bound sizes weigh as much as the large,
+bandwidth-bound ones); the planner calibrates its communication costs from that fit.
+
+Each point runs at most `--iters` timed calls and stops early past `--seconds`, so the
+large, slow sizes (256 MB on gloo) cost a call or two each and a default run at 2 to 4 CPU
+ranks takes well under a minute. The ranks are started through torchrun, like `tetrad
+train`; under an existing torchrun (several nodes) it just runs. Every measured call goes
+through `tetrad.comm.Comm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tetrad.comm import Comm, bus_factor
+from tetrad.mesh import Group, Mesh
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+
+
+def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """Buffer sizes min, min*factor, ... up to max (inclusive when it falls on the grid)."""
+    if min_bytes < 4 or max_bytes < min_bytes or factor < 2:
+        raise ValueError(
+            f"need 4 <= min_bytes <= max_bytes and factor >= 2, got min_bytes={min_bytes}, "
+            f"max_bytes={max_bytes}, factor={factor}"
+        )
+    out, size = [], min_bytes
+    while size <= max_bytes:
+        out.append(size)
+        size *= factor
+    return out
+
+
+def parse_ops(text: str) -> list[str]:
+    """A comma-separated subset of OPS ('all' for every one)."""
+    ops = list(OPS) if text == "all" else [o.strip() for o in text.split(",") if o.strip()]
+    unknown = [o for o in ops if o not in OPS]
+    if unknown or not ops:
+        raise ValueError(f"unknown ops {unknown or text!r}; choose from {OPS} or 'all'")
+    return ops
+
+
+# --- measuring (one rank) ----------------------------------------------------------------
+
+
+def _numel(nbytes: int, n: int) -> int:
+    """float32 elements of a buffer of about `nbytes`, divisible by the group for the shards."""
+    return max(n, nbytes // 4 // n * n)
+
+
+def _operation(op: str, nbytes: int, comm: Comm, group: Group, device) -> Callable[[], None]:
+    """A closure running one `op` on a buffer of about `nbytes`, through `comm`."""
+    n, rank = group.size, group.rank
+    numel = _numel(nbytes, n)
+    full = torch.ones(numel, device=device)
+    if op == "all_reduce":
+        return lambda: comm.all_reduce(full, group)
+    if op == "all_gather":
+        shard = torch.ones(numel // n, device=device)
+        return lambda: comm.all_gather(full, shard, group)
+    if op == "reduce_scatter":
+        shard = torch.empty(numel // n, device=device)
+        return lambda: comm.reduce_scatter(shard, full, group)
+    if op == "broadcast":
+        return lambda: comm.broadcast(full, 0, group)
+    recv = torch.empty_like(full)
+    # a ring: every rank sends to the next and receives from the previous, at once
+    ops = [("send", full, group.ranks[(rank + 1) % n]), ("recv", recv, group.ranks[rank - 1])]
+
+    def send_recv() -> None:
+        for work in comm.batch_p2p(ops, group):
+            work.wait()
+
+    return send_recv
+
+
+def _slowest(seconds: float, comm: Comm, group: Group) -> float:
+    """The maximum of a per-rank time over the group (so every rank agrees on it)."""
+    mine = torch.tensor([seconds], dtype=torch.float64)
+    every = torch.empty(group.size, dtype=torch.float64)
+    comm.all_gather(every, mine, group)
+    return float(every.max())
+
+
+def _timed(run: Callable[[], None], iters: int, sync: Callable[[], None]) -> float:
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def measure(
+    op: str, nbytes: int, iters: int, seconds: float, comm: Comm, group: Group, device
+) -> dict[str, Any]:
+    """One row of the table: warm up, pick an iteration count that fits `seconds`, time it."""
+    control = Comm()  # agreements between ranks are not part of the measured traffic
+    run = _operation(op, nbytes, comm, group, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    warm = _slowest(_timed(run, 1, sync), control, group)
+    count = max(1, min(iters, int(seconds / max(warm, 1e-9))))
+    _timed(run, max(1, count // 4), sync)  # more warm-up where it is cheap
+    control.barrier(group)
+    t = _slowest(_timed(run, count, sync), control, group)
+    size = _numel(nbytes, group.size) * 4
+    factor = bus_factor(_factor_op(op), group.size)
+    algbw = size / t
+    return {
+        "op": op,
+        "bytes": size,
+        "iters": count,
+        "time_s": t,
+        "algbw_GBps": algbw / 1e9,
+        "busbw_GBps": algbw * factor / 1e9,
+    }
+
+
+def _factor_op(op: str) -> str:
+    return "send" if op == "send_recv" else op
+
+
+def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """time = alpha + bytes / beta by least squares on relative error, alpha >= 0.
+
+    beta is None when time does not grow with size over the measured range (all latency).
+    """
+    s = np.array([r["bytes"] for r in rows], dtype=np.float64)
+    t = np.array([r["time_s"] for r in rows], dtype=np.float64)
+    # dividing each equation by t_i minimises the relative residual (alpha + s/beta - t) / t
+    a = np.stack([np.ones_like(s), s], axis=1) / t[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.ones_like(s), rcond=None)
+    if alpha < 0:  # latency cannot be negative: refit through the origin
+        alpha, inv_beta = 0.0, float(np.sum(s / t) / np.sum((s / t) ** 2))
+    if inv_beta <= 0:  # bandwidth cannot be negative: a constant time
+        alpha, inv_beta = float(np.sum(1 / t) / np.sum(1 / t**2)), 0.0
+    pred = alpha + s * inv_beta
+    return {
+        "alpha_s": float(alpha),
+        "beta_Bps": 1.0 / inv_beta if inv_beta > 0 else None,
+        "max_rel_err": float(np.max(np.abs(pred - t) / t)),
+        "points": len(rows),
+    }
+
+
+def run_bench(args: argparse.Namespace, group: Group, device) -> dict[str, Any]:
+    """Every (op, size) row and each op's alpha-beta fit, identical on every rank."""
+    comm = Comm()
+    grid = sizes(args.min_bytes, args.max_bytes, args.factor)
+    rows, fits = [], {}
+    for op in parse_ops(args.ops):
+        mine = [measure(op, n, args.iters, args.seconds, comm, group, device) for n in grid]
+        fit = fit_alpha_beta(mine)
+        fit["bus_factor"] = bus_factor(_factor_op(op), group.size)
+        beta = fit["beta_Bps"]
+        fit["busbw_beta_Bps"] = beta * fit["bus_factor"] if beta is not None else None
+        rows += mine
+        fits[op] = fit
+    return {
+        "backend": dist.get_backend() if dist.is_initialized() else "none",
+        "world": group.size,
+        "device": str(device.type),
+        "dtype": "float32",
+        "results": rows,
+        "alpha_beta": fits,
+    }
+
+
+# --- reporting ----------------------------------------------------------------------------
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def _gbps(bps: float | None) -> str:
+    return "-" if bps is None else f"{bps / 1e9:.3f}"
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """The human view, on stderr (stdout carries the JSON)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"tetrad bench comm: {report['backend']}, {report['world']} ranks, float32"
+    table = Table(title=title)
+    for col in ("op", "size", "iters", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
+        table.add_column(col, justify="left" if col == "op" else "right")
+    for r in report["results"]:
+        table.add_row(
+            r["op"], _human(r["bytes"]), str(r["iters"]), f"{r['time_s'] * 1e6:,.1f}",
+            f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
+        )  # fmt: skip
+    fit = Table(title="alpha-beta fit: time = alpha + size / beta")
+    for col in ("op", "alpha (us)", "beta algbw (GB/s)", "beta busbw (GB/s)", "max rel err"):
+        fit.add_column(col, justify="left" if col == "op" else "right")
+    for op, f in report["alpha_beta"].items():
+        fit.add_row(
+            op, f"{f['alpha_s'] * 1e6:,.1f}", _gbps(f["beta_Bps"]), _gbps(f["busbw_beta_Bps"]),
+            f"{f['max_rel_err']:.2f}",
+        )  # fmt: skip
+    console = Console(stderr=True)
+    console.print(table)
+    console.print(fit)
+
+
+# --- processes ----------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank under torchrun: join, measure, rank 0 reports, leave cleanly."""
+    threads = int(os.environ.get("TETRAD_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # NCCL needs one GPU per local rank; with fewer, measure gloo on the CPU instead
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=600))
+    try:
+        group = Mesh.build({"pp": 1, "dp": world, "fsdp": 1, "tp": 1}, rank)["world"]
+        report = run_bench(args, group, device or torch.device("cpu"))
+        if rank == 0:
+            emit(report, args.json)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def emit(report: dict[str, Any], path: str | None) -> None:
+    """Table on stderr, JSON on stdout and in `path` if given."""
+    print_table(report)
+    text = json.dumps(report, indent=2)
+    print(text, flush=True)
+    if path:
+        with open(path, "w") as fh:
+            fh.write(text + "\n")
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Re-run `tetrad bench ...` under torchrun with `nproc` local ranks on loopback."""
+    from tetrad.cli import drop_nproc, free_port
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes=1", f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        "-m", "tetrad.cli", *drop_nproc(argv),
+    ]  # fmt: skip
+    env = dict(os.environ, TETRAD_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.call(cmd, env=env)
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    """`tetrad bench comm`: validate the flags, then launch the ranks (or be one)."""
+    sizes(args.min_bytes, args.max_bytes, args.factor)  # fail here, not in every rank
+    parse_ops(args.ops)
+    if args.iters < 1 or args.seconds <= 0:
+        raise ValueError(f"need iters >= 1 and seconds > 0, got {args.iters}, {args.seconds}")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return worker(args)
+    if args.nproc < 2:
+        raise ValueError(f"--nproc must be >= 2 to measure collectives, got {args.nproc}")
+    return launch(args.nproc, argv)

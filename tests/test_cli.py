@@ -1,0 +1,83 @@
+"""The `tetrad` command end to end, in subprocesses (torchrun included)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY = [
+    "--layers", "2", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
+    "--seq-len", "16", "--global-batch", "8", "--steps", "20", "--data", "synthetic",
+    "--no-progress",
+]  # fmt: skip
+KEYS = {
+    "step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "mfu",
+    "peak_mem_bytes", "comm_bytes", "skipped",
+}  # fmt: skip
+
+
+def tetrad(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tetrad.cli", *args], capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def read_metrics(path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_dp4_matches_single_process(tmp_path):
+    runs = {}
+    for nproc, extra in ((1, []), (4, ["--dp", "4"])):
+        out = tmp_path / f"n{nproc}"
+        res = tetrad("train", "--nproc", str(nproc), *extra, "--out", str(out), *TINY)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[nproc] = read_metrics(out)
+        assert (out / "config.json").exists()
+    one, four = runs[1], runs[4]
+    assert len(one) == len(four) == 20
+    for row in one + four:
+        assert row.keys() >= KEYS
+    assert [r["step"] for r in four] == list(range(20))
+    assert all(not r["skipped"] for r in four)
+    assert four[0]["comm_bytes"] > 0 and one[0]["comm_bytes"] == 0
+    assert [r["tokens"] for r in one] == [r["tokens"] for r in four]
+    for a, b in zip(one, four):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=0)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=0)
+    assert one[-1]["loss"] < one[0]["loss"]  # it learns
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--nproc", "4", "--dp", "2"], "world size 4 != dp*fsdp*tp*pp = 2*1*1*1 = 2"),
+        (["--nproc", "1", "--heads", "3"], "model.dim=32 is not divisible by heads=3"),
+        (["--nproc", "1", "--global-batch", "6", "--microbatches", "4"], "global_batch=6"),
+    ],
+)
+def test_bad_config_fails_fast(args, message, tmp_path):
+    res = tetrad("train", *TINY, "--out", str(tmp_path), *args, timeout=60)
+    assert res.returncode != 0
+    assert message in res.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_bad_toml_fails_fast(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\nlayerz = 2\n")
+    res = tetrad("train", "--config", str(path), timeout=60)
+    assert res.returncode != 0
+    assert "unknown key 'layerz' in [model]" in res.stderr
+
+
+def test_help():
+    res = tetrad("train", "--help", timeout=60)
+    assert res.returncode == 0
+    for flag in ("--nproc", "--dp", "--fsdp", "--tp", "--pp", "--global-batch", "--data"):
+        assert flag in res.stdout
+    assert tetrad("bench", "--help", timeout=60).returncode == 0

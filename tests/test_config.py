@@ -1,0 +1,188 @@
+"""Every configuration check fails fast with a ValueError that names the offending values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tetrad.config import Config, from_dict, load_toml, model_preset, validate
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def make(**sections) -> Config:
+    """A valid tiny synthetic config with `sections` overlaid ({"model": {...}, ...})."""
+    base = {
+        "model": {"layers": 2, "dim": 32, "heads": 4, "kv_heads": 2, "vocab": 64},
+        "train": {"global_batch": 8, "seq_len": 16},
+        "data": {"source": "synthetic"},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return from_dict(base)
+
+
+def test_valid_configs_pass():
+    validate(make())
+    validate(make(parallel={"dp": 2, "tp": 2}), world_size=4)
+    validate(Config(), world_size=1)  # the defaults (stdlib corpus, byte-level vocab)
+    for path in sorted(CONFIGS.glob("*.toml")):
+        cfg = load_toml(path)
+        validate(cfg, cfg.parallel.world_size)
+
+
+# (overrides, world size, regex the message must match: it names the values)
+BAD = {
+    "world size != product of degrees": (
+        {"parallel": {"dp": 2, "tp": 2}}, 8, r"world size 8 != dp\*fsdp\*tp\*pp = 2\*1\*2\*1 = 4",
+    ),
+    "degree < 1": ({"parallel": {"dp": 0}}, None, r"parallel\.dp must be >= 1, got 0"),
+    "microbatches < 1": (
+        {"parallel": {"microbatches": 0}}, None, r"parallel\.microbatches must be >= 1, got 0",
+    ),
+    "heads not divisible by tp": (
+        {"parallel": {"tp": 8}}, None, r"model\.heads=4 is not divisible by tp=8",
+    ),
+    "kv heads and tp": (
+        {"model": {"dim": 48, "heads": 6, "kv_heads": 3}, "parallel": {"tp": 2}},
+        None, r"model\.kv_heads=3 and tp=2",
+    ),
+    "ffn not divisible by tp": (
+        {"model": {"ffn_dim": 100, "heads": 8, "dim": 64}, "parallel": {"tp": 8}},
+        None, r"ffn hidden size 100 is not divisible by tp=8",
+    ),
+    "global batch vs data ranks x microbatches": (
+        {"parallel": {"dp": 3}}, None,
+        r"global_batch=8 is not divisible by data ranks \(dp\*fsdp=3\) x microbatches=1 = 3",
+    ),
+    "global batch vs fsdp and microbatches": (
+        {"parallel": {"fsdp": 2, "microbatches": 3}}, None,
+        r"global_batch=8 .*dp\*fsdp=2.* microbatches=3 = 6",
+    ),
+    "seq_len > max_seq_len": (
+        {"model": {"max_seq_len": 8}}, None, r"train\.seq_len=16 exceeds model\.max_seq_len=8",
+    ),
+    "seq_len < 2": ({"train": {"seq_len": 1}}, None, r"train\.seq_len must be >= 2, got 1"),
+    "stdlib needs a byte vocabulary": (
+        {"data": {"source": "stdlib"}}, None, r"model\.vocab=64 must be >= 256",
+    ),
+    "missing data path": (
+        {"data": {"source": "/no/such/corpus.txt"}}, None, r"/no/such/corpus\.txt",
+    ),
+    "dim not divisible by heads": (
+        {"model": {"dim": 30}}, None, r"model\.dim=30 is not divisible by heads=4",
+    ),
+    "odd head dim": (
+        {"model": {"dim": 36, "heads": 4, "kv_heads": 2}}, None, r"head_dim=9 .* must be even",
+    ),
+    "heads not divisible by kv heads": (
+        {"model": {"kv_heads": 3}}, None, r"model\.heads=4 is not divisible by kv_heads=3",
+    ),
+    "layers < 1": ({"model": {"layers": 0}}, None, r"model\.layers must be >= 1, got 0"),
+    "bad schedule name": (
+        {"parallel": {"pp_schedule": "zigzag"}}, None, r"pp_schedule='zigzag' is not one of",
+    ),
+    "bad zero stage": (
+        {"parallel": {"zero_stage": 4}}, None, r"zero_stage must be 1, 2 or 3, got 4",
+    ),
+    "sp without tp": ({"parallel": {"sp": True}}, None, r"sp=True needs tp > 1"),
+    "sp needs seq divisible by tp": (
+        {"parallel": {"sp": True, "tp": 2}, "train": {"seq_len": 15}}, None,
+        r"seq_len=15, tp=2",
+    ),
+    "virtual stages need an interleaved schedule": (
+        {"parallel": {"pp": 2, "virtual_stages": 2, "pp_schedule": "1f1b"}}, None,
+        r"virtual_stages=2 needs an interleaved schedule, got pp_schedule='1f1b'",
+    ),
+    "more stages than layers": (
+        {"parallel": {"pp": 2, "virtual_stages": 2, "pp_schedule": "interleaved-1f1b",
+                      "microbatches": 2}}, None,
+        r"model\.layers=2 < pp\*virtual_stages=2\*2 = 4",
+    ),
+    "interleaved microbatches vs pp": (
+        {"model": {"layers": 4}, "parallel": {"pp": 2, "pp_schedule": "interleaved-1f1b",
+                                               "microbatches": 1}}, None,
+        r"microbatches=1, pp=2",
+    ),
+    "bucket size": ({"parallel": {"bucket_mb": 0.0}}, None, r"bucket_mb must be > 0, got 0\.0"),
+    "reduce dtype": ({"parallel": {"reduce_dtype": "fp8"}}, None, r"reduce_dtype='fp8'"),
+    "train dtype": ({"train": {"dtype": "fp16"}}, None, r"train\.dtype='fp16'"),
+    "device": ({"train": {"device": "tpu"}}, None, r"train\.device='tpu'"),
+    "lr": ({"train": {"lr": 0.0}}, None, r"train\.lr must be > 0, got 0\.0"),
+    "steps": ({"train": {"steps": 0}}, None, r"train\.steps must be >= 1, got 0"),
+    "min lr ratio": ({"train": {"min_lr_ratio": 1.5}}, None, r"min_lr_ratio must be in \[0, 1\]"),
+    "warmup": ({"train": {"warmup_steps": -1}}, None, r"warmup_steps must be >= 0, got -1"),
+    "grad clip": ({"train": {"grad_clip": -1.0}}, None, r"grad_clip must be >= 0"),
+    "init std": ({"model": {"init_std": 0.0}}, None, r"init_std must be > 0, got 0\.0"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_config_raises_naming_values(case):
+    overrides, world, pattern = BAD[case]
+    with pytest.raises(ValueError, match=pattern):
+        validate(make(**overrides), world_size=world)
+
+
+def test_unknown_section_and_key():
+    with pytest.raises(ValueError, match=r"unknown config section \[optim\]"):
+        from_dict({"optim": {"lr": 1.0}})
+    with pytest.raises(ValueError, match=r"unknown key 'hidden' in \[model\]"):
+        from_dict({"model": {"hidden": 3}})
+    with pytest.raises(ValueError, match=r"section \[train\] must be a table"):
+        from_dict({"train": 3})
+
+
+@pytest.mark.parametrize(
+    "section,key,value,pattern",
+    [
+        ("model", "layers", "4", r"\[model\] layers = '4' has type str, expected int"),
+        ("model", "layers", 4.0, r"layers = 4\.0 has type float, expected int"),
+        ("parallel", "dp", True, r"dp = True has type bool, expected int"),
+        ("parallel", "sp", 1, r"sp = 1 has type int, expected bool"),
+        ("train", "dtype", 16, r"dtype = 16 has type int, expected str"),
+    ],
+)
+def test_wrong_types(section, key, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        from_dict({section: {key: value}})
+
+
+def test_int_is_accepted_for_float():
+    assert from_dict({"train": {"lr": 1}}).train.lr == 1.0
+
+
+def test_toml_file_errors(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\nlayers = 2\nwidth = 64\n")
+    with pytest.raises(ValueError, match=r"unknown key 'width' in \[model\]"):
+        load_toml(path)
+    path.write_text('[parallel]\ndp = 2\n[train]\nsteps = "ten"\n')
+    with pytest.raises(ValueError, match=r"steps = 'ten' has type str"):
+        load_toml(path)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match=r"unknown model 'gpt5'"):
+        model_preset("gpt5")
+
+
+def test_validation_survives_python_O():
+    code = (
+        "from tetrad.config import from_dict, validate\n"
+        "cfg = from_dict({'parallel': {'dp': 3}, 'data': {'source': 'synthetic'}})\n"
+        "try:\n"
+        "    validate(cfg, world_size=2)\n"
+        "except ValueError as e:\n"
+        "    print('ValueError:', e)\n"
+        "else:\n"
+        "    raise SystemExit('no error under -O')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "world size 2 != dp*fsdp*tp*pp = 3*1*1*1 = 3" in out.stdout
