@@ -14,6 +14,7 @@ from tetrad.parallel.engine import Engine
 from tetrad.parallel.pipeline.runtime import attach_pipeline
 from tetrad.parallel.pipeline.stage import prune, rank_chunks
 from tetrad.parallel.tensor import apply_tp
+from tetrad.parallel.zero import ZeroEngine
 
 
 def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> Engine:
@@ -44,6 +45,6 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
     if chunks is not None:
         attach_pipeline(engine, cfg, chunks)  # before data parallelism wraps the parameters
     if mesh.degrees["fsdp"] > 1:
-        raise NotImplementedError("sharded data parallelism lands with the ZeRO issue")
+        return ZeroEngine(engine)  # shards over fsdp, replicas all-reduced over dp (HSDP)
     engine.start_grad_sync()
     return engine

@@ -79,6 +79,7 @@ class Engine:
                 self.grad_sync.sync = i == len(micro) - 1
             logits = self.model(mb.inputs.to(self.device))
             loss = self.loss_fn(logits, mb.targets.to(self.device)) / denom
+            del logits  # the graph keeps what backward needs; the logits may go (b·s·V)
             loss.backward()
             total += loss.detach().float().cpu()
         return total
@@ -119,12 +120,15 @@ class Engine:
     def after_step(self) -> None:
         """Hook for layouts that must act after the optimizer (ZeRO re-gathers weights)."""
 
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (tp shards, its stages) by logical name; ZeRO overrides it."""
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every logical parameter, full size, on CPU (for tests and checkpoint export)."""
         unshard = self.unshard or (lambda _, t: t)
         state = {
-            n: unshard(n, p.detach()).float().cpu().clone()
-            for n, p in self.model.named_parameters()
+            n: unshard(n, t).float().cpu().clone() for n, t in self.local_state_dict().items()
         }
         if self.pipeline is not None:
             state = gather_stages(state, self.cfg, self.mesh, self.comm)

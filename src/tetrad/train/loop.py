@@ -18,6 +18,7 @@ from tetrad.mesh import Mesh
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
 from tetrad.plan.hardware import peak_tflops
+from tetrad.plan.memory import model_state_bytes
 from tetrad.train.data import Loader, make_source
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
@@ -77,6 +78,7 @@ class Trainer:
         self.step = 0
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)
+        self.model_state = model_state_bytes(cfg, mesh.rank).total  # exact, see plan/memory
 
     def train_step(self) -> StepResult:
         """One optimizer step over the global batch."""
@@ -116,7 +118,10 @@ class Trainer:
         """The metrics.jsonl row: sums and maxima over ranks come from two small collectives."""
         summed = torch.tensor([comm_bytes], dtype=torch.float64)
         self.comm.all_reduce(summed, self.mesh["world"])
-        maxed = torch.tensor([float(peak_memory_bytes(self.device)), seconds], dtype=torch.float64)
+        maxed = torch.tensor(
+            [float(peak_memory_bytes(self.device)), seconds, float(self.model_state)],
+            dtype=torch.float64,
+        )
         if self.mesh.world_size > 1:
             dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self.mesh["world"].pg)
         step_time = float(maxed[1])
@@ -133,6 +138,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
             "peak_mem_bytes": int(maxed[0]),
+            "model_state_bytes": int(maxed[2]),  # parameters, gradients, optimizer state
             "comm_bytes": float(summed[0]),
             "skipped": result.skipped,
         }

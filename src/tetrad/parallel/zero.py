@@ -1,0 +1,497 @@
+"""ZeRO-1/2/3 (FSDP), ours: flat per-block shards over the `fsdp` group.
+
+Units. The local parameters (what the pipeline split and tensor parallelism left) are
+grouped into units: one per transformer block and one "root" for the rest (embedding,
+final norm, head). A unit's parameters lie end to end in one flat buffer padded to a
+multiple of the fsdp size n, so rank r owns the contiguous shard [r·S, (r+1)·S), S =
+padded/n. Inside a unit the parameters are ordered by class (weight decay or not, and the
+axes the values are replicated over), so a shard meets each class in one contiguous
+range; those ranges are the tensors the optimizer sees (`ShardView`), named after a
+logical parameter they cover, so name rules (no decay for "*norm.weight") still apply.
+Padding belongs to no view: the optimizer never allocates state for it.
+
+The model keeps its modules; each parameter attribute becomes a view into the unit's flat
+compute buffer (an autograd leaf), re-split at every forward, so a unit's gradient lands
+in one flat tensor and one post-accumulate-grad hook says "this unit's backward is done".
+
+Stages (fp32 master shard and AdamW state: S elements each per unit on every stage):
+  1: full compute params and full gradients persist; after backward the gradient is
+     reduce-scattered in place; after the step the updated shards are all-gathered.
+  2: as 1, but a unit's full gradient is freed as soon as its reduce-scatter is done,
+     which is launched the moment the unit's backward finishes; the fp32 gradient shard
+     lives from the reduction to the end of the step (stage 3 too).
+  3: compute params exist only while used: all-gathered before a block's forward (the
+     next block's gather is prefetched while this one computes) and again before its
+     backward (the previous block prefetched), freed after each (`reshard_after_forward`
+     =False keeps a block gathered from its first forward to the step's last backward).
+     The root unit stays gathered from its first use to the end of the step's backward:
+     backward starts with the head, so freeing it in between would save nothing.
+
+Accumulation: on non-final microbatches (`sync=False`) gradients accumulate in the full
+flat gradient and nothing is reduced; the final microbatch reduces each unit once, so a
+step moves the same bytes whatever the microbatch count (ZeRO-2/3 hold up to one full
+gradient per unit during the step for this). HSDP: the reduce-scattered shard is then
+all-reduced over "dp". Mixed precision: compute buffers in `train.dtype` are gathered
+from casts of the fp32 master shards; gradients are reduced in `parallel.reduce_dtype`
+and kept as fp32 shards for the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from tetrad.comm import Comm, Work
+from tetrad.config import Config
+from tetrad.mesh import Mesh
+from tetrad.parallel.engine import Engine
+from tetrad.train.optim import decays
+
+ROOT = "root"
+ROOT_ORDER = {"tok_embeddings": 0, "norm": 1, "output": 2}  # forward order of root modules
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# (weight decay?, axes the values are replicated over besides fsdp)
+ClassKey = tuple[bool, tuple[str, ...]]
+
+
+# --- the layout: pure arithmetic, shared with the memory planner -------------------------
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """One optimizer tensor: a contiguous range of a rank's shard holding one class."""
+
+    name: str
+    key: ClassKey
+    start: int  # offsets inside the rank's shard
+    stop: int
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """Where each parameter of one unit lives in its flat buffer and in the shards."""
+
+    name: str
+    names: tuple[str, ...]  # in flat order
+    shapes: tuple[tuple[int, ...], ...]
+    keys: tuple[ClassKey, ...]
+    world: int  # fsdp degree
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, at = [], 0
+        for shape in self.shapes:
+            out.append(at)
+            at += _numel(shape)
+        return tuple(out)
+
+    @property
+    def numel(self) -> int:
+        return sum(_numel(s) for s in self.shapes)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.numel // self.world) * self.world
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.world
+
+    def views(self, rank: int) -> list[ShardView]:
+        """The class ranges of `rank`'s shard, in flat order (padding excluded)."""
+        lo, hi = rank * self.shard, (rank + 1) * self.shard
+        out = []
+        for key, start, stop in self._segments():
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:
+                owner = self.names[self._param_at(a)]
+                out.append(ShardView(f"zero:{self.name}:{owner}", key, a - lo, b - lo))
+        return out
+
+    def _segments(self) -> list[tuple[ClassKey, int, int]]:
+        segs: list[tuple[ClassKey, int, int]] = []
+        for key, off, shape in zip(self.keys, self.offsets, self.shapes):
+            end = off + _numel(shape)
+            if segs and segs[-1][0] == key:
+                segs[-1] = (key, segs[-1][1], end)
+            else:
+                segs.append((key, off, end))
+        return segs
+
+    def _param_at(self, flat_index: int) -> int:
+        i = 0
+        while i + 1 < len(self.offsets) and self.offsets[i + 1] <= flat_index:
+            i += 1
+        return i
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def unit_of(name: str) -> str:
+    """The unit a parameter belongs to: its transformer block, or the root."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else ROOT
+
+
+def class_key(name: str, replicated: tuple[str, ...]) -> ClassKey:
+    return (decays(name), tuple(a for a in replicated if a != "fsdp"))
+
+
+def plan_units(
+    named_shapes: list[tuple[str, tuple[int, ...]]],
+    replicated: dict[str, tuple[str, ...]],
+    world: int,
+) -> list[UnitLayout]:
+    """Units in forward order (root first, then blocks as the model holds them)."""
+    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {ROOT: []}
+    for name, shape in named_shapes:
+        groups.setdefault(unit_of(name), []).append((name, tuple(shape)))
+    out = []
+    for unit, members in groups.items():
+        if not members:
+            continue
+        keyed = [(class_key(n, replicated[n]), n, s) for n, s in members]
+        # decaying classes first, then by replication; stable, so model order within a class
+        keyed.sort(key=lambda t: (not t[0][0], t[0][1]))
+        out.append(
+            UnitLayout(
+                unit,
+                tuple(n for _, n, _ in keyed),
+                tuple(s for _, _, s in keyed),
+                tuple(k for k, _, _ in keyed),
+                world,
+            )
+        )
+    return out
+
+
+# --- the runtime --------------------------------------------------------------------------
+
+
+class FlatUnit:
+    """One unit's buffers on this rank: flat compute params, fp32 master and grad shards."""
+
+    def __init__(self, layout: UnitLayout, model: nn.Module, rank: int, cfg: Config, device):
+        self.layout, self.rank = layout, rank
+        self.stage = cfg.parallel.zero_stage
+        dtype = DTYPES[cfg.train.dtype]
+        self.targets = [_owner(model, n) + (s,) for n, s in zip(layout.names, layout.shapes)]
+        self.sizes = [_numel(s) for s in layout.shapes]
+        if layout.padded > layout.numel:
+            self.sizes.append(layout.padded - layout.numel)
+        self.flat = torch.zeros(layout.padded, dtype=dtype, device=device).requires_grad_()
+        # `.data` aliases the storage with its own version counter: gathers and the
+        # optimizer write through it without invalidating tensors autograd saved.
+        self.data = self.flat.data
+        self._load(model)
+        lo, hi = rank * layout.shard, (rank + 1) * layout.shard
+        shared = self.stage < 3 and dtype == torch.float32
+        self.master = self.data[lo:hi] if shared else self.data[lo:hi].float().clone()
+        self.views = layout.views(rank)
+        self.params = [(v.name, nn.Parameter(self.master[v.start : v.stop])) for v in self.views]
+        # the fp32 gradient shard: stage 1 keeps it (in fp32, as a slice of the full
+        # gradient it is reduce-scattered into in place); stages 2-3 create it when the
+        # reduction lands and drop it after the step, so it never adds to the backward peak
+        self.grad: torch.Tensor | None = None
+        if self.stage == 1:
+            self.flat.grad = torch.zeros_like(self.data)
+            inplace = dtype == torch.float32
+            self.attach_grad(
+                self.flat.grad[lo:hi] if inplace else torch.zeros(layout.shard, device=device)
+            )
+        self.installed = False  # whether this forward pass already has the views
+        self.gathered, self.pending = True, None  # pending: (Work, its input) in flight
+        self.reduced = False
+
+    def attach_grad(self, grad: torch.Tensor | None) -> None:
+        """Make `grad` (fp32, one shard) the gradient of this unit's optimizer views."""
+        self.grad = grad
+        for (_, p), v in zip(self.params, self.views):
+            p.grad = None if grad is None else grad[v.start : v.stop]
+
+    @torch.no_grad()
+    def _load(self, model: nn.Module) -> None:
+        """Copy the materialised parameters in, and drop them from their modules."""
+        for (module, attr, _), off, n in zip(self.targets, self.layout.offsets, self.sizes):
+            self.data[off : off + n].copy_(getattr(module, attr).detach().reshape(-1))
+            del module._parameters[attr]
+
+    def install(self) -> None:
+        """Point every module attribute at a fresh view of the flat buffer (for this pass)."""
+        for (module, attr, shape), piece in zip(self.targets, self.flat.split(self.sizes)):
+            setattr(module, attr, piece.view(shape))
+        # a block is one module, called once a pass; the root's modules share one install
+        self.installed = self.layout.name == ROOT
+
+    def end_pass(self) -> None:
+        self.installed = False
+
+    def free(self) -> None:
+        self.data.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def allocate(self) -> None:
+        nbytes = self.layout.padded * self.data.element_size()
+        if self.data.untyped_storage().nbytes() != nbytes:
+            self.data.untyped_storage().resize_(nbytes)
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+class ZeroShards:
+    """The sharded state of one rank and the hooks that gather, free and reduce it.
+
+    It speaks the engine's gradient-sync protocol (`sync`, `finish`, `zero_grad`), so the
+    engine's microbatch loop (or a pipeline schedule) drives it unchanged.
+    """
+
+    def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, replicated):
+        self.mesh, self.comm, self.cfg = mesh, comm, cfg
+        self.group, self.dp = mesh["fsdp"], mesh["dp"]
+        self.stage = cfg.parallel.zero_stage
+        self.reshard_after_forward = cfg.parallel.reshard_after_forward
+        self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
+        self.device = next(model.parameters()).device
+        named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        self.layouts = plan_units(named, replicated, self.group.size)
+        self.units = [self._build(u, model) for u in self.layouts]
+        self.by_name = {u.layout.name: u for u in self.units}
+        self.sync = True
+        # reduce-scatters in flight (unit, work, full gradient, shard), then dp all-reduces
+        self.scattering: list[tuple[FlatUnit, Work, torch.Tensor, torch.Tensor]] = []
+        self.replicating: list[tuple[FlatUnit, torch.Tensor, Work]] = []
+        self._register_hooks(model)
+
+    def _build(self, layout: UnitLayout, model: nn.Module) -> FlatUnit:
+        unit = FlatUnit(layout, model, self.group.rank, self.cfg, self.device)
+        if self.stage == 3:
+            unit.free()  # now, so that building never holds two full copies of the model
+        else:
+            unit.install()  # the attributes are real tensors between steps
+            unit.end_pass()
+        return unit
+
+    # --- hooks ---------------------------------------------------------------------------
+    def _register_hooks(self, model: nn.Module) -> None:
+        for u in self.units:
+            u.flat.register_post_accumulate_grad_hook(lambda _, u=u: self._post_backward(u))
+            if u.layout.name != ROOT:
+                block = model.get_submodule(u.layout.name)
+                block.register_forward_pre_hook(lambda *_, u=u: self._pre_forward(u, True))
+                block.register_forward_hook(lambda _, __, out, u=u: self._post_forward(u, out))
+        root = self.by_name.get(ROOT)
+        if root is None:
+            return
+        paths = list(dict.fromkeys(n.rpartition(".")[0] for n in root.layout.names))
+        paths.sort(key=lambda p: ROOT_ORDER.get(p, 1))  # the order forward uses them in
+        for path in paths:
+            module = model.get_submodule(path)
+            embed = path == "tok_embeddings"
+            module.register_forward_pre_hook(lambda *_, e=embed: self._pre_forward(root, e))
+            if not embed:  # the head side: its backward comes first
+                module.register_forward_hook(lambda _, __, out: self._post_forward(root, out))
+        # the root's views serve one whole pass (one split, one gradient concatenation)
+        model.get_submodule(paths[-1]).register_forward_hook(lambda *_: root.end_pass())
+
+    def _pre_forward(self, unit: FlatUnit, prefetch: bool) -> None:
+        self.ensure(unit)
+        if not unit.installed:
+            unit.install()
+        if prefetch:
+            self.prefetch(self._neighbour(unit, +1))
+
+    def _post_forward(self, unit: FlatUnit, out) -> None:
+        training = torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
+        if training:
+            out.register_hook(lambda _: self._pre_backward(unit))
+        if self._resharding(unit) and (self.reshard_after_forward or not training):
+            unit.free()
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        self.ensure(unit)
+        self.prefetch(self._neighbour(unit, -1))
+
+    def _post_backward(self, unit: FlatUnit) -> None:
+        if self.sync:
+            self._reduce(unit)
+        if self._resharding(unit) and (self.sync or self.reshard_after_forward):
+            unit.free()
+
+    def _resharding(self, unit: FlatUnit) -> bool:
+        """Stage 3 frees blocks between uses; the root waits for the step's end."""
+        return self.stage == 3 and unit.layout.name != ROOT
+
+    def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
+        """The next block to run forward (+1) or backward (-1); the root counts as
+        block -1 forward and as block L backward."""
+        blocks = [u for u in self.units if u.layout.name != ROOT]
+        if not blocks:
+            return None
+        if unit.layout.name == ROOT:
+            return blocks[0] if step > 0 else blocks[-1]
+        i = blocks.index(unit) + step
+        return blocks[i] if 0 <= i < len(blocks) else None
+
+    # --- gathers -------------------------------------------------------------------------
+    def prefetch(self, unit: FlatUnit | None) -> None:
+        """Start gathering `unit` asynchronously unless it is gathered or on its way."""
+        if unit is None or unit.gathered or unit.pending is not None:
+            return
+        unit.allocate()
+        dtype = unit.data.dtype  # the compute dtype: bf16 gathers half the bytes
+        source = unit.master if unit.master.dtype == dtype else unit.master.to(dtype)
+        work = self.comm.all_gather(unit.data, source, self.group, async_op=True)
+        unit.pending = (work, source)
+
+    def ensure(self, unit: FlatUnit) -> None:
+        """Make `unit`'s full compute parameters valid (waiting for its prefetch, if any)."""
+        if unit.pending is None and not unit.gathered:
+            self.prefetch(unit)
+        if unit.pending is not None:
+            unit.pending[0].wait()
+            unit.pending, unit.gathered = None, True
+
+    def drain(self) -> None:
+        """Wait for every gather in flight (before reading or tearing down)."""
+        for u in self.units:
+            if u.pending is not None:
+                self.ensure(u)
+
+    # --- gradient reduction --------------------------------------------------------------
+    def _reduce(self, unit: FlatUnit) -> None:
+        """Launch the reduce-scatter of `unit`'s full gradient into its shard."""
+        self._settle(keep=1)  # bounds the full gradients alive at once, as FSDP does
+        full = unit.flat.grad
+        if full is None:  # the unit took no part in this step's backward
+            full = torch.zeros_like(unit.data)
+        send = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)
+        if self.stage == 1 and self.reduce_dtype == unit.grad.dtype:
+            out = unit.grad  # straight into the kept shard (in place in an fp32 gradient)
+        else:
+            out = torch.empty(unit.layout.shard, dtype=self.reduce_dtype, device=send.device)
+        work = self.comm.reduce_scatter(out, send, self.group, async_op=True)
+        self.scattering.append((unit, work, send, out))
+        unit.reduced = True
+        if self.stage > 1:
+            unit.flat.grad = None  # `send` keeps it alive until the reduction is done
+
+    def _settle(self, keep: int) -> None:
+        """Wait for all but the `keep` latest reduce-scatters, drop their full gradients,
+        and start all-reducing their shards over the dp replicas (HSDP)."""
+        while len(self.scattering) > keep:
+            unit, work, _, out = self.scattering.pop(0)
+            work.wait()
+            work = self.comm.all_reduce(out, self.dp, async_op=True)
+            self.replicating.append((unit, out, work))
+
+    def finish(self) -> None:
+        """Reduce what backward did not, and wait for every reduction of the step."""
+        for u in self.units:  # a fixed order, the same on every rank
+            if not u.reduced:
+                self._reduce(u)
+        self._settle(keep=0)
+        for unit, out, work in self.replicating:
+            work.wait()
+            if self.stage == 1 and out is not unit.grad:
+                unit.grad.copy_(out)
+            elif self.stage > 1:
+                unit.attach_grad(out.float())  # a no-op cast when reduced in fp32
+        self.replicating.clear()
+        for u in self.units:
+            u.reduced = False
+        if self.stage == 3:
+            self.drain()  # a prefetch no pass used (a pipeline's chunk boundary)
+            for u in self.units:
+                if u.gathered:
+                    u.free()
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            if self.stage == 1:
+                u.flat.grad.zero_()
+                u.grad.zero_()
+            else:
+                u.attach_grad(None)
+
+    def after_step(self) -> None:
+        """Stages 1-2: all-gather the updated shards (all launched, then all awaited: a
+        gather left in flight past the last step aborts the process at exit)."""
+        if self.stage < 3:
+            for u in self.units:
+                u.gathered = False
+                self.prefetch(u)
+            self.drain()
+
+    # --- views for the engine ------------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [np for u in self.units for np in u.params]
+
+    def view_replicated(self) -> dict[str, tuple[str, ...]]:
+        """Replicated axes of each optimizer view (fsdp is what its shards split)."""
+        return {v.name: v.key[1] for u in self.layouts for v in u.views(self.group.rank)}
+
+    @torch.no_grad()
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every local parameter, full size, float32, from the master shards."""
+        self.drain()
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.layout.padded, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(full, u.master, self.group)
+            for name, off, shape in zip(u.layout.names, u.layout.offsets, u.layout.shapes):
+                out[name] = full[off : off + _numel(shape)].view(shape).cpu().clone()
+        return out
+
+
+# --- the engine ---------------------------------------------------------------------------
+
+
+class ZeroEngine(Engine):
+    """An engine whose parameters are ZeRO shards over "fsdp" (replicated over "dp")."""
+
+    def __init__(self, base: Engine):
+        # keep whatever the earlier steps of `parallelize` attached (pipeline, tp loss, ...)
+        vars(self).update(vars(base))
+        _check_composable(self)
+        self.shards = ZeroShards(self.model, self.mesh, self.comm, self.cfg, self.replicated)
+        self.grad_sync = self.shards  # the microbatch loop drives it like DP's buckets
+        self.replicated = {**self.replicated, **self.shards.view_replicated()}
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The optimizer's tensors: this rank's shard views of the fp32 master weights."""
+        return self.shards.named_parameters()
+
+    def after_step(self) -> None:
+        self.shards.after_step()
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.shards.local_state_dict()
+
+    @property
+    def device(self) -> torch.device:
+        return self.shards.device
+
+
+def _check_composable(engine: Engine) -> None:
+    p = engine.cfg.parallel
+    if engine.tied_across_stages:
+        raise ValueError(
+            f"ZeRO (fsdp={p.fsdp}) with an embedding tied across pipeline stages (pp={p.pp},"
+            " tie_embeddings=True) is not supported"
+        )
+    if engine.pipeline is not None and getattr(engine.pipeline, "store", None) is not None:
+        raise ValueError(
+            f"ZeRO (fsdp={p.fsdp}) cannot run pp_schedule={p.pp_schedule!r}: its split"
+            " backward writes weight gradients outside autograd"
+        )

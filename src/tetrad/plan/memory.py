@@ -1,0 +1,193 @@
+"""Model-state memory per rank, exactly: predicted from a config, measured from a run.
+
+Model state is what persists between steps: parameters, gradients and optimizer state.
+`model_state_bytes(cfg, rank)` predicts it without processes, from the same unit layout
+the ZeRO runtime shards by (so padding and the optimizer's tensor count are exact);
+`measured_model_state(engine, optimizer)` adds up the live storages behind the same
+three categories; the two agree to the byte.
+
+Categories follow the ZeRO paper's convention. "params" are the compute parameters
+(bf16 in mixed precision); the fp32 master copy counts as optimizer state unless compute
+is fp32 too, when it *is* the parameters. So full fp32 training is 4+4+8 bytes per
+parameter and mixed precision 2+2+12, and over N sharding ranks (`zero_formula_bytes`):
+ZeRO-1 (p+g)Ψ + KΨ/N, ZeRO-2 pΨ + (g+K)Ψ/N, ZeRO-3 (p+g+K)Ψ/N, with Ψ the local parameter
+count. tetrad matches these in fp32 up to padding (each unit padded to a multiple of N)
+and AdamW's 4-byte step counter per optimizer tensor. In mixed precision it keeps the
+sharded gradient in fp32 (the master weights' dtype), 4Ψ/N where the paper counts 2Ψ/N;
+and ZeRO-1 keeps it beside the full bf16 gradient (+4Ψ/N); ZeRO-3 holds no persistent
+bf16 parameter shard (compute copies are cast from the master at gather time), so its
+total is the paper's 16Ψ/N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tetrad.config import Config
+from tetrad.mesh import Mesh
+from tetrad.parallel.engine import REPLICATED
+from tetrad.parallel.zero import UnitLayout, plan_units
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+STEP_BYTES = 4  # AdamW's per-tensor step counter: a float32 scalar
+ADAM_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per element
+MASTER_BYTES = 4  # fp32 master weights and the sharded fp32 gradient
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes of one rank's model state, by category."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+# --- prediction ---------------------------------------------------------------------------
+
+
+def local_parameters(
+    cfg: Config, rank: int
+) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, tuple[str, ...]]]:
+    """Names and shapes of the parameters `rank` holds after the pipeline split and tensor
+    parallelism, and the axes each is replicated over: `parallelize`'s steps 1-3 on the
+    meta device (no memory, no collectives)."""
+    from tetrad.comm import Comm
+    from tetrad.models.llama import Llama
+
+    degrees = {a: getattr(cfg.parallel, a) for a in ("pp", "dp", "fsdp", "tp")}
+    mesh = Mesh.plan(degrees, rank)
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    if degrees["pp"] > 1:
+        from tetrad.parallel.pipeline.stage import prune, rank_chunks
+
+        prune(model, rank_chunks(cfg, mesh["pp"].rank))
+    replicated = {n: REPLICATED for n, _ in model.named_parameters()}
+    if degrees["tp"] > 1:
+        from tetrad.models.plans import LLAMA_PLAN
+        from tetrad.parallel.tensor import apply_tp
+
+        replicated.update(apply_tp(model, LLAMA_PLAN, mesh, Comm(), cfg).replicated)
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()], replicated
+
+
+def zero_bytes(layouts: list[UnitLayout], fsdp_rank: int, stage: int, dtype: str) -> ModelState:
+    """Model state of fsdp rank `fsdp_rank` for these units, ZeRO `stage`, compute `dtype`."""
+    c, mixed = DTYPE_BYTES[dtype], dtype != "fp32"
+    padded = sum(u.padded for u in layouts)
+    shard = sum(u.shard for u in layouts)
+    views = [v for u in layouts for v in u.views(fsdp_rank)]
+    elements = sum(v.stop - v.start for v in views)  # the shard less its padding
+    full_params = padded * c if stage < 3 else 0
+    # fp32 compute: the master shard is the parameters (a slice of them below stage 3)
+    master_params = shard * MASTER_BYTES if stage == 3 and not mixed else 0
+    full_grads = padded * c if stage == 1 else 0
+    # stage 1 in fp32 reduces in place: the sharded gradient is a slice of the full one
+    shard_grads = 0 if stage == 1 and not mixed else shard * MASTER_BYTES
+    optimizer = ADAM_BYTES * elements + STEP_BYTES * len(views)
+    optimizer += shard * MASTER_BYTES if mixed else 0
+    return ModelState(full_params + master_params, full_grads + shard_grads, optimizer)
+
+
+def replicated_bytes(named_shapes: list[tuple[str, tuple[int, ...]]]) -> ModelState:
+    """Plain data parallelism (fsdp = 1): fp32 parameters, gradients and AdamW, unsharded."""
+    psi = sum(_numel(s) for _, s in named_shapes)
+    return ModelState(4 * psi, 4 * psi, ADAM_BYTES * psi + STEP_BYTES * len(named_shapes))
+
+
+def model_state_bytes(cfg: Config, rank: int = 0) -> ModelState:
+    """Exact model-state bytes of global `rank` under `cfg`'s layout (pure)."""
+    named, replicated = local_parameters(cfg, rank)
+    p = cfg.parallel
+    if p.fsdp == 1:
+        return replicated_bytes(named)
+    degrees = {a: getattr(p, a) for a in ("pp", "dp", "fsdp", "tp")}
+    fsdp_rank = Mesh.plan(degrees, rank).coord["fsdp"]
+    layouts = plan_units(named, replicated, p.fsdp)
+    return zero_bytes(layouts, fsdp_rank, p.zero_stage, cfg.train.dtype)
+
+
+def zero_formula_bytes(
+    psi: float, n: int, stage: int, param: float = 2, grad: float = 2, k: float = 12
+) -> ModelState:
+    """The ZeRO paper's model state per device (stage 0: plain data parallelism)."""
+    if stage == 0:
+        return ModelState(param * psi, grad * psi, k * psi)
+    if stage == 1:
+        return ModelState(param * psi, grad * psi, k * psi / n)
+    if stage == 2:
+        return ModelState(param * psi, grad * psi / n, k * psi / n)
+    if stage == 3:
+        return ModelState(param * psi / n, grad * psi / n, k * psi / n)
+    raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# --- measurement --------------------------------------------------------------------------
+
+
+class _Storages:
+    """Adds up distinct storages (views of one buffer count once)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def __call__(self, *tensors: torch.Tensor | None) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            s = t.untyped_storage()
+            if s.nbytes() == 0 or s.data_ptr() in self.seen:
+                continue
+            self.seen.add(s.data_ptr())
+            total += s.nbytes()
+        return total
+
+
+def measured_model_state(engine, optimizer: torch.optim.Optimizer) -> ModelState:
+    """The bytes of the live tensors behind `engine`'s model state and `optimizer`'s."""
+    size = _Storages()
+    state = [
+        t
+        for _, p in engine.named_parameters()
+        for t in optimizer.state.get(p, {}).values()
+        if isinstance(t, torch.Tensor)
+    ]
+    shards = getattr(engine, "shards", None)
+    if shards is None:
+        params = [p for _, p in engine.named_parameters()]
+        grads = size(*(p.grad for p in params))
+        return ModelState(size(*params), grads, size(*state))
+    mixed = any(u.data.dtype != torch.float32 for u in shards.units)
+    masters = [u.master for u in shards.units]
+    params = size(*(u.data for u in shards.units), *([] if mixed else masters))
+    grads = size(*(u.flat.grad for u in shards.units), *(u.grad for u in shards.units))
+    return ModelState(params, grads, size(*(masters if mixed else []), *state))
+
+
+def measure_at_each_step(engine, optimizer: torch.optim.Optimizer) -> list[ModelState]:
+    """From now on, measure the model state at every optimizer step (just after it, when
+    parameters, gradients and optimizer state are all alive); returns the growing list."""
+    found: list[ModelState] = []
+    after_step = engine.after_step
+
+    def measured_after_step() -> None:
+        found.append(measured_model_state(engine, optimizer))
+        after_step()
+
+    engine.after_step = measured_after_step
+    return found

@@ -1,0 +1,177 @@
+"""ZeRO-1/2/3 and HSDP reproduce the single process, hold the predicted bytes to the byte,
+and move exactly the theoretical volume.
+
+Spawning is the slow part on 2 cores, so each test runs several layouts of the same world
+size in one set of processes, one after the other, and checks each of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_close_run
+from tetrad.testing import spawn, tiny_config
+
+
+def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
+    """Train each config in turn; per run: losses, norms, one step's comm, memory, weights."""
+    from tetrad.config import from_dict
+    from tetrad.mesh import Mesh
+    from tetrad.plan.memory import measure_at_each_step, model_state_bytes
+    from tetrad.train.loop import Trainer
+
+    out = []
+    for raw in runs:
+        cfg = from_dict(raw)
+        degrees = {a: getattr(cfg.parallel, a) for a in ("pp", "dp", "fsdp", "tp")}
+        trainer = Trainer(cfg, Mesh.build(degrees, rank), torch.device("cpu"))
+        at_step = measure_at_each_step(trainer.engine, trainer.optimizer)
+        losses, norms, comm = [], [], None
+        for step in range(cfg.train.steps):
+            trainer.comm.reset()
+            result = trainer.train_step()
+            losses.append(result.loss)
+            norms.append(result.grad_norm)
+            if step == 1:
+                comm = trainer.comm.summary()
+        measured, predicted = at_step[-1], model_state_bytes(cfg, rank)
+        state = trainer.engine.full_state_dict()
+        out.append(
+            {
+                "losses": losses,
+                "grad_norms": norms,
+                "comm": comm,
+                "memory": (measured, predicted),
+                "state": state if rank == 0 else None,
+            }
+        )
+    return out
+
+
+def _layouts(cfg) -> list:
+    """The unit layouts of rank 0 (the same sizes on every rank of one tp/pp coordinate)."""
+    from tetrad.parallel.zero import plan_units
+    from tetrad.plan.memory import local_parameters
+
+    named, replicated = local_parameters(cfg, 0)
+    return plan_units(named, replicated, cfg.parallel.fsdp)
+
+
+def _check_comm(cfg, comm: dict) -> None:
+    """fsdp traffic of one step, exactly: Ψ_pad elements reduce-scattered, and gathered
+    once (stages 1-2: after the step), or twice less the root (stage 3, which keeps the
+    root from forward to backward), per microbatch for the blocks when resharding."""
+    p = cfg.parallel
+    units = _layouts(cfg)
+    padded = sum(u.padded for u in units)
+    root = sum(u.padded for u in units if u.name == "root")
+    if p.zero_stage < 3 or not p.reshard_after_forward:
+        gathered = padded
+    else:
+        gathered = root + 2 * p.microbatches * (padded - root)
+    n, elt = p.fsdp, 4
+    rs, ag = comm["fsdp/reduce_scatter"], comm["fsdp/all_gather"]
+    assert rs["bytes"] == elt * padded
+    assert ag["bytes"] == elt * gathered
+    assert rs["bus_bytes"] == pytest.approx((n - 1) / n * elt * padded, rel=1e-12)
+    assert ag["bus_bytes"] == pytest.approx((n - 1) / n * elt * gathered, rel=1e-12)
+    if p.dp > 1:  # HSDP: each reduced shard all-reduced across the replicas
+        assert comm["dp/all_reduce"]["bytes"] == elt * padded // n
+    assert padded - sum(u.numel for u in units) < len(units) * n  # padding < n per unit
+
+
+def _check(cfg, results: list[dict], ref: dict) -> None:
+    """Equivalence with the single process (fp32) or close to it (bf16 compute), memory
+    measured == predicted on every rank, and the comm volume."""
+    if cfg.train.dtype == "fp32":
+        assert_close_run(results[0], ref)
+        _check_comm(cfg, results[0]["comm"])
+    else:
+        losses = results[0]["losses"]
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+        assert max(abs(a - b) / b for a, b in zip(losses, ref["losses"])) < 0.05
+    for rank, r in enumerate(results):
+        measured, predicted = r["memory"]
+        assert measured == predicted, f"rank {rank}: measured {measured} != {predicted}"
+
+
+def _spawn_check(reference, world: int, layouts: list[dict]) -> None:
+    """Run every layout in one set of `world` processes, then check each against the
+    single-process run of the same model, microbatch count and step count."""
+    cfgs = [tiny_config(**over) for over in layouts]
+    per_rank = spawn(_run, world, [c.to_dict() for c in cfgs], timeout=600)
+    for i, (cfg, over) in enumerate(zip(cfgs, layouts)):
+        ref_over = {"parallel": {"microbatches": cfg.parallel.microbatches}}
+        ref_over.update({k: v for k, v in over.items() if k == "model"})
+        ref = reference(**ref_over)
+        ref = {**ref, "losses": ref["losses"][: cfg.train.steps]}
+        try:
+            _check(cfg, [per_rank[r][i] for r in range(world)], ref)
+        except AssertionError as e:
+            raise AssertionError(f"layout {over}: {e}") from e
+
+
+BF16 = {"dtype": "bf16", "steps": 8}
+# dim 18 (3 heads of 6): every unit's size is 2 mod 4, so fsdp=4 pads every shard
+PADDED = {"dim": 18, "heads": 3, "kv_heads": 1}
+
+
+def test_zero_fsdp2_every_stage(reference):
+    _spawn_check(
+        reference,
+        2,
+        [
+            {"parallel": {"fsdp": 2, "zero_stage": 1}},
+            {"parallel": {"fsdp": 2, "zero_stage": 2}},
+            {"parallel": {"fsdp": 2, "zero_stage": 3}},
+            {"parallel": {"fsdp": 2, "zero_stage": 3, "microbatches": 2}},
+            {"parallel": {"fsdp": 2, "zero_stage": 2, "microbatches": 2}},
+            {
+                "parallel": {
+                    "fsdp": 2,
+                    "zero_stage": 3,
+                    "microbatches": 2,
+                    "reshard_after_forward": False,
+                }
+            },  # fmt: skip
+            {"parallel": {"fsdp": 2, "zero_stage": 1, "reduce_dtype": "bf16"}, "train": BF16},
+            {"parallel": {"fsdp": 2, "zero_stage": 3}, "train": BF16},
+        ],
+    )
+
+
+def test_zero_fsdp4_every_stage_and_padding(reference):
+    _spawn_check(
+        reference,
+        4,
+        [
+            {"parallel": {"fsdp": 4, "zero_stage": 1}},
+            {"parallel": {"fsdp": 4, "zero_stage": 2}},
+            {"parallel": {"fsdp": 4, "zero_stage": 3}},
+            {"parallel": {"fsdp": 4, "zero_stage": 1}, "model": PADDED},
+            {"parallel": {"fsdp": 4, "zero_stage": 3}, "model": PADDED},
+        ],
+    )
+
+
+def test_hsdp_and_fsdp_with_tp_and_pp(reference):
+    _spawn_check(
+        reference,
+        4,
+        [
+            {"parallel": {"dp": 2, "fsdp": 2, "zero_stage": 3}},
+            {"parallel": {"dp": 2, "fsdp": 2, "zero_stage": 3, "microbatches": 2}},
+            {"parallel": {"dp": 2, "fsdp": 2, "zero_stage": 1}},
+            {"parallel": {"fsdp": 2, "tp": 2, "zero_stage": 3}},
+            {"parallel": {"fsdp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2}},
+        ],
+    )
+
+
+def test_4d_dp_fsdp_tp_pp(reference):
+    """dp × fsdp × tp × pp = 2×2×2×2 on 16 ranks, ZeRO-3 under the 1F1B schedule."""
+    par = {"dp": 2, "fsdp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2}
+    _spawn_check(reference, 16, [{"parallel": par}])
