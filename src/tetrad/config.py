@@ -213,6 +213,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_parallel(cfg.parallel, world_size)
     _validate_train(cfg)
     _validate_layout(cfg)
+    _validate_checkpoint(cfg.checkpoint)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -319,3 +320,8 @@ def _validate_layout(cfg: Config) -> None:
             f"interleaved-1f1b needs microbatches % pp == 0: microbatches={p.microbatches},"
             f" pp={p.pp}",
         )
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _require(c.every >= 0, f"checkpoint.every must be >= 0 (0: never), got {c.every}")
+    _require(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")

@@ -42,6 +42,7 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
     if layout is not None:
         engine.replicated.update(layout.replicated)  # tp shards: replicated over dp/fsdp only
         engine.loss_fn, engine.unshard = layout.loss_fn, layout.unshard
+        engine.slicer = layout.slicer  # checkpoints install each rank's slice with it
     if chunks is not None:
         attach_pipeline(engine, cfg, chunks)  # before data parallelism wraps the parameters
     if mesh.degrees["fsdp"] > 1:

@@ -47,7 +47,8 @@ from torch import nn
 from tetrad.comm import Comm, Work
 from tetrad.config import Config
 from tetrad.mesh import Mesh
-from tetrad.parallel.engine import Engine
+from tetrad.parallel.engine import MOMENTS, Engine
+from tetrad.parallel.zero_state import gather_units, load_units, optimizer_shard
 from tetrad.train.optim import decays
 
 ROOT = "root"
@@ -445,13 +446,7 @@ class ZeroShards:
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """Every local parameter, full size, float32, from the master shards."""
         self.drain()
-        out = {}
-        for u in self.units:
-            full = torch.empty(u.layout.padded, dtype=torch.float32, device=self.device)
-            self.comm.all_gather(full, u.master, self.group)
-            for name, off, shape in zip(u.layout.names, u.layout.offsets, u.layout.shapes):
-                out[name] = full[off : off + _numel(shape)].view(shape).cpu().clone()
-        return out
+        return gather_units(self, lambda u: u.master)
 
 
 # --- the engine ---------------------------------------------------------------------------
@@ -477,6 +472,21 @@ class ZeroEngine(Engine):
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         return self.shards.local_state_dict()
+
+    def local_names(self) -> list[str]:
+        return [n for u in self.shards.layouts for n in u.names]
+
+    def local_optimizer_state(self, optimizer):
+        """Full local moments, gathered over fsdp from the shard views' AdamW state."""
+        sh = self.shards
+        moments = {
+            k: gather_units(sh, lambda u, k=k: optimizer_shard(u, optimizer, k)) for k in MOMENTS
+        }
+        steps = [int(optimizer.state[p].get("step", 0)) for p in optimizer.state]
+        return moments, max(steps, default=0)
+
+    def load_local(self, params, moments, step: int, optimizer) -> None:
+        load_units(self.shards, params, moments, step, optimizer)
 
     @property
     def device(self) -> torch.device:

@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
 from tetrad.plan.hardware import peak_tflops
 from tetrad.plan.memory import model_state_bytes
+from tetrad.train import checkpoint
 from tetrad.train.data import Loader, make_source
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
@@ -143,10 +145,12 @@ class Trainer:
             "skipped": result.skipped,
         }
 
-    def fit(self, writer: MetricsWriter | None = None) -> list[dict[str, Any]]:
-        """Run the remaining steps; rank 0 writes the metrics."""
+    def fit(self, writer: MetricsWriter | None = None, stop: int | None = None) -> list[dict]:
+        """Run the remaining steps (until `stop`, if given: an interrupted job's stand-in);
+        rank 0 writes the metrics; checkpoints every `checkpoint.every` and at the end."""
         rows = []
-        while self.step < self.cfg.train.steps:
+        end = self.cfg.train.steps if stop is None else min(stop, self.cfg.train.steps)
+        while self.step < end:
             self.comm.reset()
             t0 = time.perf_counter()
             result = self.train_step()
@@ -155,4 +159,22 @@ class Trainer:
             rows.append(row)
             if writer is not None and self.mesh.rank == 0:
                 writer.write(row)
+            every = self.cfg.checkpoint.every
+            if every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps):
+                self.save_checkpoint()
         return rows
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the state after `self.step` steps (a collective: every rank calls)."""
+        root = checkpoint.checkpoint_root(self.cfg)
+        return checkpoint.save(root, self.step, self.engine, self.optimizer, self.loader, self.cfg)
+
+    def resume(self) -> int | None:
+        """Continue from the newest checkpoint if `checkpoint.resume` (every rank calls):
+        parameters and AdamW state resliced for this layout, the step (and with it the LR
+        schedule), the data position and the RNG. Returns its step; None: a fresh start."""
+        path = checkpoint.find_resume(checkpoint.checkpoint_root(self.cfg), self.cfg)
+        if path is None:
+            return None
+        self.step = checkpoint.restore(path, self.engine, self.optimizer, self.loader, self.cfg)
+        return self.step

@@ -1,0 +1,73 @@
+"""ZeRO state in and out of full tensors: what checkpoints need from the flat shards.
+
+Out: each unit's shard (master weights, or an AdamW moment assembled from the shard views'
+state) is all-gathered over fsdp and cut into the local parameters by name. In: a unit's
+flat buffer is rebuilt from full local tensors by name and this rank keeps its shard; no
+collective, since every rank holds the full tensors it loads from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tetrad.parallel.engine import MOMENTS, set_adam_state
+
+if TYPE_CHECKING:
+    from tetrad.parallel.zero import FlatUnit, UnitLayout, ZeroShards
+
+
+@torch.no_grad()
+def gather_units(
+    shards: ZeroShards, shard_of: Callable[[FlatUnit], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Every local parameter, full size, float32, on CPU, from each unit's `shard_of(unit)`."""
+    out = {}
+    for u in shards.units:
+        full = torch.empty(u.layout.padded, dtype=torch.float32, device=shards.device)
+        shards.comm.all_gather(full, shard_of(u).float(), shards.group)
+        for name, off, shape in zip(u.layout.names, u.layout.offsets, u.layout.shapes):
+            out[name] = full[off : off + math.prod(shape)].view(shape).cpu().clone()
+    return out
+
+
+def optimizer_shard(u: FlatUnit, optimizer: torch.optim.Optimizer, kind: str) -> torch.Tensor:
+    """One AdamW moment over `u`'s shard (zeros for padding and before the first step)."""
+    shard = torch.zeros(u.layout.shard, dtype=torch.float32, device=u.data.device)
+    for (_, p), v in zip(u.params, u.views):
+        if kind in optimizer.state.get(p, {}):
+            shard[v.start : v.stop] = optimizer.state[p][kind]
+    return shard
+
+
+@torch.no_grad()
+def load_units(
+    shards: ZeroShards,
+    params: dict[str, torch.Tensor],
+    moments: dict[str, dict[str, torch.Tensor]] | None,
+    step: int,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Install full local tensors by name: each unit's shard into its master weights (and
+    into the compute buffer while that is gathered), and its views' AdamW state."""
+    shards.drain()
+    for u in shards.units:
+        lo, hi = u.rank * u.layout.shard, (u.rank + 1) * u.layout.shard
+        full = _flatten(u.layout, params).to(u.data.device)
+        if u.gathered:  # stages 1-2 between steps: the compute weights persist
+            u.data.copy_(full)
+        u.master.copy_(full[lo:hi])
+        if moments is None:
+            continue
+        moment_shards = [_flatten(u.layout, moments[k])[lo:hi] for k in MOMENTS]
+        for (_, p), v in zip(u.params, u.views):
+            set_adam_state(optimizer, p, step, *(m[v.start : v.stop] for m in moment_shards))
+
+
+def _flatten(layout: UnitLayout, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A unit's flat fp32 buffer (padding zeroed) from its parameters' tensors by name."""
+    pad = torch.zeros(layout.padded - layout.numel)
+    return torch.cat([tensors[n].reshape(-1).float().cpu() for n in layout.names] + [pad])
