@@ -13,24 +13,63 @@ from tetrad.train.loop import Trainer, init_distributed
 from tetrad.train.metrics import MetricsWriter
 
 
-def run(cfg: Config, threads: int | None = None) -> list[dict]:
-    """Train `cfg` on this process's rank (torchrun's environment, or a single process)."""
+def run(cfg: Config, threads: int | None = None, timeline: str | None = None) -> list[dict]:
+    """Train `cfg` on this process's rank (torchrun's environment, or a single process).
+
+    timeline: with pp > 1, a directory for the last step's pipeline timeline pictures."""
     if threads:
         torch.set_num_threads(threads)
     mesh, device = init_distributed(cfg)
     try:
         trainer = Trainer(cfg, mesh, device)
+        resumed = trainer.resume()  # None: a fresh start
         writer = None
         if mesh.rank == 0:
             out = Path(cfg.train.out)
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-            writer = MetricsWriter(cfg.train.out, cfg.train.steps, cfg.train.progress)
+            if resumed is not None:
+                keep_metrics_before(out / "metrics.jsonl", resumed)
+            elif cfg.checkpoint.resume:
+                print(f"tetrad: no checkpoint under {out / 'checkpoints'}; starting afresh")
+            writer = MetricsWriter(
+                cfg.train.out, cfg.train.steps, cfg.train.progress, append=resumed is not None
+            )
         rows = trainer.fit(writer)
         if writer is not None:
             writer.close()
+        if timeline and cfg.parallel.pp > 1 and rows:
+            write_step_timeline(trainer, timeline)
         return rows
     finally:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def keep_metrics_before(path: Path, step: int) -> None:
+    """Drop metrics rows of steps >= `step`: a resumed run appends its own for them (rows
+    written after the checkpoint, before the job died, would otherwise appear twice)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass  # a row the dying job left half-written
+    path.write_text("".join(kept))
+
+
+def write_step_timeline(trainer: Trainer, out_dir: str) -> None:
+    """Gather the last step's pipeline timeline (every rank calls); rank 0 writes it."""
+    from tetrad.parallel.pipeline.measure import measure_step, write_timeline
+
+    p = trainer.cfg.parallel
+    events = trainer.engine.pipeline_state.events
+    measured, simulated = measure_step(
+        events, trainer.comm, trainer.mesh["pp"], p.pp_schedule, p.microbatches, p.virtual_stages
+    )
+    if trainer.mesh.rank == 0:
+        write_timeline(measured, simulated, out_dir)

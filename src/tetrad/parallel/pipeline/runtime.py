@@ -5,6 +5,13 @@ for the ones its compute needs, runs the compute (F, B, W or BW) and posts its s
 non-blocking. Tensors that cross stages on the same rank (zb-v's V turn) go through the
 same mailbox as received ones, without a transfer. Every compute is timed, so a step's
 measured timeline can be compared with the simulator's prediction for the same lists.
+
+A stage output is freed as soon as its send is done (Megatron's trick): the autograd node
+stays, the tensor's storage is swapped for an empty one, and backward starts from the
+node's gradient edge, which needs no shape check against the freed data. gloo completes
+a send only once the peer has posted the matching receive, so the runtime waits for a
+send at the first step by which, in the schedule's unit-cost simulation, that receive is
+posted (`send_releases`): a wait the simulated run already satisfies cannot close a cycle.
 """
 
 from __future__ import annotations
@@ -16,13 +23,16 @@ import torch
 
 from tetrad.comm import Comm, Work
 from tetrad.mesh import Mesh
+from tetrad.parallel.pipeline.measure import ActivationMeter
 from tetrad.parallel.pipeline.schedules import Action, Step, wire
+from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import Chunk
 from tetrad.parallel.pipeline.timeline import Event
 from tetrad.parallel.pipeline.weightgrad import WeightGradStore
 from tetrad.train.data import Microbatch
 
 Key = tuple[int, int]  # (stage, microbatch)
+Wire = tuple[str, int, int]  # (direction, stage, microbatch): a tensor on the wire
 
 
 @dataclass
@@ -33,13 +43,14 @@ class StepState:
     denom: float
     box: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     recvs: dict[tuple[str, int, int], tuple[Work, torch.Tensor]] = field(default_factory=dict)
-    sends: list[tuple[Work, torch.Tensor]] = field(default_factory=list)
+    sends: dict[Wire, tuple[Work, torch.Tensor]] = field(default_factory=dict)  # in flight
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     events: list[Event] = field(default_factory=list)
     in_flight: int = 0
     peak_in_flight: int = 0
+    peak_act_bytes: int = 0  # activations: saved for backward, awaiting send or W
 
 
 class PipelineRuntime:
@@ -55,10 +66,14 @@ class PipelineRuntime:
         act_shape: tuple[int, ...],
         loss_fn,
         store: WeightGradStore | None,
+        releases: list[tuple[Wire, ...]] | None = None,
     ):
         self.model, self.mesh, self.comm, self.loss_fn = model, mesh, comm, loss_fn
         self.chunks = {c.stage: c for c in chunks}
         self.rank_steps, self.act_shape, self.store = rank_steps, act_shape, store
+        # per step, the sends to wait for (and free) before its compute; None: at the end
+        self.releases = releases or [() for _ in rank_steps]
+        self.meter = ActivationMeter()
         self.holds_last = any(c.last for c in chunks)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -66,19 +81,21 @@ class PipelineRuntime:
     def run(self, micro: list[Microbatch], denom: float) -> StepState:
         """Execute the whole schedule for one optimizer step."""
         st = StepState(micro, denom)
-        for step in self.rank_steps:
+        self.meter.reset(self.model.parameters())
+        for step, release in zip(self.rank_steps, self.releases):
             self._post(st, step.post)
             for a in step.wait:
                 work, buf = st.recvs.pop(wire(a))
                 work.wait()
                 st.box[wire(a)] = buf
+            self._release(st, release)
             t0 = time.time()
             self._compute(st, step.compute)
             c = step.compute
             st.events.append(Event(c.kind, c.stage, c.microbatch, t0, time.time()))
             self._send(st, step.sends)
-        for work, _ in st.sends:
-            work.wait()
+        self._release(st, tuple(st.sends))
+        st.peak_act_bytes = self.meter.peak
         return st
 
     # --- transfers ----------------------------------------------------------------------
@@ -101,7 +118,19 @@ class PipelineRuntime:
             t = st.box.pop(wire(a))
             ops.append(("send", t, self._peer(a)))
         works = self.comm.batch_p2p(ops, self.mesh["pp"])
-        st.sends.extend(zip(works, [t for _, t, _ in ops]))
+        for a, work, (_, t, _) in zip(sends, works, ops):
+            st.sends[wire(a)] = (work, t)
+            out = st.outputs.get((a.stage - 1, a.microbatch)) if a.kind == "SEND_F" else None
+            if out is not None and self.meter.references(out) == 1:  # only our own hold:
+                # autograd did not save the output, so the send buffer may own its storage
+                out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+
+    def _release(self, st: StepState, keys: tuple[Wire, ...]) -> None:
+        """Wait for these sends; dropping their buffers frees the sent tensors."""
+        for key in keys:
+            work, _ = st.sends.pop(key)
+            work.wait()
+            self.meter.drop(key)
 
     # --- compute ------------------------------------------------------------------------
     def _compute(self, st: StepState, a: Action) -> None:
@@ -110,7 +139,8 @@ class PipelineRuntime:
         elif a.kind in ("B", "BW"):
             self._backward(st, a.stage, a.microbatch, split=a.kind == "B")
         elif a.kind == "W":
-            self.store.flush((a.stage, a.microbatch))
+            self._weight_grads((a.stage, a.microbatch))
+            self.meter.drop(("W", a.stage, a.microbatch))
         else:
             raise ValueError(f"unknown compute action {a}")
 
@@ -121,37 +151,82 @@ class PipelineRuntime:
         else:
             x = st.box.pop(("F", s, i)).requires_grad_(True)
             st.inputs[(s, i)] = x
-        out = self.model.forward_span(x, list(chunk.layers), chunk.first, chunk.last)
+        with self.meter.saving():
+            out = self.model.forward_span(x, list(chunk.layers), chunk.first, chunk.last)
+            if chunk.last:
+                loss = self.loss_fn(out, mb.targets.to(self.device)) / st.denom
         if chunk.last:
-            loss = self.loss_fn(out, mb.targets.to(self.device)) / st.denom
             st.loss += loss.detach().double().cpu()
             st.outputs[(s, i)] = loss
         else:
             st.outputs[(s, i)] = out
             st.box[("F", s + 1, i)] = out.detach()  # sent, or handed to the local next stage
+            self.meter.hold(("F", s + 1, i), [out])  # until its send is done, or its backward
         st.in_flight += 1
         st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
 
     def _backward(self, st: StepState, s: int, i: int, split: bool) -> None:
         chunk = self.chunks[s]
         out = st.outputs.pop((s, i))
-        grad = None if chunk.last else st.box.pop(("B", s, i))
         if self.store is not None:
             self.store.key = (s, i)
-        torch.autograd.backward(out, grad)
+        if chunk.last:
+            torch.autograd.backward(out)
+        else:  # from the gradient edge: `out`'s storage may already be freed
+            grad = st.box.pop(("B", s, i))
+            torch.autograd.backward(torch.autograd.graph.get_gradient_edge(out), grad)
+            if ("F", s + 1, i) not in st.sends:  # handed to a local next stage, never sent
+                self.meter.drop(("F", s + 1, i))
         if self.store is not None:
             self.store.key = None
             if not split:
-                self.store.flush((s, i))
+                self._weight_grads((s, i))
+            else:  # the inputs and output gradients W will need stay alive until then
+                filed = self.store.pending.get((s, i), [])
+                self.meter.hold(("W", s, i), [t for _, x, g in filed for t in (x, g)])
         if not chunk.first:
             x = st.inputs.pop((s, i))
             st.box[("B", s - 1, i)] = x.grad  # gradient of stage s-1's output
         st.in_flight -= 1
 
+    def _weight_grads(self, key: Key) -> None:
+        # the filed inputs require grad: outside no_grad, each weight gradient would record
+        # a graph holding every microbatch's inputs until zero_grad (and DP's bucket views
+        # refuse in-place adds of such tensors)
+        with torch.no_grad():
+            self.store.flush(key)
+
+
+def send_releases(
+    actions: list[list[Action]], all_steps: list[list[Step]], rank: int
+) -> list[tuple[Wire, ...]]:
+    """For each of `rank`'s steps, the sends (wire keys) to wait for before its compute.
+
+    A send from step k is waited at the first later step whose compute starts, in the
+    unit-cost simulation of the same lists, no earlier than the peer posts the matching
+    receive. That simulated run satisfies every such wait, so they add no cycle to the
+    schedule's dependencies and cannot deadlock it; sends with no such step wait at the
+    end. Real costs that differ from unit ones can only delay a release, never hang it.
+    """
+    tl = simulate(actions, Costs(f=1.0, b=1.0, w=1.0, comm=0.0))
+    posted: dict[Wire, float] = {}  # a receive is posted when its step's predecessor ends
+    for r, rank_steps in enumerate(all_steps):
+        for t, step in enumerate(rank_steps):
+            for a in step.post:
+                posted[wire(a)] = tl.ranks[r][t - 1].end if t > 0 else 0.0
+    starts = [e.start for e in tl.ranks[rank]]
+    out: list[list[Wire]] = [[] for _ in starts]
+    for k, step in enumerate(all_steps[rank]):
+        for a in step.sends:
+            later = [j for j in range(k + 1, len(starts)) if starts[j] >= posted[wire(a)]]
+            if later:
+                out[later[0]].append(wire(a))
+    return [tuple(keys) for keys in out]
+
 
 def attach_pipeline(engine, cfg, chunks: list[Chunk]) -> PipelineRuntime:
     """Give `engine` this rank's pipeline: schedule, runtime, split backward, tied embedding."""
-    from tetrad.parallel.pipeline.schedules import build_schedule, steps
+    from tetrad.parallel.pipeline.schedules import build_schedule, stage_to_rank, steps
     from tetrad.parallel.pipeline.weightgrad import WeightGradStore, defer_weight_grads
 
     p, mesh = cfg.parallel, engine.mesh
@@ -161,21 +236,27 @@ def attach_pipeline(engine, cfg, chunks: list[Chunk]) -> PipelineRuntime:
         store = WeightGradStore()
         defer_weight_grads(engine.model, store)
     seq = cfg.train.seq_len // (p.tp if p.sp else 1)
+    all_steps, rank = steps(actions, lookahead=1), mesh["pp"].rank
     runtime = PipelineRuntime(
         engine.model,
         chunks,
-        steps(actions, lookahead=1)[mesh["pp"].rank],
+        all_steps[rank],
         mesh,
         engine.comm,
         (cfg.microbatch_size, seq, cfg.model.dim),
         lambda logits, targets: engine.loss_fn(logits, targets),
         store,
+        send_releases(actions, all_steps, rank),
     )
     if cfg.model.tie_embeddings and engine.model.tok_embeddings is not None:
         name = "tok_embeddings.weight"
         # counted once in the grad norm: on the first stage's rank (pp coordinate 0)
         engine.replicated[name] = tuple(engine.replicated[name]) + ("pp",)
-        engine.tied_across_stages = mesh["pp_ends"].size > 1
+        # zb-v's V puts the first and the last stage on one rank: nothing to sum across
+        ends_apart = stage_to_rank(0, p.pp, p.virtual_stages, p.pp_schedule) != (
+            stage_to_rank(p.pp * p.virtual_stages - 1, p.pp, p.virtual_stages, p.pp_schedule)
+        )
+        engine.tied_across_stages = ends_apart and mesh["pp_ends"].size > 1
     engine.pipeline = runtime
     return runtime
 

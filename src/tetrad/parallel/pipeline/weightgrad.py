@@ -45,13 +45,16 @@ class WeightGradStore:
 class _DeferredMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, store):
-        ctx.save_for_backward(x, weight)
-        ctx.store = store
+        ctx.save_for_backward(x)
+        # the Parameter itself, not a saved tensor: under saved-tensor hooks (activation
+        # meters, checkpointing) autograd unpacks an alias, and W files by identity
+        ctx.weight, ctx.store = weight, store
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
         ctx.store.defer(weight, x, grad)
         return grad @ weight, None, None
 

@@ -1,0 +1,366 @@
+"""tetrad's pipeline schedules against torch.distributed.pipelining, side by side.
+
+Phase 1, the schedules. Same model (tetrad's Llama: 8 layers, dim 256, 8 heads, 4 kv
+heads, vocab 8192), same stages (tetrad's balanced split; the peer's `PipelineStage`
+wraps each rank's span of the same module, from the same initial weights), same batches
+(8 sequences of 128 tokens per step in 8 microbatches), same loss semantics, AdamW and
+clipping, same world (gloo, 1 thread per rank), in the same processes:
+
+  tetrad-1f1b, tetrad-zb-h1   tetrad's runtime
+  torch-1f1b, torch-zb        Schedule1F1B, ScheduleInterleavedZeroBubble (one stage per
+                              rank: its ZB-H1 equivalent)
+
+Phase 2, the split. The same model with a 32000-token vocabulary (the head then costs
+several layers): tetrad 1F1B on its balanced split against the cost-blind even split,
+and the simulator's prediction for both.
+
+Every round runs one step of each runner, in an order that rotates between rounds;
+tokens/s is the median over rounds and each ratio the median of the rounds' ratios, so
+load that comes and goes on a shared machine hits both sides of a ratio alike.
+
+Bubble fraction, two ways. "timeline": 1 - busy / (pp x makespan) from the compute
+intervals tetrad's runtime records (its picture), next to the simulator's prediction at
+the step's measured median costs; "cpu": 1 - (main-thread CPU seconds summed over ranks)
+/ (pp x step wall time), which needs no instrumentation and so is measured for the peer
+too; it counts framework overhead as busy. Activation memory: the peak bytes of distinct
+tensors saved for backward (autograd's saved-tensor hooks), plus, for tetrad, stage
+outputs awaiting their send and inputs of deferred weight gradients.
+
+With pp=4 on a 2-core machine the ranks share cores: wall times and the cpu bubble
+(>= 0.5 by construction) then measure contention as much as the schedule.
+
+    .venv/bin/python benchmarks/pp.py            # pp 2 and 4, prints JSON (2-3 minutes)
+    .venv/bin/python benchmarks/pp.py --timelines docs/img   # + docs/img/pp4-{1f1b,zb-h1}.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tetrad.config import Config, from_dict
+from tetrad.mesh import Mesh
+from tetrad.models.flops import param_count
+from tetrad.models.init import materialize
+from tetrad.models.llama import Llama, cross_entropy_sum
+from tetrad.parallel.pipeline import Costs, even_split, llama_layer_costs, simulate_schedule
+from tetrad.parallel.pipeline.measure import ActivationMeter, measure_step, plot_pair
+from tetrad.parallel.pipeline.partition import stage_costs
+from tetrad.parallel.pipeline.stage import layer_split, prune, rank_chunks
+from tetrad.testing import spawn
+from tetrad.train.data import Loader, make_source
+from tetrad.train.loop import Trainer
+from tetrad.train.optim import build_optimizer, lr_at, set_lr
+
+MODEL = {"layers": 8, "dim": 256, "heads": 8, "kv_heads": 4, "vocab": 8192}
+BIG_VOCAB = 32000  # the split phase: the head then costs several layers
+MICROBATCHES = 8
+
+
+def bench_config(
+    pp: int, schedule: str = "1f1b", split: str = "", vocab: int = MODEL["vocab"]
+) -> Config:
+    """The benchmark job: 8 x 128 tokens per step, synthetic data, pp = world."""
+    return from_dict(
+        {
+            "model": MODEL | {"vocab": vocab},
+            "parallel": {
+                "pp": pp, "pp_schedule": schedule, "microbatches": MICROBATCHES, "pp_split": split,
+            },
+            "train": {"global_batch": 8, "seq_len": 128, "steps": 10**6, "progress": False},
+            "data": {"source": "synthetic"},
+        }
+    )  # fmt: skip
+
+
+class TetradRunner:
+    """tetrad's Trainer; after each step, its timeline (a collective) and memory."""
+
+    def __init__(self, cfg: Config, rank: int):
+        self.cfg = cfg
+        self.mesh = Mesh.build({"pp": cfg.parallel.pp, "dp": 1, "fsdp": 1, "tp": 1}, rank)
+        self.trainer = Trainer(cfg, self.mesh, torch.device("cpu"))
+        self.timeline = None
+
+    def train_step(self) -> float:
+        return self.trainer.train_step().loss
+
+    def after_step(self) -> dict[str, float]:
+        """Measured and simulated bubble of the step just run, and peak activations."""
+        state = self.trainer.engine.pipeline_state
+        p = self.cfg.parallel
+        measured, simulated = measure_step(
+            state.events, self.trainer.comm, self.mesh["pp"], p.pp_schedule, p.microbatches
+        )
+        self.timeline = (measured, simulated)
+        return {
+            "bubble_timeline": measured.bubble_fraction,
+            "bubble_simulated": simulated.bubble_fraction,
+            "act_bytes": float(state.peak_act_bytes),
+        }
+
+
+class _Span(nn.Module):
+    """One rank's stage of tetrad's Llama as a plain module, for PipelineStage."""
+
+    def __init__(self, model: Llama, layers: tuple[str, ...], first: bool, last: bool):
+        super().__init__()
+        self.model, self.layers, self.first, self.last = model, list(layers), first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_span(x, self.layers, self.first, self.last)
+
+
+class PeerRunner:
+    """The same step with torch.distributed.pipelining on the same stage split."""
+
+    def __init__(self, cfg: Config, rank: int, world: int, zero_bubble: bool):
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleInterleavedZeroBubble,
+        )
+
+        self.cfg, self.rank, self.world, self.step = cfg, rank, world, 0
+        with torch.device("meta"):
+            model = Llama(cfg.model)
+        (chunk,) = rank_chunks(cfg, rank)
+        prune(model, [chunk])
+        materialize(model, cfg.model, cfg.train.seed, "cpu")  # tetrad's exact initial weights
+        self.model, self.meter = model, ActivationMeter()
+        span = _Span(model, chunk.layers, chunk.first, chunk.last)
+        span.forward = self._metered(span.forward)
+        stage = PipelineStage(span, rank, world, torch.device("cpu"))
+        # tetrad's loss semantics: every microbatch's token-loss sum over the step's token
+        # count, so the microbatch losses add up to the global token mean (no rescaling)
+        self.denom = 1.0
+        loss = self._metered(lambda out, targets: cross_entropy_sum(out, targets) / self.denom)
+        m = cfg.parallel.microbatches
+        kind = ScheduleInterleavedZeroBubble if zero_bubble else Schedule1F1B
+        self.schedule = kind([stage] if zero_bubble else stage, m, loss_fn=loss, scale_grads=False)
+        self.optimizer = build_optimizer(list(model.named_parameters()), cfg.train)
+        source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
+        self.loader = Loader(source, cfg.train.global_batch, cfg.train.seq_len, 0, 1, 1)
+
+    def _metered(self, fn):
+        def run(*args):
+            with self.meter.saving():
+                return fn(*args)
+
+        return run
+
+    def train_step(self) -> float:
+        """One optimizer step; the last rank returns the mean token loss (others 0)."""
+        (batch,) = self.loader.next()
+        self.denom = float((batch.targets != -100).sum())
+        self.meter.reset(self.model.parameters())
+        losses: list[torch.Tensor] = []
+        if self.rank == 0:
+            self.schedule.step(batch.inputs)
+        elif self.rank == self.world - 1:
+            self.schedule.step(target=batch.targets, losses=losses)
+        else:
+            self.schedule.step()
+        self._clip_and_step()
+        return float(sum(float(x.detach()) for x in losses))
+
+    def _clip_and_step(self) -> None:
+        """tetrad's clipping (one world all-reduce of the squared norm) and AdamW."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum().reshape(1)
+        dist.all_reduce(sq)
+        norm, clip = math.sqrt(float(sq)), self.cfg.train.grad_clip
+        if clip > 0 and norm > clip:
+            torch._foreach_mul_(grads, clip / (norm + 1e-6))
+        set_lr(self.optimizer, lr_at(self.step, self.cfg.train))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+    def after_step(self) -> dict[str, float]:
+        return {"act_bytes": float(self.meter.peak)}
+
+
+def _timed_step(runner) -> dict[str, Any]:
+    """One step: wall time (slowest rank), main-thread CPU per rank, the runner's extras."""
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    loss = runner.train_step()
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    extras = runner.after_step()
+    row = torch.tensor([wall, cpu, extras.get("act_bytes", 0.0)], dtype=torch.float64)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    table = torch.stack(rows)
+    wall_max = float(table[:, 0].max())
+    return {
+        **extras,
+        "loss": loss,
+        "wall": wall_max,
+        "bubble_cpu": 1.0 - float(table[:, 1].sum()) / (len(rows) * wall_max),
+        "act_bytes": [int(b) for b in table[:, 2].tolist()],
+    }
+
+
+def worker(rank: int, world: int, rounds: int, timelines: str) -> dict:
+    """Both phases on this rank: the schedules (vocab 8192), then the splits (vocab 32000)."""
+    schedules = {
+        "tetrad-1f1b": TetradRunner(bench_config(world, "1f1b"), rank),
+        "tetrad-zb-h1": TetradRunner(bench_config(world, "zb-h1"), rank),
+        "torch-1f1b": PeerRunner(bench_config(world), rank, world, zero_bubble=False),
+        "torch-zb": PeerRunner(bench_config(world), rank, world, zero_bubble=True),
+    }
+    out = {"schedules": _rounds(schedules, rounds)}
+    if timelines and rank == 0:  # the last round's step of each tetrad schedule
+        Path(timelines).mkdir(parents=True, exist_ok=True)
+        for name in ("tetrad-1f1b", "tetrad-zb-h1"):
+            measured, simulated = schedules[name].timeline
+            plot_pair(measured, simulated, f"{timelines}/pp{world}-{name[7:]}.png")
+    out["zb_costs"] = schedules["tetrad-zb-h1"].timeline[0].meta["costs"]
+    del schedules
+    even = ",".join(map(str, even_split(MODEL["layers"], world)))
+    splits = {
+        "balanced": TetradRunner(bench_config(world, vocab=BIG_VOCAB), rank),
+        "even": TetradRunner(bench_config(world, split=even, vocab=BIG_VOCAB), rank),
+    }
+    out["splits"] = _rounds(splits, rounds)
+    out["split_costs"] = {name: r.timeline[0].meta["costs"] for name, r in splits.items()}
+    return out
+
+
+def _rounds(runners: dict, rounds: int) -> dict[str, list[dict]]:
+    """Round r runs one step of each runner, the order rotated by r. Round 0 warms up
+    (allocators, connections, shapes) and is dropped from the statistics, but its loss,
+    from the same initial weights and batch, is kept to compare implementations."""
+    rows: dict[str, list[dict]] = {name: [] for name in runners}
+    names = list(runners)
+    for r in range(rounds + 1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            rows[name].append(_timed_step(runners[name]))
+    return rows
+
+
+def _entry(steps: list[dict], pp: int) -> dict[str, Any]:
+    """Medians over the timed steps of one runner."""
+    tokens = 8 * 128
+    entry = {
+        "tokens_per_s": round(statistics.median(tokens / s["wall"] for s in steps), 1),
+        "bubble_cpu": round(statistics.median(s["bubble_cpu"] for s in steps), 3),
+        "peak_act_mib_per_rank": [
+            round(max(s["act_bytes"][r] for s in steps) / 2**20, 2) for r in range(pp)
+        ],
+    }
+    for key in ("bubble_timeline", "bubble_simulated"):
+        if key in steps[0]:
+            entry[key] = round(statistics.median(s[key] for s in steps), 3)
+    return entry
+
+
+def summarize(pp: int, ranks: list[dict]) -> dict[str, Any]:
+    """One result row per pp: medians over rounds and ratios of paired rounds."""
+    rows, last = ranks[0]["schedules"], ranks[-1]["schedules"]
+    out: dict[str, Any] = {"pp": pp, "split": layer_split(bench_config(pp))}
+    # the loss of step 0 (same weights, same batch); the peer reports it on the last rank
+    out["step0_loss"] = {
+        "tetrad": rows["tetrad-1f1b"][0]["loss"],
+        "torch": last["torch-1f1b"][0]["loss"],
+    }
+    rows = {name: steps[1:] for name, steps in rows.items()}
+    out |= {name: _entry(steps, pp) for name, steps in rows.items()}
+    out["ratios"] = {
+        "tetrad-1f1b / torch-1f1b tokens/s": _ratio(rows, "tetrad-1f1b", "torch-1f1b"),
+        "tetrad-zb-h1 / torch-zb tokens/s": _ratio(rows, "tetrad-zb-h1", "torch-zb"),
+        "tetrad-zb-h1 / tetrad-1f1b tokens/s": _ratio(rows, "tetrad-zb-h1", "tetrad-1f1b"),
+        "zb-h1 / 1f1b bubble, measured": round(
+            out["tetrad-zb-h1"]["bubble_timeline"] / out["tetrad-1f1b"]["bubble_timeline"], 3
+        ),
+        "zb-h1 / 1f1b bubble, simulated at measured costs": round(
+            out["tetrad-zb-h1"]["bubble_simulated"] / out["tetrad-1f1b"]["bubble_simulated"], 3
+        ),
+    }
+    out["zb-h1 measured costs (s)"] = _round_costs(ranks[0]["zb_costs"])
+    splits = {name: steps[1:] for name, steps in ranks[0]["splits"].items()}
+    out["split_vocab_32000"] = {
+        "balanced": {"split": layer_split(bench_config(pp, vocab=BIG_VOCAB))}
+        | _entry(splits["balanced"], pp)
+        | {"measured costs (s)": _round_costs(ranks[0]["split_costs"]["balanced"])},
+        "even": {"split": even_split(MODEL["layers"], pp)}
+        | _entry(splits["even"], pp)
+        | {"measured costs (s)": _round_costs(ranks[0]["split_costs"]["even"])},
+        "balanced / even tokens/s": _ratio(splits, "balanced", "even"),
+        "simulated": simulate_split(pp),
+    }
+    return out
+
+
+def _round_costs(costs: dict) -> dict:
+    return {
+        k: [round(x, 4) for x in v] if isinstance(v, list) else round(v, 5)
+        for k, v in costs.items()
+    }
+
+
+def _ratio(rows: dict[str, list[dict]], a: str, b: str) -> float:
+    """Median over rounds of a's tokens/s over b's (each round's steps ran back to back)."""
+    return round(statistics.median(sb["wall"] / sa["wall"] for sa, sb in zip(rows[a], rows[b])), 3)
+
+
+def simulate_split(pp: int) -> dict[str, Any]:
+    """The simulator's 1F1B makespan for the even and the balanced split, in FLOPs-derived
+    cost units (F = B = W = a third of each stage's forward+backward FLOPs)."""
+    cfg = bench_config(pp, vocab=BIG_VOCAB)
+    m = cfg.model
+    costs = llama_layer_costs(
+        m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads, m.vocab, cfg.train.seq_len
+    )
+    spans = {}
+    for name, split in (("even", even_split(m.layers, pp)), ("balanced", layer_split(cfg))):
+        per_stage = [c / 3 / costs[1] for c in stage_costs(costs, split)]  # in layer-forwards
+        tl = simulate_schedule("1f1b", pp, MICROBATCHES, Costs(per_stage, per_stage, per_stage))
+        spans[name] = tl.makespan
+    return {
+        "makespan_even": round(spans["even"], 2),
+        "makespan_balanced": round(spans["balanced"], 2),
+        "predicted_speedup": round(spans["even"] / spans["balanced"], 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--timelines", default="", help="write pp=4 timeline pictures under DIR")
+    args = p.parse_args()
+    results = []
+    t0 = time.perf_counter()
+    for pp in args.pp:
+        timelines = args.timelines if pp == max(args.pp) else ""
+        ranks = spawn(worker, pp, args.rounds, timelines, timeout=900)
+        results.append(summarize(pp, ranks))
+    report = {
+        "benchmark": "pp",
+        "model": MODEL,
+        "params": param_count(bench_config(2).model),
+        "tokens_per_step": 8 * 128,
+        "microbatches": MICROBATCHES,
+        "backend": "gloo",
+        "threads_per_rank": 1,
+        "torch": torch.__version__,
+        "rounds": args.rounds,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "results": results,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

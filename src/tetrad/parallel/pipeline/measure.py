@@ -1,0 +1,262 @@
+"""What a real pipeline step did: its timeline, its costs, its activation memory.
+
+`gather_timeline` collects every pp rank's measured compute events into one `Timeline`
+(seconds from the step's first start). `estimate_costs` reads per-stage F/B/W times and
+the transfer latency off that timeline (medians), and `simulated_timeline` replays the
+same schedule in the simulator with those costs, so a measured bubble can be held
+against the bubble the schedule itself predicts. `write_timeline` draws both and writes
+Chrome traces. `ActivationMeter` counts activation bytes through autograd's saved-tensor
+hooks, for tetrad's runtime and for the peer in benchmarks/pp.py alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from tetrad.comm import Comm
+from tetrad.mesh import Group
+from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
+from tetrad.parallel.pipeline.timeline import Event, Timeline, save_chrome_trace
+
+KINDS = ("F", "B", "W", "BW")
+
+
+# --- the measured timeline ------------------------------------------------------------
+
+
+def gather_timeline(events: list[Event], comm: Comm, group: Group, **meta) -> Timeline:
+    """Every pp rank's events of one step as one Timeline; a collective over `group`.
+
+    Clocks are compared directly (one host: one clock), so times are seconds from the
+    earliest start on any rank. Ranks may hold different numbers of events: each pads.
+    """
+    count = torch.tensor([float(len(events))], dtype=torch.float64)
+    counts = torch.empty(group.size, dtype=torch.float64)
+    comm.all_gather(counts, count, group)
+    n = int(counts.max())
+    rows = torch.full((n, 5), -1.0, dtype=torch.float64)  # [kind, stage, mb, start, end]
+    if events:  # float64: epoch seconds need its 53 bits to keep microseconds
+        rows[: len(events)] = torch.tensor(
+            [[KINDS.index(e.kind), e.stage, e.microbatch, e.start, e.end] for e in events],
+            dtype=torch.float64,
+        )
+    table = torch.empty(group.size * n, 5, dtype=torch.float64)
+    comm.all_gather(table, rows, group)
+    table = table.view(group.size, n, 5)
+    valid = table[..., 0] >= 0
+    t0 = float(table[..., 3][valid].min()) if bool(valid.any()) else 0.0
+    ranks = [
+        [
+            Event(KINDS[int(k)], int(s), int(mb), float(a) - t0, float(b) - t0)
+            for k, s, mb, a, b in table[r][valid[r]].tolist()
+        ]
+        for r in range(group.size)
+    ]
+    return Timeline(ranks, unit="s", schedule=meta.pop("schedule", ""), meta=meta)
+
+
+# --- costs read off a measured timeline ----------------------------------------------
+
+
+def estimate_costs(tl: Timeline, n_stages: int) -> Costs:
+    """Per-stage median F, B and W times, and the median transfer latency.
+
+    A full backward (BW) splits evenly into B and W: the simulator only ever adds them.
+    Latency samples: a consumer that sat idle until its producer finished, from the
+    producer's end to the consumer's start (transfer plus the runtime's bookkeeping).
+    """
+    times: dict[tuple[str, int], list[float]] = {}
+    for events in tl.ranks:
+        for e in events:
+            if e.kind == "BW":
+                times.setdefault(("B", e.stage), []).append(e.duration / 2)
+                times.setdefault(("W", e.stage), []).append(e.duration / 2)
+            else:
+                times.setdefault((e.kind, e.stage), []).append(e.duration)
+    per_stage = {
+        kind: [_median(times.get((kind, s), [])) for s in range(n_stages)]
+        for kind in ("F", "B", "W")
+    }
+    return Costs(per_stage["F"], per_stage["B"], per_stage["W"], _median(transfer_gaps(tl)))
+
+
+def transfer_gaps(tl: Timeline) -> list[float]:
+    """Producer-end to consumer-start gaps where the consumer was waiting for that tensor."""
+    where = {(e.kind, e.stage, e.microbatch): (r, e) for r, ev in enumerate(tl.ranks) for e in ev}
+    gaps = []
+    for r, events in enumerate(tl.ranks):
+        idle_since = 0.0
+        for e in events:
+            src = _producer(e, where)
+            if src is not None and src[0] != r and src[1].end >= idle_since:
+                gaps.append(max(e.start - src[1].end, 0.0))
+            idle_since = e.end
+    return gaps
+
+
+def _producer(e: Event, where: dict) -> tuple[int, Event] | None:
+    """The (rank, event) whose output `e` consumes from another stage, if any."""
+    if e.kind == "F":
+        return where.get(("F", e.stage - 1, e.microbatch))
+    if e.kind in ("B", "BW"):
+        return where.get(("B", e.stage + 1, e.microbatch)) or where.get(
+            ("BW", e.stage + 1, e.microbatch)
+        )
+    return None
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def simulated_timeline(
+    schedule: str, pp: int, microbatches: int, costs: Costs, virtual_stages: int = 1
+) -> Timeline:
+    """The simulator's timeline of the same schedule at measured costs (unit: seconds)."""
+    tl = simulate_schedule(schedule, pp, microbatches, costs, virtual_stages)
+    tl.unit = "s"
+    return tl
+
+
+def measure_step(
+    events: list[Event], comm: Comm, group: Group, schedule: str, microbatches: int, v: int = 1
+) -> tuple[Timeline, Timeline]:
+    """(measured, simulated) timelines of one step; a collective over the pp `group`."""
+    measured = gather_timeline(
+        events, comm, group, schedule=schedule, microbatches=microbatches, virtual_stages=v
+    )
+    costs = estimate_costs(measured, group.size * v)
+    simulated = simulated_timeline(schedule, group.size, microbatches, costs, v)
+    measured.meta["costs"] = simulated.meta["costs"] = _costs_dict(costs)
+    return measured, simulated
+
+
+def _costs_dict(c: Costs) -> dict:
+    return {"f": list(c.f), "b": list(c.b), "w": list(c.w), "comm": c.comm}
+
+
+def write_timeline(measured: Timeline, simulated: Timeline, out_dir: str | Path) -> list[Path]:
+    """DIR/timeline.png (measured above simulated), DIR/timeline.json and
+    DIR/timeline_sim.json (Chrome traces: open them in Perfetto). Returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "timeline.png", out / "timeline.json", out / "timeline_sim.json"]
+    plot_pair(measured, simulated, paths[0])
+    save_chrome_trace(measured, str(paths[1]))
+    save_chrome_trace(simulated, str(paths[2]))
+    return paths
+
+
+def plot_pair(measured: Timeline, simulated: Timeline, path: str | Path) -> None:
+    """One PNG: the measured timeline above the simulated one, on one time axis, so the
+    idle time the schedule explains and the idle time it does not line up."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    from tetrad.parallel.pipeline.timeline import _draw
+
+    name = measured.schedule or "pipeline"
+    height = 1.6 + 0.9 * measured.pp
+    fig, axes = plt.subplots(2, 1, figsize=(14, height), sharex=True)
+    _draw(axes[0], f"{name} measured, pp={measured.pp}", measured)
+    _draw(axes[1], f"{name} simulated at the measured median costs", simulated)
+    span = max(measured.makespan, simulated.makespan)
+    for ax in axes:
+        ax.set_xlim(0, span)
+        ax.tick_params(labelbottom=True)  # sharex hides the upper panel's time labels
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- activation memory -----------------------------------------------------------------
+
+
+class ActivationMeter:
+    """Live and peak bytes of activations held by one rank.
+
+    Counted: the distinct storages autograd saves for backward while `saving()` is active
+    (released when autograd frees them), plus whatever `hold` keeps alive on top (stage
+    outputs waiting for their send, inputs of deferred weight gradients). Parameters are
+    not activations and are skipped; views of one storage count once.
+    """
+
+    def __init__(self) -> None:
+        self.skip: set[int] = set()
+        self.refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self.held: dict[object, list[int]] = {}
+        self.live = 0
+        self.peak = 0
+
+    def reset(self, params: Iterable[torch.Tensor] = ()) -> None:
+        """Start a new peak; `params`' storages are never counted."""
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.peak = self.live
+
+    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Context manager: count every tensor autograd saves inside it."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def hold(self, key: object, tensors: Iterable[torch.Tensor]) -> None:
+        """Count `tensors` as live until `drop(key)`."""
+        ptrs = [p for p in (self._ref(t) for t in tensors) if p is not None]
+        self.held.setdefault(key, []).extend(ptrs)
+
+    def drop(self, key: object) -> None:
+        """Stop counting what `hold(key, ...)` kept."""
+        for ptr in self.held.pop(key, []):
+            self._unref(ptr)
+
+    def references(self, t: torch.Tensor) -> int:
+        """How many saved tensors and holds currently count `t`'s storage."""
+        return self.refs.get(t.untyped_storage().data_ptr(), [0])[0]
+
+    def _pack(self, t: torch.Tensor):
+        ptr = self._ref(t)
+        # detached: an output saved by its own node would otherwise hold that node, a
+        # cycle through C++ that Python's collector cannot see (graphs kept for a later
+        # weight pass then leak)
+        return t if ptr is None else _Saved(t.detach(), ptr, self)
+
+    def _ref(self, t: torch.Tensor) -> int | None:
+        if t.device.type == "meta":
+            return None
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.skip:
+            return None
+        entry = self.refs.setdefault(ptr, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        return ptr
+
+    def _unref(self, ptr: int) -> None:
+        entry = self.refs[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.refs[ptr]
+
+
+class _Saved:
+    """A saved tensor with a receipt: when autograd lets go of it, the meter is told."""
+
+    __slots__ = ("tensor", "ptr", "meter")
+
+    def __init__(self, tensor: torch.Tensor, ptr: int, meter: ActivationMeter):
+        self.tensor, self.ptr, self.meter = tensor, ptr, meter
+
+    def __del__(self) -> None:
+        self.meter._unref(self.ptr)
+
+
+def _unpack(packed):
+    return packed.tensor if isinstance(packed, _Saved) else packed
