@@ -35,6 +35,7 @@ TRAIN_FLAGS = {
     "dtype": ("train", "dtype", str),
     "out": ("train", "out", str),
     "data": ("data", "source", str),
+    "checkpoint_every": ("checkpoint", "every", int),
 }
 DEGREES = ("dp", "fsdp", "tp", "pp")
 
@@ -57,8 +58,20 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + flag.replace("_", "-"), type=typ, **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        default=None,
+        help="continue from the newest checkpoint under OUT/checkpoints, in any layout",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores/N)")
+    p.add_argument(
+        "--timeline",
+        metavar="DIR",
+        help="pp>1: write the last step's measured and simulated pipeline timeline to "
+        "DIR/timeline.png, DIR/timeline.json and DIR/timeline_sim.json (Chrome traces)",
+    )
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -74,6 +87,8 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.parallel.sp = True
     if args.tie_embeddings:
         cfg.model.tie_embeddings = True
+    if args.resume:
+        cfg.checkpoint.resume = True
     if args.no_progress:
         cfg.train.progress = False
     return cfg
@@ -128,12 +143,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if not under_torchrun:
         nproc = fill_world(cfg, args)
         validate(cfg, nproc)
+        from tetrad.train.checkpoint import checkpoint_root, find_resume
+
+        find_resume(checkpoint_root(cfg), cfg)  # a refused --out fails once, before launching
         if nproc > 1:
             return launch(nproc, drop_nproc(argv), cfg)
     from tetrad.train.run import run
 
     threads = args.threads or int(os.environ.get("TETRAD_THREADS", "0"))
-    run(cfg, threads=threads or None)
+    run(cfg, threads=threads or None, timeline=args.timeline)
     return 0
 
 
@@ -160,6 +178,10 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--iters", type=int, default=20, help="timed calls per size (at most)")
     bench.add_argument("--seconds", type=float, default=0.5, help="time budget per size and op")
     bench.add_argument("--json", help="also write the results to this JSON file")
+    from tetrad.plan.cli import add_plan_args
+
+    plan = sub.add_parser("plan", help="predict memory and step time of a layout, or search")
+    add_plan_args(plan)
     return p
 
 
@@ -169,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, argv)
+        if args.command == "plan":
+            from tetrad.plan.cli import main as plan_main
+
+            return plan_main(args)
         return cmd_bench(args, argv)
     except ValueError as e:
         print(f"tetrad: error: {e}", file=sys.stderr)

@@ -1,8 +1,27 @@
-"""Declared peak throughput of devices, for MFU. GPU figures are the vendors' dense specs."""
+"""Devices and clusters the planner knows: declared peaks, memory, links, one efficiency.
+
+Every number here is a vendor specification or a published measurement (the sources are
+in /work/shared/REFERENCE.md and docs/plan.md), except `Device.efficiency`: the share of
+the dense peak a training step's matmuls reach on that device kind. It is calibrated once
+per device kind and stated in docs/plan.md; nothing else in the planner is fitted.
+
+Links follow the alpha-beta model: a collective over n ranks on a buffer of S bytes takes
+`alpha * steps + bus_bytes / bw`, with a ring's steps and bus bytes (all-reduce 2(n-1)
+steps and 2(n-1)/n·S bytes; all-gather and reduce-scatter n-1 and (n-1)/n·S; send/recv 1
+and S) and `bw` the achieved bus bandwidth per GPU (what nccl-tests calls busbw). A
+`tetrad bench comm` JSON replaces a link's alpha and bw by the measured ones, per op.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
 import torch
+
+GiB = 2**30
 
 # dense TFLOP/s by (device kind, dtype)
 PEAK_TFLOPS = {
@@ -14,6 +33,170 @@ PEAK_TFLOPS = {
     ("A100", "fp32"): 19.5,
 }
 
+RING = {  # op -> (steps, bus bytes per buffer byte) of a ring over n ranks
+    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "all_gather": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "reduce_scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "send_recv": (lambda n: 1, lambda n: 1.0),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link as one GPU sees it.
+
+    alpha_s: latency per ring step; bw_Bps: achieved bus bandwidth per GPU (bytes/s);
+    line_Bps: the line rate per direction it achieves that share of (0: unknown).
+    measured: per-op (alpha per call, bus bandwidth) from a `tetrad bench comm` fit; it
+    takes precedence over alpha_s and bw_Bps for the ops it has.
+    """
+
+    name: str
+    alpha_s: float
+    bw_Bps: float
+    line_Bps: float = 0.0
+    measured: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def achieved_fraction(self) -> float | None:
+        """Achieved bus bandwidth over line rate, where the line rate is known."""
+        return self.bw_Bps / self.line_Bps if self.line_Bps else None
+
+    def time(self, op: str, n: int, nbytes: float) -> float:
+        """Seconds for `op` over `n` ranks on a buffer of `nbytes` (the full buffer)."""
+        if n <= 1 and op != "send_recv":
+            return 0.0
+        steps, bus = RING[op]
+        if op in self.measured:
+            alpha, bw = self.measured[op]
+            return alpha + bus(n) * nbytes / bw
+        return self.alpha_s * steps(n) + bus(n) * nbytes / self.bw_Bps
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator kind.
+
+    peak_tflops: declared dense peak by compute dtype; hbm_bytes: memory per device;
+    hbm_Bps: memory bandwidth (prices the optimizer step, which is memory-bound);
+    efficiency: achievable share of the peak over a training step's FLOPs (calibrated once);
+    workspace_bytes: memory outside tensors the planner counts (cuBLAS and NCCL buffers).
+    """
+
+    name: str
+    peak_tflops: dict[str, float]
+    hbm_bytes: float
+    hbm_Bps: float
+    efficiency: float
+    workspace_bytes: float = 1.0 * GiB
+
+    def flops_per_s(self, dtype: str) -> float:
+        """The FLOP rate the planner charges: peak x efficiency."""
+        return self.peak_tflops[dtype] * 1e12 * self.efficiency
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Identical devices, `gpus_per_node` to a node: `intra` links inside a node, `inter`
+    between nodes (one NIC per GPU)."""
+
+    device: Device
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+
+    def link(self, stride: int, size: int) -> Link:
+        """The link a collective over `size` ranks `stride` apart runs at.
+
+        Ranks fill nodes in order, so the group stays in a node iff it spans at most
+        `gpus_per_node` consecutive ranks: NVLink. Otherwise its ring crosses nodes, and
+        NCCL runs one ring channel per NIC: a node with k members of the group (each GPU
+        with its own NIC; the node's other groups use the other NICs) moves its share
+        over k NICs, so the bus bandwidth is k NICs' worth, at most NVLink's.
+        """
+        if stride * size <= self.gpus_per_node:
+            return self.intra
+        k = max(1, min(size, self.gpus_per_node // max(stride, 1)))
+        if k == 1 or self.inter.measured:
+            return self.inter
+        return replace(self.inter, bw_Bps=min(self.intra.bw_Bps, k * self.inter.bw_Bps))
+
+    def p2p_link(self, distance: int) -> Link:
+        """The link between two ranks `distance` apart (a pipeline boundary): one NIC when
+        they sit on different nodes."""
+        return self.intra if distance < self.gpus_per_node else self.inter
+
+
+# --- presets ------------------------------------------------------------------------------
+
+NVLINK4 = Link("nvlink4", 1.5e-6, 370e9, 450e9)  # 450 GB/s per direction, ~370 achieved
+NVLINK3 = Link("nvlink3", 1.5e-6, 230e9, 300e9)  # 300 GB/s per direction; 8xA100 busbw ~230
+IB_NDR = Link("ib-ndr", 5e-6, 47e9, 50e9)  # 400 Gb/s NIC per GPU: 46-48 GB/s busbw
+IB_HDR = Link("ib-hdr", 5e-6, 23.5e9, 25e9)  # 200 Gb/s NIC per GPU: the same ~94% of line
+# gloo on this machine's loopback (docs/results/comm_nproc2.json, 2 ranks): all-reduce
+# ~0.7 ms per call, i.e. 2 ring steps; ~0.76 GB/s bus bandwidth
+GLOO_LOOPBACK = Link("gloo-loopback", 3.5e-4, 0.76e9)
+
+H100 = Device("h100", {"bf16": 989.0, "fp32": 67.0}, 81559 * 2**20, 3.35e12, 0.49)
+# torchtitan's benchmark parts (Grand Teton): H100 SXM with 96 GB HBM2e at 2.4 TB/s,
+# power-capped at 500 W: the same declared peak, a lower achievable share of it
+H100_HBM2E = Device("h100-hbm2e", {"bf16": 989.0, "fp32": 67.0}, 96e9, 2.4e12, 0.42)
+H200 = Device("h200", {"bf16": 989.0, "fp32": 67.0}, 140 * GiB, 4.8e12, 0.49)
+A100 = Device("a100", {"bf16": 312.0, "fp32": 19.5}, 80 * GiB, 2.039e12, 0.62)
+
+CLUSTERS = {
+    "h100": Cluster(H100, 8, NVLINK4, IB_NDR),
+    "h100-hbm2e": Cluster(H100_HBM2E, 8, NVLINK4, IB_NDR),
+    "h200": Cluster(H200, 8, NVLINK4, IB_NDR),
+    "a100": Cluster(A100, 8, NVLINK3, IB_HDR),
+}
+
+
+def cpu_cluster() -> Cluster:
+    """This machine: one rank per core (gloo, one thread each), RAM shared by the cores."""
+    cores = os.cpu_count() or 1
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = 8 * GiB
+    peak = cpu_core_tflops()
+    # efficiency: tetrad's own single-process runs of the small models here reach about a
+    # quarter of the declared one-core peak (metrics.jsonl mfu); stated, not fitted
+    device = Device("cpu", {"fp32": peak, "bf16": peak}, mem / cores, 10e9, 0.25, 0.25 * GiB)
+    return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK)
+
+
+def cluster_preset(name: str) -> Cluster:
+    """A named cluster: h100, h100-hbm2e, h200, a100 (8 GPUs a node), or cpu (this machine)."""
+    if name == "cpu":
+        return cpu_cluster()
+    if name not in CLUSTERS:
+        raise ValueError(f"unknown device {name!r}; known: {sorted(CLUSTERS) + ['cpu']}")
+    return CLUSTERS[name]
+
+
+def calibrated(cluster: Cluster, bench_json: str | Path) -> Cluster:
+    """`cluster` with both links replaced by the alpha-beta fits of a `tetrad bench comm`
+    JSON (one machine: the same measured link inside and between nodes)."""
+    report = json.loads(Path(bench_json).read_text())
+    fits = report.get("alpha_beta")
+    if not isinstance(fits, dict) or not fits:
+        raise ValueError(f"{bench_json}: no 'alpha_beta' table (is it `tetrad bench comm` JSON?)")
+    measured = {}
+    for op, fit in fits.items():
+        busbw = fit.get("busbw_beta_Bps")
+        if op in RING and busbw:
+            measured[op] = (float(fit["alpha_s"]), float(busbw))
+    if not measured:
+        raise ValueError(f"{bench_json}: no usable alpha-beta fit among {sorted(fits)}")
+    name = f"measured-{report.get('backend', '?')}"
+    intra = replace(cluster.intra, name=name, measured=measured)
+    inter = replace(cluster.inter, name=name, measured=measured)
+    return replace(cluster, intra=intra, inter=inter)
+
+
+# --- the trainer's MFU denominators -------------------------------------------------------
+
 
 def cpu_core_tflops() -> float:
     """Declared fp32 peak of one CPU core: 2 FMA units x SIMD lanes x 2 FLOPs x clock.
@@ -24,7 +207,8 @@ def cpu_core_tflops() -> float:
     """
     flags, mhz = "", 2500.0
     try:
-        text = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as fh:
+            text = fh.read()
         flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
         mhz = float(next(ln for ln in text.splitlines() if ln.startswith("cpu MHz")).split(":")[1])
     except (OSError, StopIteration, ValueError):

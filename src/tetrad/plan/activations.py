@@ -1,0 +1,226 @@
+"""Activation memory per rank, Korthikanti-style: what each layer saves for its backward.
+
+A layer is a list of `Saved` tensors, each with its bytes per token (or per sequence
+position, or per microbatch) and how tensor parallelism divides it:
+
+- "tp": inside the tp region (a head's q/k/v, the MLP's inner activations): 1/t always;
+- "seq": on the residual stream (norm inputs, dropout masks): 1/t with sequence
+  parallelism, whole without;
+- "rank": already what one tp rank holds, never divided again (tetrad saves the
+  all-gathered input of a column-parallel linear, the whole sequence even under SP, where
+  Megatron keeps the SP shard and re-gathers it; a rank's repeated k and v heads).
+
+`gpt_layer` is Korthikanti et al.'s GPT layer (LayerNorm, 4h GeLU MLP, dropout), so the
+sums reproduce their formulas (34 + 5as/h, 10 + 24/t + 5as/(ht), ...; tests check it).
+`llama_layer` is tetrad's Llama as autograd actually saves it (checked against a live
+count of saved tensors): RMSNorm keeps an fp32 copy of its input, rotary keeps only the
+cos/sin table, flash attention keeps q, the repeated k and v, its output and log-sum-exp
+(no s x s scores), SwiGLU keeps four f-wide tensors.
+
+How many microbatches a rank holds comes from the pipeline simulator's timeline
+(`peak_in_flight`), so every schedule (GPipe m, 1F1B p - r, interleaved, zero bubble with
+deferred weight gradients) is covered by the same walk over its events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tetrad.config import ModelConfig
+from tetrad.parallel.pipeline.timeline import Timeline
+
+RECOMPUTE = ("none", "selective", "full", "op")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A tensor kept for backward: bytes per token, per position (independent of the
+    microbatch size), per microbatch (fixed), and how tp divides it."""
+
+    name: str
+    per_token: float = 0.0
+    split: str = "tp"
+    per_position: float = 0.0
+    fixed: float = 0.0
+
+
+def total_bytes(items: Sequence[Saved], b: int, s: int, t: int = 1, sp: bool = False) -> float:
+    """Bytes `items` hold for one microbatch of `b` sequences of length `s` on one tp rank."""
+    total = 0.0
+    for it in items:
+        if it.split not in ("tp", "seq", "rank"):
+            raise ValueError(f"{it.name}: split must be tp, seq or rank, got {it.split!r}")
+        div = t if it.split == "tp" or (it.split == "seq" and sp) else 1
+        total += (b * s * it.per_token + s * it.per_position + it.fixed) / div
+    return total
+
+
+def _check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
+
+
+# --- Korthikanti's GPT layer --------------------------------------------------------------
+
+
+def gpt_layer(h: int, a: int, s: int, recompute: str = "none") -> list[Saved]:
+    """The GPT layer of Korthikanti et al. (2022), 16-bit activations, 1-byte dropout masks.
+
+    selective recompute drops the attention core (softmax, its dropout mask and output);
+    full recompute keeps only the layer input.
+    """
+    _check_recompute(recompute)
+    if recompute == "full":
+        return [Saved("layer input", 2 * h, "seq")]
+    items = [
+        Saved("ln1 input", 2 * h, "seq"),
+        Saved("qkv input", 2 * h, "seq"),
+        Saved("q, k", 4 * h, "tp"),
+        Saved("v", 2 * h, "tp"),
+        Saved("proj input", 2 * h, "tp"),
+        Saved("attn dropout mask", 1 * h, "seq"),
+        Saved("ln2 input", 2 * h, "seq"),
+        Saved("fc1 input", 2 * h, "seq"),
+        Saved("gelu input", 8 * h, "tp"),
+        Saved("fc2 input", 8 * h, "tp"),
+        Saved("mlp dropout mask", 1 * h, "seq"),
+    ]
+    if recompute in ("none", "op"):
+        items += [
+            Saved("softmax output", 2 * a * s, "tp"),
+            Saved("softmax dropout mask", a * s, "tp"),
+            Saved("dropout output", 2 * a * s, "tp"),
+        ]
+    return items
+
+
+# --- tetrad's Llama -----------------------------------------------------------------------
+
+
+def _local_heads(m: ModelConfig, t: int) -> tuple[int, int]:
+    """(query heads, kv heads) one tp rank computes; kv_heads < tp leaves one kv head each."""
+    return m.heads // t, max(m.kv_heads // t, 1)
+
+
+def llama_layer(
+    m: ModelConfig, t: int, dtype: str, recompute: str = "none", sp_shards: bool = False
+) -> list[Saved]:
+    """One transformer block of tetrad's Llama on a tp rank (pass t=1 without tp).
+
+    c is the compute dtype's bytes. In fp32 the norm's `x.float()` is its input itself,
+    so the count (4 + c)·h covers both dtypes. The cos/sin table is recomputed per layer
+    and kept per position. kv_heads < tp gathers the k and v weights for each forward and
+    the linear keeps the gathered weight (a fixed cost per microbatch). sp_shards: the
+    column-parallel linears keep their input's SP shard (Megatron) instead of the
+    gathered whole (tetrad).
+    """
+    _check_recompute(recompute)
+    c, h, f, hd = DTYPE_BYTES[dtype], m.dim, m.hidden_dim, m.head_dim
+    if recompute == "full":  # a checkpointed block keeps its input
+        return [Saved("block input", c * h, "seq")]
+    heads, kv = _local_heads(m, t)
+    if recompute == "op":
+        return _op_policy(m, t, c, heads)
+    kv_width = heads * hd if heads > kv else kv * hd  # k and v after repeat_interleave
+    norm = (4 + c) * h + 4  # fp32 input copy, bf16 normalised, fp32 rsqrt
+    linear_in = "seq" if sp_shards else "rank"
+    items = [
+        Saved("attention norm", norm, "seq"),
+        Saved("qkv input", c * h, linear_in),
+        Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
+        Saved("sdpa q, out", 2 * c * h, "tp"),
+        Saved("sdpa k, v (repeated)", 2 * c * kv_width, "rank"),
+        Saved("sdpa log-sum-exp", 4 * heads, "rank"),
+        Saved("ffn norm", norm, "seq"),
+        Saved("w1/w3 input", c * h, linear_in),
+        Saved("w1 out, w3 out, silu out, product", 4 * c * f, "tp"),
+    ]
+    if m.kv_heads < t:
+        items.append(
+            Saved("gathered k, v weights", fixed=2 * c * m.kv_heads * hd * h, split="rank")
+        )
+    return items
+
+
+def _op_policy(m: ModelConfig, t: int, c: int, heads: int) -> list[Saved]:
+    """torchtitan's per-op selective checkpointing: the block input, flash attention's
+    outputs and every other matmul output are kept; the rest is recomputed."""
+    h, f, kv_dim = m.dim, m.hidden_dim, m.kv_heads * m.head_dim
+    # matmul outputs: wq, wk, wv, w1, w3 (tp-split), wo, w2 (the reduced h, "seq")
+    inner = h + 2 * kv_dim + 2 * f
+    return [
+        Saved("block input", c * h, "seq"),
+        Saved("sdpa out", c * h, "tp"),
+        Saved("sdpa log-sum-exp", 4 * heads, "rank"),
+        Saved("half the tp-split matmul outputs", c * inner / 2, "tp"),
+        Saved("half the row-parallel matmul outputs", c * h, "seq"),
+    ]
+
+
+def llama_head(m: ModelConfig, t: int, dtype: str, sp_shards: bool = False) -> list[Saved]:
+    """The last stage's final norm, head input and loss: the fp32 log-probabilities (tp=1,
+    F.cross_entropy) or fp32 logits (vocabulary-parallel loss), 4·V/t bytes a token."""
+    c, h = DTYPE_BYTES[dtype], m.dim
+    return [
+        Saved("final norm", (4 + c) * h + 4, "seq"),
+        Saved("head input", c * h, "seq" if sp_shards else "rank"),
+        Saved("fp32 logits", 4 * m.vocab, "tp"),
+        Saved("targets, log-sum-exp", 8 + (6 if t > 1 else 0), "rank"),
+    ]
+
+
+def llama_embedding(t: int, dtype: str) -> list[Saved]:
+    """The first stage's token ids (and, under tp, the vocabulary mask)."""
+    return [Saved("token ids", 8 + (DTYPE_BYTES[dtype] if t > 1 else 0), "rank")]
+
+
+def llama_pending_w(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
+    """What a zero-bubble schedule keeps between a block's B and its W: each deferred
+    linear's input and output gradient (tetrad defers only plain, tp=1 linears)."""
+    c, h, f = DTYPE_BYTES[dtype], m.dim, m.hidden_dim
+    kv_dim = m.kv_heads * m.head_dim
+    inputs = c * (h + h + h + f)  # q/k/v input, wo input, w1/w3 input, w2 input
+    grads = c * (h + 2 * kv_dim + h + 2 * f + h)  # wq/wk/wv, wo, w1/w3, w2 outputs
+    return [Saved("deferred linear inputs and output grads", inputs + grads, "tp")]
+
+
+def layer_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int, sp: bool) -> float:
+    """Transient bytes while one block runs backward: about one block's activations (its
+    gradients, or under recomputation the recomputed activations themselves)."""
+    return total_bytes(llama_layer(m, t, dtype), b, s, t, sp)
+
+
+def loss_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int) -> float:
+    """Transient bytes of the loss backward on the last stage: the fp32 logit gradient and
+    its cast to the compute dtype."""
+    return b * s * (4 + DTYPE_BYTES[dtype]) * m.vocab / t
+
+
+# --- microbatches in flight ---------------------------------------------------------------
+
+
+def peak_in_flight(
+    timeline: Timeline, rank: int, act: Sequence[float], pending_w: Sequence[float] = ()
+) -> float:
+    """Peak bytes of stashed activations on `rank` over a simulated (or measured) step.
+
+    act[stage]: bytes one microbatch leaves on `stage` after its forward; pending_w[stage]:
+    bytes it keeps between B and W (zero-bubble). F adds act; B releases act and adds
+    pending_w; W releases pending_w; BW releases act.
+    """
+    live = peak = 0.0
+    for e in sorted(timeline.ranks[rank], key=lambda e: e.start):
+        w = pending_w[e.stage] if pending_w else 0.0
+        if e.kind == "F":
+            live += act[e.stage]
+            peak = max(peak, live)
+        elif e.kind == "B":
+            live += w - act[e.stage]
+            peak = max(peak, live)
+        elif e.kind == "W":
+            live -= w
+        elif e.kind == "BW":
+            live -= act[e.stage]
+    return peak

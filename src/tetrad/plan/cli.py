@@ -1,0 +1,211 @@
+"""`tetrad plan`: predict one layout, or search the layouts, of a model on a cluster.
+
+    tetrad plan --model llama3-8b --gpus 64 --gpu h100 --global-batch 1024 --seq-len 8192 \\
+        --fsdp 8 --tp 8                       # predict this layout (dp fills the rest)
+    tetrad plan --model llama3-70b --gpus 256 --gpu h100 --search --top 5 --json
+
+A layout is the degrees (dp, fsdp, tp, pp; the ones not given: dp takes what is left,
+the others are 1) plus zero stage, sp, schedule, microbatches and virtual stages. With
+--search the given flags are fixed and the rest is searched. A table by default; --json
+prints one JSON object: {"mode", "cluster", "model", "engine", "predictions": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from tetrad.config import PP_SCHEDULES, Config, ModelConfig, model_preset
+from tetrad.plan.activations import RECOMPUTE
+from tetrad.plan.cost import ENGINES, Planner, layout_config
+from tetrad.plan.hardware import CLUSTERS, Cluster, calibrated, cluster_preset
+from tetrad.plan.search import Space, search
+
+GiB = 2**30
+MODEL_FLAGS = ("layers", "dim", "heads", "kv_heads", "vocab", "ffn_dim")
+LAYOUT_FLAGS = ("dp", "fsdp", "tp", "pp", "zero_stage", "pp_schedule", "microbatches",
+                "virtual_stages")  # fmt: skip
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """The `tetrad plan` flags."""
+    p.add_argument("--model", default="llama3-8b", help="model preset (default llama3-8b)")
+    for flag in MODEL_FLAGS:
+        p.add_argument("--" + flag.replace("_", "-"), type=int, help=f"override model.{flag}")
+    p.add_argument("--tie-embeddings", action="store_true", default=None)
+    p.add_argument("--gpus", type=int, required=True, help="world size")
+    p.add_argument("--gpu", default="h100", choices=sorted(CLUSTERS) + ["cpu"],
+                   help="device and cluster preset (cpu: this machine)")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, help="override the preset's GPUs per node")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    for flag in ("dp", "fsdp", "tp", "pp", "microbatches", "virtual_stages"):
+        p.add_argument("--" + flag.replace("_", "-"), type=int)
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3))
+    p.add_argument("--pp-schedule", choices=PP_SCHEDULES)
+    p.add_argument("--no-sp", action="store_true", help="tp > 1 without sequence parallelism")
+    p.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                   help="activation recomputation to assume (tetrad: none)")  # fmt: skip
+    p.add_argument("--engine", default="tetrad", choices=sorted(ENGINES),
+                   help="whose overlap behaviour to assume (default tetrad)")  # fmt: skip
+    p.add_argument("--efficiency", type=float, help="override the device's efficiency")
+    p.add_argument("--calibration", metavar="BENCH_JSON",
+                   help="links from a `tetrad bench comm --json` result")  # fmt: skip
+    p.add_argument("--search", action="store_true", help="search layouts; given flags stay fixed")
+    p.add_argument("--top", type=int, default=10, help="layouts to show with --search")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def build_model(args: argparse.Namespace) -> ModelConfig:
+    """The preset with any shape flags applied."""
+    overrides = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
+    if args.tie_embeddings:
+        overrides["tie_embeddings"] = True
+    return dataclasses.replace(model_preset(args.model), **overrides)
+
+
+def build_cluster(args: argparse.Namespace) -> Cluster:
+    """The preset, with the calibration, node size and efficiency overrides."""
+    cluster = cluster_preset(args.gpu)
+    if args.calibration:
+        cluster = calibrated(cluster, args.calibration)
+    if args.gpus_per_node:
+        cluster = dataclasses.replace(cluster, gpus_per_node=args.gpus_per_node)
+    if args.efficiency is not None:
+        if not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+        device = dataclasses.replace(cluster.device, efficiency=args.efficiency)
+        cluster = dataclasses.replace(cluster, device=device)
+    return cluster
+
+
+def build_layout(args: argparse.Namespace, model: ModelConfig) -> Config:
+    """The full layout to predict: dp fills the world, microbatches default to pp."""
+    given = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
+    rest = [given.get(a, 1) for a in ("fsdp", "tp", "pp")]
+    product = rest[0] * rest[1] * rest[2]
+    if "dp" not in given:
+        if args.gpus % product:
+            raise ValueError(f"--gpus {args.gpus} is not divisible by fsdp*tp*pp = {product}")
+        given["dp"] = args.gpus // product
+    world = given["dp"] * product
+    if world != args.gpus:
+        raise ValueError(f"dp*fsdp*tp*pp = {given['dp']}*{product} = {world} != --gpus {args.gpus}")
+    given.setdefault("microbatches", given.get("pp", 1))
+    if given.get("pp_schedule") == "interleaved-1f1b":
+        given.setdefault("virtual_stages", 2)
+    if given.get("pp_schedule") == "zb-v":
+        given.setdefault("virtual_stages", 2)
+    given["sp"] = given.get("tp", 1) > 1 and not args.no_sp
+    return layout_config(model, args.global_batch, args.seq_len, args.dtype, **given)
+
+
+def build_space(args: argparse.Namespace) -> Space:
+    fixed = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
+    return Space(**fixed, tetrad_only=args.engine == "tetrad")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Predict or search as the flags say; the JSON-ready answer."""
+    model, cluster = build_model(args), build_cluster(args)
+    planner = Planner(cluster, ENGINES[args.engine], args.recompute)
+    if args.search:
+        base = layout_config(model, args.global_batch, args.seq_len, args.dtype)
+        preds = search(planner, base, args.gpus, build_space(args), top=args.top)
+        mode = "search"
+    else:
+        preds = [planner.predict(build_layout(args, model))]
+        mode = "predict"
+    return {
+        "mode": mode,
+        "cluster": dataclasses.asdict(cluster),
+        "model": dataclasses.asdict(model),
+        "engine": dataclasses.asdict(ENGINES[args.engine]),
+        "predictions": [p.to_dict() for p in preds],
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `tetrad plan` (after argument parsing)."""
+    answer = run(args)
+    if args.json:
+        json.dump(answer, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    elif answer["mode"] == "search":
+        print_search(answer)
+    else:
+        print_prediction(answer)
+    return 0
+
+
+# --- tables -------------------------------------------------------------------------------
+
+
+def _layout_text(lay: dict[str, Any]) -> str:
+    parts = [f"{a}={lay[a]}" for a in ("dp", "fsdp", "tp", "pp") if lay[a] > 1] or ["single"]
+    if lay["fsdp"] > 1:
+        parts.append(f"zero{lay['zero_stage']}")
+    if lay["sp"]:
+        parts.append("sp")
+    if lay["pp"] > 1:
+        v = f" v={lay['virtual_stages']}" if lay["virtual_stages"] > 1 else ""
+        parts.append(f"{lay['pp_schedule']}{v}")
+    parts.append(f"m={lay['microbatches']}x{lay['microbatch_size']}")
+    return " ".join(parts)
+
+
+def print_prediction(answer: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    pred = answer["predictions"][0]
+    mem = pred["memory"]
+    table = Table(title=f"tetrad plan: {answer['model']['name']} on {pred['layout']['world']}"
+                  f" x {answer['cluster']['device']['name']}")  # fmt: skip
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    rows = [
+        ("layout", _layout_text(pred["layout"])),
+        ("step time", f"{pred['step_time_s']:.3f} s"),
+        ("tokens/s", f"{pred['tokens_per_s']:,.0f}"),
+        ("TFLOP/s per GPU", f"{pred['tflops_per_gpu']:.1f}"),
+        ("MFU", f"{100 * pred['mfu']:.1f}%"),
+        ("pipeline bubble", f"{100 * pred['bubble_fraction']:.1f}%"),
+    ]
+    rows += [(f"  {k}", f"{v:.3f} s") for k, v in pred["breakdown"].items()]
+    rows += [
+        ("memory: model state", f"{mem['model_state'] / GiB:.2f} GiB"),
+        ("memory: activations", f"{mem['activations'] / GiB:.2f} GiB"),
+        ("memory: overhead", f"{mem['overhead'] / GiB:.2f} GiB"),
+        ("memory: total / capacity",
+         f"{mem['total'] / GiB:.2f} / {mem['capacity'] / GiB:.1f} GiB"
+         f" ({'fits' if mem['fits'] else 'DOES NOT FIT'})"),
+    ]  # fmt: skip
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def print_search(answer: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    preds = answer["predictions"]
+    if not preds:
+        print("no layout fits in memory")
+        return
+    where = f"{preds[0]['layout']['world']} x {answer['cluster']['device']['name']}"
+    table = Table(title=f"tetrad plan --search: {answer['model']['name']} on {where}")
+    for col in ("#", "layout", "step (s)", "tokens/s", "MFU", "bubble", "memory (GiB)"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for i, p in enumerate(preds, 1):
+        table.add_row(
+            str(i), _layout_text(p["layout"]), f"{p['step_time_s']:.3f}",
+            f"{p['tokens_per_s']:,.0f}", f"{100 * p['mfu']:.1f}%",
+            f"{100 * p['bubble_fraction']:.1f}%", f"{p['memory']['total'] / GiB:.1f}",
+        )  # fmt: skip
+    Console().print(table)

@@ -1,0 +1,431 @@
+"""Step time of one layout, from first principles (its memory: `plan.footprint`).
+
+The model, per optimizer step (b microbatch size, s sequence, h hidden, t = tp):
+
+- Compute: each pipeline stage's forward (F), input-gradient (B) and weight-gradient (W)
+  FLOPs per microbatch, from the model's matmuls and attention (`llama_layer_costs`:
+  B = W = F for the projections and MLP; attention has no weights, so its backward is all
+  B), divided by tp and charged at `peak x efficiency` of the device.
+- TP: two all-reduces of b·s·h forward and two backward per layer (8·b·s·h·(t-1)/t
+  elements in bus terms; with SP all-gather + reduce-scatter, the same), on NVLink when
+  the tp group fits in a node; exposed (tetrad does not overlap them), added to F and B.
+- ZeRO-3: each block's parameters all-gathered before its forward and again before its
+  backward, prefetched one block ahead: exposed is the first block's gather plus whatever
+  the stage's compute cannot cover; added to F and B of every microbatch.
+- PP: b·s·h activations per microbatch and boundary each way (1/t of it with SP), as
+  the simulator's transfer delay. The simulator runs the schedule on the per-stage F/B/W
+  costs, so the bubble of any schedule, balanced or not, comes out of the same action
+  lists the runtime executes.
+- DP / FSDP gradient reduction (all-reduce, or reduce-scatter and, for HSDP, an
+  all-reduce of the shard) once per step on the data group's slowest link, hidden behind
+  the last microbatch's backward (pp = 1; tetrad launches it after the schedule when
+  pp > 1) but for the last block's share; ZeRO-1/2's parameter all-gather after the
+  optimizer, exposed; the optimizer step itself, memory-bound (32 bytes per element).
+- Memory (`plan.footprint`): model state exactly as `model_state_bytes`; activations
+  from `plan.activations` times the microbatches in flight in the simulated timeline;
+  and a stated overhead.
+
+`Engine` says what an implementation overlaps: `TETRAD` is tetrad today; `MEGATRON` and
+`TORCHTITAN` describe the published systems the planner is validated against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tetrad.config import Config, ModelConfig, validate
+from tetrad.models.flops import flops_per_token
+from tetrad.parallel.pipeline.partition import llama_layer_costs, stage_costs
+from tetrad.parallel.pipeline.schedules import build_schedule, rank_stages, stage_to_rank
+from tetrad.parallel.pipeline.simulate import Costs, simulate
+from tetrad.parallel.pipeline.stage import layer_split
+from tetrad.plan import activations as act
+from tetrad.plan.footprint import Footprint, Memory, RankFacts
+from tetrad.plan.hardware import Cluster
+
+OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
+SPLIT_SCHEDULES = ("zb-h1", "zb-v")  # schedules whose backward is split into B and W
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What an implementation hides or holds, beyond the layout itself.
+
+    tp_overlap: share of TP traffic hidden behind compute. grad_overlap: the gradient
+    reduction overlaps the last microbatch's backward (grad_overlap_pp: also when pp > 1).
+    param_gather_overlap: ZeRO-1/2's post-optimizer all-gather hides behind the next
+    forward. reduce_every_microbatch: gradients are reduced after every microbatch (FSDP2)
+    rather than accumulated unsharded (tetrad: ZeRO-2/3 then hold full gradients).
+    split_w_with_tp: the zero-bubble W is deferred for tp-sharded linears too (tetrad
+    defers plain linears only, so with tp > 1 its B does the weight gradients).
+    sp_saves_shards: under SP the column-parallel linears keep their input's sequence
+    shard and re-gather it for backward (Megatron); tetrad keeps the gathered input.
+    """
+
+    name: str
+    tp_overlap: float = 0.0
+    grad_overlap: bool = True
+    grad_overlap_pp: bool = False
+    param_gather_overlap: bool = False
+    reduce_every_microbatch: bool = False
+    split_w_with_tp: bool = False
+    sp_saves_shards: bool = False
+
+
+TETRAD = Engine("tetrad")
+MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap
+    "megatron", tp_overlap=1.0, grad_overlap_pp=True, param_gather_overlap=True,
+    split_w_with_tp=True, sp_saves_shards=True,
+)  # fmt: skip
+TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True)
+TORCHTITAN_ASYNC_TP = dataclasses.replace(TORCHTITAN, name="torchtitan-async-tp", tp_overlap=1.0)
+ENGINES = {e.name: e for e in (TETRAD, MEGATRON, TORCHTITAN, TORCHTITAN_ASYNC_TP)}
+
+
+@dataclass
+class Prediction:
+    """One layout's predicted step. Times in seconds; `breakdown` sums to `step_time_s`."""
+
+    layout: dict[str, Any]
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    memory: Memory
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (memory in bytes, with its total and whether it fits)."""
+        out = dataclasses.asdict(self)
+        out["memory"].update(total=self.memory.total, fits=self.memory.fits)
+        return out
+
+
+@dataclass
+class StageTimes:
+    """Per global stage, seconds per microbatch of each component of F, B and W."""
+
+    compute: dict[str, list[float]]
+    tp: dict[str, list[float]]
+    fsdp: dict[str, list[float]]
+
+    def total(self, kind: str, stage: int) -> float:
+        return self.compute[kind][stage] + self.tp[kind][stage] + self.fsdp[kind][stage]
+
+    def costs(self, comm: float) -> Costs:
+        n = len(self.compute["F"])
+        return Costs(*([self.total(k, s) for s in range(n)] for k in "FBW"), comm=comm)
+
+
+class Planner:
+    """Predicts layouts of one model on one cluster; caches the per-rank model facts that
+    many layouts share (building the meta model is the slow part of a search)."""
+
+    def __init__(self, cluster: Cluster, engine: Engine = TETRAD, recompute: str = "none"):
+        if recompute not in act.RECOMPUTE:
+            raise ValueError(f"recompute={recompute!r} is not one of {act.RECOMPUTE}")
+        self.cluster, self.engine, self.recompute = cluster, engine, recompute
+        self.footprint = Footprint(
+            cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch
+        )
+        self._splits: dict[tuple, list[int]] = {}
+        self._schedules: dict[tuple, list] = {}
+
+    def schedule(self, cfg: Config) -> list:
+        """The schedule's action lists (built once per schedule, pp, m and v)."""
+        p = cfg.parallel
+        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(*key)
+        return self._schedules[key]
+
+    def split(self, cfg: Config) -> list[int]:
+        """Layers per global stage, as the runtime splits them (`stage.layer_split`)."""
+        p = cfg.parallel
+        key = (repr(cfg.model), p.pp, p.virtual_stages, p.pp_split, cfg.train.seq_len)
+        if key not in self._splits:
+            self._splits[key] = layer_split(cfg)
+        return self._splits[key]
+
+    def predict(self, cfg: Config, detail: bool = True) -> Prediction:
+        """Step time, throughput, MFU, memory and breakdown of `cfg`'s layout.
+
+        detail=False skips the second simulation (without transfer delays) that splits
+        the pipeline's idle time into bubble and p2p: the search's fast path.
+        """
+        validate(cfg, cfg.parallel.world_size)
+        p = cfg.parallel
+        facts = [self.rank_facts(cfg, r) for r in range(p.pp)]
+        times = self.stage_times(cfg, facts)
+        actions = self.schedule(cfg)
+        timeline = simulate(actions, times.costs(self.p2p_time(cfg)), p.pp_schedule)
+        free = simulate(actions, times.costs(0.0), p.pp_schedule) if detail else timeline
+        tails = [self.after_schedule(cfg, r, facts[r], times) for r in range(p.pp)]
+        busy = [timeline.busy(r) for r in range(p.pp)]
+        busiest = max(range(p.pp), key=lambda r: busy[r])
+        pipe = {"makespan": timeline.makespan, "free": free.makespan, "busy": busy[busiest]}
+        breakdown = self._breakdown(cfg, times, busiest, pipe, tails)
+        step = sum(breakdown.values())
+        memory = self.footprint.memory(cfg, self.split(cfg), facts, timeline, self._w_deferred(cfg))
+        return self._prediction(cfg, step, timeline.bubble_fraction, memory, breakdown)
+
+    def rank_facts(self, cfg: Config, pp_rank: int) -> RankFacts:
+        """Local parameter counts and exact model state of pp rank `pp_rank`."""
+        return self.footprint.rank_facts(cfg, self.split(cfg), pp_rank)
+
+    def memory_floor(self, cfg: Config) -> float:
+        """A lower bound of the layout's memory per device, without simulating it."""
+        facts = [self.rank_facts(cfg, r) for r in range(cfg.parallel.pp)]
+        return self.footprint.floor(cfg, self.split(cfg), facts)
+
+    # --- compute and per-microbatch communication -----------------------------------------
+
+    def stage_times(self, cfg: Config, facts: list[RankFacts]) -> StageTimes:
+        """Seconds per microbatch, per global stage: compute, exposed TP, exposed ZeRO-3."""
+        p, t = cfg.parallel, cfg.parallel.tp
+        flops = self._stage_flops(cfg)
+        rate = self.cluster.device.flops_per_s(cfg.train.dtype)
+        b = cfg.microbatch_size
+        compute = {k: [f * b / t / rate for f in v] for k, v in flops.items()}
+        tp = self._tp_times(cfg)
+        fsdp = self._zero3_gathers(cfg, facts, compute)
+        if self.engine.reduce_every_microbatch:
+            for s, seconds in enumerate(self._per_micro_reduction(cfg, facts, compute)):
+                fsdp["B"][s] += seconds
+        if p.pp_schedule in SPLIT_SCHEDULES and not self._w_deferred(cfg):
+            return _fold_w(compute, tp, fsdp)
+        return StageTimes(compute, tp, fsdp)
+
+    def _w_deferred(self, cfg: Config) -> bool:
+        """Whether the schedule's W actions hold deferred weight gradients."""
+        if cfg.parallel.pp_schedule not in SPLIT_SCHEDULES:
+            return False
+        return cfg.parallel.tp == 1 or self.engine.split_w_with_tp
+
+    def _stage_flops(self, cfg: Config) -> dict[str, list[float]]:
+        """F, B and W FLOPs of one sequence on each global stage (whole tp group)."""
+        m, s = cfg.model, cfg.train.seq_len
+        items = llama_layer_costs(m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads,
+                                  m.vocab, s)  # fmt: skip
+        attention = 2 * 2 * s * s * m.dim  # forward; its backward (2x) is all input gradient
+        layer_f = items[1] / 3
+        proj = layer_f - attention
+        redo = {"none": 0.0, "selective": 0.0, "full": layer_f, "op": proj / 2}[self.recompute]
+        per = {
+            "F": [items[0] / 3] + [layer_f] * m.layers + [items[-1] / 3],
+            "B": [items[0] / 3] + [proj + 2 * attention + redo] * m.layers + [items[-1] / 3],
+            "W": [items[0] / 3] + [proj] * m.layers + [items[-1] / 3],
+        }
+        split = self.split(cfg)
+        return {k: stage_costs(v, split) for k, v in per.items()}
+
+    def _tp_times(self, cfg: Config) -> dict[str, list[float]]:
+        """Exposed TP seconds per microbatch per stage: 2 all-reduces of b·s·h per layer
+        forward and 2 backward; the vocab-parallel embedding 1 forward, the head 1 backward
+        (and 1 forward with SP, where it gathers the sequence)."""
+        p, split = cfg.parallel, self.split(cfg)
+        zero = [0.0] * len(split)
+        if p.tp == 1:
+            return {"F": list(zero), "B": list(zero), "W": list(zero)}
+        nbytes = cfg.microbatch_size * cfg.train.seq_len * cfg.model.dim * _cbytes(cfg)
+        one = self.cluster.link(1, p.tp).time("all_reduce", p.tp, nbytes)
+        one *= 1.0 - self.engine.tp_overlap
+        f = [2 * n * one for n in split]
+        bwd = list(f)
+        f[0] += one
+        bwd[-1] += one
+        if p.sp:
+            f[-1] += one
+        return {"F": f, "B": bwd, "W": list(zero)}
+
+    def _zero3_gathers(
+        self, cfg: Config, facts: list[RankFacts], compute: dict[str, list[float]]
+    ) -> dict[str, list[float]]:
+        """Exposed ZeRO-3 block gathers per microbatch per stage: forward gathers hide
+        behind F, backward re-gathers behind B + W, prefetched one block ahead, so the
+        first block's gather is always exposed."""
+        p, split = cfg.parallel, self.split(cfg)
+        out = {k: [0.0] * len(split) for k in "FBW"}
+        if p.fsdp == 1 or p.zero_stage < 3:
+            return out
+        link = self.cluster.link(p.tp, p.fsdp)
+        for stage, layers in enumerate(split):
+            if layers == 0:
+                continue
+            block = facts[_rank_of_stage(cfg, stage)].block
+            gather = link.time("all_gather", p.fsdp, layers * block * _cbytes(cfg))
+            first = gather / layers
+            fwd_window = compute["F"][stage]
+            bwd_window = compute["B"][stage] + compute["W"][stage]
+            out["F"][stage] = first + max(0.0, gather - first - fwd_window)
+            out["B"][stage] = first + max(0.0, gather - first - bwd_window)
+        return out
+
+    def _per_micro_reduction(
+        self, cfg: Config, facts: list[RankFacts], compute: dict[str, list[float]]
+    ) -> list[float]:
+        """Exposed gradient reduction per microbatch per stage, for engines that reduce
+        after every microbatch (FSDP2): hidden behind that microbatch's backward."""
+        out = []
+        for stage, layers in enumerate(self.split(cfg)):
+            fa = facts[_rank_of_stage(cfg, stage)]
+            share = (layers + 1) / (fa.layer_units + 1)  # this chunk's share of the rank
+            seconds = self._grad_reduction(cfg, fa) * share
+            unit = seconds / (layers + 1)
+            window = compute["B"][stage] + compute["W"][stage]
+            out.append(unit + max(0.0, seconds - unit - window))
+        return out
+
+    def p2p_time(self, cfg: Config) -> float:
+        """One activation (or its gradient) across one stage boundary."""
+        p = cfg.parallel
+        if p.pp == 1:
+            return 0.0
+        nbytes = cfg.microbatch_size * cfg.train.seq_len * cfg.model.dim * _cbytes(cfg)
+        nbytes /= p.tp if p.sp else 1
+        return self.cluster.p2p_link(p.dp * p.fsdp * p.tp).time("send_recv", 2, nbytes)
+
+    # --- once per step, after the schedule ------------------------------------------------
+
+    def _grad_reduction(self, cfg: Config, fa: RankFacts) -> float:
+        """Seconds of one rank's gradient reduction over the data axes, unhidden."""
+        p = cfg.parallel
+        if p.dp * p.fsdp == 1:
+            return 0.0
+        if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients
+            return self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4)
+        rb = act.DTYPE_BYTES[p.reduce_dtype]
+        rs = self.cluster.link(p.tp, p.fsdp).time("reduce_scatter", p.fsdp, fa.psi * rb)
+        hsdp = self.cluster.link(p.tp * p.fsdp, p.dp).time("all_reduce", p.dp, fa.psi / p.fsdp * 4)
+        return rs + hsdp
+
+    def after_schedule(self, cfg: Config, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
+        """Exposed seconds of one pp rank after its pipeline work: gradient reduction,
+        parameter gathers outside the microbatches, optimizer step."""
+        p, eng = cfg.parallel, self.engine
+        units = fa.layer_units + 1
+        stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
+        bwd = sum(times.compute["B"][s] + times.compute["W"][s] for s in stages)
+        fwd = sum(times.compute["F"][s] for s in stages)
+        grad = 0.0
+        if not eng.reduce_every_microbatch:
+            seconds = self._grad_reduction(cfg, fa)
+            hidden = eng.grad_overlap and (p.pp == 1 or eng.grad_overlap_pp)
+            grad = _exposed(seconds, units, bwd if hidden else 0.0)
+        gather = 0.0
+        if p.fsdp > 1:
+            link = self.cluster.link(p.tp, p.fsdp)
+            if p.zero_stage < 3:
+                seconds = link.time("all_gather", p.fsdp, fa.psi * _cbytes(cfg))
+                gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
+            else:  # the root unit: gathered once per step, before the first forward
+                gather = link.time("all_gather", p.fsdp, fa.psi_root * _cbytes(cfg))
+        shard = fa.psi / p.fsdp
+        optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
+        return {"dp": grad, "fsdp": gather, "optimizer": optimizer}
+
+    def _breakdown(self, cfg, times, busiest, pipe, tails) -> dict[str, float]:
+        """Seconds by cause on the busiest pp rank; the parts sum to the step time."""
+        p = cfg.parallel
+        stages = rank_stages(busiest, p.pp, p.virtual_stages, p.pp_schedule)
+        m = p.microbatches
+
+        def part(table: dict[str, list[float]]) -> float:
+            return m * sum(table[k][s] for k in "FBW" for s in stages)
+
+        tail = max(tails, key=lambda d: sum(d.values()))
+        return {
+            "compute": part(times.compute),
+            "tp": part(times.tp),
+            "fsdp": part(times.fsdp) + tail["fsdp"],
+            "pp": pipe["makespan"] - pipe["free"],
+            "bubble": pipe["free"] - pipe["busy"],
+            "dp": tail["dp"],
+            "optimizer": tail["optimizer"],
+        }
+
+    def _prediction(self, cfg, step, bubble, memory, breakdown) -> Prediction:
+        tokens = cfg.train.global_batch * cfg.train.seq_len
+        flops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens
+        world = cfg.parallel.world_size
+        peak = self.cluster.device.peak_tflops[cfg.train.dtype] * 1e12
+        return Prediction(
+            layout=describe(cfg, self.recompute),
+            step_time_s=step,
+            tokens_per_s=tokens / step,
+            tflops_per_gpu=flops / step / world / 1e12,
+            mfu=flops / step / world / peak,
+            bubble_fraction=bubble,
+            memory=memory,
+            breakdown=breakdown,
+        )
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _exposed(seconds: float, units: int, window: float) -> float:
+    """Communication of `units` equal parts, each launched when its part of a `window` of
+    compute is done: the last part always shows, the rest hides up to the window."""
+    last = seconds / units
+    return last + max(0.0, seconds - last - window)
+
+
+def _fold_w(compute, tp, fsdp) -> StageTimes:
+    """A split schedule whose W is not deferred: B does the weight gradients itself."""
+    moved = {"F": compute["F"], "W": [0.0] * len(compute["W"])}
+    moved["B"] = [b + w for b, w in zip(compute["B"], compute["W"])]
+    return StageTimes(moved, tp, fsdp)
+
+
+def _rank_of_stage(cfg: Config, stage: int) -> int:
+    p = cfg.parallel
+    return stage_to_rank(stage, p.pp, p.virtual_stages, p.pp_schedule)
+
+
+def _cbytes(cfg: Config) -> int:
+    return act.DTYPE_BYTES[cfg.train.dtype]
+
+
+def describe(cfg: Config, recompute: str = "none") -> dict[str, Any]:
+    """The layout fields of `cfg` a prediction is about."""
+    p = cfg.parallel
+    return {
+        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage,
+        "sp": p.sp, "pp_schedule": p.pp_schedule, "microbatches": p.microbatches,
+        "virtual_stages": p.virtual_stages, "microbatch_size": cfg.microbatch_size,
+        "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
+        "dtype": cfg.train.dtype, "recompute": recompute, "world": p.world_size,
+    }  # fmt: skip
+
+
+def gpt_as_llama(layers: int, hidden: int, heads: int, vocab: int, max_seq_len: int) -> ModelConfig:
+    """A GPT layer stack (4h GeLU MLP, multi-head attention) in tetrad's Llama shapes: the
+    SwiGLU's three h x f matrices with f = 8h/3 (rounded to a multiple of 128) hold the
+    GPT MLP's two h x 4h, so matmul FLOPs and parameters match within 1%; kv_heads =
+    heads; untied embedding and head. Norms and activations differ (RMSNorm, SiLU)."""
+    ffn = 128 * round(8 * hidden / 3 / 128)
+    return ModelConfig(
+        name=f"gpt-{layers}x{hidden}", layers=layers, dim=hidden, heads=heads, kv_heads=heads,
+        vocab=vocab, ffn_dim=ffn, max_seq_len=max_seq_len,
+    )  # fmt: skip
+
+
+def layout_config(model: ModelConfig, global_batch: int, seq_len: int, dtype: str = "bf16",
+                  **parallel: Any) -> Config:  # fmt: skip
+    """A Config for the planner: `model`, batch, sequence, compute dtype and degrees."""
+    cfg = Config()
+    cfg.model = dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq_len))
+    cfg.data.source = "synthetic"
+    cfg.train.global_batch, cfg.train.seq_len, cfg.train.dtype = global_batch, seq_len, dtype
+    cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)
+    return cfg
+
+
+def predict(cfg: Config, cluster: Cluster, engine: Engine = TETRAD,
+            recompute: str = "none") -> Prediction:  # fmt: skip
+    """Predict one layout (a fresh Planner; use a Planner to predict many)."""
+    return Planner(cluster, engine, recompute).predict(cfg)

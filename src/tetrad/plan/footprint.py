@@ -1,0 +1,221 @@
+"""Memory per device of a layout: exact model state, activations in flight, overhead.
+
+- Model state is `plan.memory`'s, to the byte: the same local parameters (a rank's blocks
+  are assembled from a one-block meta model, since every block has the same local
+  shapes) through the same `plan_units` / `zero_bytes` / `replicated_bytes`.
+- Activations: `plan.activations`' per-layer bytes, per stage, times the microbatches in
+  flight on each rank in the simulated timeline (zero-bubble W inputs included).
+- Overhead, stated: the device's workspace (cuBLAS and NCCL buffers); one block's
+  backward workspace; the loss gradient on the last stage; ZeRO's gathered parameters
+  (ZeRO-3: two blocks, one prefetched, and the root) and unsharded gradients (tetrad
+  accumulates them whole over microbatches at ZeRO-2/3); and `ALLOCATOR` of everything
+  that comes and goes within a step, for the caching allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tetrad.config import Config
+from tetrad.parallel.pipeline.schedules import rank_stages
+from tetrad.parallel.pipeline.timeline import Timeline
+from tetrad.parallel.zero import plan_units
+from tetrad.plan import activations as act
+from tetrad.plan.hardware import Device
+from tetrad.plan.memory import ModelState, local_parameters, replicated_bytes, zero_bytes
+
+# The caching allocator reserves more than the live tensors: fragmentation of what is
+# allocated and freed within a step. A stated share, not fitted per row (torchtitan's eager
+# and compiled runs of one layout, with the same tensors, differ by 7%).
+ALLOCATOR = 0.10
+
+
+@dataclass
+class Memory:
+    """Bytes per device on the fullest rank: model state, activations, overhead."""
+
+    model_state: float
+    activations: float
+    overhead: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.activations + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass
+class RankFacts:
+    """One pp rank's local model: element counts (blocks, the rest) and its state."""
+
+    psi_layers: int
+    psi_root: int
+    layer_units: int
+    state: ModelState
+
+    @property
+    def psi(self) -> int:
+        return self.psi_layers + self.psi_root
+
+    @property
+    def block(self) -> float:
+        """Elements of one block."""
+        return self.psi_layers / max(self.layer_units, 1)
+
+
+class Footprint:
+    """Memory of layouts of one model on one device kind; caches what layouts share."""
+
+    def __init__(
+        self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool
+    ):
+        self.device, self.recompute = device, recompute
+        self.sp_saves_shards, self.reduce_every_micro = sp_saves_shards, reduce_every_micro
+        self._facts: dict[tuple, RankFacts] = {}
+        self._template: dict[tuple, tuple] = {}
+
+    # --- model state ------------------------------------------------------------------------
+
+    def rank_facts(self, cfg: Config, split: list[int], pp_rank: int) -> RankFacts:
+        """Counts and exact model state of pp rank `pp_rank` (coordinate 0 on the other
+        axes; fsdp rank 0 holds the most elements)."""
+        p = cfg.parallel
+        stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
+        held = sum(split[s] for s in stages)
+        first, last = 0 in stages, len(split) - 1 in stages
+        key = (repr(cfg.model), p.tp, p.fsdp, p.zero_stage, cfg.train.dtype, held, first, last)
+        if key not in self._facts:
+            named, replicated = self._local_parameters(cfg, held, first, last)
+            numel = {n: _numel(s) for n, s in named}
+            layers = sum(v for n, v in numel.items() if n.startswith("layers."))
+            state = _state(cfg, named, replicated)
+            self._facts[key] = RankFacts(layers, sum(numel.values()) - layers, held, state)
+        return self._facts[key]
+
+    def _local_parameters(self, cfg: Config, held: int, first: bool, last: bool):
+        """`memory.local_parameters` of a rank holding `held` blocks (and the embedding if
+        `first`, the final norm and head if `last`), from a one-block model's: building
+        the whole stack on the meta device for every layout would make a search slow."""
+        key = (repr(cfg.model), cfg.parallel.tp)
+        if key not in self._template:
+            one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=1))
+            one.parallel = dataclasses.replace(
+                cfg.parallel, pp=1, dp=1, fsdp=1, virtual_stages=1, pp_split=""
+            )
+            self._template[key] = local_parameters(one, 0)
+        named, replicated = self._template[key]
+        root = _root_names(cfg, first, last)
+        block = [(n[len("layers.0") :], s) for n, s in named if n.startswith("layers.0.")]
+        out = [(n, s) for n, s in named if n == "tok_embeddings.weight" and n in root]
+        for k in range(held):
+            out += [(f"layers.{k}{rest}", s) for rest, s in block]
+        out += [(n, s) for n, s in named if not n.startswith(("layers.", "tok_")) and n in root]
+        reps = {
+            n: replicated.get(n) or replicated["layers.0" + n[n.index(".", 7) :]] for n, _ in out
+        }
+        return out, reps
+
+    # --- activations and the total ----------------------------------------------------------
+
+    def stage_activations(self, cfg: Config, split: list[int]) -> list[float]:
+        """Bytes one microbatch leaves on each global stage after its forward."""
+        m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
+        b, s, shards = cfg.microbatch_size, cfg.train.seq_len, self.sp_saves_shards
+        layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards)
+        layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
+        head = act.total_bytes(act.llama_head(m, p.tp, dt, sp_shards=shards), b, s, p.tp, p.sp)
+        embed = act.total_bytes(act.llama_embedding(p.tp, dt), b, s, p.tp, p.sp)
+        out = [n * layer_bytes for n in split]
+        out[0] += embed
+        out[-1] += head
+        return out
+
+    def stage_pending_w(self, cfg: Config, split: list[int]) -> list[float]:
+        """Bytes a microbatch keeps on each stage between its B and its W."""
+        p = cfg.parallel
+        w = act.llama_pending_w(cfg.model, p.tp, cfg.train.dtype)
+        one = act.total_bytes(w, cfg.microbatch_size, cfg.train.seq_len, p.tp, p.sp)
+        return [n * one for n in split]
+
+    def memory(
+        self, cfg: Config, split: list[int], facts: list[RankFacts], timeline: Timeline,
+        deferred_w: bool,
+    ) -> Memory:  # fmt: skip
+        """The fullest pp rank's memory: model state + activations in flight + overhead."""
+        per_stage = self.stage_activations(cfg, split)
+        pending = self.stage_pending_w(cfg, split) if deferred_w else []
+        best = None
+        for r in range(cfg.parallel.pp):
+            acts = act.peak_in_flight(timeline, r, per_stage, pending)
+            mem = Memory(float(facts[r].state.total), acts, self.overhead(cfg, r, facts[r], acts),
+                         self.device.hbm_bytes)  # fmt: skip
+            if best is None or mem.total > best.total:
+                best = mem
+        return best
+
+    def floor(self, cfg: Config, split: list[int], facts: list[RankFacts]) -> float:
+        """A lower bound of `memory(...).total` without a timeline: every rank holds at
+        least one microbatch of its largest stage's activations."""
+        p = cfg.parallel
+        per_stage = self.stage_activations(cfg, split)
+        out = 0.0
+        for r in range(p.pp):
+            stages = rank_stages(r, p.pp, p.virtual_stages, p.pp_schedule)
+            acts = max(per_stage[s] for s in stages)
+            out = max(out, facts[r].state.total + acts + self.overhead(cfg, r, facts[r], acts))
+        return out
+
+    def overhead(self, cfg: Config, pp_rank: int, fa: RankFacts, acts: float) -> float:
+        """Workspace + transients (one block's backward, the loss gradient on the last
+        stage, ZeRO's buffers) + the allocator's share of transients and activations."""
+        m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
+        b, s = cfg.microbatch_size, cfg.train.seq_len
+        transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp)
+        if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
+                                                      p.pp_schedule):  # fmt: skip
+            transient += act.loss_grad_workspace(m, p.tp, dt, b, s)
+        transient += self._zero_buffers(cfg, fa)
+        return self.device.workspace_bytes + transient + ALLOCATOR * (transient + acts)
+
+    def _zero_buffers(self, cfg: Config, fa: RankFacts) -> float:
+        """ZeRO-3's gathered compute parameters and ZeRO-2/3's unsharded gradients."""
+        p, c = cfg.parallel, act.DTYPE_BYTES[cfg.train.dtype]
+        if p.fsdp == 1:
+            return 0.0
+        extra = 0.0
+        if p.zero_stage == 3:  # two blocks gathered (one prefetched) and the root
+            extra += c * (2 * fa.block + fa.psi_root)
+        if p.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
+            whole = p.microbatches > 1 and not self.reduce_every_micro
+            extra += c * (fa.psi if whole else 2 * fa.block + fa.psi_root)
+        return extra
+
+
+def _root_names(cfg: Config, first: bool, last: bool) -> set[str]:
+    """Root parameters a stage keeps, as `pipeline.stage.prune` leaves them."""
+    keep = set()
+    if first or (last and cfg.model.tie_embeddings):
+        keep.add("tok_embeddings.weight")
+    if last:
+        keep |= {"norm.weight", "output.weight"}
+    return keep
+
+
+def _state(cfg: Config, named, replicated) -> ModelState:
+    """`memory.model_state_bytes`'s arithmetic on given local parameters (fsdp rank 0)."""
+    p = cfg.parallel
+    if p.fsdp == 1:
+        return replicated_bytes(named)
+    return zero_bytes(plan_units(named, replicated, p.fsdp), 0, p.zero_stage, cfg.train.dtype)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,168 @@
+"""Layout search: the layouts tetrad can run for a world size, ranked by predicted step time.
+
+Enumerated: tp (a divisor of the world, at most one node), pp (a divisor of what is
+left, at most the layer count), the data ranks split into dp x fsdp, the ZeRO stage 2 or
+3 (when fsdp > 1), the pipeline schedule with its virtual stages (interleaved: v from 2
+to 8 with even chunks, pp·v dividing the layers), and the microbatch count (a divisor of
+the batch per data rank; at least pp when pp > 1). Each candidate must pass
+`config.validate` and what tetrad's runtime accepts (`tetrad_rejects`). A `Space` fixes
+any of these instead.
+
+Pruned, as never better in this model: SP off when tp > 1 (SP moves the same bus bytes
+with less memory and 1/t of the pipeline's p2p); GPipe (1F1B's bubble, more memory);
+ZeRO-1 (ZeRO-2's traffic, more memory). Degrees whose model state alone overflows the
+device are dropped before any schedule is simulated. Within a family (everything fixed but the
+microbatch count) counts are walked upward: activation memory falls as microbatches
+shrink, so counts whose memory floor overflows are skipped unsimulated, and the walk
+stops at the first count slower than the one before (time is taken to be unimodal in the
+count: the bubble shrinks, per-microbatch overheads grow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tetrad.config import Config, validate
+from tetrad.plan.cost import Planner, Prediction
+
+
+@dataclass(frozen=True)
+class Space:
+    """What to enumerate. A degree given here is fixed; None lets the search choose.
+    Likewise zero_stage, microbatches and virtual_stages; pp_schedule is one name or a
+    tuple of names to choose from. tetrad_only: skip layouts tetrad's runtime refuses
+    (off to fill in a published system's unknowns)."""
+
+    dp: int | None = None
+    fsdp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero_stage: int | None = None
+    pp_schedule: str | tuple[str, ...] | None = None
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    tetrad_only: bool = True
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tetrad_rejects(cfg: Config) -> str | None:
+    """Why tetrad's runtime refuses `cfg` although `validate` accepts it, or None."""
+    p = cfg.parallel
+    if p.fsdp > 1 and p.pp > 1 and p.pp_schedule in ("zb-h1", "zb-v"):
+        return f"ZeRO (fsdp={p.fsdp}) cannot run {p.pp_schedule} (its split backward)"
+    if p.fsdp > 1 and p.pp > 1 and cfg.model.tie_embeddings:
+        return "ZeRO with an embedding tied across pipeline stages"
+    return None
+
+
+def _choices(fixed: int | str | None, options: list) -> list:
+    return [fixed] if fixed is not None else options
+
+
+def degrees(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterator[dict]:
+    """(dp, fsdp, tp, pp) whose product is `world`, honouring `space`'s fixed degrees."""
+    for tp in _choices(space.tp, [t for t in divisors(world) if t <= gpus_per_node]):
+        pps = [p for p in divisors(world // tp) if p <= cfg.model.layers] if world % tp == 0 else []
+        for pp in _choices(space.pp, pps):
+            if world % (tp * pp):
+                continue
+            data = world // (tp * pp)
+            for fsdp in _choices(space.fsdp, divisors(data)):
+                if data % fsdp == 0 and (space.dp is None or space.dp * fsdp == data):
+                    yield {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp}
+
+
+def _schedules(cfg: Config, space: Space) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs for `cfg`'s degrees."""
+    p, layers = cfg.parallel, cfg.model.layers
+    if p.pp == 1:
+        return [("1f1b", 1)]
+    names = space.pp_schedule or ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+    names = [names] if isinstance(names, str) else names
+    out = []
+    for name in names:
+        if name == "interleaved-1f1b":
+            even = [v for v in range(2, 9) if layers % (p.pp * v) == 0]
+            out += [(name, v) for v in _choices(space.virtual_stages, even)]
+        elif name == "zb-v":
+            out += [(name, 2)]
+        else:
+            out += [(name, 1)]
+    return out
+
+
+def families(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterator[list[Config]]:
+    """Valid layouts of `cfg`'s model and batch on `world` ranks, grouped into families
+    that differ only in the microbatch count (ascending)."""
+    for deg in degrees(cfg, world, gpus_per_node, space):
+        zeros = _choices(space.zero_stage, [2, 3] if deg["fsdp"] > 1 else [3])
+        for zero in zeros:
+            base = _with(cfg, **deg, zero_stage=zero, sp=deg["tp"] > 1)
+            data = base.parallel.data_ranks
+            if cfg.train.global_batch % data:
+                continue
+            counts = [m for m in divisors(cfg.train.global_batch // data) if m >= deg["pp"]]
+            for name, v in _schedules(base, space):
+                family = [
+                    c
+                    for m in _choices(space.microbatches, counts)
+                    if _valid(
+                        c := _with(base, microbatches=m, pp_schedule=name, virtual_stages=v),
+                        world,
+                        space,
+                    )  # fmt: skip
+                ]
+                if family:
+                    yield family
+
+
+def _valid(cfg: Config, world: int, space: Space) -> bool:
+    try:
+        validate(cfg, world)
+    except ValueError:
+        return False
+    return not (space.tetrad_only and tetrad_rejects(cfg))
+
+
+def _with(cfg: Config, **parallel) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
+
+
+def _best_of_family(planner: Planner, family: list[Config]) -> list[tuple[float, float, Config]]:
+    """(step time, memory, layout) of the family's counts that fit, walked upward until
+    the time stops improving."""
+    out: list[tuple[float, float, Config]] = []
+    capacity = planner.cluster.device.hbm_bytes
+    for cand in family:
+        if planner.memory_floor(cand) > capacity:
+            continue
+        pred = planner.predict(cand, detail=False)
+        if not pred.memory.fits:
+            continue
+        if out and pred.step_time_s >= out[-1][0]:
+            break
+        out.append((pred.step_time_s, pred.memory.total, cand))
+    return out
+
+
+def search(
+    planner: Planner, cfg: Config, world: int, space: Space = Space(), top: int = 10
+) -> list[Prediction]:
+    """The `top` fastest predicted layouts that fit in memory, fastest first."""
+    found: list[tuple[float, float, int, Config]] = []
+    capacity = planner.cluster.device.hbm_bytes
+    for family in families(cfg, world, planner.cluster.gpus_per_node, space):
+        first = family[0]
+        states = [planner.rank_facts(first, r).state.total for r in range(first.parallel.pp)]
+        if max(states) >= capacity:
+            continue  # the model state alone overflows, whatever the microbatches
+        for t, mem, cand in _best_of_family(planner, family):
+            found.append((t, mem, len(found), cand))
+    found.sort(key=lambda x: x[:3])
+    return [planner.predict(cand) for *_, cand in found[:top]]
