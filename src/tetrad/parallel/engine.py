@@ -138,7 +138,7 @@ class Engine:
         unshard = self.unshard or (lambda _, t: t)
         state = {n: unshard(n, t).float().cpu().clone() for n, t in local.items()}
         if self.pipeline is not None:
-            state = gather_stages(state, self.cfg, self.mesh, self.comm)
+            state = gather_stages(state, self.cfg, self.mesh, self.comm, self.device)
         return state
 
     # --- checkpoints: full logical tensors out, this rank's slices in ------------------

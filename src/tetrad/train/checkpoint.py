@@ -173,7 +173,9 @@ def prune(root: Path, keep: int) -> None:
 
 def agree(engine, error: BaseException | None, what: str) -> None:
     """One collective: every rank learns whether any rank failed, and all fail alike."""
-    failed = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
+    failed = torch.tensor(
+        [0.0 if error is None else 1.0], dtype=torch.float64, device=engine.device
+    )
     engine.comm.all_reduce(failed, engine.mesh["world"])
     if error is not None:
         raise error

@@ -85,20 +85,19 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over the global batch."""
         micro = self.loader.next()
-        count = torch.tensor([float(sum(mb.tokens for mb in micro))], dtype=torch.float64)
+        # scalars for collectives live on the compute device: NCCL reduces device tensors only
+        count = torch.tensor(
+            [float(sum(mb.tokens for mb in micro))], dtype=torch.float64, device=self.device
+        )
         self.comm.all_reduce(count, self.mesh["data"])
         tokens = int(count.item())
         loss_share = self.engine.forward_backward(micro, max(tokens, 1))
         self.engine.sync_grads()
         # one collective agrees on the loss and the norm: every rank then decides alike
-        agreed = torch.stack(
-            [
-                loss_share.double()
-                if self.engine.loss_owner
-                else torch.zeros((), dtype=torch.float64),
-                self.engine.grad_sq_norm().double(),
-            ]
+        own_loss = (
+            loss_share.double() if self.engine.loss_owner else torch.zeros((), dtype=torch.float64)
         )
+        agreed = torch.stack([own_loss, self.engine.grad_sq_norm().double()]).to(self.device)
         self.comm.all_reduce(agreed, self.mesh["world"])
         loss, norm = float(agreed[0]), math.sqrt(float(agreed[1]))
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
@@ -118,11 +117,12 @@ class Trainer:
 
     def metrics(self, result: StepResult, seconds: float, comm_bytes: float) -> dict[str, Any]:
         """The metrics.jsonl row: sums and maxima over ranks come from two small collectives."""
-        summed = torch.tensor([comm_bytes], dtype=torch.float64)
+        summed = torch.tensor([comm_bytes], dtype=torch.float64, device=self.device)
         self.comm.all_reduce(summed, self.mesh["world"])
         maxed = torch.tensor(
             [float(peak_memory_bytes(self.device)), seconds, float(self.model_state)],
             dtype=torch.float64,
+            device=self.device,
         )
         if self.mesh.world_size > 1:
             dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self.mesh["world"].pg)

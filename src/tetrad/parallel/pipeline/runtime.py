@@ -271,7 +271,9 @@ def stage_param_names(cfg, pp_rank: int) -> list[str]:
     return [n for n, _ in model.named_parameters()]
 
 
-def gather_stages(state: dict[str, torch.Tensor], cfg, mesh: Mesh, comm: Comm):
+def gather_stages(
+    state: dict[str, torch.Tensor], cfg, mesh: Mesh, comm: Comm, device: torch.device | None = None
+):
     """Every stage's full tensors on every rank: each broadcast from its holder over pp."""
     from tetrad.models.init import full_shape
 
@@ -282,6 +284,7 @@ def gather_stages(state: dict[str, torch.Tensor], cfg, mesh: Mesh, comm: Comm):
             if name in out:
                 continue  # a tied embedding held by two stages: the first one's value
             t = state[name] if r == pp.rank else torch.empty(full_shape(name, cfg.model))
+            t = t.to(device or "cpu")  # NCCL broadcasts device tensors only
             comm.broadcast(t, r, pp)
-            out[name] = t
+            out[name] = t.cpu()
     return out
