@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tetrad.config import Config, from_dict, load_toml, model_preset, validate
+from tetrad.config import Config, ParallelConfig, from_dict, load_toml, model_preset, validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -186,3 +186,23 @@ def test_validation_survives_python_O():
     )
     assert out.returncode == 0, out.stderr
     assert "world size 2 != dp*fsdp*tp*pp = 3*1*1*1 = 3" in out.stdout
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_zero_with_split_backward_schedule_is_refused(schedule):
+    cfg = Config()
+    cfg.model.layers = 4
+    v = 2 if schedule == "zb-v" else 1
+    cfg.parallel = ParallelConfig(
+        fsdp=2, pp=2, pp_schedule=schedule, microbatches=2, virtual_stages=v
+    )
+    with pytest.raises(ValueError, match=schedule):
+        validate(cfg, 4)
+
+
+def test_zero_with_embedding_tied_across_stages_is_refused():
+    cfg = Config()
+    cfg.model.tie_embeddings = True
+    cfg.parallel = ParallelConfig(fsdp=2, pp=2, microbatches=2)
+    with pytest.raises(ValueError, match="tie_embeddings"):
+        validate(cfg, 4)

@@ -320,6 +320,18 @@ def _validate_layout(cfg: Config) -> None:
             f"interleaved-1f1b needs microbatches % pp == 0: microbatches={p.microbatches},"
             f" pp={p.pp}",
         )
+    if p.pp > 1 and p.fsdp > 1:
+        # ZeRO's gradient hooks see autograd only: the split backward's W runs outside it
+        _require(
+            p.pp_schedule not in ("zb-h1", "zb-v"),
+            f"fsdp={p.fsdp} (ZeRO) cannot run pp_schedule={p.pp_schedule!r}; use 1f1b,"
+            " gpipe or interleaved-1f1b",
+        )
+        _require(
+            not m.tie_embeddings,
+            f"fsdp={p.fsdp} (ZeRO) with tie_embeddings=True across pp={p.pp} stages is not"
+            " supported",
+        )
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
