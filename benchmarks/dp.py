@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import statistics
-import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -32,13 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from peer_harness import peer_loader, peer_model, timed_block
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.mesh import Mesh
 from tetrad.models.flops import param_count
-from tetrad.models.init import materialize
-from tetrad.models.llama import Llama, cross_entropy_sum
+from tetrad.models.llama import cross_entropy_sum
 from tetrad.testing import spawn
-from tetrad.train.data import Loader, make_source
 from tetrad.train.loop import Trainer
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 
@@ -63,16 +61,12 @@ class DDPRunner:
 
     def __init__(self, cfg: Config, rank: int, world: int):
         self.cfg = cfg
-        with torch.device("meta"):
-            model = Llama(cfg.model)
-        materialize(model, cfg.model, cfg.train.seed, "cpu")  # tetrad's exact initial weights
+        model = peer_model(cfg)
         self.ddp = DDP(model)
         self.counts = {"calls": 0, "bytes": 0}
         self.ddp.register_comm_hook(self.counts, counting_sum_hook)
         self.optimizer = build_optimizer(list(model.named_parameters()), cfg.train)
-        source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
-        t = cfg.train
-        self.loader = Loader(source, t.global_batch, t.seq_len, rank, world, 1)
+        self.loader = peer_loader(cfg, rank, world)
         self.step = 0
 
     def train_step(self) -> float:
@@ -120,19 +114,6 @@ def counting_sum_hook(state: dict[str, int], bucket):  # noqa: ANN001
     return fut.then(lambda f: f.value()[0])
 
 
-def _timed_block(step_fn, steps: int, losses: list[float]) -> tuple[float, float]:
-    """(wall seconds on the slowest rank, CPU seconds summed over ranks) of `steps` steps."""
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        losses.append(step_fn())
-    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu)
-    return float(wall), float(cpu)
-
-
 def worker(rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, rounds: int) -> dict:
     """Both implementations on this rank, alternating timed rounds."""
     cfg = from_dict(cfg_dict)
@@ -146,12 +127,12 @@ def worker(rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, round
 
     runners = {"tetrad": tetrad_step, "ddp": ddp.train_step}
     for name, fn in runners.items():
-        _timed_block(fn, warmup, losses[name])
+        timed_block(fn, warmup, losses[name])
     seconds: dict[str, list[tuple[float, float]]] = {"tetrad": [], "ddp": []}
     for r in range(rounds):
         order = ["tetrad", "ddp"] if r % 2 == 0 else ["ddp", "tetrad"]
         for name in order:
-            seconds[name].append(_timed_block(runners[name], steps, losses[name]))
+            seconds[name].append(timed_block(runners[name], steps, losses[name]))
     total_steps = warmup + rounds * steps
     return {
         "losses": losses,

@@ -33,22 +33,20 @@ import argparse
 import json
 import math
 import statistics
-import time
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from peer_harness import peer_loader, peer_model, timed_block
 from tetrad.comm import bus_factor
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.mesh import Mesh
 from tetrad.models.flops import param_count
-from tetrad.models.init import materialize
-from tetrad.models.llama import Llama, cross_entropy_sum
+from tetrad.models.llama import cross_entropy_sum
 from tetrad.plan.memory import measure_at_each_step, model_state_bytes, zero_formula_bytes
 from tetrad.testing import spawn
-from tetrad.train.data import Loader, make_source
 from tetrad.train.loop import Trainer
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 
@@ -108,18 +106,14 @@ class FSDP2Runner:
         from torch.distributed.fsdp import fully_shard
 
         self.cfg, self.world = cfg, world
-        with torch.device("meta"):
-            model = Llama(cfg.model)
-        materialize(model, cfg.model, cfg.train.seed, "cpu")  # tetrad's exact initial weights
+        model = peer_model(cfg)
         mesh = init_device_mesh("cpu", (world,))
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.model = model
         self.optimizer = build_optimizer(list(model.named_parameters()), cfg.train)
-        source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
-        t = cfg.train
-        self.loader = Loader(source, t.global_batch, t.seq_len, rank, world, 1)
+        self.loader = peer_loader(cfg, rank, world)
         self.step = 0
 
     def train_step(self) -> float:
@@ -180,17 +174,6 @@ def build_profiled(make, warmup: int, losses: list[float]):
     return runner, step, peak_tensor_bytes(prof)
 
 
-def _timed_block(step_fn, steps: int, losses: list[float]) -> float:
-    """Wall seconds of `steps` steps on the slowest rank."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        losses.append(step_fn())
-    seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds)
-
-
 def memory_table(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
     """Model state per rank, measured at the optimizer step vs predicted, for every stage
     and dtype (one step each), with the ZeRO paper's formula beside it."""
@@ -246,7 +229,7 @@ def worker(rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, round
             if name == "tetrad":
                 trainer.comm.reset()  # so its counters hold its last round
             counter.enabled = name == "fsdp2"
-            seconds[name].append(_timed_block(runners[name], steps, losses[name]))
+            seconds[name].append(timed_block(runners[name], steps, losses[name])[0])
             counter.enabled = False
     peaks = torch.tensor([*tetrad_mem, *fsdp2_mem], dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)

@@ -49,13 +49,12 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from peer_harness import peer_loader, peer_model, timed_block
 from tetrad.config import Config, from_dict
 from tetrad.mesh import Mesh
 from tetrad.models.flops import param_count
-from tetrad.models.init import materialize
 from tetrad.models.llama import Llama
 from tetrad.testing import spawn
-from tetrad.train.data import Loader, make_source
 from tetrad.train.loop import Trainer
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 
@@ -107,16 +106,12 @@ class DTensorRunner:
 
     def __init__(self, cfg: Config, tp: int):
         self.cfg = cfg
-        with torch.device("meta"):
-            model = Llama(cfg.model)
-        materialize(model, cfg.model, cfg.train.seed, "cpu")  # tetrad's exact initial weights
+        model = peer_model(cfg)
         self.model = parallelize_module(
             model, init_device_mesh("cpu", (tp,)), dtensor_plan(model, cfg.parallel.sp)
         )
         self.optimizer = build_optimizer(list(model.named_parameters()), cfg.train)
-        source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
-        t = cfg.train
-        self.loader = Loader(source, t.global_batch, t.seq_len, 0, 1, 1)  # every rank, all of it
+        self.loader = peer_loader(cfg, 0, 1)  # every tp rank reads the whole batch
         self.step = 0
 
     def train_step(self) -> float:
@@ -227,17 +222,6 @@ def probe_step(step_fn, tp: int, params: list, optimizer) -> tuple[float, StepPr
     return loss, probe
 
 
-def _timed_block(step_fn, steps: int, losses: list[float]) -> float:
-    """Wall seconds of `steps` steps on the slowest rank."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        losses.append(step_fn())
-    seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds)
-
-
 def run_pair(rank: int, tp: int, raw: dict, steps: int, rounds: int) -> dict[str, Any]:
     """Both implementations of one layout on this rank: probe step, then alternating rounds."""
     cfg = from_dict(raw)
@@ -260,7 +244,7 @@ def run_pair(rank: int, tp: int, raw: dict, steps: int, rounds: int) -> dict[str
     seconds: dict[str, list[float]] = {"tetrad": [], "dtensor": []}
     for r in range(rounds):
         for name in ("tetrad", "dtensor") if r % 2 == 0 else ("dtensor", "tetrad"):
-            seconds[name].append(_timed_block(runners[name], steps, losses[name]))
+            seconds[name].append(timed_block(runners[name], steps, losses[name])[0])
     return {"losses": losses, "seconds": seconds, "probes": probes, "tetrad_comm": tetrad_comm}
 
 
