@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from peer_harness import peer_loader, peer_model, timed_block
+from peer_harness import global_tokens, peer_loader, peer_model, timed_block
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.mesh import Mesh
 from tetrad.models.flops import param_count
@@ -72,9 +72,7 @@ class DDPRunner:
     def train_step(self) -> float:
         """One optimizer step; returns the global mean token loss."""
         micro = self.loader.next()
-        count = torch.tensor([float(sum(mb.tokens for mb in micro))], dtype=torch.float64)
-        dist.all_reduce(count)
-        tokens = float(count.item())
+        tokens = global_tokens(micro)
         total = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(micro):
             ctx = self.ddp.no_sync() if i < len(micro) - 1 else nullcontext()

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peer_harness import peer_loader, peer_model, timed_block
+from peer_harness import global_tokens, peer_loader, peer_model, timed_block
 from tetrad.comm import bus_factor
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.mesh import Mesh
@@ -119,9 +119,7 @@ class FSDP2Runner:
     def train_step(self) -> float:
         """One optimizer step; returns the global mean token loss."""
         micro = self.loader.next()
-        count = torch.tensor([float(sum(mb.tokens for mb in micro))], dtype=torch.float64)
-        dist.all_reduce(count)
-        tokens = float(count.item())
+        tokens = global_tokens(micro)
         total = torch.zeros((), dtype=torch.float64)
         for mb in micro:
             # FSDP2 averages gradients over the world; tetrad sums with a global denominator

@@ -45,3 +45,10 @@ def timed_block(
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu)
     return float(wall), float(cpu)
+
+
+def global_tokens(micro: list) -> float:
+    """Target tokens of the whole global batch: the loss denominator, as tetrad uses it."""
+    count = torch.tensor([float(sum(mb.tokens for mb in micro))], dtype=torch.float64)
+    dist.all_reduce(count)
+    return float(count.item())
