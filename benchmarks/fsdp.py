@@ -45,7 +45,7 @@ from tetrad.config import Config, from_dict, model_preset
 from tetrad.mesh import Mesh
 from tetrad.models.flops import param_count
 from tetrad.models.llama import cross_entropy_sum
-from tetrad.plan.memory import measure_at_each_step, model_state_bytes, zero_formula_bytes
+from tetrad.parallel.memory import measure_at_each_step, model_state_bytes, zero_formula_bytes
 from tetrad.testing import spawn
 from tetrad.train.loop import Trainer
 from tetrad.train.optim import build_optimizer, lr_at, set_lr

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tetrad.comm.bench import fit_alpha_beta, parse_ops, sizes
+from tetrad.commbench import fit_alpha_beta, parse_ops, sizes
 
 
 def test_size_grid():

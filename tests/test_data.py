@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from tetrad.models.batch import IGNORE
 from tetrad.train.data import (
-    IGNORE,
     Loader,
     Synthetic,
     TokenStream,

@@ -11,8 +11,7 @@ import torch
 
 from tetrad.config import model_preset
 from tetrad.models.flops import param_count
-from tetrad.parallel.zero import plan_units
-from tetrad.plan.memory import (
+from tetrad.parallel.memory import (
     ADAM_BYTES,
     STEP_BYTES,
     local_parameters,
@@ -20,6 +19,7 @@ from tetrad.plan.memory import (
     model_state_bytes,
     zero_formula_bytes,
 )
+from tetrad.parallel.zero import plan_units
 from tetrad.testing import tiny_config
 
 REFERENCE_CSV = Path("/work/shared/reference/zero_model_state_memory.csv")

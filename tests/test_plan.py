@@ -19,11 +19,11 @@ import torch
 
 from tetrad.config import ModelConfig, model_preset
 from tetrad.models.flops import param_count
+from tetrad.parallel.memory import model_state_bytes, zero_formula_bytes
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
 from tetrad.plan.cost import ENGINES, MEGATRON, Planner, gpt_as_llama, layout_config
 from tetrad.plan.hardware import GiB, calibrated, cluster_preset
-from tetrad.plan.memory import model_state_bytes, zero_formula_bytes
 from tetrad.plan.search import Space, search
 
 REFERENCE = Path("/work/shared/reference")

@@ -20,7 +20,7 @@ def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
     """Train each config in turn; per run: losses, norms, one step's comm, memory, weights."""
     from tetrad.config import from_dict
     from tetrad.mesh import Mesh
-    from tetrad.plan.memory import measure_at_each_step, model_state_bytes
+    from tetrad.parallel.memory import measure_at_each_step, model_state_bytes
     from tetrad.train.loop import Trainer
 
     out = []
@@ -53,8 +53,8 @@ def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
 
 def _layouts(cfg) -> list:
     """The unit layouts of rank 0 (the same sizes on every rank of one tp/pp coordinate)."""
+    from tetrad.parallel.memory import local_parameters
     from tetrad.parallel.zero import plan_units
-    from tetrad.plan.memory import local_parameters
 
     named, replicated = local_parameters(cfg, 0)
     return plan_units(named, replicated, cfg.parallel.fsdp)

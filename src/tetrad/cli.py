@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 
 from tetrad.config import PP_SCHEDULES, Config, load_toml, model_preset, validate
+from tetrad.launch import launch, under_torchrun
 
 # flag -> (section, field); every one of these is also settable in a --config TOML file
 TRAIN_FLAGS = {
@@ -106,48 +105,21 @@ def fill_world(cfg: Config, args: argparse.Namespace) -> int:
     return args.nproc
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(nproc: int, argv: list[str], cfg: Config) -> int:
-    """Re-run this command under torchrun with `nproc` local ranks, rendezvous on loopback."""
-    degrees = [f"--{d}={getattr(cfg.parallel, d)}" for d in DEGREES]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=1", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        "-m", "tetrad.cli", *argv, *degrees,
-    ]  # fmt: skip
-    env = dict(os.environ, TETRAD_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
-
-
-def drop_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
+def launch_train(nproc: int, argv: list[str], cfg: Config) -> int:
+    """Launch the ranks, each told the degrees this process settled (dp may fill the world)."""
+    return launch(nproc, [*argv, *(f"--{d}={getattr(cfg.parallel, d)}" for d in DEGREES)])
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = build_config(args)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if not under_torchrun:
+    if not under_torchrun():
         nproc = fill_world(cfg, args)
         validate(cfg, nproc)
         from tetrad.train.checkpoint import checkpoint_root, find_resume
 
         find_resume(checkpoint_root(cfg), cfg)  # a refused --out fails once, before launching
         if nproc > 1:
-            return launch(nproc, drop_nproc(argv), cfg)
+            return launch_train(nproc, argv, cfg)
     from tetrad.train.run import run
 
     threads = args.threads or int(os.environ.get("TETRAD_THREADS", "0"))
@@ -156,7 +128,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from tetrad.comm.bench import main as bench_main
+    from tetrad.commbench import main as bench_main
 
     return bench_main(args, argv)
 

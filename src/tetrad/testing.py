@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -22,12 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tetrad.config import Config, from_dict
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tetrad.launch import free_port
 
 
 class _Array:

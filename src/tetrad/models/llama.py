@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.config import ModelConfig
+from tetrad.models.batch import IGNORE
 
 
 class RMSNorm(nn.Module):
@@ -144,5 +145,5 @@ class Llama(nn.Module):
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of token losses (targets == -100 are padding); callers divide by the global count."""
     return F.cross_entropy(
-        logits.float().flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=-100
+        logits.float().flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=IGNORE
     )

@@ -74,3 +74,8 @@ def assign(names: list[str], plan: dict[str, str]) -> dict[str, str]:
         if style is not None:
             out[name] = style
     return out
+
+
+def decays(name: str) -> bool:
+    """Weight decay applies to matrices, not to norm gains (decided by logical name)."""
+    return not name.endswith("norm.weight")

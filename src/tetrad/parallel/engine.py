@@ -17,11 +17,11 @@ from torch import nn
 from tetrad.comm import Comm
 from tetrad.config import Config
 from tetrad.mesh import Mesh
+from tetrad.models.batch import Microbatch
 from tetrad.models.init import Slicer
 from tetrad.models.llama import cross_entropy_sum
 from tetrad.parallel.data import GradBuckets
 from tetrad.parallel.pipeline.runtime import PipelineRuntime, gather_stages
-from tetrad.train.data import Microbatch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Axes a parameter is, by default, replicated over (identical on every rank of them).

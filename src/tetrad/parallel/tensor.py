@@ -38,6 +38,7 @@ from tetrad.comm import Comm
 from tetrad.comm.tp import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from tetrad.config import Config
 from tetrad.mesh import Group, Mesh
+from tetrad.models.batch import IGNORE
 from tetrad.models.init import Slicer, full_shape
 from tetrad.models.llama import RMSNorm
 from tetrad.models.plans import assign
@@ -179,7 +180,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, targets, start, comm, group):
         z = logits.float().flatten(0, -2)  # [N, V_r]: this rank's vocabulary only
         t = targets.flatten()
-        valid = t != -100
+        valid = t != IGNORE
         local = t - start
         mine = valid & (local >= 0) & (local < z.shape[1])
         local = local.clamp(0, max(z.shape[1] - 1, 0))

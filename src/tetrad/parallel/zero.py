@@ -47,9 +47,9 @@ from torch import nn
 from tetrad.comm import Comm, Work
 from tetrad.config import Config
 from tetrad.mesh import Mesh
+from tetrad.models.plans import decays
 from tetrad.parallel.engine import MOMENTS, Engine
 from tetrad.parallel.zero_state import gather_units, load_units, optimizer_shard
-from tetrad.train.optim import decays
 
 ROOT = "root"
 ROOT_ORDER = {"tok_embeddings": 0, "norm": 1, "output": 2}  # forward order of root modules

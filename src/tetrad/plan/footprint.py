@@ -18,12 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from tetrad.config import Config
+from tetrad.devices import Device
+from tetrad.parallel.memory import ModelState, local_parameters, replicated_bytes, zero_bytes
 from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
-from tetrad.plan.hardware import Device
-from tetrad.plan.memory import ModelState, local_parameters, replicated_bytes, zero_bytes
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
 # allocated and freed within a step. A stated share, not fitted per row (torchtitan's eager

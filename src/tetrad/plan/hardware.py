@@ -1,7 +1,7 @@
 """Devices and clusters the planner knows: declared peaks, memory, links, one efficiency.
 
 Every number here is a vendor specification or a published measurement (the sources are
-in /work/shared/REFERENCE.md and docs/plan.md), except `Device.efficiency`: the share of
+in the reference notes and docs/plan.md), except `Device.efficiency`: the share of
 the dense peak a training step's matmuls reach on that device kind. It is calibrated once
 per device kind and stated in docs/plan.md; nothing else in the planner is fitted.
 
@@ -19,19 +19,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
-GiB = 2**30
-
-# dense TFLOP/s by (device kind, dtype)
-PEAK_TFLOPS = {
-    ("H200", "bf16"): 989.0,
-    ("H100", "bf16"): 989.0,
-    ("A100", "bf16"): 312.0,
-    ("H200", "fp32"): 67.0,
-    ("H100", "fp32"): 67.0,
-    ("A100", "fp32"): 19.5,
-}
+from tetrad.devices import A100, H100, H100_HBM2E, H200, Device, GiB, cpu_core_tflops
 
 RING = {  # op -> (steps, bus bytes per buffer byte) of a ring over n ranks
     "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
@@ -71,28 +59,6 @@ class Link:
             alpha, bw = self.measured[op]
             return alpha + bus(n) * nbytes / bw
         return self.alpha_s * steps(n) + bus(n) * nbytes / self.bw_Bps
-
-
-@dataclass(frozen=True)
-class Device:
-    """One accelerator kind.
-
-    peak_tflops: declared dense peak by compute dtype; hbm_bytes: memory per device;
-    hbm_Bps: memory bandwidth (prices the optimizer step, which is memory-bound);
-    efficiency: achievable share of the peak over a training step's FLOPs (calibrated once);
-    workspace_bytes: memory outside tensors the planner counts (cuBLAS and NCCL buffers).
-    """
-
-    name: str
-    peak_tflops: dict[str, float]
-    hbm_bytes: float
-    hbm_Bps: float
-    efficiency: float
-    workspace_bytes: float = 1.0 * GiB
-
-    def flops_per_s(self, dtype: str) -> float:
-        """The FLOP rate the planner charges: peak x efficiency."""
-        return self.peak_tflops[dtype] * 1e12 * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -136,13 +102,6 @@ IB_HDR = Link("ib-hdr", 5e-6, 23.5e9, 25e9)  # 200 Gb/s NIC per GPU: the same ~9
 # gloo on this machine's loopback (docs/results/comm_nproc2.json, 2 ranks): all-reduce
 # ~0.7 ms per call, i.e. 2 ring steps; ~0.76 GB/s bus bandwidth
 GLOO_LOOPBACK = Link("gloo-loopback", 3.5e-4, 0.76e9)
-
-H100 = Device("h100", {"bf16": 989.0, "fp32": 67.0}, 81559 * 2**20, 3.35e12, 0.49)
-# torchtitan's benchmark parts (Grand Teton): H100 SXM with 96 GB HBM2e at 2.4 TB/s,
-# power-capped at 500 W: the same declared peak, a lower achievable share of it
-H100_HBM2E = Device("h100-hbm2e", {"bf16": 989.0, "fp32": 67.0}, 96e9, 2.4e12, 0.42)
-H200 = Device("h200", {"bf16": 989.0, "fp32": 67.0}, 140 * GiB, 4.8e12, 0.49)
-A100 = Device("a100", {"bf16": 312.0, "fp32": 19.5}, 80 * GiB, 2.039e12, 0.62)
 
 CLUSTERS = {
     "h100": Cluster(H100, 8, NVLINK4, IB_NDR),
@@ -193,36 +152,3 @@ def calibrated(cluster: Cluster, bench_json: str | Path) -> Cluster:
     intra = replace(cluster.intra, name=name, measured=measured)
     inter = replace(cluster.inter, name=name, measured=measured)
     return replace(cluster, intra=intra, inter=inter)
-
-
-# --- the trainer's MFU denominators -------------------------------------------------------
-
-
-def cpu_core_tflops() -> float:
-    """Declared fp32 peak of one CPU core: 2 FMA units x SIMD lanes x 2 FLOPs x clock.
-
-    Lanes are 16 with AVX-512, 8 with AVX2, 4 otherwise; the clock is /proc/cpuinfo's
-    (2.5 GHz if unknown). A yardstick for MFU, not a measurement; `train.peak_tflops`
-    overrides it.
-    """
-    flags, mhz = "", 2500.0
-    try:
-        with open("/proc/cpuinfo") as fh:
-            text = fh.read()
-        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-        mhz = float(next(ln for ln in text.splitlines() if ln.startswith("cpu MHz")).split(":")[1])
-    except (OSError, StopIteration, ValueError):
-        pass
-    lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
-    return 2 * lanes * 2 * mhz * 1e6 / 1e12
-
-
-def peak_tflops(device: torch.device, dtype: str) -> float:
-    """Declared peak of one device (one rank) for `dtype`."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for (kind, dt), tflops in PEAK_TFLOPS.items():
-            if kind in name and dt == dtype:
-                return tflops
-        return PEAK_TFLOPS[("H100", dtype)]
-    return cpu_core_tflops() * torch.get_num_threads()

@@ -9,27 +9,13 @@ the next step number.
 from __future__ import annotations
 
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tetrad.models.batch import IGNORE, Microbatch
 from tetrad.models.init import name_seed
-
-IGNORE = -100  # target id of padding, excluded from the loss
-
-
-@dataclass
-class Microbatch:
-    """Inputs and targets, both [b, s] int64; targets == -100 are padding."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-
-    @property
-    def tokens(self) -> int:
-        return int((self.targets != IGNORE).sum())
 
 
 def stdlib_corpus(max_bytes: int) -> np.ndarray:

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from tetrad.comm import Comm
 from tetrad.config import Config, validate
+from tetrad.devices import peak_tflops
 from tetrad.mesh import Mesh
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
-from tetrad.plan.hardware import peak_tflops
-from tetrad.plan.memory import model_state_bytes
+from tetrad.parallel.memory import model_state_bytes
 from tetrad.train import checkpoint
 from tetrad.train.data import Loader, make_source
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
@@ -80,7 +80,7 @@ class Trainer:
         self.step = 0
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)
-        self.model_state = model_state_bytes(cfg, mesh.rank).total  # exact, see plan/memory
+        self.model_state = model_state_bytes(cfg, mesh.rank).total  # exact, see parallel/memory
 
     def train_step(self) -> StepResult:
         """One optimizer step over the global batch."""

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tetrad.config import TrainConfig
+from tetrad.models.plans import decays
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -18,11 +19,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def decays(name: str) -> bool:
-    """Weight decay applies to matrices, not to norm gains (decided by logical name)."""
-    return not name.endswith("norm.weight")
 
 
 def build_optimizer(named: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:

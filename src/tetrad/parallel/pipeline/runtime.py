@@ -23,13 +23,13 @@ import torch
 
 from tetrad.comm import Comm, Work
 from tetrad.mesh import Mesh
+from tetrad.models.batch import Microbatch
 from tetrad.parallel.pipeline.measure import ActivationMeter
 from tetrad.parallel.pipeline.schedules import Action, Step, wire
 from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import Chunk
 from tetrad.parallel.pipeline.timeline import Event
 from tetrad.parallel.pipeline.weightgrad import WeightGradStore
-from tetrad.train.data import Microbatch
 
 Key = tuple[int, int]  # (stage, microbatch)
 Wire = tuple[str, int, int]  # (direction, stage, microbatch): a tensor on the wire

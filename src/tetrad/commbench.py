@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -34,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad.comm import Comm, bus_factor
+from tetrad.launch import launch, under_torchrun
 from tetrad.mesh import Group, Mesh
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
@@ -266,27 +265,13 @@ def emit(report: dict[str, Any], path: str | None) -> None:
             fh.write(text + "\n")
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Re-run `tetrad bench ...` under torchrun with `nproc` local ranks on loopback."""
-    from tetrad.cli import drop_nproc, free_port
-
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=1", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        "-m", "tetrad.cli", *drop_nproc(argv),
-    ]  # fmt: skip
-    env = dict(os.environ, TETRAD_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
-
-
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     """`tetrad bench comm`: validate the flags, then launch the ranks (or be one)."""
     sizes(args.min_bytes, args.max_bytes, args.factor)  # fail here, not in every rank
     parse_ops(args.ops)
     if args.iters < 1 or args.seconds <= 0:
         raise ValueError(f"need iters >= 1 and seconds > 0, got {args.iters}, {args.seconds}")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if under_torchrun():
         return worker(args)
     if args.nproc < 2:
         raise ValueError(f"--nproc must be >= 2 to measure collectives, got {args.nproc}")

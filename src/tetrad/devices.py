@@ -1,0 +1,75 @@
+"""Accelerator kinds: declared peak FLOP rates, memory, bandwidth. One table for all.
+
+The trainer divides by a device's declared peak for MFU; the planner charges that peak
+times a calibrated efficiency. Sources of every figure: docs/plan.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator kind.
+
+    peak_tflops: declared dense peak by compute dtype; hbm_bytes: memory per device;
+    hbm_Bps: memory bandwidth (prices the optimizer step, which is memory-bound);
+    efficiency: achievable share of the peak over a training step's FLOPs (calibrated once);
+    workspace_bytes: memory outside tensors the planner counts (cuBLAS and NCCL buffers).
+    """
+
+    name: str
+    peak_tflops: dict[str, float]
+    hbm_bytes: float
+    hbm_Bps: float
+    efficiency: float
+    workspace_bytes: float = 1.0 * GiB
+
+    def flops_per_s(self, dtype: str) -> float:
+        """The FLOP rate the planner charges: peak x efficiency."""
+        return self.peak_tflops[dtype] * 1e12 * self.efficiency
+
+
+H100 = Device("h100", {"bf16": 989.0, "fp32": 67.0}, 81559 * 2**20, 3.35e12, 0.49)
+# torchtitan's benchmark parts (Grand Teton): H100 SXM with 96 GB HBM2e at 2.4 TB/s,
+# power-capped at 500 W: the same declared peak, a lower achievable share of it
+H100_HBM2E = Device("h100-hbm2e", {"bf16": 989.0, "fp32": 67.0}, 96e9, 2.4e12, 0.42)
+H200 = Device("h200", {"bf16": 989.0, "fp32": 67.0}, 140 * GiB, 4.8e12, 0.49)
+A100 = Device("a100", {"bf16": 312.0, "fp32": 19.5}, 80 * GiB, 2.039e12, 0.62)
+
+GPUS = {d.name: d for d in (H200, H100, H100_HBM2E, A100)}
+
+
+def cpu_core_tflops() -> float:
+    """Declared fp32 peak of one CPU core: 2 FMA units x SIMD lanes x 2 FLOPs x clock.
+
+    Lanes are 16 with AVX-512, 8 with AVX2, 4 otherwise; the clock is /proc/cpuinfo's
+    (2.5 GHz if unknown). A yardstick for MFU, not a measurement; `train.peak_tflops`
+    overrides it.
+    """
+    flags, mhz = "", 2500.0
+    try:
+        with open("/proc/cpuinfo") as fh:
+            text = fh.read()
+        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        mhz = float(next(ln for ln in text.splitlines() if ln.startswith("cpu MHz")).split(":")[1])
+    except (OSError, StopIteration, ValueError):
+        pass
+    lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
+    return 2 * lanes * 2 * mhz * 1e6 / 1e12
+
+
+def peak_tflops(device: torch.device, dtype: str) -> float:
+    """Declared dense peak of one device (one rank) for `dtype`: the preset whose kind the
+    CUDA device name contains (an unknown GPU counts as an H100); on CPU, one core's
+    peak times the torch threads this rank uses."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        kind = next((d for d in (H200, H100, A100) if d.name in name), H100)
+        return kind.peak_tflops[dtype]
+    return cpu_core_tflops() * torch.get_num_threads()
