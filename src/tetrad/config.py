@@ -7,6 +7,7 @@ bad value fails the same way everywhere with a `ValueError` that names it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -98,8 +99,13 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"
 
     @property
+    def degrees(self) -> dict[str, int]:
+        """The mesh's axis sizes, outermost first (the order `Mesh` lays ranks out in)."""
+        return {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "tp": self.tp}
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.fsdp * self.tp * self.pp
+        return math.prod(self.degrees.values())
 
     @property
     def data_ranks(self) -> int:

@@ -149,7 +149,7 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, A
     from tetrad.train.loop import Trainer
 
     cfg = from_dict(cfg_dict)
-    degrees = {a: getattr(cfg.parallel, a) for a in ("pp", "dp", "fsdp", "tp")}
+    degrees = cfg.parallel.degrees
     mesh = Mesh.build(degrees, rank)
     trainer = Trainer(cfg, mesh, torch.device("cpu"))
     rows = trainer.fit()

@@ -61,7 +61,7 @@ def local_parameters(
     from tetrad.comm import Comm
     from tetrad.models.llama import Llama
 
-    degrees = {a: getattr(cfg.parallel, a) for a in ("pp", "dp", "fsdp", "tp")}
+    degrees = cfg.parallel.degrees
     mesh = Mesh.plan(degrees, rank)
     with torch.device("meta"):
         model = Llama(cfg.model)
@@ -108,7 +108,7 @@ def model_state_bytes(cfg: Config, rank: int = 0) -> ModelState:
     p = cfg.parallel
     if p.fsdp == 1:
         return replicated_bytes(named)
-    degrees = {a: getattr(p, a) for a in ("pp", "dp", "fsdp", "tp")}
+    degrees = p.degrees
     fsdp_rank = Mesh.plan(degrees, rank).coord["fsdp"]
     layouts = plan_units(named, replicated, p.fsdp)
     return zero_bytes(layouts, fsdp_rank, p.zero_stage, cfg.train.dtype)
