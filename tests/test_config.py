@@ -95,7 +95,11 @@ BAD = {
     ),
     "virtual stages need an interleaved schedule": (
         {"parallel": {"pp": 2, "virtual_stages": 2, "pp_schedule": "1f1b"}}, None,
-        r"virtual_stages=2 needs an interleaved schedule, got pp_schedule='1f1b'",
+        r"1f1b runs one stage per rank: virtual_stages must be 1, got 2",
+    ),
+    "zb-v holds two stages per rank": (
+        {"parallel": {"pp": 2, "virtual_stages": 1, "pp_schedule": "zb-v"}}, None,
+        r"zb-v holds exactly 2 stages per rank: virtual_stages=2, got 1",
     ),
     "more stages than layers": (
         {"parallel": {"pp": 2, "virtual_stages": 2, "pp_schedule": "interleaved-1f1b",
@@ -104,7 +108,7 @@ BAD = {
     ),
     "interleaved microbatches vs pp": (
         {"model": {"layers": 4}, "parallel": {"pp": 2, "pp_schedule": "interleaved-1f1b",
-                                               "microbatches": 1}}, None,
+                                               "virtual_stages": 2, "microbatches": 1}}, None,
         r"microbatches=1, pp=2",
     ),
     "bucket size": ({"parallel": {"bucket_mb": 0.0}}, None, r"bucket_mb must be > 0, got 0\.0"),

@@ -109,7 +109,7 @@ def megatron_case(row: tuple) -> tuple[Planner, object, float]:
     model = gpt_as_llama(layers, hidden, heads, 131072, 4096)
     cfg = layout_config(model, batch, 4096, fsdp=dp, zero_stage=1, tp=tp, pp=pp, sp=tp > 1)
     planner = Planner(cluster_preset("h100"), MEGATRON)
-    space = Space(dp=1, fsdp=dp, tp=tp, pp=pp, zero_stage=1, tetrad_only=False,
+    space = Space(dp=1, fsdp=dp, tp=tp, pp=pp, zero_stage=1,
                   pp_schedule=("1f1b", "interleaved-1f1b"))  # fmt: skip
     best = search(planner, cfg, tp * pp * dp, space, top=1)[0]
     lay = best.layout

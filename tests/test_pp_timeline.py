@@ -54,7 +54,7 @@ def _timeline_worker(rank: int, world: int, out_dir: str) -> dict:
         for step in range(STEPS):
             cpu = time.thread_time()
             trainer.train_step()
-            events = trainer.engine.pipeline_state.events
+            events = trainer.engine.last_run.events
             mine = torch.tensor([(time.thread_time() - cpu) / sum(e.duration for e in events)])
             shares = torch.empty(2)
             trainer.comm.all_gather(shares, mine, mesh["pp"])

@@ -6,8 +6,9 @@ import argparse
 import os
 import sys
 
-from tetrad.config import PP_SCHEDULES, Config, load_toml, model_preset, validate
+from tetrad.config import Config, load_toml, model_preset, validate
 from tetrad.launch import launch, under_torchrun
+from tetrad.parallel.pipeline.schedules import SCHEDULES
 
 # flag -> (section, field); every one of these is also settable in a --config TOML file
 TRAIN_FLAGS = {
@@ -49,7 +50,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", help="model preset: tiny, small, base, llama3-8b, llama3-70b")
     for flag, (_, _, typ) in TRAIN_FLAGS.items():
-        kw = {"choices": PP_SCHEDULES} if flag == "pp_schedule" else {}
+        kw = {"choices": SCHEDULES} if flag == "pp_schedule" else {}
         if flag == "dtype":
             kw = {"choices": ("fp32", "bf16")}
         if flag == "zero_stage":

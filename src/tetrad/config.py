@@ -13,8 +13,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
-DTYPES = ("fp32", "bf16")
+import torch
+
+# compute and reduction dtypes by name: the one table every part reads
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 @dataclass
@@ -249,19 +252,19 @@ def _validate_parallel(p: ParallelConfig, world_size: int | None) -> None:
             f" = {p.world_size}",
         )
     _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
-    _require(
-        p.pp_schedule in PP_SCHEDULES,
-        f"pp_schedule={p.pp_schedule!r} is not one of {PP_SCHEDULES}",
-    )
     _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
-    _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {DTYPES}")
+    _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {tuple(DTYPES)}")
     _require(not p.sp or p.tp > 1, "sp=True needs tp > 1 (sequence parallelism splits over tp)")
-    if p.virtual_stages > 1:
-        _require(
-            p.pp_schedule in ("interleaved-1f1b", "zb-v"),
-            f"virtual_stages={p.virtual_stages} needs an interleaved schedule, "
-            f"got pp_schedule={p.pp_schedule!r}",
-        )
+    # the schedules' own rules, where the runtime and the planner's search read them too
+    # (a pure module: see the import contracts in pyproject.toml)
+    from tetrad.parallel.pipeline import schedules
+
+    _require(
+        p.pp_schedule in schedules.SCHEDULES,
+        f"pp_schedule={p.pp_schedule!r} is not one of {schedules.SCHEDULES}",
+    )
+    if p.pp > 1 or p.virtual_stages > 1:
+        schedules.validate(p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
 
 
 def _validate_train(cfg: Config) -> None:
@@ -279,7 +282,7 @@ def _validate_train(cfg: Config) -> None:
     )
     _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
     _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables), got {t.grad_clip}")
-    _require(t.dtype in DTYPES, f"train.dtype={t.dtype!r} not in {DTYPES}")
+    _require(t.dtype in DTYPES, f"train.dtype={t.dtype!r} not in {tuple(DTYPES)}")
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} not auto/cpu/cuda")
     d = cfg.data
     if d.source in ("stdlib",):
@@ -320,16 +323,12 @@ def _validate_layout(cfg: Config) -> None:
         m.layers >= stages,
         f"model.layers={m.layers} < pp*virtual_stages={p.pp}*{p.virtual_stages} = {stages}",
     )
-    if p.pp > 1 and p.pp_schedule == "interleaved-1f1b":
-        _require(
-            p.microbatches % p.pp == 0,
-            f"interleaved-1f1b needs microbatches % pp == 0: microbatches={p.microbatches},"
-            f" pp={p.pp}",
-        )
-    if p.pp > 1 and p.fsdp > 1:
+    if p.pp > 1 and p.fsdp > 1:  # what ZeRO composes with: checked here only
+        from tetrad.parallel.pipeline.schedules import SPLIT_BACKWARD
+
         # ZeRO's gradient hooks see autograd only: the split backward's W runs outside it
         _require(
-            p.pp_schedule not in ("zb-h1", "zb-v"),
+            p.pp_schedule not in SPLIT_BACKWARD,
             f"fsdp={p.fsdp} (ZeRO) cannot run pp_schedule={p.pp_schedule!r}; use 1f1b,"
             " gpipe or interleaved-1f1b",
         )

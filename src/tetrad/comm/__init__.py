@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from tetrad.mesh import Group
 
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
 
 def bus_factor(op: str, n: int) -> float:
     """Bytes each rank sends per buffer byte, for a ring over n ranks (nccl-tests busbw)."""
@@ -67,9 +69,6 @@ class Comm:
     def total_bus_bytes(self) -> float:
         return sum(s.bus_bytes for s in self.stats.values())
 
-    def total_seconds(self) -> float:
-        return sum(s.seconds for s in self.stats.values())
-
     def summary(self) -> dict[str, dict[str, float]]:
         """{"axis/op": {calls, bytes, bus_bytes, seconds}} for reporting."""
         return {
@@ -97,12 +96,17 @@ class Comm:
         stats.seconds += time.perf_counter() - t0
         return None
 
-    def all_reduce(self, t: torch.Tensor, group: Group, async_op: bool = False) -> Work | None:
-        """In-place sum over `group` (gloo has no AVG: callers scale)."""
+    def all_reduce(
+        self, t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"
+    ) -> Work | None:
+        """In place over `group`: the "sum" (gloo has no AVG: callers scale) or the "max"."""
         if group.size == 1:
             return Work(None, OpStats()) if async_op else None
         s = self._record(group, "all_reduce", t.numel() * t.element_size())
-        return self._run(s, lambda a: dist.all_reduce(t, group=group.pg, async_op=a), async_op)
+        red = REDUCE_OPS[op]
+        return self._run(
+            s, lambda a: dist.all_reduce(t, op=red, group=group.pg, async_op=a), async_op
+        )
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False

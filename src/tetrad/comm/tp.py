@@ -109,8 +109,3 @@ def gather_from_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> t
 def scatter_to_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter along `dim` (partial [b, s, h] -> summed [b, s/tp, h]); all-gather back."""
     return _ScatterToTP.apply(x, dim, comm, group) if group.size > 1 else x
-
-
-def all_reduce_grad(grad: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
-    """For a parameter hook: the sum over tp of a replicated weight's partial gradient."""
-    return _all_reduce(grad, comm, group) if group.size > 1 else grad

@@ -90,8 +90,6 @@ def materialize(
 
 def build_model(cfg: ModelConfig, seed: int, device: str = "cpu") -> nn.Module:
     """Single-process convenience: build on meta and materialise the full model."""
-    from tetrad.models.llama import Llama
+    from tetrad.models.llama import meta_llama
 
-    with torch.device("meta"):
-        model = Llama(cfg)
-    return materialize(model, cfg, seed, device)
+    return materialize(meta_llama(cfg), cfg, seed, device)

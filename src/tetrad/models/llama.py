@@ -147,3 +147,10 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(
         logits.float().flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=IGNORE
     )
+
+
+def meta_llama(cfg: ModelConfig) -> Llama:
+    """The whole model on the meta device: shapes and names, no memory. Every layout
+    starts here (then keeps its stages and shards, then materialises)."""
+    with torch.device("meta"):
+        return Llama(cfg)

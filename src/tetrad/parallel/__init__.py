@@ -1,4 +1,4 @@
-"""`parallelize`: build the model for this rank's place in the mesh, in one fixed order."""
+"""`parallelize`: build the model for this rank's place in the mesh, and its engine."""
 
 from __future__ import annotations
 
@@ -8,13 +8,17 @@ from tetrad.comm import Comm
 from tetrad.config import Config
 from tetrad.mesh import Mesh
 from tetrad.models.init import materialize
-from tetrad.models.llama import Llama
-from tetrad.models.plans import LLAMA_PLAN
+from tetrad.models.llama import cross_entropy_sum
+from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads
 from tetrad.parallel.engine import Engine
-from tetrad.parallel.pipeline.runtime import attach_pipeline
-from tetrad.parallel.pipeline.stage import prune, rank_chunks
-from tetrad.parallel.tensor import apply_tp
-from tetrad.parallel.zero import ZeroEngine
+from tetrad.parallel.local import local_model
+from tetrad.parallel.pipeline.runtime import build_pipeline, tied_across_stages
+from tetrad.parallel.runner import GradSync, MicrobatchLoop, Runner
+from tetrad.parallel.state import PlainState
+from tetrad.parallel.zero import ZeroShards
+from tetrad.parallel.zero_state import ZeroState
+
+TIED = "tok_embeddings.weight"  # the embedding a tied head reuses
 
 
 def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> Engine:
@@ -25,27 +29,33 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
       2. pipeline split: keep only this stage's layers (pp);
       3. tensor parallelism: shrink each planned linear/embedding to its tp slice;
       4. materialise: fill each local tensor with its slice of the layout-invariant init;
-      5. data parallelism last, over the final local parameters: ZeRO shards (fsdp) or
-         bucketed all-reduce (dp).
+      5. the runner: the pipeline schedule (its split backward rewires linears), or the
+         plain microbatch loop;
+      6. data parallelism last, over the final local parameters: ZeRO shards (fsdp) or
+         bucketed all-reduce (dp), and the matching state adapter.
     """
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-    chunks = None
-    if mesh.degrees["pp"] > 1:
-        chunks = rank_chunks(cfg, mesh["pp"].rank)
-        prune(model, chunks)
-    layout = None
-    if mesh.degrees["tp"] > 1:
-        layout = apply_tp(model, LLAMA_PLAN, mesh, comm, cfg)
-    materialize(model, cfg.model, cfg.train.seed, device, layout.slicer if layout else None)
-    engine = Engine(model, mesh, comm, cfg)
-    if layout is not None:
-        engine.replicated.update(layout.replicated)  # tp shards: replicated over dp/fsdp only
-        engine.loss_fn, engine.unshard = layout.loss_fn, layout.unshard
-        engine.slicer = layout.slicer  # checkpoints install each rank's slice with it
-    if chunks is not None:
-        attach_pipeline(engine, cfg, chunks)  # before data parallelism wraps the parameters
-    if mesh.degrees["fsdp"] > 1:
-        return ZeroEngine(engine)  # shards over fsdp, replicas all-reduced over dp (HSDP)
-    engine.start_grad_sync()
-    return engine
+    local = local_model(cfg, mesh, comm)  # 1-3
+    model, tp = local.model, local.tp
+    materialize(model, cfg.model, cfg.train.seed, device, tp.slicer if tp else None)
+    loss_fn = tp.loss_fn if tp else cross_entropy_sum
+    replicated = local.replicated
+    runner: Runner = MicrobatchLoop(model, loss_fn)
+    if local.chunks is not None:
+        runner = build_pipeline(model, cfg, mesh, comm, local.chunks, loss_fn)
+        if model.tok_embeddings is not None and cfg.model.tie_embeddings:
+            replicated[TIED] = (*replicated[TIED], "pp")  # counted once: on pp rank 0
+    unshard, slicer = (tp.unshard, tp.slicer) if tp else (None, None)
+    grads: GradSync
+    if mesh.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
+        shards = ZeroShards(model, mesh, comm, cfg, replicated)
+        grads, replicated = shards, {**replicated, **shards.view_replicated()}
+        state = ZeroState(shards, model, cfg, mesh, comm, unshard, slicer)
+    else:
+        named = list(model.named_parameters())
+        data = mesh["data"]
+        bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
+        grads = GradBuckets(named, data, comm, bucket_bytes) if data.size > 1 else LocalGrads(named)
+        state = PlainState(model, cfg, mesh, comm, unshard, slicer)
+    if tied_across_stages(cfg, mesh):  # first and last stage each hold it: sum their grads
+        grads = TiedGrads(grads, model.tok_embeddings.weight, mesh["pp_ends"], comm)
+    return Engine(model, mesh, comm, runner, grads, state, replicated)

@@ -34,13 +34,39 @@ class Bucket:
             offset += p.numel()
 
 
-class GradBuckets:
-    """All-reduces gradients over `group` in buckets of about `bucket_bytes`, during backward."""
+class LocalGrads:
+    """No data axis: gradients stay where backward leaves them (a `GradSync`)."""
 
-    def __init__(self, params: list[nn.Parameter], group: Group, comm: Comm, bucket_bytes: int):
-        self.group, self.comm = group, comm
+    def __init__(self, named: list[tuple[str, nn.Parameter]]):
+        self.named = named
         self.sync = True
-        self.buckets = self._make_buckets([p for p in params if p.requires_grad], bucket_bytes)
+
+    def params(self) -> list[tuple[str, nn.Parameter]]:
+        return self.named
+
+    def finish(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        for _, p in self.named:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def after_step(self) -> None:
+        pass
+
+
+class GradBuckets(LocalGrads):
+    """All-reduces gradients over `group` in buckets of about `bucket_bytes`, during backward
+    (a `GradSync`)."""
+
+    def __init__(
+        self, named: list[tuple[str, nn.Parameter]], group: Group, comm: Comm, bucket_bytes: int
+    ):
+        super().__init__(named)
+        self.group, self.comm = group, comm
+        params = [p for _, p in named if p.requires_grad]
+        self.buckets = self._make_buckets(params, bucket_bytes)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.launched = 0  # buckets [0, launched) have their all-reduce in flight
         for b in self.buckets:
@@ -87,3 +113,33 @@ class GradBuckets:
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.buffer.zero_()
+
+
+class TiedGrads:
+    """Another `GradSync` whose gradients of `tied` are then summed over `group`: a
+    parameter two ranks hold (the embedding tied across the first and last pipeline
+    stages), each with the gradient of its own uses."""
+
+    def __init__(self, inner: LocalGrads, tied: nn.Parameter, group: Group, comm: Comm):
+        self.inner, self.tied, self.group, self.comm = inner, tied, group, comm
+
+    @property
+    def sync(self) -> bool:
+        return self.inner.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.inner.sync = value
+
+    def params(self) -> list[tuple[str, nn.Parameter]]:
+        return self.inner.params()
+
+    def finish(self) -> None:
+        self.inner.finish()
+        self.comm.all_reduce(self.tied.grad, self.group)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def after_step(self) -> None:
+        self.inner.after_step()

@@ -21,16 +21,16 @@ total is the paper's 16Ψ/N.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from tetrad.config import Config
+from tetrad.config import DTYPE_BYTES, Config
 from tetrad.mesh import Mesh
-from tetrad.parallel.engine import REPLICATED
-from tetrad.parallel.zero import UnitLayout, plan_units
+from tetrad.parallel.local import planned
+from tetrad.parallel.zero import UnitLayout, ZeroShards, plan_units
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 STEP_BYTES = 4  # AdamW's per-tensor step counter: a float32 scalar
 ADAM_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per element
 MASTER_BYTES = 4  # fp32 master weights and the sharded fp32 gradient
@@ -56,26 +56,9 @@ def local_parameters(
     cfg: Config, rank: int
 ) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, tuple[str, ...]]]:
     """Names and shapes of the parameters `rank` holds after the pipeline split and tensor
-    parallelism, and the axes each is replicated over: `parallelize`'s steps 1-3 on the
-    meta device (no memory, no collectives)."""
-    from tetrad.comm import Comm
-    from tetrad.models.llama import Llama
-
-    degrees = cfg.parallel.degrees
-    mesh = Mesh.plan(degrees, rank)
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-    if degrees["pp"] > 1:
-        from tetrad.parallel.pipeline.stage import prune, rank_chunks
-
-        prune(model, rank_chunks(cfg, mesh["pp"].rank))
-    replicated = {n: REPLICATED for n, _ in model.named_parameters()}
-    if degrees["tp"] > 1:
-        from tetrad.models.plans import LLAMA_PLAN
-        from tetrad.parallel.tensor import apply_tp
-
-        replicated.update(apply_tp(model, LLAMA_PLAN, mesh, Comm(), cfg).replicated)
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()], replicated
+    parallelism, and the axes each is replicated over (pure: the meta-device model)."""
+    local = planned(cfg, rank)
+    return [(n, tuple(p.shape)) for n, p in local.model.named_parameters()], local.replicated
 
 
 def zero_bytes(layouts: list[UnitLayout], fsdp_rank: int, stage: int, dtype: str) -> ModelState:
@@ -98,7 +81,7 @@ def zero_bytes(layouts: list[UnitLayout], fsdp_rank: int, stage: int, dtype: str
 
 def replicated_bytes(named_shapes: list[tuple[str, tuple[int, ...]]]) -> ModelState:
     """Plain data parallelism (fsdp = 1): fp32 parameters, gradients and AdamW, unsharded."""
-    psi = sum(_numel(s) for _, s in named_shapes)
+    psi = sum(math.prod(s) for _, s in named_shapes)
     return ModelState(4 * psi, 4 * psi, ADAM_BYTES * psi + STEP_BYTES * len(named_shapes))
 
 
@@ -127,13 +110,6 @@ def zero_formula_bytes(
     if stage == 3:
         return ModelState(param * psi / n, grad * psi / n, k * psi / n)
     raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # --- measurement --------------------------------------------------------------------------
@@ -167,8 +143,8 @@ def measured_model_state(engine, optimizer: torch.optim.Optimizer) -> ModelState
         for t in optimizer.state.get(p, {}).values()
         if isinstance(t, torch.Tensor)
     ]
-    shards = getattr(engine, "shards", None)
-    if shards is None:
+    shards = engine.grads
+    if not isinstance(shards, ZeroShards):
         params = [p for _, p in engine.named_parameters()]
         grads = size(*(p.grad for p in params))
         return ModelState(size(*params), grads, size(*state))
@@ -183,11 +159,5 @@ def measure_at_each_step(engine, optimizer: torch.optim.Optimizer) -> list[Model
     """From now on, measure the model state at every optimizer step (just after it, when
     parameters, gradients and optimizer state are all alive); returns the growing list."""
     found: list[ModelState] = []
-    after_step = engine.after_step
-
-    def measured_after_step() -> None:
-        found.append(measured_model_state(engine, optimizer))
-        after_step()
-
-    engine.after_step = measured_after_step
+    engine.step_hooks.append(lambda: found.append(measured_model_state(engine, optimizer)))
     return found

@@ -38,6 +38,7 @@ and kept as fp32 shards for the optimizer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -45,15 +46,12 @@ import torch
 from torch import nn
 
 from tetrad.comm import Comm, Work
-from tetrad.config import Config
+from tetrad.config import DTYPES, Config
 from tetrad.mesh import Mesh
 from tetrad.models.plans import decays
-from tetrad.parallel.engine import MOMENTS, Engine
-from tetrad.parallel.zero_state import gather_units, load_units, optimizer_shard
 
 ROOT = "root"
 ROOT_ORDER = {"tok_embeddings": 0, "norm": 1, "output": 2}  # forward order of root modules
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (weight decay?, axes the values are replicated over besides fsdp)
 ClassKey = tuple[bool, tuple[str, ...]]
 
@@ -86,12 +84,12 @@ class UnitLayout:
         out, at = [], 0
         for shape in self.shapes:
             out.append(at)
-            at += _numel(shape)
+            at += math.prod(shape)
         return tuple(out)
 
     @property
     def numel(self) -> int:
-        return sum(_numel(s) for s in self.shapes)
+        return sum(math.prod(s) for s in self.shapes)
 
     @property
     def padded(self) -> int:
@@ -115,7 +113,7 @@ class UnitLayout:
     def _segments(self) -> list[tuple[ClassKey, int, int]]:
         segs: list[tuple[ClassKey, int, int]] = []
         for key, off, shape in zip(self.keys, self.offsets, self.shapes):
-            end = off + _numel(shape)
+            end = off + math.prod(shape)
             if segs and segs[-1][0] == key:
                 segs[-1] = (key, segs[-1][1], end)
             else:
@@ -127,13 +125,6 @@ class UnitLayout:
         while i + 1 < len(self.offsets) and self.offsets[i + 1] <= flat_index:
             i += 1
         return i
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def unit_of(name: str) -> str:
@@ -185,7 +176,7 @@ class FlatUnit:
         self.stage = cfg.parallel.zero_stage
         dtype = DTYPES[cfg.train.dtype]
         self.targets = [_owner(model, n) + (s,) for n, s in zip(layout.names, layout.shapes)]
-        self.sizes = [_numel(s) for s in layout.shapes]
+        self.sizes = [math.prod(s) for s in layout.shapes]
         if layout.padded > layout.numel:
             self.sizes.append(layout.padded - layout.numel)
         self.flat = torch.zeros(layout.padded, dtype=dtype, device=device).requires_grad_()
@@ -253,8 +244,8 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 class ZeroShards:
     """The sharded state of one rank and the hooks that gather, free and reduce it.
 
-    It speaks the engine's gradient-sync protocol (`sync`, `finish`, `zero_grad`), so the
-    engine's microbatch loop (or a pipeline schedule) drives it unchanged.
+    It is a `GradSync` (the engine's gradient-sync protocol), so the microbatch loop or a
+    pipeline schedule drives it exactly as it drives data parallelism's buckets.
     """
 
     def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, replicated):
@@ -435,73 +426,10 @@ class ZeroShards:
             self.drain()
 
     # --- views for the engine ------------------------------------------------------------
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+    def params(self) -> list[tuple[str, nn.Parameter]]:
+        """The optimizer's tensors: this rank's shard views of the fp32 master weights."""
         return [np for u in self.units for np in u.params]
 
     def view_replicated(self) -> dict[str, tuple[str, ...]]:
         """Replicated axes of each optimizer view (fsdp is what its shards split)."""
         return {v.name: v.key[1] for u in self.layouts for v in u.views(self.group.rank)}
-
-    @torch.no_grad()
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every local parameter, full size, float32, from the master shards."""
-        self.drain()
-        return gather_units(self, lambda u: u.master)
-
-
-# --- the engine ---------------------------------------------------------------------------
-
-
-class ZeroEngine(Engine):
-    """An engine whose parameters are ZeRO shards over "fsdp" (replicated over "dp")."""
-
-    def __init__(self, base: Engine):
-        # keep whatever the earlier steps of `parallelize` attached (pipeline, tp loss, ...)
-        vars(self).update(vars(base))
-        _check_composable(self)
-        self.shards = ZeroShards(self.model, self.mesh, self.comm, self.cfg, self.replicated)
-        self.grad_sync = self.shards  # the microbatch loop drives it like DP's buckets
-        self.replicated = {**self.replicated, **self.shards.view_replicated()}
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The optimizer's tensors: this rank's shard views of the fp32 master weights."""
-        return self.shards.named_parameters()
-
-    def after_step(self) -> None:
-        self.shards.after_step()
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.shards.local_state_dict()
-
-    def local_names(self) -> list[str]:
-        return [n for u in self.shards.layouts for n in u.names]
-
-    def local_optimizer_state(self, optimizer):
-        """Full local moments, gathered over fsdp from the shard views' AdamW state."""
-        sh = self.shards
-        moments = {
-            k: gather_units(sh, lambda u, k=k: optimizer_shard(u, optimizer, k)) for k in MOMENTS
-        }
-        steps = [int(optimizer.state[p].get("step", 0)) for p in optimizer.state]
-        return moments, max(steps, default=0)
-
-    def load_local(self, params, moments, step: int, optimizer) -> None:
-        load_units(self.shards, params, moments, step, optimizer)
-
-    @property
-    def device(self) -> torch.device:
-        return self.shards.device
-
-
-def _check_composable(engine: Engine) -> None:
-    p = engine.cfg.parallel
-    if engine.tied_across_stages:
-        raise ValueError(
-            f"ZeRO (fsdp={p.fsdp}) with an embedding tied across pipeline stages (pp={p.pp},"
-            " tie_embeddings=True) is not supported"
-        )
-    if engine.pipeline is not None and getattr(engine.pipeline, "store", None) is not None:
-        raise ValueError(
-            f"ZeRO (fsdp={p.fsdp}) cannot run pp_schedule={p.pp_schedule!r}: its split"
-            " backward writes weight gradients outside autograd"
-        )

@@ -1,4 +1,4 @@
-"""ZeRO state in and out of full tensors: what checkpoints need from the flat shards.
+"""ZeRO's state adapter: full logical tensors from and into the flat shards.
 
 Out: each unit's shard (master weights, or an AdamW moment assembled from the shard views'
 state) is all-gathered over fsdp and cut into the local parameters by name. In: a unit's
@@ -10,14 +10,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from tetrad.parallel.engine import MOMENTS, set_adam_state
+from tetrad.parallel.state import MOMENTS, Moments, PlainState, set_adam_state
+from tetrad.parallel.zero import FlatUnit, UnitLayout, ZeroShards
 
-if TYPE_CHECKING:
-    from tetrad.parallel.zero import FlatUnit, UnitLayout, ZeroShards
+
+class ZeroState(PlainState):
+    """`PlainState` whose local tensors live in ZeRO units (gathered over fsdp to read)."""
+
+    def __init__(self, shards: ZeroShards, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shards = shards
+
+    @property
+    def device(self) -> torch.device:
+        return self.shards.device
+
+    def local_names(self) -> list[str]:
+        return [n for u in self.shards.layouts for n in u.names]
+
+    @torch.no_grad()
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every local parameter, full size, float32, from the master shards."""
+        self.shards.drain()
+        return gather_units(self.shards, lambda u: u.master)
+
+    def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
+        """Full local moments, gathered over fsdp from the shard views' AdamW state."""
+        sh = self.shards
+        moments = {
+            k: gather_units(sh, lambda u, k=k: optimizer_shard(u, optimizer, k)) for k in MOMENTS
+        }
+        steps = [int(optimizer.state[p].get("step", 0)) for p in optimizer.state]
+        return moments, max(steps, default=0)
+
+    def load_local(self, params, moments, step: int, optimizer) -> None:
+        load_units(self.shards, params, moments, step, optimizer)
 
 
 @torch.no_grad()

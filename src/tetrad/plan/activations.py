@@ -27,11 +27,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tetrad.config import ModelConfig
+from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.parallel.pipeline.timeline import Timeline
 
 RECOMPUTE = ("none", "selective", "full", "op")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)

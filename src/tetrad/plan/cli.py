@@ -18,7 +18,8 @@ import json
 import sys
 from typing import Any
 
-from tetrad.config import PP_SCHEDULES, Config, ModelConfig, model_preset
+from tetrad.config import Config, ModelConfig, model_preset
+from tetrad.parallel.pipeline.schedules import SCHEDULES
 from tetrad.plan.activations import RECOMPUTE
 from tetrad.plan.cost import ENGINES, Planner, layout_config
 from tetrad.plan.hardware import CLUSTERS, Cluster, calibrated, cluster_preset
@@ -46,7 +47,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     for flag in ("dp", "fsdp", "tp", "pp", "microbatches", "virtual_stages"):
         p.add_argument("--" + flag.replace("_", "-"), type=int)
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3))
-    p.add_argument("--pp-schedule", choices=PP_SCHEDULES)
+    p.add_argument("--pp-schedule", choices=SCHEDULES)
     p.add_argument("--no-sp", action="store_true", help="tp > 1 without sequence parallelism")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="activation recomputation to assume (tetrad: none)")  # fmt: skip
@@ -106,7 +107,7 @@ def build_layout(args: argparse.Namespace, model: ModelConfig) -> Config:
 
 def build_space(args: argparse.Namespace) -> Space:
     fixed = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
-    return Space(**fixed, tetrad_only=args.engine == "tetrad")
+    return Space(**fixed)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

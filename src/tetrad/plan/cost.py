@@ -35,10 +35,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tetrad.config import Config, ModelConfig, validate
+from tetrad.config import DTYPE_BYTES, Config, ModelConfig, validate
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel.pipeline.partition import llama_layer_costs, stage_costs
-from tetrad.parallel.pipeline.schedules import build_schedule, rank_stages, stage_to_rank
+from tetrad.parallel.pipeline.schedules import (
+    SPLIT_BACKWARD,
+    build_schedule,
+    rank_stages,
+    stage_to_rank,
+)
 from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.plan import activations as act
@@ -46,7 +51,6 @@ from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
-SPLIT_SCHEDULES = ("zb-h1", "zb-v")  # schedules whose backward is split into B and W
 
 
 @dataclass(frozen=True)
@@ -195,13 +199,13 @@ class Planner:
         if self.engine.reduce_every_microbatch:
             for s, seconds in enumerate(self._per_micro_reduction(cfg, facts, compute)):
                 fsdp["B"][s] += seconds
-        if p.pp_schedule in SPLIT_SCHEDULES and not self._w_deferred(cfg):
+        if p.pp_schedule in SPLIT_BACKWARD and not self._w_deferred(cfg):
             return _fold_w(compute, tp, fsdp)
         return StageTimes(compute, tp, fsdp)
 
     def _w_deferred(self, cfg: Config) -> bool:
         """Whether the schedule's W actions hold deferred weight gradients."""
-        if cfg.parallel.pp_schedule not in SPLIT_SCHEDULES:
+        if cfg.parallel.pp_schedule not in SPLIT_BACKWARD:
             return False
         return cfg.parallel.tp == 1 or self.engine.split_w_with_tp
 
@@ -297,7 +301,7 @@ class Planner:
             return 0.0
         if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients
             return self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4)
-        rb = act.DTYPE_BYTES[p.reduce_dtype]
+        rb = DTYPE_BYTES[p.reduce_dtype]
         rs = self.cluster.link(p.tp, p.fsdp).time("reduce_scatter", p.fsdp, fa.psi * rb)
         hsdp = self.cluster.link(p.tp * p.fsdp, p.dp).time("all_reduce", p.dp, fa.psi / p.fsdp * 4)
         return rs + hsdp
@@ -387,7 +391,7 @@ def _rank_of_stage(cfg: Config, stage: int) -> int:
 
 
 def _cbytes(cfg: Config) -> int:
-    return act.DTYPE_BYTES[cfg.train.dtype]
+    return DTYPE_BYTES[cfg.train.dtype]
 
 
 def describe(cfg: Config, recompute: str = "none") -> dict[str, Any]:

@@ -15,9 +15,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
-from tetrad.config import Config
+from tetrad.config import DTYPE_BYTES, Config
 from tetrad.devices import Device
 from tetrad.parallel.memory import ModelState, local_parameters, replicated_bytes, zero_bytes
 from tetrad.parallel.pipeline.schedules import rank_stages
@@ -91,7 +92,7 @@ class Footprint:
         key = (repr(cfg.model), p.tp, p.fsdp, p.zero_stage, cfg.train.dtype, held, first, last)
         if key not in self._facts:
             named, replicated = self._local_parameters(cfg, held, first, last)
-            numel = {n: _numel(s) for n, s in named}
+            numel = {n: math.prod(s) for n, s in named}
             layers = sum(v for n, v in numel.items() if n.startswith("layers."))
             state = _state(cfg, named, replicated)
             self._facts[key] = RankFacts(layers, sum(numel.values()) - layers, held, state)
@@ -184,7 +185,7 @@ class Footprint:
 
     def _zero_buffers(self, cfg: Config, fa: RankFacts) -> float:
         """ZeRO-3's gathered compute parameters and ZeRO-2/3's unsharded gradients."""
-        p, c = cfg.parallel, act.DTYPE_BYTES[cfg.train.dtype]
+        p, c = cfg.parallel, DTYPE_BYTES[cfg.train.dtype]
         if p.fsdp == 1:
             return 0.0
         extra = 0.0
@@ -212,10 +213,3 @@ def _state(cfg: Config, named, replicated) -> ModelState:
     if p.fsdp == 1:
         return replicated_bytes(named)
     return zero_bytes(plan_units(named, replicated, p.fsdp), 0, p.zero_stage, cfg.train.dtype)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -5,8 +5,8 @@ left, at most the layer count), the data ranks split into dp x fsdp, the ZeRO st
 3 (when fsdp > 1), the pipeline schedule with its virtual stages (interleaved: v from 2
 to 8 with even chunks, pp·v dividing the layers), and the microbatch count (a divisor of
 the batch per data rank; at least pp when pp > 1). Each candidate must pass
-`config.validate` and what tetrad's runtime accepts (`tetrad_rejects`). A `Space` fixes
-any of these instead.
+`config.validate` (which holds every rule the runtime has, ZeRO's composability too). A
+`Space` fixes any of these instead.
 
 Pruned, as never better in this model: SP off when tp > 1 (SP moves the same bus bytes
 with less memory and 1/t of the pipeline's p2p); GPipe (1F1B's bubble, more memory);
@@ -32,8 +32,7 @@ from tetrad.plan.cost import Planner, Prediction
 class Space:
     """What to enumerate. A degree given here is fixed; None lets the search choose.
     Likewise zero_stage, microbatches and virtual_stages; pp_schedule is one name or a
-    tuple of names to choose from. tetrad_only: skip layouts tetrad's runtime refuses
-    (off to fill in a published system's unknowns)."""
+    tuple of names to choose from."""
 
     dp: int | None = None
     fsdp: int | None = None
@@ -43,22 +42,11 @@ class Space:
     pp_schedule: str | tuple[str, ...] | None = None
     microbatches: int | None = None
     virtual_stages: int | None = None
-    tetrad_only: bool = True
 
 
 def divisors(n: int) -> list[int]:
     """Positive divisors of n, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def tetrad_rejects(cfg: Config) -> str | None:
-    """Why tetrad's runtime refuses `cfg` although `validate` accepts it, or None."""
-    p = cfg.parallel
-    if p.fsdp > 1 and p.pp > 1 and p.pp_schedule in ("zb-h1", "zb-v"):
-        return f"ZeRO (fsdp={p.fsdp}) cannot run {p.pp_schedule} (its split backward)"
-    if p.fsdp > 1 and p.pp > 1 and cfg.model.tie_embeddings:
-        return "ZeRO with an embedding tied across pipeline stages"
-    return None
 
 
 def _choices(fixed: int | str | None, options: list) -> list:
@@ -115,19 +103,18 @@ def families(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Itera
                     if _valid(
                         c := _with(base, microbatches=m, pp_schedule=name, virtual_stages=v),
                         world,
-                        space,
                     )  # fmt: skip
                 ]
                 if family:
                     yield family
 
 
-def _valid(cfg: Config, world: int, space: Space) -> bool:
+def _valid(cfg: Config, world: int) -> bool:
     try:
         validate(cfg, world)
     except ValueError:
         return False
-    return not (space.tetrad_only and tetrad_rejects(cfg))
+    return True
 
 
 def _with(cfg: Config, **parallel) -> Config:

@@ -32,7 +32,7 @@ from safetensors.torch import save as save_bytes
 
 from tetrad.config import Config
 from tetrad.models.init import full_shape
-from tetrad.models.llama import Llama
+from tetrad.models.llama import meta_llama
 from tetrad.train.optim import lr_at
 
 FORMAT = "tetrad-checkpoint"
@@ -231,8 +231,7 @@ def _check_listed(path: Path, manifest: dict, loaded: dict[str, dict[str, torch.
 
 def check_model(ckpt: Checkpoint, cfg: Config) -> None:
     """The checkpoint's parameters are this model's: same logical names, same full shapes."""
-    with torch.device("meta"):
-        names = [n for n, _ in Llama(cfg.model).named_parameters()]
+    names = [n for n, _ in meta_llama(cfg.model).named_parameters()]
     want = {n: tuple(full_shape(n, cfg.model)) for n in names}
     got = {n: tuple(t.shape) for n, t in ckpt.model.items()}
     if want != got:

@@ -54,8 +54,7 @@ def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    degrees = cfg.parallel.degrees
-    return Mesh.build(degrees, rank), device
+    return Mesh.build(cfg.parallel.degrees, rank), device
 
 
 class Trainer:
@@ -83,29 +82,31 @@ class Trainer:
         self.model_state = model_state_bytes(cfg, mesh.rank).total  # exact, see parallel/memory
 
     def train_step(self) -> StepResult:
-        """One optimizer step over the global batch."""
+        """One optimizer step over the global batch.
+
+        Scalars stay on the compute device (NCCL reduces device tensors only) and the host
+        waits for the device once: when every rank reads the agreed loss, norm and token
+        count to decide, alike, whether to step.
+        """
         micro = self.loader.next()
-        # scalars for collectives live on the compute device: NCCL reduces device tensors only
-        count = torch.tensor(
-            [float(sum(mb.tokens for mb in micro))], dtype=torch.float64, device=self.device
-        )
+        f64 = dict(dtype=torch.float64, device=self.device)
+        count = torch.tensor(float(sum(mb.tokens for mb in micro)), **f64)
         self.comm.all_reduce(count, self.mesh["data"])
-        tokens = int(count.item())
-        loss_share = self.engine.forward_backward(micro, max(tokens, 1))
+        # fp32, like the loss it divides: the same quotient as dividing by a Python number
+        denom = count.clamp(min=1).float()
+        loss_share = self.engine.forward_backward(micro, denom)
         self.engine.sync_grads()
-        # one collective agrees on the loss and the norm: every rank then decides alike
-        own_loss = (
-            loss_share.double() if self.engine.loss_owner else torch.zeros((), dtype=torch.float64)
-        )
-        agreed = torch.stack([own_loss, self.engine.grad_sq_norm().double()]).to(self.device)
+        own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
+        agreed = torch.stack([own_loss, self.engine.grad_sq_norm()])
         self.comm.all_reduce(agreed, self.mesh["world"])
-        loss, norm = float(agreed[0]), math.sqrt(float(agreed[1]))
+        loss, sq_norm, tokens = torch.cat([agreed, count.view(1)]).tolist()  # the host sync
+        norm = math.sqrt(sq_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if not skipped:
             self._apply(norm)
         self.engine.zero_grad()
         self.step += 1
-        return StepResult(loss, norm, tokens, skipped)
+        return StepResult(loss, norm, int(tokens), skipped)
 
     def _apply(self, norm: float) -> None:
         clip = self.cfg.train.grad_clip
@@ -124,8 +125,7 @@ class Trainer:
             dtype=torch.float64,
             device=self.device,
         )
-        if self.mesh.world_size > 1:
-            dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self.mesh["world"].pg)
+        self.comm.all_reduce(maxed, self.mesh["world"], op="max")
         step_time = float(maxed[1])
         tokens_per_s = result.tokens / step_time if step_time > 0 else 0.0
         world = self.mesh.world_size

@@ -67,7 +67,7 @@ def write_step_timeline(trainer: Trainer, out_dir: str) -> None:
     from tetrad.parallel.pipeline.measure import measure_step, write_timeline
 
     p = trainer.cfg.parallel
-    events = trainer.engine.pipeline_state.events
+    events = trainer.engine.last_run.events
     measured, simulated = measure_step(
         events, trainer.comm, trainer.mesh["pp"], p.pp_schedule, p.microbatches, p.virtual_stages
     )

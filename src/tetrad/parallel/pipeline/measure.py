@@ -20,7 +20,7 @@ import torch
 from tetrad.comm import Comm
 from tetrad.mesh import Group
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
-from tetrad.parallel.pipeline.timeline import Event, Timeline, save_chrome_trace
+from tetrad.parallel.pipeline.timeline import Event, Timeline, plot_timeline, save_chrome_trace
 
 KINDS = ("F", "B", "W", "BW")
 
@@ -154,25 +154,12 @@ def write_timeline(measured: Timeline, simulated: Timeline, out_dir: str | Path)
 def plot_pair(measured: Timeline, simulated: Timeline, path: str | Path) -> None:
     """One PNG: the measured timeline above the simulated one, on one time axis, so the
     idle time the schedule explains and the idle time it does not line up."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: never needs a display
-    import matplotlib.pyplot as plt
-
-    from tetrad.parallel.pipeline.timeline import _draw
-
     name = measured.schedule or "pipeline"
-    height = 1.6 + 0.9 * measured.pp
-    fig, axes = plt.subplots(2, 1, figsize=(14, height), sharex=True)
-    _draw(axes[0], f"{name} measured, pp={measured.pp}", measured)
-    _draw(axes[1], f"{name} simulated at the measured median costs", simulated)
-    span = max(measured.makespan, simulated.makespan)
-    for ax in axes:
-        ax.set_xlim(0, span)
-        ax.tick_params(labelbottom=True)  # sharex hides the upper panel's time labels
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    timelines = {
+        f"{name} measured, pp={measured.pp}": measured,
+        f"{name} simulated at the measured median costs": simulated,
+    }
+    plot_timeline(timelines, str(path), share_time=True)
 
 
 # --- activation memory -----------------------------------------------------------------

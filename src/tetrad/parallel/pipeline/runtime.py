@@ -20,41 +20,49 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from tetrad.comm import Comm, Work
+from tetrad.config import Config
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.parallel.pipeline.measure import ActivationMeter
-from tetrad.parallel.pipeline.schedules import Action, Step, wire
+from tetrad.parallel.pipeline.schedules import (
+    Action,
+    Step,
+    build_schedule,
+    stage_to_rank,
+    steps,
+    wire,
+)
 from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import Chunk
 from tetrad.parallel.pipeline.timeline import Event
-from tetrad.parallel.pipeline.weightgrad import WeightGradStore
+from tetrad.parallel.pipeline.weightgrad import WeightGradStore, defer_weight_grads
+from tetrad.parallel.runner import GradSync, LossFn, RunResult
 
 Key = tuple[int, int]  # (stage, microbatch)
 Wire = tuple[str, int, int]  # (direction, stage, microbatch): a tensor on the wire
 
 
-@dataclass
-class StepState:
-    """Everything one optimizer step's schedule keeps between actions."""
+@dataclass(kw_only=True)
+class StepState(RunResult):
+    """Everything one optimizer step's schedule keeps between actions (and its result)."""
 
     micro: list[Microbatch]
-    denom: float
+    denom: torch.Tensor
     box: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     recvs: dict[tuple[str, int, int], tuple[Work, torch.Tensor]] = field(default_factory=dict)
     sends: dict[Wire, tuple[Work, torch.Tensor]] = field(default_factory=dict)  # in flight
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
-    loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
-    events: list[Event] = field(default_factory=list)
     in_flight: int = 0
     peak_in_flight: int = 0
     peak_act_bytes: int = 0  # activations: saved for backward, awaiting send or W
 
 
 class PipelineRuntime:
-    """Runs one rank's steps against its chunks of the model."""
+    """Runs one rank's steps against its chunks of the model (the engine's `Runner`)."""
 
     def __init__(
         self,
@@ -74,13 +82,16 @@ class PipelineRuntime:
         # per step, the sends to wait for (and free) before its compute; None: at the end
         self.releases = releases or [() for _ in rank_steps]
         self.meter = ActivationMeter()
-        self.holds_last = any(c.last for c in chunks)
+        self.holds_loss = any(c.last for c in chunks)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
-    def run(self, micro: list[Microbatch], denom: float) -> StepState:
-        """Execute the whole schedule for one optimizer step."""
-        st = StepState(micro, denom)
+    def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> StepState:
+        """Execute the whole schedule for one optimizer step. Gradient reductions wait
+        for its end (`grads.finish`): a stage's last backward is not the step's."""
+        grads.sync = False
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        st = StepState(loss=loss, micro=micro, denom=denom)
         self.meter.reset(self.model.parameters())
         for step, release in zip(self.rank_steps, self.releases):
             self._post(st, step.post)
@@ -156,7 +167,7 @@ class PipelineRuntime:
             if chunk.last:
                 loss = self.loss_fn(out, mb.targets.to(self.device)) / st.denom
         if chunk.last:
-            st.loss += loss.detach().double().cpu()
+            st.loss += loss.detach().double()
             st.outputs[(s, i)] = loss
         else:
             st.outputs[(s, i)] = out
@@ -224,67 +235,37 @@ def send_releases(
     return [tuple(keys) for keys in out]
 
 
-def attach_pipeline(engine, cfg, chunks: list[Chunk]) -> PipelineRuntime:
-    """Give `engine` this rank's pipeline: schedule, runtime, split backward, tied embedding."""
-    from tetrad.parallel.pipeline.schedules import build_schedule, stage_to_rank, steps
-    from tetrad.parallel.pipeline.weightgrad import WeightGradStore, defer_weight_grads
-
-    p, mesh = cfg.parallel, engine.mesh
+def build_pipeline(
+    model: nn.Module, cfg: Config, mesh: Mesh, comm: Comm, chunks: list[Chunk], loss_fn: LossFn
+) -> PipelineRuntime:
+    """This rank's pipeline: its schedule's steps, and the split backward if it has W."""
+    p = cfg.parallel
     actions = build_schedule(p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
     store = None
     if any(a.kind == "W" for a in actions[mesh["pp"].rank]):
         store = WeightGradStore()
-        defer_weight_grads(engine.model, store)
+        defer_weight_grads(model, store)
     seq = cfg.train.seq_len // (p.tp if p.sp else 1)
     all_steps, rank = steps(actions, lookahead=1), mesh["pp"].rank
-    runtime = PipelineRuntime(
-        engine.model,
+    return PipelineRuntime(
+        model,
         chunks,
         all_steps[rank],
         mesh,
-        engine.comm,
+        comm,
         (cfg.microbatch_size, seq, cfg.model.dim),
-        lambda logits, targets: engine.loss_fn(logits, targets),
+        loss_fn,
         store,
         send_releases(actions, all_steps, rank),
     )
-    if cfg.model.tie_embeddings and engine.model.tok_embeddings is not None:
-        name = "tok_embeddings.weight"
-        # counted once in the grad norm: on the first stage's rank (pp coordinate 0)
-        engine.replicated[name] = tuple(engine.replicated[name]) + ("pp",)
-        # zb-v's V puts the first and the last stage on one rank: nothing to sum across
-        ends_apart = stage_to_rank(0, p.pp, p.virtual_stages, p.pp_schedule) != (
-            stage_to_rank(p.pp * p.virtual_stages - 1, p.pp, p.virtual_stages, p.pp_schedule)
-        )
-        engine.tied_across_stages = ends_apart and mesh["pp_ends"].size > 1
-    engine.pipeline = runtime
-    return runtime
 
 
-def stage_param_names(cfg, pp_rank: int) -> list[str]:
-    """Logical names of the parameters `pp_rank` holds (pure: built on the meta device)."""
-    from tetrad.models.llama import Llama
-    from tetrad.parallel.pipeline.stage import prune, rank_chunks
-
-    with torch.device("meta"):
-        model = prune(Llama(cfg.model), rank_chunks(cfg, pp_rank))
-    return [n for n, _ in model.named_parameters()]
-
-
-def gather_stages(
-    state: dict[str, torch.Tensor], cfg, mesh: Mesh, comm: Comm, device: torch.device | None = None
-):
-    """Every stage's full tensors on every rank: each broadcast from its holder over pp."""
-    from tetrad.models.init import full_shape
-
-    out: dict[str, torch.Tensor] = {}
-    pp = mesh["pp"]
-    for r in range(pp.size):
-        for name in stage_param_names(cfg, r):
-            if name in out:
-                continue  # a tied embedding held by two stages: the first one's value
-            t = state[name] if r == pp.rank else torch.empty(full_shape(name, cfg.model))
-            t = t.to(device or "cpu")  # NCCL broadcasts device tensors only
-            comm.broadcast(t, r, pp)
-            out[name] = t.cpu()
-    return out
+def tied_across_stages(cfg: Config, mesh: Mesh) -> bool:
+    """Whether the tied embedding lives on two ranks (first and last stage) whose
+    gradients must be summed; zb-v's V puts both stages on one rank."""
+    p = cfg.parallel
+    if not cfg.model.tie_embeddings or p.pp == 1:
+        return False
+    first = stage_to_rank(0, p.pp, p.virtual_stages, p.pp_schedule)
+    last = stage_to_rank(p.pp * p.virtual_stages - 1, p.pp, p.virtual_stages, p.pp_schedule)
+    return first != last and mesh["pp_ends"].size > 1

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 COMPUTE = ("F", "B", "W", "BW")
 TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+SPLIT_BACKWARD = ("zb-h1", "zb-v")  # backward split into B (inputs) and W (weights)
 
 
 @dataclass(frozen=True)

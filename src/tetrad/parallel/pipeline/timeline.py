@@ -130,9 +130,10 @@ def save_chrome_trace(timeline: Timeline, path: str, us_per_unit: float = 1e6) -
         json.dump(to_chrome_trace(timeline, us_per_unit), f)
 
 
-def plot_timeline(timelines: dict[str, Timeline], path: str) -> None:
+def plot_timeline(timelines: dict[str, Timeline], path: str, share_time: bool = False) -> None:
     """Draw one PNG: a subplot per timeline, ranks as rows (rank 0 on top), F/B/W/BW as
-    coloured blocks labelled with their microbatch, idle time left white."""
+    coloured blocks labelled with their microbatch, idle time left white. `share_time`
+    puts every subplot on one time axis (a measured run above its simulation)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never needs a display
@@ -140,10 +141,15 @@ def plot_timeline(timelines: dict[str, Timeline], path: str) -> None:
 
     rows = sum(max(t.pp, 1) for t in timelines.values())
     fig, axes = plt.subplots(
-        len(timelines), 1, figsize=(14, 1.0 + 0.45 * rows + 0.6 * len(timelines)), squeeze=False
-    )
+        len(timelines), 1, figsize=(14, 1.0 + 0.45 * rows + 0.6 * len(timelines)),
+        squeeze=False, sharex=share_time,
+    )  # fmt: skip
+    span = max(t.makespan for t in timelines.values())
     for ax, (title, tl) in zip(axes[:, 0], timelines.items()):
         _draw(ax, title, tl)
+        if share_time:
+            ax.set_xlim(0, span)
+            ax.tick_params(labelbottom=True)  # sharex hides the upper panels' time labels
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,75 @@
+"""The parts an engine is assembled from: a runner, a gradient sync, and what they share.
+
+A *runner* runs forward and backward over this rank's microbatches of a step (the plain
+loop below, or the pipeline runtime); a *gradient sync* turns the accumulated gradients
+into the global batch's and owns the optimizer's tensors (none: `data.LocalGrads`; DP:
+`data.GradBuckets`; ZeRO: `zero.ZeroShards`). The runner tells the sync, through `sync`,
+which backward may launch reductions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from tetrad.models.batch import Microbatch
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class RunResult:
+    """What one step's forward and backward did on this rank."""
+
+    loss: torch.Tensor  # this rank's share of the step's loss (float64, on the device)
+    events: list = field(default_factory=list)  # timed computes (a pipeline's timeline)
+
+
+class GradSync(Protocol):
+    """Makes this rank's gradients those of the global batch, and owns the tensors the
+    optimizer updates (the parameters, or ZeRO's shard views of them)."""
+
+    sync: bool  # False: this backward only accumulates (no_sync); set by the runner
+
+    def params(self) -> list[tuple[str, nn.Parameter]]: ...
+
+    def finish(self) -> None:
+        """Launch what backward did not, and wait for every reduction of the step."""
+
+    def zero_grad(self) -> None: ...
+
+    def after_step(self) -> None:
+        """After the optimizer (ZeRO-1/2 gather the updated shards)."""
+
+
+class Runner(Protocol):
+    """Runs forward and backward over this rank's microbatches of one step."""
+
+    holds_loss: bool  # whether this rank computes the loss (holds the head)
+
+    def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> RunResult:
+        """Accumulate gradients of sum(token losses)/denom into the parameters."""
+
+
+class MicrobatchLoop:
+    """The runner without a pipeline: each microbatch forward then backward, in turn."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, holds_loss: bool = True):
+        self.model, self.loss_fn, self.holds_loss = model, loss_fn, holds_loss
+
+    def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> RunResult:
+        device = denom.device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for i, mb in enumerate(micro):
+            # no_sync: only the last microbatch's backward launches the reductions
+            grads.sync = i == len(micro) - 1
+            logits = self.model(mb.inputs.to(device))
+            loss = self.loss_fn(logits, mb.targets.to(device)) / denom
+            del logits  # the graph keeps what backward needs; the logits may go (b·s·V)
+            loss.backward()
+            total += loss.detach().double()
+        return RunResult(total)

@@ -1,0 +1,162 @@
+"""State adapters: a layout's parameters and AdamW state as full logical tensors, and back.
+
+Checkpoints, tests and export speak full logical tensors ("layers.3.attention.wq.weight",
+whole, float32, on CPU); each layout holds something else (tp shards, some stages, ZeRO
+flat shards). A state adapter owns that translation for one engine. Out is a collective
+(tp shards all-gathered, every stage broadcast over pp); in needs none: every rank loads
+from the full tensors and keeps its slices.
+
+`PlainState` serves every layout whose optimizer tensors are the model's parameters (DP,
+TP, PP); `ZeroState` (zero_state.py) overrides the local half for ZeRO's flat shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tetrad.comm import Comm
+from tetrad.config import Config
+from tetrad.mesh import Mesh
+from tetrad.models.init import Slicer, full_shape
+from tetrad.parallel.local import stage_param_names
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state, as torch names it
+Unshard = Callable[[str, torch.Tensor], torch.Tensor]
+Moments = dict[str, dict[str, torch.Tensor]]  # kind -> name -> tensor
+
+
+class PlainState:
+    """Full logical tensors from and into a model whose parameters the optimizer updates."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Config,
+        mesh: Mesh,
+        comm: Comm,
+        unshard: Unshard | None = None,
+        slicer: Slicer | None = None,
+    ):
+        self.model, self.cfg, self.mesh, self.comm = model, cfg, mesh, comm
+        self.unshard = unshard or (lambda _, t: t)  # tp: all-gathers a shard (a collective)
+        self.slicer = slicer  # tp: the index of this rank's shard in a full tensor
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # --- the local half: what a layout holds, by logical name -----------------------------
+    def local_names(self) -> list[str]:
+        """Logical names of the parameters this rank holds (its stages; tp shards too)."""
+        return [n for n, _ in self.model.named_parameters()]
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (tp shards, its stages) by logical name."""
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
+        """AdamW moments by kind and local name (zeros before the first step, which AdamW
+        treats alike), and the step count."""
+        moments: Moments = {k: {} for k in MOMENTS}
+        step = 0
+        for name, p in self.model.named_parameters():
+            state = optimizer.state.get(p, {})
+            for k in MOMENTS:
+                moments[k][name] = state[k] if k in state else torch.zeros_like(p)
+            step = max(step, int(state.get("step", 0)))
+        return moments, step
+
+    @torch.no_grad()
+    def load_local(
+        self,
+        params: dict[str, torch.Tensor],
+        moments: Moments | None,
+        step: int,
+        optimizer: torch.optim.Optimizer | None,
+    ) -> None:
+        """Copy local logical tensors into the parameters and their AdamW state."""
+        for name, p in self.model.named_parameters():
+            p.copy_(params[name])
+            if moments is not None:
+                set_adam_state(optimizer, p, step, *(moments[k][name] for k in MOMENTS))
+
+    # --- the full half: the same for every layout ----------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every logical parameter, full size, on CPU (a collective)."""
+        return self.gather_full(self.local_state_dict())
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """Full logical AdamW state on every rank (a collective): "exp_avg/<name>",
+        "exp_avg_sq/<name>", and "step", the count every tensor shares (the trainer steps
+        all of them together)."""
+        moments, step = self.local_optimizer_state(optimizer)
+        out = {}
+        for kind, local in moments.items():
+            out.update({f"{kind}/{n}": t for n, t in self.gather_full(local).items()})
+        out["step"] = torch.tensor(float(step))
+        return out
+
+    def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full fp32 CPU tensors from per-parameter local ones (a collective): tp shards
+        joined, and every stage's names on every rank."""
+        state = {n: self.unshard(n, t).float().cpu().clone() for n, t in local.items()}
+        if self.mesh.degrees["pp"] > 1:
+            state = self._gather_stages(state)
+        return state
+
+    def _gather_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every stage's full tensors on every rank: each broadcast from its holder over pp."""
+        out: dict[str, torch.Tensor] = {}
+        pp = self.mesh["pp"]
+        for r in range(pp.size):
+            for name in stage_param_names(self.cfg, r):
+                if name in out:
+                    continue  # a tied embedding held by two stages: the first one's value
+                t = state[name] if r == pp.rank else torch.empty(full_shape(name, self.cfg.model))
+                t = t.to(self.device)  # NCCL broadcasts device tensors only
+                self.comm.broadcast(t, r, pp)
+                out[name] = t.cpu()
+        return out
+
+    @torch.no_grad()
+    def load_full(
+        self,
+        params: dict[str, torch.Tensor],
+        optim: dict[str, torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """Install this rank's slices of full logical tensors (no collective): parameters
+        and, given `optim` (as full_optimizer_state returns it), the AdamW state."""
+        names = self.local_names()
+        local = {n: self._slice(n, params[n]) for n in names}
+        moments, step = None, 0
+        if optim is not None:
+            moments = {k: {n: self._slice(n, optim[f"{k}/{n}"]) for n in names} for k in MOMENTS}
+            step = int(optim["step"])
+        self.load_local(local, moments, step, optimizer)
+
+    def _slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full logical tensor `name` (its tp shard, or all)."""
+        index = self.slicer(name) if self.slicer else None
+        return full if index is None else full[index]
+
+
+def set_adam_state(
+    optimizer: torch.optim.Optimizer,
+    p: torch.Tensor,
+    step: int,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+) -> None:
+    """Give `p` the AdamW state torch would hold after `step` steps (none before the first)."""
+    if step == 0:
+        optimizer.state.pop(p, None)  # AdamW starts zeroed moments itself
+        return
+    optimizer.state[p] = {
+        "step": torch.tensor(float(step), dtype=torch.float32),
+        "exp_avg": exp_avg.to(p.device, p.dtype).clone(),
+        "exp_avg_sq": exp_avg_sq.to(p.device, p.dtype).clone(),
+    }
