@@ -20,9 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_import_contracts_hold():
     """pyproject.toml's import-linter contracts: layers one way, no cycles, pure parts."""
     lint = Path(sys.executable).with_name("lint-imports")
-    out = subprocess.run(
-        [str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 broken" in out.stdout
 
