@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+from pathlib import Path
 
 from tetrad.config import Config, load_toml, model_preset, validate
-from tetrad.launch import launch, under_torchrun
+from tetrad.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE, rank_and_attempt, report
+from tetrad.launch import LOG_DIR, die_with_parent, launch, under_torchrun
 from tetrad.parallel.pipeline.schedules import SCHEDULES
 
 # flag -> (section, field); every one of these is also settable in a --config TOML file
@@ -36,6 +39,7 @@ TRAIN_FLAGS = {
     "out": ("train", "out", str),
     "data": ("data", "source", str),
     "checkpoint_every": ("checkpoint", "every", int),
+    "timeout": ("train", "timeout", float),
 }
 DEGREES = ("dp", "fsdp", "tp", "pp")
 
@@ -48,6 +52,22 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="launch N local processes through torchrun (default: the layout's world size; "
         "2 data ranks when no degree is given). Omit it when already under torchrun.",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart all workers up to N times after a failure (torchrun's elastic agent); "
+        "the restarted workers resume from the newest valid checkpoint",
+    )
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="nodes in the job (each runs this command)"
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="with --nnodes > 1: the c10d rendezvous every node's launcher meets at",
+    )
     p.add_argument("--model", help="model preset: tiny, small, base, llama3-8b, llama3-70b")
     for flag, (_, _, typ) in TRAIN_FLAGS.items():
         kw = {"choices": SCHEDULES} if flag == "pp_schedule" else {}
@@ -55,6 +75,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": ("fp32", "bf16")}
         if flag == "zero_stage":
             kw = {"choices": (1, 2, 3)}
+        if flag == "timeout":
+            kw = {
+                "metavar": "S",
+                "help": "seconds a collective may block before the job ends naming it, and a "
+                "signalled rank may take to save and exit (default 600)",
+            }
         p.add_argument("--" + flag.replace("_", "-"), type=typ, **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)
@@ -106,26 +132,92 @@ def fill_world(cfg: Config, args: argparse.Namespace) -> int:
     return args.nproc
 
 
-def launch_train(nproc: int, argv: list[str], cfg: Config) -> int:
+def launch_train(nproc: int, argv: list[str], cfg: Config, args: argparse.Namespace) -> int:
     """Launch the ranks, each told the degrees this process settled (dp may fill the world)."""
-    return launch(nproc, [*argv, *(f"--{d}={getattr(cfg.parallel, d)}" for d in DEGREES)])
+    degrees = [f"--{d}={getattr(cfg.parallel, d)}" for d in DEGREES]
+    return launch(
+        nproc, [*argv, *degrees], cfg.train.out, args.max_restarts, args.nnodes, args.rdzv_endpoint
+    )
+
+
+def prepare_out(out: str) -> None:
+    """Create OUT (and OUT/logs) before launching, so a bad --out fails once, here."""
+    try:
+        (Path(out) / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out!r} cannot be created: {e.strerror or e}") from None
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = build_config(args)
-    if not under_torchrun():
-        nproc = fill_world(cfg, args)
-        validate(cfg, nproc)
-        from tetrad.train.checkpoint import checkpoint_root, find_resume
+    if under_torchrun():
+        return worker(cfg, args)
+    nproc = fill_world(cfg, args)
+    if args.nnodes < 1 or args.max_restarts < 0:
+        raise ValueError(f"--nnodes={args.nnodes} must be >= 1, --max-restarts >= 0")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ValueError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT")
+    validate(cfg, nproc * args.nnodes)
+    from tetrad.train.checkpoint import checkpoint_root, find_resume
 
-        find_resume(checkpoint_root(cfg), cfg)  # a refused --out fails once, before launching
-        if nproc > 1:
-            return launch_train(nproc, argv, cfg)
+    prepare_out(cfg.train.out)
+    find_resume(checkpoint_root(cfg), cfg)  # a refused --out fails once, before launching
+    if nproc > 1 or args.nnodes > 1 or args.max_restarts > 0:
+        return launch_train(nproc, argv, cfg, args)
+    return worker(cfg, args)
+
+
+def worker(cfg: Config, args: argparse.Namespace) -> int:
+    """One rank's job: train, and turn its end into an exit code and (under the launcher)
+    a report: 0 done, 75 stopped by a signal after saving, 1 an error, 2 bad input."""
     from tetrad.train.run import run
+    from tetrad.train.stop import Preempted
 
+    rank, attempt = rank_and_attempt()
+    if under_torchrun():
+        die_with_parent()  # torchrun gone (killed): so are we
+        if os.environ.get(LOG_DIR):
+            _log_to_files(Path(os.environ[LOG_DIR]), rank, attempt)
+    if attempt > 0:
+        cfg.checkpoint.resume = True  # a restarted worker continues from the newest checkpoint
     threads = args.threads or int(os.environ.get("TETRAD_THREADS", "0"))
-    run(cfg, threads=threads or None, timeline=args.timeline)
-    return 0
+    try:
+        run(cfg, threads=threads or None, timeline=args.timeline)
+        return 0
+    except Preempted as e:
+        reported = report("preempted", str(e), EXIT_PREEMPTED, step=e.step, path=str(e.path))
+        if rank == 0 and not reported:  # under the launcher, the launcher says it once
+            print(f"tetrad: {e}; continue with --resume", flush=True)
+        return _leave(EXIT_PREEMPTED)
+    except BaseException as e:  # noqa: BLE001 - every failure becomes one report
+        if not under_torchrun() and isinstance(e, ValueError):
+            raise  # a single process: main prints it as usual
+        traceback.print_exc()
+        code = EXIT_USAGE if isinstance(e, ValueError) else EXIT_FAILED
+        message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        message = f"rank {rank}: {message.strip()}"
+        if not report("error", message, code):
+            print(f"tetrad: error: {message}", file=sys.stderr, flush=True)
+        return _leave(code)
+
+
+def _leave(code: int) -> int:
+    """Exit now under torchrun: a process group's teardown must not hang a failed rank."""
+    if not under_torchrun():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _log_to_files(logs: Path, rank: int, attempt: int) -> None:
+    """Send this rank's stderr (and stdout, but rank 0's) to OUT/logs/rank<R>.*.log."""
+    streams = [("stderr", 2)] + ([("stdout", 1)] if rank != 0 else [])
+    for name, fd in streams:
+        with open(logs / f"rank{rank}.{name}.log", "ab") as fh:
+            fh.write(f"--- attempt {attempt}, pid {os.getpid()} ---\n".encode())
+            fh.flush()
+            os.dup2(fh.fileno(), fd)
 
 
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:

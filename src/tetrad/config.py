@@ -135,6 +135,7 @@ class TrainConfig:
     progress: bool = True
     device: str = "auto"
     peak_tflops: float = 0.0  # 0: look it up from the device (CPU: a nominal figure)
+    timeout: float = 600.0  # seconds a collective may block (and a stop may take) before exit
 
 
 @dataclass
@@ -284,6 +285,7 @@ def _validate_train(cfg: Config) -> None:
     _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables), got {t.grad_clip}")
     _require(t.dtype in DTYPES, f"train.dtype={t.dtype!r} not in {tuple(DTYPES)}")
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} not auto/cpu/cuda")
+    _require(t.timeout > 0, f"train.timeout must be > 0 seconds, got {t.timeout}")
     d = cfg.data
     if d.source in ("stdlib",):
         _require(

@@ -1,16 +1,47 @@
-"""The launcher: re-run a `tetrad` command under torchrun with N local ranks on loopback.
+"""The launcher: re-run a `tetrad` command under torchrun, watch it, and say how it ended.
 
-torchrun is the launcher (it sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous); this
-module only builds its command line. The store binds to 127.0.0.1 on a free port, so a
-single-node job is reachable from this machine only.
+torchrun is the launcher (it sets RANK, WORLD_SIZE, LOCAL_RANK, the rendezvous, and its
+elastic agent restarts failed workers up to `--max-restarts` times); this module builds
+its command line and stands between it and the user:
+
+- logs: torchrun's own output goes to OUT/logs/torchrun.log and each rank's stderr (and
+  stdout, but rank 0's) to OUT/logs/rank<R>.{stderr,stdout}.log, so the console shows the
+  progress and, on failure, one line: the root cause from the ranks' reports
+  (`tetrad.errors`), with its rank;
+- signals: SIGTERM or SIGINT to this process is forwarded once, as SIGTERM, to torchrun,
+  whose agent passes it to every worker; the workers save and exit (`tetrad.train.stop`).
+  torchrun runs in its own session (a terminal's Ctrl-C reaches it only through us) and
+  dies with us (PR_SET_PDEATHSIG), and so do its workers, so no process outlives the job.
+
+The single-node store binds to 127.0.0.1 on a free port, reachable from this machine only;
+several nodes meet at a c10d rendezvous endpoint instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
+from pathlib import Path
+
+from tetrad.errors import (
+    EXIT_FAILED,
+    EXIT_PREEMPTED,
+    REPORT_DIR,
+    read_reports,
+    root_cause,
+)
+
+LOG_DIR = "TETRAD_LOG_DIR"
+PR_SET_PDEATHSIG = 1
+KILL_AFTER_S = 60.0  # after forwarding a signal: torchrun's own grace is 30 s
 
 
 def free_port() -> int:
@@ -24,29 +55,148 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def drop_nproc(argv: list[str]) -> list[str]:
-    """`argv` without `--nproc N` / `--nproc=N` (the ranks must not launch again)."""
+def drop_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` without `--flag V` / `--flag=V` for each of `flags` (launcher-only flags)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in flags:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(f + "=" for f in flags)):
             out.append(a)
     return out
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Run `tetrad ARGV` (less --nproc) as `nproc` local ranks; return torchrun's code.
+def drop_nproc(argv: list[str]) -> list[str]:
+    """`argv` without `--nproc N` / `--nproc=N` (the ranks must not launch again)."""
+    return drop_flags(argv, ("--nproc",))
 
-    Each rank gets an equal share of this machine's cores as its torch thread count.
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (elsewhere: nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def torchrun_command(
+    nproc: int,
+    argv: list[str],
+    max_restarts: int = 0,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+) -> list[str]:
+    """torchrun's command line: loopback store for one node, c10d rendezvous for several."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    cmd.append(f"--max-restarts={max_restarts}")
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd += ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+        if max_restarts:  # the elastic agent's restarts need a rendezvous that can re-form
+            cmd[-2:] = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    else:
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        cmd.append(f"--rdzv-id={rdzv_id or 'tetrad'}")
+    return [*cmd, "-m", "tetrad.cli", *argv]
+
+
+def launch(
+    nproc: int,
+    argv: list[str],
+    out: str | Path | None = None,
+    max_restarts: int = 0,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+) -> int:
+    """Run `tetrad ARGV` (less launcher flags) as `nproc` local ranks; return the job's code.
+
+    With `out`, logs and the ranks' failure reports go under OUT/logs and a failure prints
+    its root cause once. Each rank gets an equal share of this machine's cores as threads.
     """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=1", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        "-m", "tetrad.cli", *drop_nproc(argv),
-    ]  # fmt: skip
+    argv = drop_flags(argv, ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint"))
+    cmd = torchrun_command(nproc, argv, max_restarts, nnodes, rdzv_endpoint)
     env = dict(os.environ, TETRAD_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    logs = Path(out) / "logs" if out is not None else None
+    if logs is not None:
+        reports = logs / f"reports-{uuid.uuid4().hex[:8]}"
+        reports.mkdir(parents=True)
+        env |= {REPORT_DIR: str(reports), LOG_DIR: str(logs)}
+    code, signalled = _supervise(cmd, env, logs)
+    if logs is None:
+        return code
+    code = explain(code, signalled, reports, logs)
+    with contextlib.suppress(OSError):
+        reports.rmdir()  # kept only when it holds reports
+    return code
+
+
+def _supervise(cmd: list[str], env: dict, logs: Path | None) -> tuple[int, int | None]:
+    """Run torchrun, forwarding SIGTERM/SIGINT once; returns (its code, the signal)."""
+    log = open(logs / "torchrun.log", "ab") if logs else None  # noqa: SIM115
+    proc = subprocess.Popen(
+        cmd, env=env, stderr=log, start_new_session=True, preexec_fn=die_with_parent
+    )
+    got: list[tuple[int, float]] = []  # (signal, when)
+
+    def forward(signum, _frame):
+        if not got:
+            proc.send_signal(signal.SIGTERM)  # torchrun's agent passes it to every worker
+        got.append((signum, time.monotonic()))
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while proc.poll() is None:
+            time.sleep(0.1)
+            # asked twice, or the workers outlive torchrun's own grace: do not wait longer
+            if len(got) > 1 or (got and time.monotonic() - got[0][1] > KILL_AFTER_S):
+                _kill_group(proc.pid)
+        return proc.returncode, (got[0][0] if got else None)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        _kill_group(proc.pid)  # anything torchrun left in its session
+        if log:
+            log.close()
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def explain(code: int, signalled: int | None, reports: Path, logs: Path) -> int:
+    """Print how the job ended (once) and return the launcher's exit code."""
+    if code == 0 and signalled is None:
+        return 0
+    records = read_reports(reports)
+    cause = root_cause(records)
+    if cause is not None and cause["kind"] == "preempted":
+        print(f"tetrad: {cause['message']}; continue with --resume", flush=True)
+        return EXIT_PREEMPTED
+    if cause is not None:
+        print(f"tetrad: error: {cause['message']} (logs: {logs})", file=sys.stderr, flush=True)
+        return int(cause.get("code") or EXIT_FAILED)
+    if signalled is not None:
+        name = signal.Signals(signalled).name
+        print(f"tetrad: stopped by {name} before any step could save (logs: {logs})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + signalled
+    detail = _child_failure(logs / "torchrun.log")
+    print(f"tetrad: error: {detail} (logs: {logs})", file=sys.stderr, flush=True)
+    return code or EXIT_FAILED
+
+
+def _child_failure(torchrun_log: Path) -> str:
+    """The root cause torchrun names when a rank died without a report (killed, crashed)."""
+    try:
+        text = torchrun_log.read_text(errors="replace")
+    except OSError:
+        text = ""
+    tail = text[text.rfind("Root Cause") :] if "Root Cause" in text else text[-4000:]
+    rank = re.search(r"rank\s*:\s*(\d+)", tail)
+    exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", tail)
+    if rank and exitcode:
+        ec = int(exitcode.group(1))
+        how = f"signal {signal.Signals(-ec).name}" if ec < 0 else f"exit code {ec}"
+        return f"rank {rank.group(1)} died ({how}) without reporting an error"
+    return "torchrun failed before the ranks started"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tetrad.comm.watchdog import Watchdog
 from tetrad.mesh import Group
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -46,22 +47,31 @@ class OpStats:
 class Work:
     """An in-flight async collective; `wait()` charges its blocking time to the stats."""
 
-    def __init__(self, handle, stats: OpStats):
+    def __init__(self, handle, stats: OpStats, watch: Watchdog | None = None, what=None):
         self._handle, self._stats = handle, stats
+        self._watch, self._what = watch, what
 
     def wait(self) -> None:
         if self._handle is not None:
             t0 = time.perf_counter()
+            if self._watch:
+                self._watch.arm(self._what)
             self._handle.wait()
+            if self._watch:
+                self._watch.disarm()
             self._stats.seconds += time.perf_counter() - t0
             self._handle = None
 
 
 class Comm:
-    """The collectives, with accounting. One per process, passed explicitly."""
+    """The collectives, with accounting. One per process, passed explicitly.
 
-    def __init__(self) -> None:
+    With a `watchdog`, every blocking call (a synchronous collective, an async one's wait)
+    is armed with its name and group, so a call that never completes is named."""
+
+    def __init__(self, watchdog: Watchdog | None = None) -> None:
         self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+        self.watchdog = watchdog
 
     def reset(self) -> None:
         self.stats.clear()
@@ -88,11 +98,15 @@ class Comm:
         s.bus_bytes += bus_factor(op, group.size) * nbytes
         return s
 
-    def _run(self, stats: OpStats, fn, async_op: bool) -> Work | None:
+    def _run(self, stats: OpStats, fn, async_op: bool, what=None) -> Work | None:
         t0 = time.perf_counter()
-        handle = fn(async_op)
         if async_op:
-            return Work(handle, stats)
+            return Work(fn(True), stats, self.watchdog, what)
+        if self.watchdog:
+            self.watchdog.arm(what)
+        fn(False)
+        if self.watchdog:
+            self.watchdog.disarm()
         stats.seconds += time.perf_counter() - t0
         return None
 
@@ -105,7 +119,10 @@ class Comm:
         s = self._record(group, "all_reduce", t.numel() * t.element_size())
         red = REDUCE_OPS[op]
         return self._run(
-            s, lambda a: dist.all_reduce(t, op=red, group=group.pg, async_op=a), async_op
+            s,
+            lambda a: dist.all_reduce(t, op=red, group=group.pg, async_op=a),
+            async_op,
+            _what("all_reduce", group),
         )
 
     def all_gather(
@@ -117,7 +134,10 @@ class Comm:
             return Work(None, OpStats()) if async_op else None
         s = self._record(group, "all_gather", out.numel() * out.element_size())
         return self._run(
-            s, lambda a: dist.all_gather_single(out, inp, group=group.pg, async_op=a), async_op
+            s,
+            lambda a: dist.all_gather_single(out, inp, group=group.pg, async_op=a),
+            async_op,
+            _what("all_gather", group),
         )
 
     def reduce_scatter(
@@ -132,6 +152,7 @@ class Comm:
             s,
             lambda a: dist.reduce_scatter_single(out, inp, group=group.pg, async_op=a),
             async_op,
+            _what("reduce_scatter", group),
         )
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group) -> None:
@@ -140,7 +161,12 @@ class Comm:
             return
         s = self._record(group, "broadcast", t.numel() * t.element_size())
         src_global = group.ranks[src]
-        self._run(s, lambda a: dist.broadcast(t, src_global, group=group.pg, async_op=a), False)
+        self._run(
+            s,
+            lambda a: dist.broadcast(t, src_global, group=group.pg, async_op=a),
+            False,
+            _what("broadcast", group),
+        )
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[Work]:
         """Post sends/receives together: ops are ("send"|"recv", tensor, global peer rank)."""
@@ -156,8 +182,15 @@ class Comm:
         if not p2p:
             return []
         handles = dist.batch_isend_irecv(p2p)
-        return [Work(h, self.stats[(group.name, "p2p_wait")]) for h in handles]
+        stats, what = self.stats[(group.name, "p2p_wait")], _what("send/recv", group)
+        return [Work(h, stats, self.watchdog, what) for h in handles]
 
     def barrier(self, group: Group) -> None:
         if group.size > 1:
-            dist.barrier(group=group.pg)
+            barrier = lambda a: dist.barrier(group=group.pg)  # noqa: E731
+            self._run(OpStats(), barrier, False, _what("barrier", group))
+
+
+def _what(op: str, group: Group) -> tuple[str, Group]:
+    """What the watchdog names if a call hangs (formatted only then: this runs per call)."""
+    return op, group

@@ -46,14 +46,31 @@ def load_path(path: str, max_bytes: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
+CHECK_CHUNK = 1 << 24  # tokens per vectorised pass: 32-64 MiB of a memory-mapped file
+
+
+def check_ids(tokens: np.ndarray, vocab: int, name: str) -> None:
+    """Every token id < vocab, or a ValueError naming the first bad one and its position.
+
+    Vectorised in chunks over the (memory-mapped) array: every rank checks the whole file
+    when it opens it, so a bad id fails the job at start on every rank alike, never one
+    rank mid-run."""
+    for start in range(0, len(tokens), CHECK_CHUNK):
+        chunk = np.asarray(tokens[start : start + CHECK_CHUNK])
+        if int(chunk.max()) >= vocab:
+            at = int(np.argmax(chunk >= vocab))
+            raise ValueError(
+                f"token id {int(chunk[at])} at position {start + at} of {name} is >= "
+                f"model.vocab={vocab}"
+            )
+
+
 class TokenStream:
     """Random windows of a long token array; window i of step k depends on (seed, k, i)."""
 
-    def __init__(self, tokens: np.ndarray, vocab: int, seed: int):
+    def __init__(self, tokens: np.ndarray, vocab: int, seed: int, name: str = "the data"):
         self.tokens, self.seed = tokens, seed
-        top = int(tokens[: min(len(tokens), 1 << 22)].max()) if len(tokens) else 0
-        if top >= vocab:
-            raise ValueError(f"token id {top} in the data is >= model.vocab={vocab}")
+        check_ids(tokens, vocab, name)
 
     def sequence(self, step: int, index: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         if len(self.tokens) <= seq_len + 1:
@@ -137,4 +154,4 @@ def make_source(source: str, vocab: int, seed: int, max_bytes: int):
     if source == "synthetic":
         return Synthetic(vocab, seed)
     tokens = stdlib_corpus(max_bytes) if source == "stdlib" else load_path(source, max_bytes)
-    return TokenStream(tokens, vocab, seed)
+    return TokenStream(tokens, vocab, seed, "the stdlib corpus" if source == "stdlib" else source)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +25,7 @@ from tetrad.train import checkpoint
 from tetrad.train.data import Loader, make_source
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
+from tetrad.train.stop import Preempted, StopRequest
 
 
 @dataclass
@@ -34,6 +36,7 @@ class StepResult:
     grad_norm: float
     tokens: int
     skipped: bool
+    stop: bool = False  # a rank was asked to stop (a signal): all stop after this step
 
 
 def pick_device(cfg: Config) -> torch.device:
@@ -46,7 +49,10 @@ def pick_device(cfg: Config) -> torch.device:
 
 
 def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch.device]:
-    """Validate, then join the process group torchrun set up (if any) and build the mesh."""
+    """Validate, then join the process group torchrun set up (if any) and build the mesh.
+
+    `timeout_s` bounds the process group's own waits; tetrad's watchdog (`--timeout`), set
+    shorter, names a stuck collective first."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     validate(cfg, world)  # every rank, before the first collective
@@ -60,10 +66,18 @@ def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch
 class Trainer:
     """Builds the engine, optimizer and loader for this rank, and runs steps."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, comm: Comm | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        device: torch.device,
+        comm: Comm | None = None,
+        stop: StopRequest | None = None,
+    ):
         validate(cfg, mesh.world_size)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.comm = comm or Comm()
+        self.stop = stop or StopRequest()  # installed on signals by `run`, not here
         self.engine = parallelize(cfg, mesh, self.comm, device)
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
         source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
@@ -97,16 +111,17 @@ class Trainer:
         loss_share = self.engine.forward_backward(micro, denom)
         self.engine.sync_grads()
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
-        agreed = torch.stack([own_loss, self.engine.grad_sq_norm()])
+        stop = torch.tensor(float(self.stop.requested), **f64)  # rides on the same all-reduce
+        agreed = torch.stack([own_loss, self.engine.grad_sq_norm(), stop])
         self.comm.all_reduce(agreed, self.mesh["world"])
-        loss, sq_norm, tokens = torch.cat([agreed, count.view(1)]).tolist()  # the host sync
+        loss, sq_norm, stops, tokens = torch.cat([agreed, count.view(1)]).tolist()  # host sync
         norm = math.sqrt(sq_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if not skipped:
             self._apply(norm)
         self.engine.zero_grad()
         self.step += 1
-        return StepResult(loss, norm, int(tokens), skipped)
+        return StepResult(loss, norm, int(tokens), skipped, stops > 0)
 
     def _apply(self, norm: float) -> None:
         clip = self.cfg.train.grad_clip
@@ -147,7 +162,10 @@ class Trainer:
 
     def fit(self, writer: MetricsWriter | None = None, stop: int | None = None) -> list[dict]:
         """Run the remaining steps (until `stop`, if given: an interrupted job's stand-in);
-        rank 0 writes the metrics; checkpoints every `checkpoint.every` and at the end."""
+        rank 0 writes the metrics; checkpoints every `checkpoint.every` and at the end.
+
+        A stop request (a signal on any rank) ends every rank after the same step: the state
+        is saved and `Preempted` raised."""
         rows = []
         end = self.cfg.train.steps if stop is None else min(stop, self.cfg.train.steps)
         while self.step < end:
@@ -160,8 +178,12 @@ class Trainer:
             if writer is not None and self.mesh.rank == 0:
                 writer.write(row)
             every = self.cfg.checkpoint.every
+            saved = None
             if every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps):
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
+            if result.stop:
+                path = saved or self.save_checkpoint()
+                raise Preempted(self.step, path, self.stop.signum or signal.SIGTERM)
         return rows
 
     def save_checkpoint(self) -> Path:

@@ -3,27 +3,55 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from tetrad.comm import Comm
+from tetrad.comm.watchdog import Watchdog
 from tetrad.config import Config
 from tetrad.train.loop import Trainer, init_distributed
 from tetrad.train.metrics import MetricsWriter
+from tetrad.train.stop import Preempted, StopRequest
 
 
 def run(cfg: Config, threads: int | None = None, timeline: str | None = None) -> list[dict]:
     """Train `cfg` on this process's rank (torchrun's environment, or a single process).
 
-    timeline: with pp > 1, a directory for the last step's pipeline timeline pictures."""
+    timeline: with pp > 1, a directory for the last step's pipeline timeline pictures.
+    SIGTERM/SIGINT stop every rank after the same step with a checkpoint (`Preempted`);
+    a collective blocked longer than `train.timeout` ends the process, naming it. On an
+    error the process group is left without a barrier: the peers must not wait for us."""
     if threads:
         torch.set_num_threads(threads)
-    mesh, device = init_distributed(cfg)
+    stop = StopRequest(grace=cfg.train.timeout)
+    if threading.current_thread() is threading.main_thread():
+        stop.install()
+    mesh, device = init_distributed(cfg, timeout_s=cfg.train.timeout + 60)
+    watchdog = Watchdog(cfg.train.timeout)
+    clean = False
     try:
-        trainer = Trainer(cfg, mesh, device)
-        resumed = trainer.resume()  # None: a fresh start
-        writer = None
+        rows = _train(cfg, mesh, device, Comm(watchdog), stop, timeline)
+        clean = True
+        return rows
+    except Preempted:
+        clean = True  # every rank agreed and saved: they leave together
+        raise
+    finally:
+        watchdog.close()
+        stop.uninstall()
+        if clean and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _train(cfg: Config, mesh, device, comm: Comm, stop: StopRequest, timeline) -> list[dict]:
+    trainer = Trainer(cfg, mesh, device, comm, stop)
+    resumed = trainer.resume()  # None: a fresh start
+    writer = None
+    try:
         if mesh.rank == 0:
             out = Path(cfg.train.out)
             out.mkdir(parents=True, exist_ok=True)
@@ -36,15 +64,12 @@ def run(cfg: Config, threads: int | None = None, timeline: str | None = None) ->
                 cfg.train.out, cfg.train.steps, cfg.train.progress, append=resumed is not None
             )
         rows = trainer.fit(writer)
+    finally:
         if writer is not None:
             writer.close()
-        if timeline and cfg.parallel.pp > 1 and rows:
-            write_step_timeline(trainer, timeline)
-        return rows
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+    if timeline and cfg.parallel.pp > 1 and rows:
+        write_step_timeline(trainer, timeline)
+    return rows
 
 
 def keep_metrics_before(path: Path, step: int) -> None:
