@@ -126,15 +126,35 @@ def test_resharding_across_layouts(reference, tmp_path):
         assert_close_run(got, _tail(ref, 10))
 
 
-def test_corrupt_file_fails_naming_it(interrupted, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(interrupted[0], out)
-    file = out / "checkpoints" / "step_00000010" / "optim.safetensors"
+def _flip_last_byte(file) -> None:
     data = bytearray(file.read_bytes())
     data[-1] ^= 0xFF
     file.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="optim.safetensors"):
+
+
+def test_corrupt_newest_is_skipped_with_one_warning(reference, interrupted, tmp_path, capsys):
+    """A flipped byte in the newest checkpoint: resume from the previous one, exactly, after
+    one warning naming the file and the reason."""
+    out = tmp_path / "run"
+    shutil.copytree(interrupted[0], out)
+    _flip_last_byte(out / "checkpoints" / "step_00000010" / "optim.safetensors")
+    (got,) = _jobs(0, 1, [(_cfg(out, resume=True), None)])
+    assert got["start"] == 5
+    assert_close_run(got, _tail(reference(), 5))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert len(warnings) == 1, warnings
+    assert "step_00000010" in warnings[0] and "optim.safetensors" in warnings[0]
+    assert "sha256" in warnings[0]
+
+
+def test_all_corrupt_fails_naming_the_files(interrupted, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(interrupted[0], out)
+    _flip_last_byte(out / "checkpoints" / "step_00000010" / "optim.safetensors")
+    (out / "checkpoints" / "step_00000005" / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no valid checkpoint") as e:
         _jobs(0, 1, [(_cfg(out, resume=True), None)])
+    assert "optim.safetensors" in str(e.value) and "model.safetensors" in str(e.value)
 
 
 def test_partial_checkpoints_are_ignored(interrupted, tmp_path):

@@ -43,6 +43,11 @@ _DIR = re.compile(r"step_(\d{8})")
 _TMP = ".tmp-"  # prefix of a save in progress (or one a crash cut short)
 
 
+class CorruptCheckpoint(ValueError):
+    """A checkpoint that cannot be trusted (a missing, truncated or altered file, an
+    unreadable manifest): `--resume` skips it for the next older one, with a warning."""
+
+
 @dataclass
 class Checkpoint:
     """A verified checkpoint read into memory: its manifest and full tensors by file."""
@@ -77,20 +82,27 @@ def committed(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def find_resume(root: Path, cfg: Config) -> Path | None:
-    """The checkpoint to start from: the newest one when resuming (None if there is none).
+def find_resume(root: Path, cfg: Config) -> list[Path]:
+    """The checkpoints to try, newest first, when resuming ([] on a fresh start).
 
     A fresh run that would save into a directory already holding checkpoints is refused:
     its saves would be pruned against the old run's newer ones."""
     found = committed(root)
     if cfg.checkpoint.resume:
-        return found[-1] if found else None
+        return found[::-1]
     if found and cfg.checkpoint.every > 0:
         raise ValueError(
             f"{root} already holds checkpoints (newest: {found[-1].name}); pass --resume to "
             "continue from it, or choose another --out"
         )
-    return None
+    return []
+
+
+def uncommitted_after(root: Path, path: Path | None) -> list[Path]:
+    """`step_*` directories without a manifest newer than `path`: saves cut short."""
+    newest = int(_DIR.fullmatch(path.name).group(1)) if path else -1
+    found = [p for p in root.iterdir() if _DIR.fullmatch(p.name)] if root.is_dir() else []
+    return sorted(p for p in found if not (p / MANIFEST).is_file() and int(p.name[5:]) > newest)
 
 
 # --- saving -------------------------------------------------------------------------------
@@ -172,15 +184,37 @@ def prune(root: Path, keep: int) -> None:
 
 
 def agree(engine, error: BaseException | None, what: str) -> None:
-    """One collective: every rank learns whether any rank failed, and all fail alike."""
-    failed = torch.tensor(
-        [0.0 if error is None else 1.0], dtype=torch.float64, device=engine.device
-    )
-    engine.comm.all_reduce(failed, engine.mesh["world"])
+    """One collective: every rank learns whether any rank failed, and all fail alike.
+
+    A `CorruptCheckpoint` on some ranks (and no other error) is raised as one on every
+    rank, with the message of the lowest failing rank (one broadcast), so that all ranks
+    skip the same checkpoint and one of them can say why."""
+    world = engine.mesh["world"]
+    corrupt = isinstance(error, CorruptCheckpoint)
+    flags = [float(corrupt), float(error is not None and not corrupt)]
+    flags.append(float(world.size - world.rank) if error is not None else 0.0)
+    failed = torch.tensor(flags, dtype=torch.float64, device=engine.device)
+    engine.comm.all_reduce(failed[:2], world)
+    engine.comm.all_reduce(failed[2:], world, op="max")
+    n_corrupt, n_other, first = (int(x) for x in failed.tolist())
+    if n_corrupt and not n_other:
+        message = _broadcast_text(engine, str(error) if error else "", world.size - first)
+        raise CorruptCheckpoint(message)
     if error is not None:
         raise error
-    if failed.item():
-        raise RuntimeError(f"{what} failed on {int(failed.item())} other rank(s); see theirs")
+    if n_other:
+        raise RuntimeError(f"{what} failed on {n_other} other rank(s); see theirs")
+
+
+def _broadcast_text(engine, text: str, src: int, size: int = 2048) -> str:
+    """`text` of world rank `src` on every rank (utf-8, cut to `size` bytes)."""
+    buf = torch.zeros(size, dtype=torch.uint8)
+    if engine.mesh["world"].rank == src:
+        data = text.encode()[:size]
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(engine.device)
+    engine.comm.broadcast(buf, src, engine.mesh["world"])
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -193,12 +227,12 @@ def read(path: Path) -> Checkpoint:
     for key, fname in FILES.items():
         file = path / fname
         if not file.is_file():
-            raise ValueError(f"checkpoint file {file} is missing")
+            raise CorruptCheckpoint(f"checkpoint file {file} is missing")
         data = file.read_bytes()
         want = manifest["files"][fname]["sha256"]
         got = hashlib.sha256(data).hexdigest()
         if got != want:
-            raise ValueError(
+            raise CorruptCheckpoint(
                 f"checkpoint file {file} is corrupt: sha256 {got} != {want} in {MANIFEST}"
             )
         loaded[key] = load_bytes(data)  # safetensors: tensors only, no code
@@ -211,9 +245,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint manifest {file} is unreadable: {e}") from e
+        raise CorruptCheckpoint(f"checkpoint manifest {file} is unreadable: {e}") from e
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ValueError(
+        raise CorruptCheckpoint(
             f"{file}: format {manifest.get('format')!r} version {manifest.get('version')!r},"
             f" expected {FORMAT!r} version {VERSION}"
         )
@@ -226,7 +260,7 @@ def _check_listed(path: Path, manifest: dict, loaded: dict[str, dict[str, torch.
     listed = {(e["file"], n): tuple(e["shape"]) for n, e in manifest["tensors"].items()}
     if held != listed:
         diff = sorted(set(held.items()) ^ set(listed.items()))[:5]
-        raise ValueError(f"{path}: files and {MANIFEST} disagree on tensors, e.g. {diff}")
+        raise CorruptCheckpoint(f"{path}: files and {MANIFEST} disagree on tensors, e.g. {diff}")
 
 
 def check_model(ckpt: Checkpoint, cfg: Config) -> None:
@@ -245,6 +279,8 @@ def restore(path: Path, engine, optimizer, loader, cfg: Config) -> int:
     ckpt, error = None, None
     try:
         ckpt = read(path)
+        if engine.mesh.rank == 0:
+            print(f"tetrad: resuming from {path}", flush=True)
         check_model(ckpt, cfg)
         engine.load_full(ckpt.model, ckpt.optim, optimizer)
         loader.load_state_dict(ckpt.manifest["data"])
@@ -254,6 +290,29 @@ def restore(path: Path, engine, optimizer, loader, cfg: Config) -> int:
         error = e
     agree(engine, error, f"loading checkpoint {path}")
     return ckpt.step
+
+
+def restore_newest(root: Path, engine, optimizer, loader, cfg: Config) -> int | None:
+    """Resume from the newest *valid* checkpoint under `root` (every rank calls).
+
+    A corrupt or incomplete newer one is skipped with one warning (rank 0) naming the file
+    and the reason; every rank skips the same ones (`agree`). Returns the step, or None
+    when not resuming or there is no checkpoint; all of them corrupt is an error."""
+    candidates = find_resume(root, cfg)
+    warn = print if engine.mesh.rank == 0 else (lambda *_, **__: None)
+    for cut in uncommitted_after(root, candidates[0] if candidates else None):
+        if cfg.checkpoint.resume:
+            warn(f"tetrad: warning: skipping {cut}: no {MANIFEST} (a save cut short)", flush=True)
+    reasons = []
+    for path in candidates:
+        try:
+            return restore(path, engine, optimizer, loader, cfg)
+        except CorruptCheckpoint as e:
+            warn(f"tetrad: warning: skipping checkpoint {path.name}: {e}", flush=True)
+            reasons.append(str(e))
+    if candidates:
+        raise ValueError(f"no valid checkpoint under {root}: {'; '.join(reasons)}")
+    return None
 
 
 # --- files --------------------------------------------------------------------------------

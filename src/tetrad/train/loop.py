@@ -192,11 +192,11 @@ class Trainer:
         return checkpoint.save(root, self.step, self.engine, self.optimizer, self.loader, self.cfg)
 
     def resume(self) -> int | None:
-        """Continue from the newest checkpoint if `checkpoint.resume` (every rank calls):
+        """Continue from the newest valid checkpoint if `checkpoint.resume` (every rank calls):
         parameters and AdamW state resliced for this layout, the step (and with it the LR
         schedule), the data position and the RNG. Returns its step; None: a fresh start."""
-        path = checkpoint.find_resume(checkpoint.checkpoint_root(self.cfg), self.cfg)
-        if path is None:
-            return None
-        self.step = checkpoint.restore(path, self.engine, self.optimizer, self.loader, self.cfg)
-        return self.step
+        root = checkpoint.checkpoint_root(self.cfg)
+        step = checkpoint.restore_newest(root, self.engine, self.optimizer, self.loader, self.cfg)
+        if step is not None:
+            self.step = step
+        return step
