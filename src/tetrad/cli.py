@@ -121,14 +121,16 @@ def build_config(args: argparse.Namespace) -> Config:
 
 
 def fill_world(cfg: Config, args: argparse.Namespace) -> int:
-    """Number of local processes to launch; dp fills the world when no degree was given."""
+    """Number of local processes to launch (per node); dp fills the world when no degree
+    was given."""
     explicit = any(getattr(args, d) is not None for d in DEGREES) or bool(args.config)
+    nnodes = max(1, args.nnodes)
     if args.nproc is None:
         if not explicit and cfg.parallel.world_size == 1:
-            cfg.parallel.dp = 2  # the default job: two data-parallel CPU processes
-        return cfg.parallel.world_size
+            cfg.parallel.dp = 2 * nnodes  # the default job: two data-parallel CPU processes
+        return max(1, cfg.parallel.world_size // nnodes)
     if not explicit:
-        cfg.parallel.dp = args.nproc
+        cfg.parallel.dp = args.nproc * nnodes
     return args.nproc
 
 
