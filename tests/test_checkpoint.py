@@ -20,6 +20,8 @@ from tetrad.config import validate
 from tetrad.testing import spawn, tiny_config
 from tetrad.train import checkpoint
 
+SHARD0 = "rank-00000.safetensors"
+
 
 def _jobs(rank: int, world: int, jobs: list[tuple[dict, int | None]]) -> list[dict]:
     """Per (config, stop): build a trainer, resume (if configured), train to `stop`."""
@@ -137,24 +139,25 @@ def test_corrupt_newest_is_skipped_with_one_warning(reference, interrupted, tmp_
     one warning naming the file and the reason."""
     out = tmp_path / "run"
     shutil.copytree(interrupted[0], out)
-    _flip_last_byte(out / "checkpoints" / "step_00000010" / "optim.safetensors")
+    _flip_last_byte(out / "checkpoints" / "step_00000010" / SHARD0)
     (got,) = _jobs(0, 1, [(_cfg(out, resume=True), None)])
     assert got["start"] == 5
     assert_close_run(got, _tail(reference(), 5))
     warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
     assert len(warnings) == 1, warnings
-    assert "step_00000010" in warnings[0] and "optim.safetensors" in warnings[0]
+    assert "step_00000010" in warnings[0] and SHARD0 in warnings[0]
     assert "sha256" in warnings[0]
 
 
 def test_all_corrupt_fails_naming_the_files(interrupted, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(interrupted[0], out)
-    _flip_last_byte(out / "checkpoints" / "step_00000010" / "optim.safetensors")
-    (out / "checkpoints" / "step_00000005" / "model.safetensors").unlink()
+    _flip_last_byte(out / "checkpoints" / "step_00000010" / SHARD0)
+    (out / "checkpoints" / "step_00000005" / SHARD0).unlink()
     with pytest.raises(ValueError, match="no valid checkpoint") as e:
         _jobs(0, 1, [(_cfg(out, resume=True), None)])
-    assert "optim.safetensors" in str(e.value) and "model.safetensors" in str(e.value)
+    assert f"step_00000010/{SHARD0} is corrupt" in str(e.value)
+    assert f"step_00000005/{SHARD0} is missing" in str(e.value)
 
 
 def test_partial_checkpoints_are_ignored(interrupted, tmp_path):
@@ -163,7 +166,7 @@ def test_partial_checkpoints_are_ignored(interrupted, tmp_path):
     root = out / "checkpoints"
     # a directory without a manifest, and a save cut short in its temporary directory
     (root / "step_00000015").mkdir()
-    shutil.copy(root / "step_00000010" / "model.safetensors", root / "step_00000015")
+    shutil.copy(root / "step_00000010" / SHARD0, root / "step_00000015")
     shutil.copytree(root / "step_00000010", root / ".tmp-step_00000020")
     assert [p.name for p in checkpoint.committed(root)] == ["step_00000005", "step_00000010"]
     (got,) = _jobs(0, 1, [(_cfg(out, resume=True), 12)])
@@ -198,11 +201,13 @@ def test_manifest_describes_the_checkpoint(interrupted):
     manifest = json.loads((path / "manifest.json").read_text())
     cfg = tiny_config()
     for name, entry in manifest["tensors"].items():
-        if name == "step":
-            continue
         logical = name.split("/", 1)[-1]
         assert entry["shape"] == list(full_shape(logical, cfg.model)), name
         assert entry["dtype"] == "float32"
+        # one process: every tensor whole, in rank 0's file
+        (piece,) = entry["slices"]
+        assert piece["file"] == "rank-00000.safetensors"
+        assert piece["box"] == [[0, n] for n in entry["shape"]]
     kinds = {n.split("/")[0] for n in manifest["tensors"] if "/" in n}
     assert kinds == {"exp_avg", "exp_avg_sq"}
     assert "layers.1.feed_forward.w2.weight" in manifest["tensors"]
@@ -212,7 +217,7 @@ def test_manifest_describes_the_checkpoint(interrupted):
     assert manifest["training"]["optimizer_step"] == 10
     assert manifest["data"] == {"step": 10}
     assert manifest["rng"]["seed"] == 0
-    assert manifest["placement"]["kind"] == "consolidated"
+    assert manifest["placement"]["kind"] == "sharded"
 
 
 @pytest.mark.parametrize("key,value", [("every", -1), ("keep", 0)])

@@ -111,3 +111,15 @@ class Engine:
     def load_full(self, params, optim=None, optimizer=None) -> None:
         """Install this rank's slices of full logical tensors (no collective)."""
         self.state.load_full(params, optim, optimizer)
+
+    def owned_slices(self, optimizer: torch.optim.Optimizer):
+        """The boxes of the logical state this rank alone writes, copied; and Adam's step."""
+        return self.state.owned_slices(optimizer, self.replicated)
+
+    def load_owned(self, read, step: int, optimizer: torch.optim.Optimizer) -> None:
+        """Fill this rank's state box by box from `read(key, box)` (no collective)."""
+        self.state.load_owned(read, step, optimizer)
+
+    def after_load(self) -> None:
+        """The collective end of a load (ZeRO-1/2 gather their compute weights)."""
+        self.state.after_load()

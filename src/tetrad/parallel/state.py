@@ -8,6 +8,11 @@ from the full tensors and keeps its slices.
 
 `PlainState` serves every layout whose optimizer tensors are the model's parameters (DP,
 TP, PP); `ZeroState` (zero_state.py) overrides the local half for ZeRO's flat shards.
+
+Sharded checkpoints use a third half, with no full tensor anywhere: `owned_slices` lists
+the boxes of the full logical tensors this rank holds and is the one writer of (a replica
+on dp, on tp for an unsplit tensor, on pp for a tied embedding writes nothing), and
+`load_owned` fills this rank's boxes from a reader of any saved layout's boxes.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from tetrad.comm import Comm
 from tetrad.config import Config
 from tetrad.mesh import Mesh
 from tetrad.models.init import Slicer, full_shape
+from tetrad.parallel.boxes import Box, box_shape, index_box
 from tetrad.parallel.local import stage_param_names
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state, as torch names it
 Unshard = Callable[[str, torch.Tensor], torch.Tensor]
 Moments = dict[str, dict[str, torch.Tensor]]  # kind -> name -> tensor
+Owned = list[tuple[str, Box, torch.Tensor]]  # (logical key, its box in the full tensor, data)
+Reader = Callable[[str, Box], torch.Tensor]  # (logical key, box) -> that box's values
 
 
 class PlainState:
@@ -82,6 +90,44 @@ class PlainState:
             p.copy_(params[name])
             if moments is not None:
                 set_adam_state(optimizer, p, step, *(moments[k][name] for k in MOMENTS))
+
+    # --- the sharded half: owned boxes out, needed boxes in ---------------------------------
+    def box(self, name: str) -> Box:
+        """Where this rank's local tensor `name` sits in the full logical tensor."""
+        shape = tuple(full_shape(name, self.cfg.model))
+        return index_box(self.slicer(name) if self.slicer else None, shape)
+
+    def writes(self, name: str, replicated: dict[str, tuple[str, ...]]) -> bool:
+        """Whether this rank is the one writer of its copy of `name`: coordinate 0 on every
+        axis the value is replicated over (the same rule that counts it once in the norm)."""
+        coord = self.mesh.coord
+        return all(coord[a] == 0 for a in replicated[name] if a != "fsdp")
+
+    def owned_slices(
+        self, optimizer: torch.optim.Optimizer, replicated: dict[str, tuple[str, ...]]
+    ) -> tuple[Owned, int]:
+        """The boxes this rank writes: "<name>", "exp_avg/<name>", "exp_avg_sq/<name>" (fp32
+        copies, safe from the next step), and the AdamW step count."""
+        moments, step = self.local_optimizer_state(optimizer)
+        out: Owned = []
+        for name, p in self.model.named_parameters():
+            if self.writes(name, replicated):
+                box = self.box(name)
+                out.append((name, box, snapshot(p)))
+                out += [(f"{k}/{name}", box, snapshot(moments[k][name])) for k in MOMENTS]
+        return out, step
+
+    @torch.no_grad()
+    def load_owned(self, read: Reader, step: int, optimizer: torch.optim.Optimizer) -> None:
+        """Fill this rank's parameters and AdamW state from `read` (no collective)."""
+        for name, p in self.model.named_parameters():
+            box = self.box(name)
+            p.copy_(read(name, box).view(p.shape))
+            moments = (read(f"{k}/{name}", box).view(box_shape(box)) for k in MOMENTS)
+            set_adam_state(optimizer, p, step, *moments)
+
+    def after_load(self) -> None:
+        """The collective part of a load, once every rank has loaded (ZeRO: gathers)."""
 
     # --- the full half: the same for every layout ----------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -142,6 +188,12 @@ class PlainState:
         """This rank's piece of the full logical tensor `name` (its tp shard, or all)."""
         index = self.slicer(name) if self.slicer else None
         return full if index is None else full[index]
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU copy of `t` that later updates of `t` cannot change."""
+    t = t.detach()
+    return t.to("cpu", torch.float32, copy=True).contiguous()
 
 
 def set_adam_state(

@@ -13,7 +13,16 @@ from collections.abc import Callable
 
 import torch
 
-from tetrad.parallel.state import MOMENTS, Moments, PlainState, set_adam_state
+from tetrad.parallel.boxes import Box, box_numel, flat_boxes, shift
+from tetrad.parallel.state import (
+    MOMENTS,
+    Moments,
+    Owned,
+    PlainState,
+    Reader,
+    set_adam_state,
+    snapshot,
+)
 from tetrad.parallel.zero import FlatUnit, UnitLayout, ZeroShards
 
 
@@ -48,6 +57,56 @@ class ZeroState(PlainState):
 
     def load_local(self, params, moments, step: int, optimizer) -> None:
         load_units(self.shards, params, moments, step, optimizer)
+
+    # --- sharded checkpoints: each rank's own piece of each unit, as boxes ----------------
+    def shard_boxes(self, u: FlatUnit) -> list[tuple[str, int, Box]]:
+        """(name, offset in this rank's shard, box in the full tensor) covering the shard."""
+        lo = u.rank * u.layout.shard
+        hi = lo + u.layout.shard
+        out = []
+        for name, off, shape in zip(u.layout.names, u.layout.offsets, u.layout.shapes):
+            a, b = max(off, lo), min(off + math.prod(shape), hi)
+            at = a - lo
+            for box in flat_boxes(tuple(shape), a - off, b - off):
+                out.append((name, at, shift(box, self.box(name))))
+                at += box_numel(box)
+        return out
+
+    @torch.no_grad()
+    def owned_slices(self, optimizer, replicated) -> tuple[Owned, int]:
+        self.shards.drain()
+        out: Owned = []
+        for u in self.shards.units:
+            moments = {k: optimizer_shard(u, optimizer, k) for k in MOMENTS}
+            for name, at, box in self.shard_boxes(u):
+                if not self.writes(name, replicated):
+                    continue
+                n, shape = box_numel(box), tuple(b - a for a, b in box)
+                out.append((name, box, snapshot(u.master[at : at + n].view(shape))))
+                for k in MOMENTS:
+                    out.append((f"{k}/{name}", box, snapshot(moments[k][at : at + n].view(shape))))
+        steps = [int(optimizer.state[p].get("step", 0)) for p in optimizer.state]
+        return out, max(steps, default=0)
+
+    @torch.no_grad()
+    def load_owned(self, read: Reader, step: int, optimizer) -> None:
+        """Each unit's shard of master weights and moments, read box by box (padding 0)."""
+        self.shards.drain()
+        for u in self.shards.units:
+            master = torch.zeros(u.layout.shard)
+            moments = {k: torch.zeros(u.layout.shard) for k in MOMENTS}
+            for name, at, box in self.shard_boxes(u):
+                n = box_numel(box)
+                master[at : at + n] = read(name, box).reshape(-1)
+                for k in MOMENTS:
+                    moments[k][at : at + n] = read(f"{k}/{name}", box).reshape(-1)
+            u.master.copy_(master)
+            for (_, p), v in zip(u.params, u.views):
+                set_adam_state(optimizer, p, step, *(moments[k][v.start : v.stop] for k in MOMENTS))
+
+    def after_load(self) -> None:
+        """Stages 1-2 keep full compute weights: gather them from the loaded shards."""
+        self.shards.after_step()
 
 
 @torch.no_grad()

@@ -1,24 +1,29 @@
-"""Checkpoints: consolidated logical tensors in safetensors files, a JSON manifest, atomic commits.
+"""Checkpoints: sharded safetensors files, a JSON manifest, atomic commits, any layout back.
 
 On disk, OUT/checkpoints/step_00000010/ holds
-  model.safetensors   every parameter by logical name, full size, float32
-  optim.safetensors   AdamW state: "exp_avg/<name>", "exp_avg_sq/<name>" (full size), "step"
-  manifest.json       written last: format, every tensor (file, shape, dtype), placement,
-                      sha256 of each file, training state, data position, RNG state
+  rank-00000.safetensors ...  each rank's own boxes of the logical tensors ("<name>",
+                              "exp_avg/<name>", "exp_avg_sq/<name>"), fp32; a replica
+                              (dp, an unsplit tensor on tp, a tied embedding on pp) writes none
+  manifest.json               written last: every logical tensor's full shape and which box of
+                              it each file holds, sha256 of each file, training state, data
+                              position, RNG state
 
-Save is a collective: every rank helps its engine gather the full tensors, rank 0 writes
-them into a hidden temporary sibling, fsyncs, and renames it into place, so a directory
-with a final name is always complete (no manifest: not a checkpoint). One all-reduce then
-tells every rank whether the commit happened; older checkpoints beyond `keep` are deleted
-only after it. Load: every rank verifies each file's sha256 on the very bytes it then
-parses (safetensors, never pickle) and installs exactly its slice for its own layout,
-which is the resharding: any layout resumes from any other.
+Save is a collective: every rank writes its file into a hidden temporary sibling and
+fsyncs it; rank 0 gathers their entries, writes the manifest and renames the directory
+into place, so a directory with a final name is always complete (no manifest: not a
+checkpoint). One all-reduce tells every rank whether the commit happened; older
+checkpoints beyond `keep` are deleted only after it. No rank ever holds a full tensor it
+does not own. Load: every rank reads only the boxes it needs (safetensors' lazy slices),
+after checking the sha256 of each file it reads from (streamed), and installs them for its
+own layout, which is the resharding: any layout resumes from any other. Version 1
+(consolidated: model.safetensors, optim.safetensors) is still read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -27,18 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_bytes
+from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
 from tetrad.config import Config
 from tetrad.models.init import full_shape
 from tetrad.models.llama import meta_llama
+from tetrad.parallel.boxes import Box, box_numel, box_shape, intersect, relative
 from tetrad.train.optim import lr_at
 
 FORMAT = "tetrad-checkpoint"
-VERSION = 1
+VERSION = 2  # 1: consolidated (every tensor whole in model/optim.safetensors); still read
 MANIFEST = "manifest.json"
-FILES = {"model": "model.safetensors", "optim": "optim.safetensors"}
 _DIR = re.compile(r"step_(\d{8})")
 _TMP = ".tmp-"  # prefix of a save in progress (or one a crash cut short)
 
@@ -50,16 +55,32 @@ class CorruptCheckpoint(ValueError):
 
 @dataclass
 class Checkpoint:
-    """A verified checkpoint read into memory: its manifest and full tensors by file."""
+    """A verified checkpoint on disk: its manifest, and its tensors read on demand (whole:
+    for tests, export and inspection; training reads only its own boxes)."""
 
     path: Path
     manifest: dict[str, Any]
-    model: dict[str, torch.Tensor]
-    optim: dict[str, torch.Tensor]
 
     @property
     def step(self) -> int:
         return int(self.manifest["training"]["step"])
+
+    @property
+    def reader(self) -> SliceReader:
+        return SliceReader(self.path, self.manifest)
+
+    @property
+    def model(self) -> dict[str, torch.Tensor]:
+        """Every parameter, full size."""
+        read = self.reader
+        return {n: read.full(n) for n in read.tensors if "/" not in n}
+
+    @property
+    def optim(self) -> dict[str, torch.Tensor]:
+        """AdamW's "exp_avg/<name>", "exp_avg_sq/<name>" full size, and "step"."""
+        read = self.reader
+        out = {n: read.full(n) for n in read.tensors if "/" in n}
+        return out | {"step": torch.tensor(float(self.manifest["training"]["optimizer_step"]))}
 
 
 # --- finding checkpoints ------------------------------------------------------------------
@@ -109,31 +130,106 @@ def uncommitted_after(root: Path, path: Path | None) -> list[Path]:
 
 
 def save(root: Path, step: int, engine, optimizer, loader, cfg: Config) -> Path:
-    """Checkpoint the state after `step` steps (every rank calls; rank 0 writes)."""
-    model = engine.full_state_dict()
-    optim = engine.full_optimizer_state(optimizer)
-    path, error = root / f"step_{step:08d}", None
-    if engine.mesh.rank == 0 and not (path / MANIFEST).is_file():
-        # (already committed: a resumed run that ends where it started)
-        try:
-            info = describe(step, optim, loader, cfg)
-            write(path, {"model": model, "optim": optim}, info)
-        except Exception as e:  # any failure must be agreed on, or the ranks diverge
-            error = e
-    agree(engine, error, f"saving checkpoint {path}")
+    """Checkpoint the state after `step` steps (a collective: each rank writes its boxes)."""
+    path = root / f"step_{step:08d}"
+    if (path / MANIFEST).is_file():
+        return path  # already committed: a resumed run that ends where it started
+    tmp = prepare(path, engine)
+    owned, adam_step = engine.owned_slices(optimizer)
+    info = describe(step, adam_step, loader, cfg)
+    shard, error = None, None
+    try:
+        shard = write_shard(tmp, engine.mesh.rank, owned)
+    except Exception as e:  # any failure must be agreed on, or the ranks diverge
+        error = e
+    return commit(path, shard, error, info, engine, cfg)
+
+
+def prepare(path: Path, engine) -> Path:
+    """The empty temporary directory every rank writes into (rank 0 makes it; agreed)."""
+    tmp = path.parent / f"{_TMP}{path.name}"
+    error = None
     if engine.mesh.rank == 0:
-        prune(root, cfg.checkpoint.keep)
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # an earlier attempt that died half-way
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = e
+    agree(engine, error, f"creating {tmp}")
+    return tmp
+
+
+def write_shard(tmp: Path, rank: int, owned: list) -> dict[str, Any]:
+    """Write this rank's boxes into one file, fsynced; return its manifest entries."""
+    if not owned:
+        return {"file": None, "slices": {}}
+    fname = f"rank-{rank:05d}.safetensors"
+    tensors, slices = {}, {}
+    for key, box, t in owned:
+        pieces = slices.setdefault(key, [])
+        skey = f"{key}#{len(pieces)}"
+        tensors[skey] = t
+        pieces.append({"file": fname, "key": skey, "box": [list(b) for b in box]})
+    data = save_bytes(tensors, metadata={"format": "pt"})
+    _write_synced(tmp / fname, data)
+    digest = hashlib.sha256(data).hexdigest()
+    return {"file": fname, "sha256": digest, "bytes": len(data), "slices": slices}
+
+
+def commit(path: Path, shard, error, info: dict, engine, cfg: Config) -> Path:
+    """Every rank's file written (agreed), rank 0 writes the manifest and renames; agreed."""
+    tmp = path.parent / f"{_TMP}{path.name}"
+    try:
+        agree(engine, error, f"writing checkpoint {path}")
+        shards = gather_json(engine, shard)
+        error = None
+        if engine.mesh.rank == 0:
+            try:
+                manifest = build_manifest(shards, info, cfg)
+                _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+                _fsync(tmp)
+                os.replace(tmp, path)
+                _fsync(path.parent)  # the rename itself survives a power cut
+            except Exception as e:
+                error = e
+        agree(engine, error, f"committing checkpoint {path}")
+    except BaseException:
+        if engine.mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if engine.mesh.rank == 0:
+        prune(path.parent, cfg.checkpoint.keep)
     return path
 
 
-def describe(step: int, optim: dict[str, torch.Tensor], loader, cfg: Config) -> dict:
+def build_manifest(shards: list[dict], info: dict, cfg: Config) -> dict[str, Any]:
+    """Files with their sha256, and every logical tensor's full shape and saved boxes;
+    the boxes must tile each tensor exactly (a layout bug otherwise, caught before commit)."""
+    files = {s["file"]: {"sha256": s["sha256"], "bytes": s["bytes"]} for s in shards if s["file"]}
+    tensors: dict[str, dict] = {}
+    for s in shards:
+        for key, pieces in s["slices"].items():
+            shape = list(full_shape(key.rsplit("/", 1)[-1], cfg.model))
+            entry = tensors.setdefault(key, {"shape": shape, "dtype": "float32", "slices": []})
+            entry["slices"] += pieces
+    for key, entry in tensors.items():
+        covered = sum(box_numel(tuple(map(tuple, p["box"]))) for p in entry["slices"])
+        if covered != math.prod(entry["shape"]):
+            raise RuntimeError(f"checkpoint boxes of {key} hold {covered} elements, not "
+                               f"{math.prod(entry['shape'])}")  # fmt: skip
+    head = {"format": FORMAT, "version": VERSION, "files": files, "tensors": tensors}
+    return head | info
+
+
+def describe(step: int, adam_step: int, loader, cfg: Config) -> dict:
     """The manifest's state sections: training, data position, RNG, placement."""
     p = cfg.parallel
     layout = ("dp", "fsdp", "tp", "pp", "zero_stage", "sp", "pp_schedule", "virtual_stages")
     return {
         "training": {
             "step": step,
-            "optimizer_step": int(optim["step"]),
+            "optimizer_step": adam_step,
             "next_lr": lr_at(step, cfg.train),  # the schedule is a function of the step
             "config": cfg.to_dict(),
         },
@@ -144,34 +240,25 @@ def describe(step: int, optim: dict[str, torch.Tensor], loader, cfg: Config) -> 
             "torch_cpu_state": torch.get_rng_state().numpy().tobytes().hex(),
         },
         "placement": {
-            "kind": "consolidated",  # every tensor whole; the loader cuts its own slice
+            "kind": "sharded",  # each tensor as boxes, each box in one rank's file
             "saved_from": {k: getattr(p, k) for k in layout} | {"world": p.world_size},
         },
     }
 
 
-def write(path: Path, tensors: dict[str, dict[str, torch.Tensor]], info: dict) -> None:
-    """Write a checkpoint directory atomically: files, then the manifest, then one rename."""
-    tmp = path.parent / f"{_TMP}{path.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)  # an earlier attempt that died half-way
-    tmp.mkdir(parents=True)
-    try:
-        entries, digests = {}, {}
-        for key, fname in FILES.items():
-            data = save_bytes(tensors[key], metadata={"format": "pt"})
-            _write_synced(tmp / fname, data)
-            digests[fname] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-            for name, t in tensors[key].items():
-                entries[name] = {"file": fname, "shape": list(t.shape), "dtype": _dtype(t)}
-        manifest = {"format": FORMAT, "version": VERSION, "files": digests, "tensors": entries}
-        _write_synced(tmp / MANIFEST, json.dumps(manifest | info, indent=1).encode())
-        _fsync(tmp)
-        os.replace(tmp, path)
-        _fsync(path.parent)  # the rename itself survives a power cut
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def gather_json(engine, obj: Any) -> list[Any]:
+    """Every rank's JSON-able `obj`, in rank order, on every rank (two all-gathers)."""
+    world = engine.mesh["world"]
+    data = json.dumps(obj).encode()
+    sizes = torch.zeros(world.size, dtype=torch.int64, device=engine.device)
+    engine.comm.all_gather(sizes, torch.tensor([len(data)], device=engine.device), world)
+    width = int(sizes.max())
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(world.size * width, dtype=torch.uint8, device=engine.device)
+    engine.comm.all_gather(out, mine.to(engine.device), world)
+    rows = out.cpu().view(world.size, width)
+    return [json.loads(bytes(rows[r, : int(n)].tolist())) for r, n in enumerate(sizes.tolist())]
 
 
 def prune(root: Path, keep: int) -> None:
@@ -220,24 +307,84 @@ def _broadcast_text(engine, text: str, src: int, size: int = 2048) -> str:
 # --- loading ------------------------------------------------------------------------------
 
 
-def read(path: Path) -> Checkpoint:
-    """Read and verify a checkpoint: every file's sha256 before its tensors are parsed."""
-    manifest = read_manifest(path)
-    loaded = {}
-    for key, fname in FILES.items():
-        file = path / fname
-        if not file.is_file():
-            raise CorruptCheckpoint(f"checkpoint file {file} is missing")
-        data = file.read_bytes()
-        want = manifest["files"][fname]["sha256"]
-        got = hashlib.sha256(data).hexdigest()
-        if got != want:
+class SliceReader:
+    """Boxes of logical tensors from a checkpoint: for each box asked, only the overlapping
+    parts of the saved boxes are read (safetensors' lazy slices), from files whose sha256
+    was checked (streamed, once) before their first use."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]):
+        self.path, self.files = path, manifest["files"]
+        self.tensors = tensor_entries(manifest)
+        self._open: dict[str, Any] = {}
+
+    def __call__(self, key: str, box: Box) -> torch.Tensor:
+        entry = self.tensors.get(key)
+        if entry is None:
+            raise CorruptCheckpoint(f"checkpoint {self.path} has no tensor {key!r}")
+        out = torch.empty(box_shape(box))
+        covered = 0
+        for piece in entry["slices"]:
+            saved = tuple(tuple(b) for b in piece["box"])
+            common = intersect(saved, box)
+            if common is None:
+                continue
+            try:
+                values = self._file(piece["file"]).get_slice(piece["key"])[relative(common, saved)]
+            except CorruptCheckpoint:
+                raise
+            except Exception as e:
+                raise CorruptCheckpoint(f"{self.path / piece['file']}: {piece['key']}: {e}") from e
+            out[relative(common, box)] = values
+            covered += box_numel(common)
+        if covered != box_numel(box):
             raise CorruptCheckpoint(
-                f"checkpoint file {file} is corrupt: sha256 {got} != {want} in {MANIFEST}"
+                f"checkpoint {self.path}: the boxes of {key} miss part of {box}"
             )
-        loaded[key] = load_bytes(data)  # safetensors: tensors only, no code
-    _check_listed(path, manifest, loaded)
-    return Checkpoint(path, manifest, loaded["model"], loaded["optim"])
+        return out
+
+    def full(self, key: str) -> torch.Tensor:
+        return self(key, tuple((0, n) for n in self.tensors[key]["shape"]))
+
+    def verify_all(self) -> None:
+        for fname in self.files:
+            self._file(fname)
+
+    def _file(self, fname: str):
+        if fname not in self._open:
+            file = self.path / fname
+            if fname not in self.files:
+                raise CorruptCheckpoint(f"{file} is not listed in {MANIFEST}")
+            if not file.is_file():
+                raise CorruptCheckpoint(f"checkpoint file {file} is missing")
+            want, got = self.files[fname]["sha256"], _sha256(file)
+            if got != want:
+                raise CorruptCheckpoint(
+                    f"checkpoint file {file} is corrupt: sha256 {got} != {want} in {MANIFEST}"
+                )
+            try:
+                self._open[fname] = safe_open(file, "pt")  # tensors only, no code
+            except Exception as e:
+                raise CorruptCheckpoint(f"{file} is not a safetensors file: {e}") from e
+        return self._open[fname]
+
+
+def tensor_entries(manifest: dict[str, Any]) -> dict[str, dict]:
+    """Logical tensor -> {shape, dtype, slices}; version 1's whole tensors as one box each."""
+    if manifest["version"] >= 2:
+        return manifest["tensors"]
+    return {
+        name: e
+        | {"slices": [{"file": e["file"], "key": name, "box": [[0, n] for n in e["shape"]]}]}
+        for name, e in manifest["tensors"].items()
+        if name != "step"  # version 1 kept Adam's count as a tensor; it is in "training"
+    }
+
+
+def read(path: Path) -> Checkpoint:
+    """A checkpoint whose manifest parses and whose every file matches its sha256."""
+    ckpt = Checkpoint(path, read_manifest(path))
+    ckpt.reader.verify_all()
+    return ckpt
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -246,50 +393,44 @@ def read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CorruptCheckpoint(f"checkpoint manifest {file} is unreadable: {e}") from e
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in (1, VERSION):
         raise CorruptCheckpoint(
             f"{file}: format {manifest.get('format')!r} version {manifest.get('version')!r},"
-            f" expected {FORMAT!r} version {VERSION}"
+            f" expected {FORMAT!r} version 1 or {VERSION}"
         )
     return manifest
 
 
-def _check_listed(path: Path, manifest: dict, loaded: dict[str, dict[str, torch.Tensor]]) -> None:
-    """The files hold exactly the tensors the manifest lists, with its shapes."""
-    held = {(FILES[k], n): tuple(t.shape) for k, ts in loaded.items() for n, t in ts.items()}
-    listed = {(e["file"], n): tuple(e["shape"]) for n, e in manifest["tensors"].items()}
-    if held != listed:
-        diff = sorted(set(held.items()) ^ set(listed.items()))[:5]
-        raise CorruptCheckpoint(f"{path}: files and {MANIFEST} disagree on tensors, e.g. {diff}")
-
-
-def check_model(ckpt: Checkpoint, cfg: Config) -> None:
+def check_model(path: Path, tensors: dict[str, dict], cfg: Config) -> None:
     """The checkpoint's parameters are this model's: same logical names, same full shapes."""
     names = [n for n, _ in meta_llama(cfg.model).named_parameters()]
     want = {n: tuple(full_shape(n, cfg.model)) for n in names}
-    got = {n: tuple(t.shape) for n, t in ckpt.model.items()}
+    got = {n: tuple(e["shape"]) for n, e in tensors.items() if "/" not in n}
     if want != got:
         bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
         detail = ", ".join(f"{n}: checkpoint {got.get(n)} vs model {want.get(n)}" for n in bad[:4])
-        raise ValueError(f"checkpoint {ckpt.path} does not fit model {cfg.model}: {detail}")
+        raise ValueError(f"checkpoint {path} does not fit model {cfg.model}: {detail}")
 
 
 def restore(path: Path, engine, optimizer, loader, cfg: Config) -> int:
-    """Load `path` on every rank, each installing its own slices; returns the step."""
-    ckpt, error = None, None
+    """Load `path` on every rank, each reading and installing only its own boxes; returns
+    the step. A rank that cannot load fails every rank (agreed) before the ZeRO gathers."""
+    manifest, error = None, None
     try:
-        ckpt = read(path)
-        if engine.mesh.rank == 0:
-            print(f"tetrad: resuming from {path}", flush=True)
-        check_model(ckpt, cfg)
-        engine.load_full(ckpt.model, ckpt.optim, optimizer)
-        loader.load_state_dict(ckpt.manifest["data"])
-        state = bytes.fromhex(ckpt.manifest["rng"]["torch_cpu_state"])
+        manifest = read_manifest(path)
+        reader = SliceReader(path, manifest)
+        check_model(path, reader.tensors, cfg)
+        engine.load_owned(reader, int(manifest["training"]["optimizer_step"]), optimizer)
+        loader.load_state_dict(manifest["data"])
+        state = bytes.fromhex(manifest["rng"]["torch_cpu_state"])
         torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
     except Exception as e:  # a rank that cannot load must not leave the others waiting
         error = e
     agree(engine, error, f"loading checkpoint {path}")
-    return ckpt.step
+    engine.after_load()
+    if engine.mesh.rank == 0:
+        print(f"tetrad: resumed from {path}", flush=True)
+    return int(manifest["training"]["step"])
 
 
 def restore_newest(root: Path, engine, optimizer, loader, cfg: Config) -> int | None:
@@ -318,8 +459,13 @@ def restore_newest(root: Path, engine, optimizer, loader, cfg: Config) -> int | 
 # --- files --------------------------------------------------------------------------------
 
 
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+def _sha256(file: Path, chunk: int = 1 << 24) -> str:
+    """The file's sha256, streamed (memory stays one chunk, whatever the file's size)."""
+    h = hashlib.sha256()
+    with open(file, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _write_synced(path: Path, data: bytes) -> None:
