@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 
 import pytest
@@ -30,10 +31,14 @@ def _jobs(rank: int, world: int, jobs: list[tuple[dict, int | None]]) -> list[di
     from tetrad.train.loop import Trainer
 
     out = []
+    asked: list = []  # (key, box) this rank read from a checkpoint
+    read = checkpoint.SliceReader.__call__
+    checkpoint.SliceReader.__call__ = lambda self, k, b: asked.append((k, b)) or read(self, k, b)
     for raw, stop in jobs:
         cfg = from_dict(raw)
         degrees = {a: getattr(cfg.parallel, a) for a in ("pp", "dp", "fsdp", "tp")}
         trainer = Trainer(cfg, Mesh.build(degrees, rank), torch.device("cpu"))
+        asked.clear()
         start = trainer.resume()
         rows = trainer.fit(stop=stop)
         state = trainer.engine.full_state_dict()
@@ -43,6 +48,7 @@ def _jobs(rank: int, world: int, jobs: list[tuple[dict, int | None]]) -> list[di
                 "losses": [r["loss"] for r in rows],
                 "grad_norms": [r["grad_norm"] for r in rows],
                 "state": state if rank == 0 else None,
+                "asked": list(asked),
             }
         )
     return out
@@ -114,7 +120,8 @@ def test_resharding_across_layouts(reference, tmp_path):
     jobs += [(_cfg(dp_dir, par, resume=True), None) for par in resumes]
     jobs += [(_cfg(zero_dir, {"fsdp": 2, "zero_stage": 3}, every=10), 10)]
     jobs += [(_cfg(tp_dir, {"tp": 2}, every=10), 10)]
-    results = spawn(_jobs, 2, jobs, timeout=300)[0]
+    by_rank = spawn(_jobs, 2, jobs, timeout=300)
+    results = by_rank[0]
     ref = reference()
     for par, got in zip(resumes, results[1 : 1 + len(resumes)]):
         assert got["start"] == 10, par
@@ -126,6 +133,41 @@ def test_resharding_across_layouts(reference, tmp_path):
         (got,) = _jobs(0, 1, [(_cfg(saved, resume=True), None)])
         assert got["start"] == 10, saved
         assert_close_run(got, _tail(ref, 10))
+    _check_sharded_files(dp_dir, zero_dir, tp_dir)
+    _check_reads_only_own_boxes([r[3]["asked"] for r in by_rank])  # zero-3 from dp's files
+
+
+def _check_sharded_files(dp_dir, zero_dir, tp_dir) -> None:
+    """Each rank wrote only what it owns: dp's replica nothing, ZeRO and TP half each."""
+    step = "checkpoints/step_00000010"
+    files = lambda d: sorted(p.name for p in (d / step).glob("*.safetensors"))  # noqa: E731
+    assert files(dp_dir) == [SHARD0]
+    assert files(zero_dir) == files(tp_dir) == [SHARD0, "rank-00001.safetensors"]
+    whole = (dp_dir / step / SHARD0).stat().st_size
+    for d in (zero_dir, tp_dir):
+        sizes = [(d / step / f).stat().st_size for f in files(d)]
+        assert sum(sizes) < 1.05 * whole  # one copy of the state in all, not one per rank
+        assert max(sizes) < 0.75 * whole
+    tp = json.loads((tp_dir / step / "manifest.json").read_text())["tensors"]
+    wq = tp["layers.0.attention.wq.weight"]["slices"]
+    assert sorted(p["box"][0] for p in wq) == [[0, 16], [16, 32]]  # rows split over tp
+    assert len(tp["norm.weight"]["slices"]) == 1  # replicated on tp: written once
+
+
+def _check_reads_only_own_boxes(asked_by_rank) -> None:
+    """ZeRO-3 over 2 ranks resuming from whole tensors: each rank asked for its half of the
+    state and never for all of a tensor it does not own."""
+    cfg = tiny_config()
+    from tetrad.models.init import full_shape
+    from tetrad.parallel.boxes import box_numel
+
+    total = {}
+    for asked in asked_by_rank:
+        assert asked
+        for key, box in asked:
+            total[key] = total.get(key, 0) + box_numel(box)
+    for key, n in total.items():  # the two ranks' boxes tile each tensor exactly once
+        assert n == math.prod(full_shape(key.rsplit("/", 1)[-1], cfg.model)), key
 
 
 def _flip_last_byte(file) -> None:
