@@ -54,8 +54,8 @@ def _jobs(rank: int, world: int, jobs: list[tuple[dict, int | None]]) -> list[di
     return out
 
 
-def _cfg(out, parallel=None, every=0, resume=False, keep=2):
-    ck = {"every": every, "resume": resume, "keep": keep}
+def _cfg(out, parallel=None, every=0, resume=False, keep=2, async_save=False):
+    ck = {"every": every, "resume": resume, "keep": keep, "async_save": async_save}
     return tiny_config(train={"out": str(out)}, parallel=parallel or {}, checkpoint=ck).to_dict()
 
 
@@ -84,6 +84,19 @@ def test_resume_reproduces_the_straight_run(reference, interrupted, tmp_path):
     # the resumed run kept checkpointing; keep=2 left the newest two
     names = [p.name for p in checkpoint.committed(out / "checkpoints")]
     assert names == ["step_00000015", "step_00000020"]
+
+
+def test_async_save_resumes_exactly(reference, tmp_path):
+    """Checkpoints written in the background (every 3 steps: saves overlap training and
+    each other's commits) resume to the straight run."""
+    out = tmp_path / "run"
+    (first,) = _jobs(0, 1, [(_cfg(out, every=3, async_save=True, keep=10), 10)])
+    names = [p.name for p in checkpoint.committed(out / "checkpoints")]
+    assert names == [f"step_{s:08d}" for s in (3, 6, 9)]
+    shutil.rmtree(out / "checkpoints" / "step_00000009")
+    (got,) = _jobs(0, 1, [(_cfg(out, every=3, resume=True, async_save=True), None)])
+    assert got["start"] == 6
+    assert_close_run(got, _tail(reference(), 6))
 
 
 def test_adam_state_is_restored_not_restarted(interrupted):
@@ -118,7 +131,8 @@ def test_resharding_across_layouts(reference, tmp_path):
     ]
     jobs = [(_cfg(dp_dir, {"dp": 2}, every=10), 10)]
     jobs += [(_cfg(dp_dir, par, resume=True), None) for par in resumes]
-    jobs += [(_cfg(zero_dir, {"fsdp": 2, "zero_stage": 3}, every=10), 10)]
+    # ZeRO-3's save is asynchronous (the resumed run checks what the background wrote)
+    jobs += [(_cfg(zero_dir, {"fsdp": 2, "zero_stage": 3}, every=10, async_save=True), 10)]
     jobs += [(_cfg(tp_dir, {"tp": 2}, every=10), 10)]
     by_rank = spawn(_jobs, 2, jobs, timeout=300)
     results = by_rank[0]

@@ -90,6 +90,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="continue from the newest checkpoint under OUT/checkpoints, in any layout",
     )
+    p.add_argument(
+        "--async-checkpoint",
+        action="store_true",
+        default=None,
+        help="write checkpoints in a background thread while training continues (the state "
+        "is copied first; at most one save in flight; committed once every rank has written)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores/N)")
     p.add_argument(
@@ -115,6 +122,8 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.model.tie_embeddings = True
     if args.resume:
         cfg.checkpoint.resume = True
+    if args.async_checkpoint:
+        cfg.checkpoint.async_save = True
     if args.no_progress:
         cfg.train.progress = False
     return cfg

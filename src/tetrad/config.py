@@ -153,6 +153,7 @@ class CheckpointConfig:
     every: int = 0
     resume: bool = False
     keep: int = 2
+    async_save: bool = False  # write in a background thread while training goes on
 
 
 @dataclass

@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,18 +132,73 @@ def uncommitted_after(root: Path, path: Path | None) -> list[Path]:
 
 def save(root: Path, step: int, engine, optimizer, loader, cfg: Config) -> Path:
     """Checkpoint the state after `step` steps (a collective: each rank writes its boxes)."""
-    path = root / f"step_{step:08d}"
-    if (path / MANIFEST).is_file():
-        return path  # already committed: a resumed run that ends where it started
-    tmp = prepare(path, engine)
-    owned, adam_step = engine.owned_slices(optimizer)
-    info = describe(step, adam_step, loader, cfg)
-    shard, error = None, None
-    try:
-        shard = write_shard(tmp, engine.mesh.rank, owned)
-    except Exception as e:  # any failure must be agreed on, or the ranks diverge
-        error = e
-    return commit(path, shard, error, info, engine, cfg)
+    return Saver(asynchronous=False).save(root, step, engine, optimizer, loader, cfg)
+
+
+@dataclass
+class PendingSave:
+    """A save whose files a background thread is writing; committed by `Saver.finish`."""
+
+    path: Path
+    info: dict
+    thread: threading.Thread
+    result: dict  # "shard": this rank's entries, or "error"
+
+
+class Saver:
+    """Saves checkpoints, synchronously or in the background, at most one in flight.
+
+    Either way the state is first snapshotted (copied: the next optimizer step cannot change
+    it) on the calling thread. Asynchronously, a thread then serialises and writes this
+    rank's file while training goes on; `finish` (a collective, on every rank at the same
+    point: the trainer calls it once the step's all-reduce says every rank's writer is
+    done, before the next save, and at the end) commits it: manifest last, one rename."""
+
+    def __init__(self, asynchronous: bool):
+        self.asynchronous = asynchronous
+        self.pending: PendingSave | None = None
+
+    @property
+    def writing(self) -> bool:
+        """Whether this rank's writer thread is still busy."""
+        return self.pending is not None and self.pending.thread.is_alive()
+
+    def save(
+        self, root: Path, step: int, engine, optimizer, loader, cfg: Config, wait: bool = False
+    ) -> Path:
+        """Start (or, synchronous or `wait`, complete) the checkpoint of `step`."""
+        self.finish(engine, cfg)  # the one before first: at most one in flight
+        path = root / f"step_{step:08d}"
+        if (path / MANIFEST).is_file():
+            return path  # already committed: a resumed run that ends where it started
+        tmp = prepare(path, engine)
+        owned, adam_step = engine.owned_slices(optimizer)  # copies
+        info = describe(step, adam_step, loader, cfg)
+        result: dict[str, Any] = {}
+        rank = engine.mesh.rank
+
+        def work() -> None:
+            try:
+                result["shard"] = write_shard(tmp, rank, owned)
+            except BaseException as e:  # reported at the commit, agreed by every rank
+                result["error"] = e
+
+        if not self.asynchronous or wait:
+            work()
+            return commit(path, result.get("shard"), result.get("error"), info, engine, cfg)
+        thread = threading.Thread(target=work, name="tetrad-checkpoint", daemon=True)
+        thread.start()
+        self.pending = PendingSave(path, info, thread, result)
+        return path
+
+    def finish(self, engine, cfg: Config) -> Path | None:
+        """Wait for the save in flight, if any, and commit it (every rank calls)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        pending.thread.join()
+        shard, error = pending.result.get("shard"), pending.result.get("error")
+        return commit(pending.path, shard, error, pending.info, engine, cfg)
 
 
 def prepare(path: Path, engine) -> Path:

@@ -37,6 +37,7 @@ class StepResult:
     tokens: int
     skipped: bool
     stop: bool = False  # a rank was asked to stop (a signal): all stop after this step
+    writes_done: bool = True  # no rank is still writing an asynchronous checkpoint
 
 
 def pick_device(cfg: Config) -> torch.device:
@@ -78,6 +79,7 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.comm = comm or Comm()
         self.stop = stop or StopRequest()  # installed on signals by `run`, not here
+        self.saver = checkpoint.Saver(cfg.checkpoint.async_save)
         self.engine = parallelize(cfg, mesh, self.comm, device)
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
         source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
@@ -111,17 +113,18 @@ class Trainer:
         loss_share = self.engine.forward_backward(micro, denom)
         self.engine.sync_grads()
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
-        stop = torch.tensor(float(self.stop.requested), **f64)  # rides on the same all-reduce
-        agreed = torch.stack([own_loss, self.engine.grad_sq_norm(), stop])
+        # a stop request and a busy checkpoint writer ride on the same all-reduce
+        flags = torch.tensor([float(self.stop.requested), float(self.saver.writing)], **f64)
+        agreed = torch.cat([torch.stack([own_loss, self.engine.grad_sq_norm()]), flags])
         self.comm.all_reduce(agreed, self.mesh["world"])
-        loss, sq_norm, stops, tokens = torch.cat([agreed, count.view(1)]).tolist()  # host sync
+        loss, sq_norm, stops, writing, tokens = torch.cat([agreed, count.view(1)]).tolist()
         norm = math.sqrt(sq_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if not skipped:
             self._apply(norm)
         self.engine.zero_grad()
         self.step += 1
-        return StepResult(loss, norm, int(tokens), skipped, stops > 0)
+        return StepResult(loss, norm, int(tokens), skipped, stops > 0, writing == 0)
 
     def _apply(self, norm: float) -> None:
         clip = self.cfg.train.grad_clip
@@ -177,19 +180,23 @@ class Trainer:
             rows.append(row)
             if writer is not None and self.mesh.rank == 0:
                 writer.write(row)
+            if result.writes_done:
+                self.saver.finish(self.engine, self.cfg)  # every rank's file is written
             every = self.cfg.checkpoint.every
-            saved = None
             if every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps):
-                saved = self.save_checkpoint()
+                self.save_checkpoint()
             if result.stop:
-                path = saved or self.save_checkpoint()
+                path = self.save_checkpoint(wait=True)
                 raise Preempted(self.step, path, self.stop.signum or signal.SIGTERM)
+        self.saver.finish(self.engine, self.cfg)
         return rows
 
-    def save_checkpoint(self) -> Path:
-        """Checkpoint the state after `self.step` steps (a collective: every rank calls)."""
+    def save_checkpoint(self, wait: bool = False) -> Path:
+        """Checkpoint the state after `self.step` steps (a collective: every rank calls);
+        with `checkpoint.async_save`, written in the background unless `wait`."""
         root = checkpoint.checkpoint_root(self.cfg)
-        return checkpoint.save(root, self.step, self.engine, self.optimizer, self.loader, self.cfg)
+        args = (root, self.step, self.engine, self.optimizer, self.loader, self.cfg)
+        return self.saver.save(*args, wait=wait)
 
     def resume(self) -> int | None:
         """Continue from the newest valid checkpoint if `checkpoint.resume` (every rank calls):
