@@ -2,7 +2,8 @@
 
 TETRAD_TEST_FAULT="KIND:RANK:STEP" makes that rank, in torchrun's first attempt only, do
 KIND at the start of that training step: `raise` (an exception in a step), `kill`
-(SIGKILL itself) or `hang` (sleep, outside any collective). Nothing in tetrad knows of it.
+(SIGKILL itself), `hang` (sleep, outside any collective), or from that step on `slow`
+(sleep 50 ms per step: time to signal a run mid-way). Nothing in tetrad knows of it.
 """
 
 import os
@@ -19,6 +20,8 @@ if _fault and "RANK" in os.environ and os.environ.get("TORCHELASTIC_RESTART_COUN
         _original = _loop.Trainer.train_step
 
         def _train_step(self):
+            if _kind == "slow" and self.step >= int(_step):
+                time.sleep(0.05)
             if self.step == int(_step):
                 if _kind == "raise":
                     raise RuntimeError(f"injected fault at step {self.step}")

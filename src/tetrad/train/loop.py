@@ -60,7 +60,13 @@ def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch
     device = pick_device(cfg)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        # keys of this torchrun attempt only: a restarted rank must never find the address
+        # a killed rank of an earlier attempt published in a store that outlived it
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"tetrad/attempt{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return Mesh.build(cfg.parallel.degrees, rank), device
 
 
@@ -169,6 +175,13 @@ class Trainer:
 
         A stop request (a signal on any rank) ends every rank after the same step: the state
         is saved and `Preempted` raised."""
+        self.stop.deferring = True  # from here a signal is agreed on, and saved for
+        try:
+            return self._fit(writer, stop)
+        finally:
+            self.stop.deferring = False
+
+    def _fit(self, writer: MetricsWriter | None, stop: int | None) -> list[dict]:
         rows = []
         end = self.cfg.train.steps if stop is None else min(stop, self.cfg.train.steps)
         while self.step < end:

@@ -5,7 +5,8 @@ The request is noticed by a thread that reads the signal's byte from a wakeup de
 collective. The trainer adds the flag to the all-reduce every step already makes, so all
 ranks agree to stop after the same step (one decision, every rank), save a checkpoint and
 raise `Preempted`. A process still alive `grace` seconds after the signal is stuck (a peer
-died mid-collective, or a step hangs): it exits. A second signal exits at once.
+died mid-collective, or a step hangs): it exits. A second signal, or one outside the
+training loop (starting, loading: nothing to agree on or save), exits at once.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ class StopRequest:
         self._event = threading.Event()
         self._restore: tuple | None = None  # what install() replaced
         self._timer: threading.Timer | None = None
+        self.deferring = False  # set by the trainer while its steps can agree on a stop
 
     @property
     def requested(self) -> bool:
         return self._event.is_set()
 
     def request(self, signum: int) -> None:
-        """Ask for a stop (what a signal does); a second request ends the process now."""
-        if self._event.is_set():
+        """Ask for a stop (what a signal does). Outside the training loop (starting, loading,
+        leaving: nothing to agree on or save), or a second time, it ends the process now."""
+        if self._event.is_set() or not self.deferring:
             os._exit(128 + signum)
         self.signum = signum
         self._event.set()
