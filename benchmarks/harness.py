@@ -49,8 +49,11 @@ def job(model: dict, parallel: dict, steps: int, batch: int = 16, data: str = "s
     return from_dict(raw)
 
 
-def arguments(doc: str, sizes: str, steps: int, rounds: int, warmup: int = 0):
-    """The command line every benchmark shares: sizes to run, steps per timed block, rounds."""
+def arguments(
+    doc: str, sizes: str, steps: int, rounds: int, warmup: int = 0
+) -> argparse.ArgumentParser:
+    """The command line every benchmark shares: sizes to run, steps per timed block (none
+    if 0), measured warm-up steps (none if 0), rounds."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument(sizes, type=int, nargs="+", default=[2, 4], help="world sizes")
     if steps:
@@ -143,9 +146,9 @@ class PeerOptimizer:
         if math.isfinite(total) and math.isfinite(norm):
             clip = self.train.grad_clip
             if clip > 0 and norm > clip:
-                for group in ([g for g in grads if isinstance(g, DTensor)],
-                              [g for g in grads if not isinstance(g, DTensor)]):  # fmt: skip
-                    if group:
+                dtensors = [g for g in grads if isinstance(g, DTensor)]
+                for group in (dtensors, [g for g in grads if not isinstance(g, DTensor)]):
+                    if group:  # a foreach kernel takes one kind of tensor per list
                         torch._foreach_mul_(group, clip / (norm + 1e-6))
             set_lr(self.optimizer, lr_at(self.count, self.train))
             self.optimizer.step()

@@ -15,8 +15,9 @@ several layers): tetrad 1F1B on its balanced split against the cost-blind even s
 and the simulator's prediction for both.
 
 Every round runs one step of each runner, in an order that rotates between rounds;
-tokens/s is the median over rounds and each ratio the median of the rounds' ratios, so
-load that comes and goes on a shared machine hits both sides of a ratio alike.
+tokens/s is the median over rounds and each ratio the median of the rounds' ratios, with
+its spread (harness.py), so load that comes and goes on a shared machine hits both sides
+of a ratio alike. The peer's optimizer step is harness.py's.
 
 Bubble fraction, two ways. "timeline": 1 - busy / (pp x makespan) from the compute
 intervals tetrad's runtime records (its picture), next to the simulator's prediction at
