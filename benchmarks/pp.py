@@ -50,9 +50,9 @@ import harness
 from tetrad.config import Config
 from tetrad.models.init import materialize
 from tetrad.models.llama import Llama, cross_entropy_sum
-from tetrad.parallel.pipeline import Costs, even_split, llama_layer_costs, simulate_schedule
 from tetrad.parallel.pipeline.measure import ActivationMeter, measure_step, plot_pair
-from tetrad.parallel.pipeline.partition import stage_costs
+from tetrad.parallel.pipeline.partition import even_split, llama_layer_costs, stage_costs
+from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.stage import layer_split, prune, rank_chunks
 from tetrad.testing import spawn
 
@@ -79,7 +79,7 @@ class TetradRunner:
 
     def after_step(self) -> dict[str, float]:
         """Measured and simulated bubble of the step just run, and peak activations."""
-        state = self.trainer.engine.pipeline_state  # the runtime's record of its last step
+        state = self.trainer.engine.last_run  # the runtime's record of its last step
         p, t = self.cfg.parallel, self.trainer
         measured, simulated = measure_step(
             state.events, t.comm, t.mesh["pp"], p.pp_schedule, p.microbatches
