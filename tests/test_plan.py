@@ -1,10 +1,9 @@
 """The planner against the literature's formulas and published measurements; no processes.
 
-Published rows are copied below (with their source) from the reference CSVs (in the
-shared/ folder beside the repository, see harness.REFERENCE) so the tests run from a clean
-clone; when the reference CSVs are present, a test checks the
-copies. `python tests/test_plan.py` prints the predicted-vs-published tables of
-docs/plan.md.
+Published rows are copied below (with their source) from the reference CSVs, which live
+beside the repository (harness.REFERENCE), so the tests run from a clean clone; when the
+CSVs are present, a test checks the copies. `python tests/test_plan.py` prints the
+predicted-vs-published tables of docs/plan.md.
 """
 
 from __future__ import annotations
