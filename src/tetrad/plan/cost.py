@@ -37,7 +37,7 @@ from typing import Any
 
 from tetrad.config import DTYPE_BYTES, Config, ModelConfig, validate
 from tetrad.models.flops import flops_per_token
-from tetrad.parallel.pipeline.partition import llama_layer_costs, stage_costs
+from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
     SPLIT_BACKWARD,
     build_schedule,
@@ -47,6 +47,7 @@ from tetrad.parallel.pipeline.schedules import (
 from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.plan import activations as act
+from tetrad.plan.compute import ComputeModel, Kernels, backward
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster
 
@@ -66,6 +67,9 @@ class Engine:
     defers plain linears only, so with tp > 1 its B does the weight gradients).
     sp_saves_shards: under SP the column-parallel linears keep their input's sequence
     shard and re-gather it for backward (Megatron); tetrad keeps the gathered input.
+    kernels: fused or eager elementwise kernels and the flash-attention class
+    (`plan.compute`); fused kernels also save less (`plan.activations`: a fused norm keeps
+    its bf16 input and no fp32 copy, a fused SwiGLU three f-wide tensors, not four).
     """
 
     name: str
@@ -76,16 +80,29 @@ class Engine:
     reduce_every_microbatch: bool = False
     split_w_with_tp: bool = False
     sp_saves_shards: bool = False
+    kernels: Kernels = Kernels()
 
+
+# Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
+# torchtitan's async TP): a stated fit on the development rows (docs/plan.md).
+TP_OVERLAP = 0.8
 
 TETRAD = Engine("tetrad")
-MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap
-    "megatron", tp_overlap=1.0, grad_overlap_pp=True, param_gather_overlap=True,
-    split_w_with_tp=True, sp_saves_shards=True,
+MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
+    "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
+    split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(fused=True, attention="fa3"),
 )  # fmt: skip
 TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True)
-TORCHTITAN_ASYNC_TP = dataclasses.replace(TORCHTITAN, name="torchtitan-async-tp", tp_overlap=1.0)
-ENGINES = {e.name: e for e in (TETRAD, MEGATRON, TORCHTITAN, TORCHTITAN_ASYNC_TP)}
+TORCHTITAN_COMPILE = dataclasses.replace(
+    TORCHTITAN, name="torchtitan-compile", kernels=Kernels(fused=True)
+)
+# async TP is a torch.compile pass in torchtitan: compiled kernels as well
+TORCHTITAN_ASYNC_TP = dataclasses.replace(
+    TORCHTITAN_COMPILE, name="torchtitan-async-tp", tp_overlap=TP_OVERLAP
+)
+ENGINES = {
+    e.name: e for e in (TETRAD, MEGATRON, TORCHTITAN, TORCHTITAN_COMPILE, TORCHTITAN_ASYNC_TP)
+}
 
 
 @dataclass
@@ -133,8 +150,10 @@ class Planner:
             raise ValueError(f"recompute={recompute!r} is not one of {act.RECOMPUTE}")
         self.cluster, self.engine, self.recompute = cluster, engine, recompute
         self.footprint = Footprint(
-            cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch
-        )
+            cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
+            engine.kernels.fused,
+        )  # fmt: skip
+        self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}
 
@@ -189,11 +208,8 @@ class Planner:
 
     def stage_times(self, cfg: Config, facts: list[RankFacts]) -> StageTimes:
         """Seconds per microbatch, per global stage: compute, exposed TP, exposed ZeRO-3."""
-        p, t = cfg.parallel, cfg.parallel.tp
-        flops = self._stage_flops(cfg)
-        rate = self.cluster.device.flops_per_s(cfg.train.dtype)
-        b = cfg.microbatch_size
-        compute = {k: [f * b / t / rate for f in v] for k, v in flops.items()}
+        p = cfg.parallel
+        compute = self._stage_seconds(cfg)
         tp = self._tp_times(cfg)
         fsdp = self._zero3_gathers(cfg, facts, compute)
         if self.engine.reduce_every_microbatch:
@@ -209,19 +225,19 @@ class Planner:
             return False
         return cfg.parallel.tp == 1 or self.engine.split_w_with_tp
 
-    def _stage_flops(self, cfg: Config) -> dict[str, list[float]]:
-        """F, B and W FLOPs of one sequence on each global stage (whole tp group)."""
-        m, s = cfg.model, cfg.train.seq_len
-        items = llama_layer_costs(m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads,
-                                  m.vocab, s)  # fmt: skip
-        attention = 2 * 2 * s * s * m.dim  # forward; its backward (2x) is all input gradient
-        layer_f = items[1] / 3
-        proj = layer_f - attention
-        redo = {"none": 0.0, "selective": 0.0, "full": layer_f, "op": proj / 2}[self.recompute]
+    def _stage_seconds(self, cfg: Config) -> dict[str, list[float]]:
+        """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
+        m, p, s, dt = cfg.model, cfg.parallel, cfg.train.seq_len, cfg.train.dtype
+        b = cfg.microbatch_size
+        fwd = self.compute.block_forward(m, p.tp, p.sp, b * s, b, s, dt)
+        bwd = backward(fwd)
+        redo = {"none": 0.0, "selective": 0.0, "full": fwd.total, "op": fwd.gemm / 2}
+        embed = b * s * m.dim * _cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
+        head = self.compute.head(m, p.tp, b * s, dt)
         per = {
-            "F": [items[0] / 3] + [layer_f] * m.layers + [items[-1] / 3],
-            "B": [items[0] / 3] + [proj + 2 * attention + redo] * m.layers + [items[-1] / 3],
-            "W": [items[0] / 3] + [proj] * m.layers + [items[-1] / 3],
+            "F": [embed] + [fwd.total] * m.layers + [head.total],
+            "B": [embed] + [bwd.total + redo[self.recompute]] * m.layers + [backward(head).total],
+            "W": [0.0] + [fwd.gemm] * m.layers + [head.gemm],
         }
         split = self.split(cfg)
         return {k: stage_costs(v, split) for k, v in per.items()}
