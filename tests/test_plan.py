@@ -408,9 +408,12 @@ def test_latency_at_scale():
     assert c.link(1, 384).time("all_gather", 384, 0.0) < latency / 3.5  # linear in ranks
     tree = link.time("all_reduce", 1536, 0.0)
     assert tree == pytest.approx(8.4e-6 + 2 * (7 * 3.4e-6 + math.log2(192) * 14e-6))
-    big = 4e9  # large buffers: the ring's bandwidth wins over the tree's 0.9
-    ring = link.time("all_reduce", 1536, big)
-    assert ring < tree + 2 * 1535 / 1536 * big / link.bw_Bps / 0.9
+    transfer = 2 * 1535 / 1536 / link.bw_Bps  # seconds a buffer byte
+    ring_latency = 8.4e-6 + (3070 - 382) * 3.4e-6 + 382 * 14e-6
+    for nbytes in (4e9, 40e9):  # the tree wins at 4 GB; at 40 GB the ring's bandwidth does
+        want = min(ring_latency + transfer * nbytes, tree + transfer * nbytes / 0.9)
+        assert link.time("all_reduce", 1536, nbytes) == pytest.approx(want)
+    assert link.time("all_reduce", 1536, 40e9) == pytest.approx(ring_latency + transfer * 40e9)
 
 
 def test_calibration_from_a_bench_json(tmp_path):
