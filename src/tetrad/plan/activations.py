@@ -188,10 +188,12 @@ def llama_pending_w(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
     return [Saved("deferred linear inputs and output grads", inputs + grads, "tp")]
 
 
-def layer_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int, sp: bool) -> float:
+def layer_grad_workspace(
+    m: ModelConfig, t: int, dtype: str, b: int, s: int, sp: bool, fused: bool = False
+) -> float:
     """Transient bytes while one block runs backward: about one block's activations (its
     gradients, or under recomputation the recomputed activations themselves)."""
-    return total_bytes(llama_layer(m, t, dtype), b, s, t, sp)
+    return total_bytes(llama_layer(m, t, dtype, fused=fused), b, s, t, sp)
 
 
 def loss_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int) -> float:

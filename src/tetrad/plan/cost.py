@@ -32,6 +32,7 @@ The model, per optimizer step (b microbatch size, s sequence, h hidden, t = tp):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,9 @@ class Engine:
     split_w_with_tp: bool = False
     sp_saves_shards: bool = False
     kernels: Kernels = Kernels()
+    gather_bucket: float = 0.0
+    reduce_bucket: float = 0.0
+    gather_overlap: bool = True
 
 
 # Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
@@ -100,8 +104,16 @@ TORCHTITAN_COMPILE = dataclasses.replace(
 TORCHTITAN_ASYNC_TP = dataclasses.replace(
     TORCHTITAN_COMPILE, name="torchtitan-async-tp", tp_overlap=TP_OVERLAP
 )
+# DeepSpeed ZeRO-3 (with Megatron's fused kernels, as Megatron-DeepSpeed runs it): gathers
+# in prefetch buckets of 5e7 elements, reduces every micro-step in buckets of 5e8
+# (the defaults of `stage3_prefetch_bucket_size` and `reduce_bucket_size`)
+DEEPSPEED = Engine(
+    "deepspeed", grad_overlap_pp=True, reduce_every_microbatch=True,
+    kernels=Kernels(fused=True), gather_bucket=5e7, reduce_bucket=5e8, gather_overlap=False,
+)  # fmt: skip
 ENGINES = {
-    e.name: e for e in (TETRAD, MEGATRON, TORCHTITAN, TORCHTITAN_COMPILE, TORCHTITAN_ASYNC_TP)
+    e.name: e
+    for e in (TETRAD, MEGATRON, TORCHTITAN, TORCHTITAN_COMPILE, TORCHTITAN_ASYNC_TP, DEEPSPEED)
 }
 
 
@@ -276,10 +288,12 @@ class Planner:
             if layers == 0:
                 continue
             block = facts[_rank_of_stage(cfg, stage)].block
-            gather = link.time("all_gather", p.fsdp, layers * block * _cbytes(cfg))
+            calls = _calls(block, 1, self.engine.gather_bucket)
+            gather = layers * calls * link.time("all_gather", p.fsdp, block * _cbytes(cfg) / calls)
             first = gather / layers
-            fwd_window = compute["F"][stage]
-            bwd_window = compute["B"][stage] + compute["W"][stage]
+            hide = 1.0 if self.engine.gather_overlap else 0.0
+            fwd_window = hide * compute["F"][stage]
+            bwd_window = hide * (compute["B"][stage] + compute["W"][stage])
             out["F"][stage] = first + max(0.0, gather - first - fwd_window)
             out["B"][stage] = first + max(0.0, gather - first - bwd_window)
         return out
@@ -315,10 +329,13 @@ class Planner:
         p = cfg.parallel
         if p.dp * p.fsdp == 1:
             return 0.0
+        bucket = self.engine.reduce_bucket
         if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients
-            return self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4)
+            n = _calls(fa.psi, 1, bucket)
+            return n * self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4 / n)
         rb = DTYPE_BYTES[p.reduce_dtype]
-        rs = self.cluster.link(p.tp, p.fsdp).time("reduce_scatter", p.fsdp, fa.psi * rb)
+        n = _calls(fa.psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
+        rs = n * self.cluster.link(p.tp, p.fsdp).time("reduce_scatter", p.fsdp, fa.psi * rb / n)
         hsdp = self.cluster.link(p.tp * p.fsdp, p.dp).time("all_reduce", p.dp, fa.psi / p.fsdp * 4)
         return rs + hsdp
 
@@ -392,6 +409,12 @@ def _exposed(seconds: float, units: int, window: float) -> float:
     compute is done: the last part always shows, the rest hides up to the window."""
     last = seconds / units
     return last + max(0.0, seconds - last - window)
+
+
+def _calls(elems: float, units: int, bucket: float) -> int:
+    """Collective calls a pass over `elems` elements makes: one per unit, or one per
+    `bucket` elements where the engine buckets (0: no buckets)."""
+    return max(1, math.ceil(elems / bucket)) if bucket else units
 
 
 def _fold_w(compute, tp, fsdp) -> StageTimes:

@@ -177,7 +177,7 @@ class Footprint:
         stage, ZeRO's buffers) + the allocator's share of transients and activations."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
         b, s = cfg.microbatch_size, cfg.train.seq_len
-        transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp)
+        transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp, self.fused)
         if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
                                                       p.pp_schedule):  # fmt: skip
             transient += act.loss_grad_workspace(m, p.tp, dt, b, s)
