@@ -129,6 +129,8 @@ class Prediction:
     bubble_fraction: float
     memory: Memory
     breakdown: dict[str, float] = field(default_factory=dict)
+    step_time_range_s: tuple[float, float] | None = None
+    tokens_per_s_range: tuple[float, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (memory in bytes, with its total and whether it fits)."""
@@ -206,6 +208,23 @@ class Planner:
         step = sum(breakdown.values())
         memory = self.footprint.memory(cfg, self.split(cfg), facts, timeline, self._w_deferred(cfg))
         return self._prediction(cfg, step, timeline.bubble_fraction, memory, breakdown)
+
+    def with_range(self, cfg: Config, pred: Prediction) -> Prediction:
+        """`pred` with a step-time range: the layout predicted at the lowest and highest
+        efficiency of the rows (or runs) the device was fitted to (`Cluster.spread`)."""
+        lo, hi = self.cluster.spread
+        steps = []
+        for ratio in (hi, lo):  # the faster end first
+            device = dataclasses.replace(
+                self.cluster.device, efficiency=self.cluster.device.efficiency * ratio
+            )
+            cluster = dataclasses.replace(self.cluster, device=device)
+            steps.append(Planner(cluster, self.engine, self.recompute).predict(cfg, False))
+        low, high = steps[0].step_time_s, steps[1].step_time_s
+        tokens = cfg.train.global_batch * cfg.train.seq_len
+        return dataclasses.replace(
+            pred, step_time_range_s=(low, high), tokens_per_s_range=(tokens / high, tokens / low)
+        )
 
     def rank_facts(self, cfg: Config, pp_rank: int) -> RankFacts:
         """Local parameter counts and exact model state of pp rank `pp_rank`."""

@@ -93,6 +93,9 @@ class Cluster:
     intra: Link
     inter: Link
     sized: bool = True  # GEMM rates fall with small matrices (plan.compute); not for cpu
+    # lowest and highest efficiency, over the fitted one, among the rows (or runs) it was
+    # fitted to: a prediction's range (Planner.with_range)
+    spread: tuple[float, float] = (1.0, 1.0)
 
     def link(self, stride: int, size: int) -> Link:
         """The link a collective over `size` ranks `stride` apart runs at.
@@ -137,6 +140,9 @@ GLOO_LOOPBACK = Link("gloo-loopback", 3.5e-4, 0.76e9)
 # development rows of each kind of the share that reproduces the row (docs/plan.md,
 # "Efficiency"); H200 takes H100's (same die and clocks, no bf16 row to check).
 GEMM_EFFICIENCY = {"h100": 0.61, "h100-hbm2e": 0.50, "a100": 0.72, "h200": 0.61}
+# the lowest and highest implied efficiency of those rows over the median (docs/plan.md)
+SPREAD = {"h100": (0.88, 1.19), "h100-hbm2e": (0.91, 1.11), "a100": (0.89, 1.04),
+          "h200": (0.88, 1.19)}  # fmt: skip
 
 
 def _gpu(device: Device) -> Device:
@@ -144,11 +150,10 @@ def _gpu(device: Device) -> Device:
 
 
 CLUSTERS = {
-    "h100": Cluster(_gpu(H100), 8, NVLINK4, IB_NDR),
-    "h100-hbm2e": Cluster(_gpu(H100_HBM2E), 8, NVLINK4, IB_NDR),
-    "h200": Cluster(_gpu(H200), 8, NVLINK4, IB_NDR),
-    "a100": Cluster(_gpu(A100), 8, NVLINK3, IB_HDR),
-}
+    d.name: Cluster(_gpu(d), 8, link, ib, spread=SPREAD[d.name])
+    for d, link, ib in ((H100, NVLINK4, IB_NDR), (H100_HBM2E, NVLINK4, IB_NDR),
+                        (H200, NVLINK4, IB_NDR), (A100, NVLINK3, IB_HDR))
+}  # fmt: skip
 
 
 def cpu_cluster() -> Cluster:
@@ -162,7 +167,8 @@ def cpu_cluster() -> Cluster:
     # efficiency: tetrad's own single-process runs of the small models here reach about a
     # quarter of the declared one-core peak (metrics.jsonl mfu); stated, not fitted
     device = Device("cpu", {"fp32": peak, "bf16": peak}, mem / cores, 10e9, 0.25, 0.25 * GiB)
-    return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK, sized=False)
+    # spread: the measured steps of docs/plan.md's table, -25% to +30% of the predicted
+    return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK, sized=False, spread=(0.75, 1.3))
 
 
 def cluster_preset(name: str) -> Cluster:
