@@ -1,15 +1,16 @@
 """Calibrate the planner on a machine from tetrad's own runs there (`--from-run`).
 
 A run directory holds `config.json` (the whole Config) and `metrics.jsonl` (one row per
-step, `step_time_s` among them). Its measured step is the median over the steps after
-the first quarter (warm-up: allocator, caches, the first collectives' setup).
+step, `step_time_s` among them). Its measured step is the fastest of the steps after the
+first quarter (warm-up: allocator, caches, the first collectives' setup): on a machine
+shared with other work, the least disturbed step is the most reproducible estimate.
 
 Two things are fitted, the rest of the model is kept:
 - the GEMM efficiency of the device: for each run, the efficiency at which the planner
   reproduces its measured step (bisection; the step falls monotonically as it rises);
   the fitted value is the median over the runs;
 - with two runs or more, a scale on the links (bandwidth up, latency down, together):
-  the one, among a few between 1/2 and 2x, that makes the runs' implied efficiencies
+  the one, on a grid from 1/32 to 4x, that makes the runs' implied efficiencies
   agree best, so a run that communicates more than another tells the links apart from
   the compute. A `tetrad bench comm` JSON, when given, fixes the links instead.
 
@@ -30,7 +31,7 @@ from typing import Any
 from tetrad.config import Config, from_dict
 from tetrad.plan.hardware import Cluster, Link
 
-LINK_SCALES = (0.5, 0.71, 1.0, 1.41, 2.0)
+LINK_SCALES = tuple(2.0 ** (k / 2) for k in range(-10, 5))  # 1/32 to 4, by sqrt(2)
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Run:
 
 
 def read_run(path: str | Path) -> Run:
-    """A run directory's config and median steady step time; ValueError if unusable."""
+    """A run directory's config and fastest steady step time; ValueError if unusable."""
     path = Path(path)
     cfg_file, metrics = path / "config.json", path / "metrics.jsonl"
     if not cfg_file.is_file() or not metrics.is_file():
@@ -58,7 +59,7 @@ def read_run(path: str | Path) -> Run:
     if len(times) < 2:
         raise ValueError(f"{metrics}: {len(times)} timed steps; need at least 2")
     steady = times[len(times) // 4 :]
-    return Run(str(path), cfg, statistics.median(steady))
+    return Run(str(path), cfg, min(steady))
 
 
 def with_efficiency(cluster: Cluster, efficiency: float) -> Cluster:

@@ -96,6 +96,9 @@ class Cluster:
     # lowest and highest efficiency, over the fitted one, among the rows (or runs) it was
     # fitted to: a prediction's range (Planner.with_range)
     spread: tuple[float, float] = (1.0, 1.0)
+    # communication runs beside compute (GPU: copy engines and spare SMs); False on a CPU
+    # whose every core computes: gloo's transfers then take turns with the compute
+    overlap: bool = True
 
     def link(self, stride: int, size: int) -> Link:
         """The link a collective over `size` ranks `stride` apart runs at.
@@ -168,7 +171,8 @@ def cpu_cluster() -> Cluster:
     # quarter of the declared one-core peak (metrics.jsonl mfu); stated, not fitted
     device = Device("cpu", {"fp32": peak, "bf16": peak}, mem / cores, 10e9, 0.25, 0.25 * GiB)
     # spread: the measured steps of docs/plan.md's table, -25% to +30% of the predicted
-    return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK, sized=False, spread=(0.75, 1.3))
+    return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK, sized=False, spread=(0.75, 1.3),
+                   overlap=False)  # fmt: skip
 
 
 def cluster_preset(name: str) -> Cluster:
