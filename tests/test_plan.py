@@ -183,8 +183,10 @@ def leave_one_source_out(cases=None) -> list[dict]:
         kind = [implied[j] for j in others if devices[j] == devices[i]]
         eff = statistics.median(kind or [implied[j] for j in others])
         got = _at(planner, eff).predict(cfg, detail=False).tokens_per_s
-        out.append({"label": label, "source": source_of(label), "device": devices[i],
-                    "implied": implied[i], "efficiency": eff, "error": got / published - 1})  # fmt: skip
+        out.append({
+            "label": label, "source": source_of(label), "device": devices[i],
+            "implied": implied[i], "efficiency": eff, "error": got / published - 1,
+        })  # fmt: skip
     return out
 
 

@@ -22,9 +22,9 @@ import sys
 from typing import Any
 
 from tetrad.config import Config, ModelConfig, model_preset
-from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
 from tetrad.parallel.pipeline.schedules import SCHEDULES
 from tetrad.plan.activations import RECOMPUTE
+from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
 from tetrad.plan.cost import ENGINES, Planner, layout_config
 from tetrad.plan.hardware import CLUSTERS, Cluster, calibrated, cluster_preset
 from tetrad.plan.search import Space, search

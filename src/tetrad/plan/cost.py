@@ -163,8 +163,10 @@ class Planner:
         if recompute not in act.RECOMPUTE:
             raise ValueError(f"recompute={recompute!r} is not one of {act.RECOMPUTE}")
         if not cluster.overlap:  # nothing runs beside the compute on this machine
-            engine = dataclasses.replace(engine, tp_overlap=0.0, grad_overlap=False,
-                                         param_gather_overlap=False, gather_overlap=False)  # fmt: skip
+            engine = dataclasses.replace(
+                engine, tp_overlap=0.0, grad_overlap=False, param_gather_overlap=False,
+                gather_overlap=False,
+            )  # fmt: skip
         self.cluster, self.engine, self.recompute = cluster, engine, recompute
         self.footprint = Footprint(
             cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
