@@ -105,7 +105,7 @@ def _local_heads(m: ModelConfig, t: int) -> tuple[int, int]:
 
 def llama_layer(
     m: ModelConfig, t: int, dtype: str, recompute: str = "none", sp_shards: bool = False,
-    fused: bool = False,
+    fused: bool = False, gqa_native: bool = False,
 ) -> list[Saved]:  # fmt: skip
     """One transformer block of tetrad's Llama on a tp rank (pass t=1 without tp).
 
@@ -116,7 +116,8 @@ def llama_layer(
     column-parallel linears keep their input's SP shard (Megatron) instead of the
     gathered whole (tetrad). fused: a fused RMSNorm keeps its c-byte input and the fp32
     rsqrt (no fp32 copy), a fused SwiGLU its two inputs and product (Transformer Engine,
-    torch.compile), 3 f-wide tensors, not 4.
+    torch.compile), 3 f-wide tensors, not 4. gqa_native: the attention kernel keeps k
+    and v as they are, not repeated to the query heads.
     """
     _check_recompute(recompute)
     c, h, f, hd = DTYPE_BYTES[dtype], m.dim, m.hidden_dim, m.head_dim
@@ -125,7 +126,7 @@ def llama_layer(
     heads, kv = _local_heads(m, t)
     if recompute == "op":
         return _op_policy(m, t, c, heads)
-    kv_width = heads * hd if heads > kv else kv * hd  # k and v after repeat_interleave
+    kv_width = heads * hd if heads > kv and not gqa_native else kv * hd  # (repeated) k, v
     norm = c * h + 4 if fused else (4 + c) * h + 4  # (fp32 copy,) normalised, fp32 rsqrt
     linear_in = "seq" if sp_shards else "rank"
     items = [
@@ -133,7 +134,7 @@ def llama_layer(
         Saved("qkv input", c * h, linear_in),
         Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
         Saved("sdpa q, out", 2 * c * h, "tp"),
-        Saved("sdpa k, v (repeated)", 2 * c * kv_width, "rank"),
+        Saved("attention k, v", 2 * c * kv_width, "rank"),
         Saved("sdpa log-sum-exp", 4 * heads, "rank"),
         Saved("ffn norm", norm, "seq"),
         Saved("w1/w3 input", c * h, linear_in),

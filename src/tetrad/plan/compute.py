@@ -48,10 +48,14 @@ BACKWARD_ELEMENTWISE = 2.0  # bytes an elementwise backward moves over its forwa
 @dataclass(frozen=True)
 class Kernels:
     """How an implementation runs the non-GEMM work: `fused` elementwise kernels (one
-    pass per fused op) or eager ones; `attention` kernel class ("fa2" or "fa3")."""
+    pass per fused op) or eager ones; `attention` kernel class ("fa2" or "fa3");
+    `gqa_native`: the attention kernel reads the kv heads as they are (Transformer
+    Engine, flash-attn), where PyTorch's sdpa path repeats them to the query heads first
+    and keeps the repeated copies for backward."""
 
     fused: bool = False
     attention: str = "fa2"
+    gqa_native: bool = False
 
 
 @dataclass(frozen=True)

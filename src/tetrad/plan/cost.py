@@ -94,7 +94,7 @@ TP_OVERLAP = 0.8
 TETRAD = Engine("tetrad")
 MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
     "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
-    split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(fused=True, attention="fa3"),
+    split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),
 )  # fmt: skip
 TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True)
 TORCHTITAN_COMPILE = dataclasses.replace(
@@ -170,7 +170,7 @@ class Planner:
         self.cluster, self.engine, self.recompute = cluster, engine, recompute
         self.footprint = Footprint(
             cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
-            engine.kernels.fused,
+            engine.kernels.fused, engine.kernels.gqa_native,
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
