@@ -553,30 +553,38 @@ def implied_efficiency(planner: Planner, cfg, published: float) -> float:
 
 
 def print_tables() -> None:
-    """The validation table of docs/plan.md, with each row's implied efficiency and its
-    leave-one-out error (efficiency = median of the other rows of its device kind)."""
+    """The validation table of docs/plan.md: each row's error, implied GEMM efficiency and
+    leave-one-source-out error; then the errors by source."""
     rows = validation_rows()
-    cases = [megatron_case(r) for r in MEGATRON_ROWS] + [
-        torchtitan_case(r) for r in TORCHTITAN_ROWS
-    ]
-    implied = [implied_efficiency(pl, cfg, pub) for pl, cfg, pub in cases]
+    loso = leave_one_source_out()
     print("| row | device | layout | published MFU | predicted MFU | error | implied eff. |"
-          " leave-one-out error |")  # fmt: skip
+          " LOSO error |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
-    for i, r in enumerate(rows):
-        others = [e for j, e in enumerate(implied) if j != i and rows[j]["device"] == r["device"]]
-        planner, cfg, published = cases[i]
-        loo = _at(planner, statistics.median(others)).predict(cfg).tokens_per_s / published - 1
+    for r, lo in zip(rows, loso):
         lay = r["pred"].layout
         text = f"dp{lay['dp']} fsdp{lay['fsdp']} tp{lay['tp']} pp{lay['pp']}"
         if lay["pp"] > 1:
             text += f" {lay['pp_schedule']} v{lay['virtual_stages']} m{lay['microbatches']}"
         print(f"| {r['label']} | {r['device']} | {text} | {100 * r['published_mfu']:.1f}% |"
-              f" {100 * r['pred'].mfu:.1f}% | {100 * r['error']:+.1f}% | {implied[i]:.3f} |"
-              f" {100 * loo:+.1f}% |")  # fmt: skip
-    for device in sorted({r["device"] for r in rows}):
-        values = [e for e, r in zip(implied, rows) if r["device"] == device]
-        print(f"{device}: median implied efficiency {statistics.median(values):.3f}")
+              f" {100 * r['pred'].mfu:.1f}% | {100 * r['error']:+.1f}% | {lo['implied']:.3f} |"
+              f" {100 * lo['error']:+.1f}% |")  # fmt: skip
+    print("\n| source | rows | median abs error | LOSO median abs error | LOSO worst |")
+    print("|---|---|---|---|---|")
+    for src in dict.fromkeys(lo["source"] for lo in loso):
+        errs = [abs(r["error"]) for r, lo in zip(rows, loso) if lo["source"] == src]
+        los = [abs(lo["error"]) for lo in loso if lo["source"] == src]
+        print(f"| {src} | {len(errs)} | {100 * statistics.median(errs):.1f}% |"
+              f" {100 * statistics.median(los):.1f}% | {100 * max(los):.1f}% |")
+    errs = [abs(r["error"]) for r in rows]
+    los = [abs(lo["error"]) for lo in loso]
+    print(f"all: median {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%,"
+          f" within 20%: {sum(e <= 0.2 for e in errs)}/{len(errs)}; LOSO median"
+          f" {100 * statistics.median(los):.1f}%, worst {100 * max(los):.1f}%")
+    for device in sorted({lo["device"] for lo in loso}):
+        values = [lo["implied"] for lo in loso if lo["device"] == device]
+        med = statistics.median(values)
+        print(f"{device}: median implied GEMM efficiency {med:.3f},"
+              f" spread {min(values) / med:.2f}-{max(values) / med:.2f}")
 
 
 ZB_TABLE5 = {  # model: (layers, heads, hidden, microbatch), p, m, paper's bubble rates
