@@ -573,18 +573,24 @@ def print_tables() -> None:
     for src in dict.fromkeys(lo["source"] for lo in loso):
         errs = [abs(r["error"]) for r, lo in zip(rows, loso) if lo["source"] == src]
         los = [abs(lo["error"]) for lo in loso if lo["source"] == src]
-        print(f"| {src} | {len(errs)} | {100 * statistics.median(errs):.1f}% |"
-              f" {100 * statistics.median(los):.1f}% | {100 * max(los):.1f}% |")
+        print(
+            f"| {src} | {len(errs)} | {100 * statistics.median(errs):.1f}% |"
+            f" {100 * statistics.median(los):.1f}% | {100 * max(los):.1f}% |"
+        )
     errs = [abs(r["error"]) for r in rows]
     los = [abs(lo["error"]) for lo in loso]
-    print(f"all: median {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%,"
-          f" within 20%: {sum(e <= 0.2 for e in errs)}/{len(errs)}; LOSO median"
-          f" {100 * statistics.median(los):.1f}%, worst {100 * max(los):.1f}%")
+    print(
+        f"all: median {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%,"
+        f" within 20%: {sum(e <= 0.2 for e in errs)}/{len(errs)}; LOSO median"
+        f" {100 * statistics.median(los):.1f}%, worst {100 * max(los):.1f}%"
+    )
     for device in sorted({lo["device"] for lo in loso}):
         values = [lo["implied"] for lo in loso if lo["device"] == device]
         med = statistics.median(values)
-        print(f"{device}: median implied GEMM efficiency {med:.3f},"
-              f" spread {min(values) / med:.2f}-{max(values) / med:.2f}")
+        print(
+            f"{device}: median implied GEMM efficiency {med:.3f},"
+            f" spread {min(values) / med:.2f}-{max(values) / med:.2f}"
+        )
 
 
 ZB_TABLE5 = {  # model: (layers, heads, hidden, microbatch), p, m, paper's bubble rates
