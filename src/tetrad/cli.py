@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from tetrad.config import Config, load_toml, model_preset, validate
+from tetrad.config import DTYPES, Config, ModelConfig, load_toml, model_preset, validate
 from tetrad.launch import launch, under_torchrun
 from tetrad.parallel.pipeline.schedules import SCHEDULES
 
@@ -64,6 +64,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="continue from the newest checkpoint under OUT/checkpoints, in any layout",
     )
+    p.add_argument(
+        "--init-from-hf",
+        metavar="DIR",
+        help="start from a local Hugging Face Llama directory (config.json + safetensors): "
+        "the model's shape and weights; shape flags that contradict config.json are errors",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores/N)")
     p.add_argument(
@@ -79,6 +85,10 @@ def build_config(args: argparse.Namespace) -> Config:
     cfg = load_toml(args.config) if args.config else Config()
     if args.model:
         cfg.model = model_preset(args.model)
+    if args.init_from_hf:
+        cfg.model.init_from_hf = args.init_from_hf
+    if cfg.model.init_from_hf:
+        cfg.model = hf_model(cfg, args)
     for flag, (section, name, _) in TRAIN_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
@@ -92,6 +102,27 @@ def build_config(args: argparse.Namespace) -> Config:
     if args.no_progress:
         cfg.train.progress = False
     return cfg
+
+
+def hf_model(cfg: Config, args: argparse.Namespace) -> ModelConfig:
+    """The model of --init-from-hf DIR; a flag or [model] value that contradicts its
+    config.json is an error naming both."""
+    from tetrad.interop import hf
+
+    if args.model:
+        raise ValueError(f"--model {args.model} and --init-from-hf both choose the model")
+    defaults = ModelConfig()
+    given = {  # values a --config file set
+        f"[model] {f}": (f, getattr(cfg.model, f))
+        for f in hf.HF_KEYS
+        if getattr(cfg.model, f) != getattr(defaults, f)
+    }
+    for flag, (section, name, _) in TRAIN_FLAGS.items():
+        if section == "model" and getattr(args, flag) is not None:
+            given[f"--{flag.replace('_', '-')}"] = (name, getattr(args, flag))
+    if args.tie_embeddings:
+        given["--tie-embeddings"] = ("tie_embeddings", True)
+    return hf.model_config(cfg.model.init_from_hf, given)
 
 
 def fill_world(cfg: Config, args: argparse.Namespace) -> int:
@@ -128,6 +159,22 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A checkpoint (or a run's newest) as a Hugging Face Llama directory."""
+    from tetrad.interop import hf
+    from tetrad.train.checkpoint import load_model, resolve
+
+    source = resolve(args.source)
+    cfg, state = load_model(source)
+    files = hf.save(state, cfg.model, args.hf, int(args.max_shard_mb * 2**20), DTYPES[args.dtype])
+    if cfg.data.tokenizer:
+        from tetrad.interop.tokenizer import export_tokenizer
+
+        files += export_tokenizer(cfg.data.tokenizer, args.hf, cfg.train.seq_len)
+    print(f"tetrad: exported {source} to {args.hf}: " + ", ".join(f.name for f in files))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     from tetrad.commbench import main as bench_main
 
@@ -141,6 +188,16 @@ def parser() -> argparse.ArgumentParser:
         "train", help="train a model (default: small Llama, stdlib corpus, 2 CPU ranks)"
     )
     add_train_args(train)
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
+    export.add_argument("source", help="a checkpoint directory, or a run (its newest checkpoint)")
+    export.add_argument("--hf", required=True, metavar="DIR", help="the output directory")
+    export.add_argument(
+        "--max-shard-mb",
+        type=float,
+        default=4096,
+        help="largest safetensors file (MiB); larger models get shards and an index",
+    )
+    export.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     bench = sub.add_parser("bench", help="measure the collectives: tetrad bench comm --nproc N")
     bench.add_argument("what", choices=["comm"])
     bench.add_argument("--nproc", type=int, default=2)
@@ -164,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, argv)
+        if args.command == "export":
+            return cmd_export(args)
         if args.command == "plan":
             from tetrad.plan.cli import main as plan_main
 

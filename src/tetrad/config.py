@@ -36,6 +36,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    init_from_hf: str = ""  # a Hugging Face Llama directory: its shape and its weights
 
     @property
     def head_dim(self) -> int:
@@ -143,6 +144,7 @@ class DataConfig:
 
     source: str = "stdlib"
     max_bytes: int = 16 * 2**20
+    tokenizer: str = ""  # a tokenizer.json (Hugging Face tokenizers); "": bytes
 
 
 @dataclass

@@ -57,6 +57,17 @@ def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch
     return Mesh.build(cfg.parallel.degrees, rank), device
 
 
+def hf_weights(cfg: Config):
+    """The Hugging Face weights to start from (None: tetrad's own init), every tensor's
+    name, shape and dtype checked against the configured model."""
+    if not cfg.model.init_from_hf:
+        return None
+    from tetrad.interop import hf
+
+    hf.check_model(cfg.model.init_from_hf, cfg.model)
+    return hf.HFWeights(cfg.model.init_from_hf, cfg.model)
+
+
 class Trainer:
     """Builds the engine, optimizer and loader for this rank, and runs steps."""
 
@@ -64,7 +75,10 @@ class Trainer:
         validate(cfg, mesh.world_size)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.comm = comm or Comm()
+        hf = hf_weights(cfg)  # checked on every rank before the first collective
         self.engine = parallelize(cfg, mesh, self.comm, device)
+        if hf is not None:
+            self.engine.load_full(hf)  # each rank reads only its slices
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
         source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
         data = mesh["data"]
