@@ -35,9 +35,18 @@ TRAIN_FLAGS = {
     "dtype": ("train", "dtype", str),
     "out": ("train", "out", str),
     "data": ("data", "source", str),
+    "tokenizer": ("data", "tokenizer", str),
+    "eval_every": ("train", "eval_every", int),
+    "eval_batches": ("train", "eval_batches", int),
     "checkpoint_every": ("checkpoint", "every", int),
 }
 DEGREES = ("dp", "fsdp", "tp", "pp")
+FLAG_HELP = {
+    "data": "synthetic, stdlib (default), a text file or folder, or a prepared .u16/.u32 file",
+    "tokenizer": "a local tokenizer.json for text data (default: bytes, vocabulary 256)",
+    "eval_every": "every K steps (and at the end) log eval_loss on a held-out split",
+    "eval_batches": "global batches in the held-out split (default 4)",
+}
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -55,7 +64,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": ("fp32", "bf16")}
         if flag == "zero_stage":
             kw = {"choices": (1, 2, 3)}
-        p.add_argument("--" + flag.replace("_", "-"), type=typ, **kw)
+        p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)
     p.add_argument(
@@ -69,6 +78,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="start from a local Hugging Face Llama directory (config.json + safetensors): "
         "the model's shape and weights; shape flags that contradict config.json are errors",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        default=None,
+        help="also write TensorBoard event files to OUT/tensorboard (needs tetrad[tensorboard])",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores/N)")
@@ -99,6 +114,8 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.model.tie_embeddings = True
     if args.resume:
         cfg.checkpoint.resume = True
+    if args.tensorboard:
+        cfg.train.tensorboard = True
     if args.no_progress:
         cfg.train.progress = False
     return cfg
@@ -175,6 +192,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    """`tetrad data prepare TEXT --tokenizer T --out FILE`: a token file and its sidecar."""
+    from tetrad.interop.tokenizer import prepare
+
+    info = prepare(args.text, args.tokenizer, args.out)
+    print(
+        f"tetrad: {info['tokens']:,} tokens of {args.text} -> {args.out} "
+        f"(vocabulary {info['vocab_size']:,}, tokenizer sha256 {info['tokenizer_sha256'][:12]})"
+    )
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     from tetrad.commbench import main as bench_main
 
@@ -198,6 +227,13 @@ def parser() -> argparse.ArgumentParser:
         help="largest safetensors file (MiB); larger models get shards and an index",
     )
     export.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    data = sub.add_parser("data", help="tokenise text once: tetrad data prepare TEXT ...")
+    data.add_argument("what", choices=["prepare"])
+    data.add_argument("text", help="a text file, or a folder of them (read in name order)")
+    data.add_argument("--tokenizer", required=True, help="a tokenizer.json (or its folder)")
+    data.add_argument(
+        "--out", required=True, help="the token file: NAME.u16 or NAME.u32 (+ NAME.u16.json)"
+    )
     bench = sub.add_parser("bench", help="measure the collectives: tetrad bench comm --nproc N")
     bench.add_argument("what", choices=["comm"])
     bench.add_argument("--nproc", type=int, default=2)
@@ -221,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, argv)
+        if args.command == "data":
+            return cmd_data(args)
         if args.command == "export":
             return cmd_export(args)
         if args.command == "plan":

@@ -66,21 +66,27 @@ def check_vocab(path: str | Path, model_vocab: int) -> None:
 
 def encode_text(path: str | Path, tokenizer_path: str | Path, max_bytes: int = 0) -> np.ndarray:
     """Token ids of a text file (or of every file under a folder, in name order)."""
-    tok = load(tokenizer_path)
     p = Path(path)
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-    ids: list[np.ndarray] = []
-    read = 0
+    texts, read = [], 0
     for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
+        texts.append(f.read_text(encoding="utf-8", errors="replace"))
+        read += len(texts[-1])
+        if max_bytes and read >= max_bytes:
+            break
+    return encode(texts, tokenizer_path)
+
+
+def encode(texts: list[str], tokenizer_path: str | Path) -> np.ndarray:
+    """Token ids of texts, one after the other (no special tokens added)."""
+    tok = load(tokenizer_path)
+    ids: list[np.ndarray] = []
+    for text in texts:
         # a batch of lines at a time keeps memory flat and lets tokenizers use its threads
         lines = text.splitlines(keepends=True)
         for i in range(0, len(lines), 4096):
             for enc in tok.encode_batch(lines[i : i + 4096], add_special_tokens=False):
                 ids.append(np.asarray(enc.ids, dtype=np.int64))
-        read += len(text)
-        if max_bytes and read >= max_bytes:
-            break
     return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
 
 
