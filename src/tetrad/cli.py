@@ -1,4 +1,4 @@
-"""The `tetrad` command: train, bench, and the pipeline timeline picture."""
+"""The `tetrad` command: train, export, data prepare, generate, report, plan, bench."""
 
 from __future__ import annotations
 
@@ -204,6 +204,25 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tetrad.generate import generate
+
+    text = generate(
+        args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed
+    )
+    print(args.prompt + text)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from tetrad.report import report
+
+    text, files = report(args.run, args.out)
+    print(text, end="")
+    print(f"tetrad: wrote {', '.join(str(f) for f in files)}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     from tetrad.commbench import main as bench_main
 
@@ -234,6 +253,16 @@ def parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--out", required=True, help="the token file: NAME.u16 or NAME.u32 (+ NAME.u16.json)"
     )
+    gen = sub.add_parser("generate", help="continue a prompt with a run's newest checkpoint")
+    gen.add_argument("run", help="a run directory (its newest checkpoint) or a checkpoint")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely")
+    gen.add_argument("--seed", type=int, default=0)
+    rep = sub.add_parser("report", help="plots (PNG) and a summary of a run's metrics")
+    rep.add_argument("run", help="a run directory (holding metrics.jsonl)")
+    rep.add_argument("--out", help="where to write (default: RUN/report)")
     bench = sub.add_parser("bench", help="measure the collectives: tetrad bench comm --nproc N")
     bench.add_argument("what", choices=["comm"])
     bench.add_argument("--nproc", type=int, default=2)
@@ -257,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, argv)
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "report":
+            return cmd_report(args)
         if args.command == "data":
             return cmd_data(args)
         if args.command == "export":
