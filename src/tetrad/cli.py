@@ -167,6 +167,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from tetrad.train.checkpoint import checkpoint_root, find_resume
 
         find_resume(checkpoint_root(cfg), cfg)  # a refused --out fails once, before launching
+        if cfg.model.init_from_hf:  # every tensor's name, dtype and shape (headers only)
+            from tetrad.interop.hf import HFWeights
+
+            HFWeights(cfg.model.init_from_hf, cfg.model)
         if nproc > 1:
             return launch_train(nproc, argv, cfg)
     from tetrad.train.run import run
