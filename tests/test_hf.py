@@ -115,15 +115,35 @@ def test_lazy_slices_are_slices_of_the_full_tensor(tmp_path):
 
 
 def _import_and_train(rank: int, world: int, raw: list[dict]) -> list[dict]:
+    """Train each config on this rank, counting the elements read from the HF files."""
+    from tetrad.parallel.local import planned
     from tetrad.train.loop import Trainer
 
+    read = [0]
+    original = hf.HFWeights.read
+
+    def counted(self, name, index):
+        t = original(self, name, index)
+        read[0] += t.numel()
+        return t
+
+    hf.HFWeights.read = counted
     out = []
     for cfg_raw in raw:
         cfg = from_dict(cfg_raw)
+        read[0] = 0
         trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+        held = sum(p.numel() for p in planned(cfg, rank).model.parameters())  # tp, pp slices
         rows = trainer.fit()
         state = trainer.engine.full_state_dict()
-        out.append({"losses": [r["loss"] for r in rows], "state": state if rank == 0 else None})
+        out.append(
+            {
+                "losses": [r["loss"] for r in rows],
+                "state": state if rank == 0 else None,
+                "read": read[0],
+                "held": held,
+            }
+        )
     return out
 
 
@@ -142,7 +162,12 @@ def test_import_train_dp2_tp2_export(tmp_path):
         cfg.model = hf.model_config(src)
         cfg.checkpoint.every = 5 if i == 0 else 0
         cfgs.append(cfg)
-    results = spawn(_import_and_train, 4, [c.to_dict() for c in cfgs], timeout=300)[0]
+    ranks = spawn(_import_and_train, 4, [c.to_dict() for c in cfgs], timeout=300)
+    results = ranks[0]
+    total = sum(p.numel() for p in meta_llama(cfgs[0].model).parameters())
+    for rank in ranks:  # each rank read exactly its own tp and pp slices, no more
+        for par, got in zip(layouts, rank):
+            assert got["read"] == got["held"] < 0.6 * total, par
     ref_cfg = tiny_config(train={"steps": 5})
     ref_cfg.model = hf.model_config(src)
     (ref,) = _import_and_train(0, 1, [ref_cfg.to_dict()])
@@ -194,7 +219,17 @@ def test_bad_directories_fail_naming_the_file(tmp_path, capsys):
     (d / "config.json").write_text(json.dumps(raw | {"intermediate_size": 96}))
     with pytest.raises(ValueError, match=r"mlp.gate_proj.weight has shape \(80, 32\), expected"):
         hf.HFWeights(d, hf.model_config(d))
+    d = broken("dtype")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(32, dtype=torch.int32)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ValueError, match="model.norm.weight has dtype I32; expected a float"):
+        hf.HFWeights(d, cfg)
     # a flag that contradicts config.json: the command fails before launching, naming both
     code = cli_main(["train", "--init-from-hf", str(good), "--layers", "3", "--nproc", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "--layers=3 contradicts num_hidden_layers=2" in err and str(good) in err
+    code = cli_main(["train", "--init-from-hf", str(good), "--model", "tiny", "--nproc", "1"])
+    assert code == 2 and "--model tiny and --init-from-hf" in capsys.readouterr().err
