@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tetrad.config import Config
 from tetrad.models.init import materialize
 from tetrad.models.llama import Llama
-from tetrad.train.data import Loader, make_source
+from tetrad.train.data import Loader, source_of
 
 
 def peer_model(cfg: Config) -> Llama:
@@ -27,7 +27,7 @@ def peer_model(cfg: Config) -> Llama:
 
 def peer_loader(cfg: Config, data_rank: int, data_ranks: int) -> Loader:
     """The loader tetrad's trainer would give this data rank (one microbatch per step)."""
-    source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
+    source = source_of(cfg)
     t = cfg.train
     return Loader(source, t.global_batch, t.seq_len, data_rank, data_ranks, 1)
 

@@ -57,7 +57,7 @@ from tetrad.parallel.pipeline.measure import ActivationMeter, measure_step, plot
 from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.stage import layer_split, prune, rank_chunks
 from tetrad.testing import spawn
-from tetrad.train.data import Loader, make_source
+from tetrad.train.data import Loader, source_of
 from tetrad.train.loop import Trainer
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 
@@ -148,7 +148,7 @@ class PeerRunner:
         kind = ScheduleInterleavedZeroBubble if zero_bubble else Schedule1F1B
         self.schedule = kind([stage] if zero_bubble else stage, m, loss_fn=loss, scale_grads=False)
         self.optimizer = build_optimizer(list(model.named_parameters()), cfg.train)
-        source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
+        source = source_of(cfg)
         self.loader = Loader(source, cfg.train.global_batch, cfg.train.seq_len, 0, 1, 1)
 
     def _metered(self, fn):

@@ -116,6 +116,8 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.checkpoint.resume = True
     if args.tensorboard:
         cfg.train.tensorboard = True
+    if cfg.data.tokenizer:  # absolute: export and generate find it from anywhere
+        cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)
     if args.no_progress:
         cfg.train.progress = False
     return cfg

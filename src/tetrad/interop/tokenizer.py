@@ -150,6 +150,8 @@ def check_token_file(path: str | Path, model_vocab: int, tokenizer_path: str = "
 def export_tokenizer(path: str | Path, out_dir: str | Path, max_len: int) -> list[Path]:
     """Copy the run's tokenizer beside an exported model, as transformers reads it."""
     src = tokenizer_file(path)
+    if not src.is_file():
+        raise ValueError(f"the run's tokenizer {src} is gone; the weights were exported without it")
     out = Path(out_dir)
     files = [out / "tokenizer.json"]
     shutil.copyfile(src, files[0])

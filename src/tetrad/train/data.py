@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tetrad.config import Config
 from tetrad.models.batch import IGNORE, Microbatch
 from tetrad.models.init import name_seed
 
@@ -234,3 +235,12 @@ def make_source(
     else:
         tokens = load_path(source, max_bytes)
     return TokenStream(tokens, vocab, seed, global_batch, seq_len, heldout)
+
+
+def source_of(cfg: Config, heldout: int = 0):
+    """The data source a configuration names (`heldout` windows set aside for evaluation)."""
+    t, d = cfg.train, cfg.data
+    return make_source(
+        d.source, cfg.model.vocab, t.seed, d.max_bytes, t.global_batch, t.seq_len, heldout,
+        d.tokenizer,
+    )  # fmt: skip

@@ -21,7 +21,7 @@ from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
 from tetrad.parallel.memory import model_state_bytes
 from tetrad.train import checkpoint
-from tetrad.train.data import Loader, make_source
+from tetrad.train.data import Loader, source_of
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 
@@ -78,10 +78,7 @@ class Trainer:
         # bad data or weights fail here, alike on every rank, before the first collective
         t, data = cfg.train, mesh["data"]
         heldout = t.eval_batches * t.global_batch if t.eval_every else 0
-        source = make_source(
-            cfg.data.source, cfg.model.vocab, t.seed, cfg.data.max_bytes, t.global_batch,
-            t.seq_len, heldout, cfg.data.tokenizer,
-        )  # fmt: skip
+        source = source_of(cfg, heldout)
         hf = hf_weights(cfg)
         self.engine = parallelize(cfg, mesh, self.comm, device)
         if hf is not None:
