@@ -14,18 +14,17 @@ import shutil
 import pytest
 import torch
 
+from harness import tiny_config, trainer_for
 from tetrad.cli import main as cli_main
 from tetrad.config import from_dict
 from tetrad.interop import hf
-from tetrad.mesh import Mesh
 from tetrad.models.init import build_model
 from tetrad.models.llama import meta_llama
-from tetrad.testing import spawn, tiny_config
+from tetrad.testing import spawn
 
 transformers = pytest.importorskip("transformers")
 
 LOGIT_ATOL = 1e-5  # float32 round-off on logits of magnitude ~1-5
-SINGLE = {"pp": 1, "dp": 1, "fsdp": 1, "tp": 1}
 
 
 def save_hf_llama(path, tie: bool = False, seed: int = 0, **overrides) -> None:
@@ -60,11 +59,9 @@ def tetrad_logits(model_cfg, state: dict, tokens: torch.Tensor) -> torch.Tensor:
 
 def imported(path, **train) -> tuple:
     """(config, full state) of a single-process trainer started from `path`."""
-    from tetrad.train.loop import Trainer
-
     cfg = tiny_config(train=train)
     cfg.model = hf.model_config(path)
-    trainer = Trainer(cfg, Mesh.build(SINGLE, 0), torch.device("cpu"))
+    trainer = trainer_for(cfg, 0)
     return cfg, trainer.engine.full_state_dict()
 
 
@@ -117,7 +114,6 @@ def test_lazy_slices_are_slices_of_the_full_tensor(tmp_path):
 def _import_and_train(rank: int, world: int, raw: list[dict]) -> list[dict]:
     """Train each config on this rank, counting the elements read from the HF files."""
     from tetrad.parallel.local import planned
-    from tetrad.train.loop import Trainer
 
     read = [0]
     original = hf.HFWeights.read
@@ -132,7 +128,7 @@ def _import_and_train(rank: int, world: int, raw: list[dict]) -> list[dict]:
     for cfg_raw in raw:
         cfg = from_dict(cfg_raw)
         read[0] = 0
-        trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+        trainer = trainer_for(cfg, rank)
         held = sum(p.numel() for p in planned(cfg, rank).model.parameters())  # tp, pp slices
         rows = trainer.fit()
         state = trainer.engine.full_state_dict()

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+from harness import tiny_config, trainer_for
 from tetrad.cli import main as cli_main
 from tetrad.config import from_dict
-from tetrad.mesh import Mesh
-from tetrad.testing import spawn, tiny_config
+from tetrad.testing import spawn
 from tetrad.train.data import Loader, make_source
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -122,12 +122,10 @@ def test_wrong_tokenizer_and_too_small_model_fail_naming_both(prepared, tmp_path
 
 
 def _train_rows(rank: int, world: int, raws: list[dict]) -> list[list[dict]]:
-    from tetrad.train.loop import Trainer
-
     out = []
     for raw in raws:
         cfg = from_dict(raw)
-        trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+        trainer = trainer_for(cfg, rank)
         out.append(trainer.fit())
     return out
 
