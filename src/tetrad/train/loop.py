@@ -134,10 +134,12 @@ class Trainer:
         non-finite step takes): every layout, pipeline schedules included, evaluates
         unchanged, at the price of a backward pass nobody uses."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        last_step = self.engine.last_run  # the training step's record (pipeline timeline)
         for k in range(self.cfg.train.eval_batches):
             agreed, count = self._forward_backward(self.eval_loader.batch(k))
             self.engine.zero_grad()
             total += torch.stack([agreed[0] * count, count])
+        self.engine.last_run = last_step
         loss_sum, tokens = total.tolist()
         return loss_sum / max(tokens, 1.0)
 
