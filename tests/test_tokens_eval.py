@@ -189,6 +189,16 @@ def test_readme_flow_import_prepare_train_export(prepared, tmp_path, capsys):
     torch.testing.assert_close(
         hf_logits(out, tokens), tetrad_logits(cfg.model, state, tokens), rtol=0, atol=1e-5
     )
+    # bf16 export: half the bytes, the source's special tokens carried over
+    out16 = tmp_path / "out16"
+    assert cli_main(["export", str(run), "--hf", str(out16), "--dtype", "bf16"]) == 0
+    config = json.loads((out16 / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["eos_token_id"] == 2
+    from safetensors.torch import load_file
+
+    weights16 = load_file(out16 / "model.safetensors")
+    assert {t.dtype for t in weights16.values()} == {torch.bfloat16}
+    assert transformers.LlamaForCausalLM.from_pretrained(out16) is not None
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (
         hf_tok("def encode(self, o):")["input_ids"]

@@ -326,6 +326,19 @@ def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     }
 
 
+# what a model imported from Hugging Face keeps on the way out: its special tokens
+CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def carried_over(source: str) -> dict[str, Any]:
+    """Special-token ids of the directory a model was imported from (when still there)."""
+    file = Path(source) / CONFIG if source else None
+    if file is None or not file.is_file():
+        return {}
+    raw = json.loads(file.read_text())
+    return {k: raw[k] for k in CARRIED if k in raw}
+
+
 def save(
     state: dict[str, torch.Tensor],
     model: ModelConfig,
@@ -365,5 +378,6 @@ def save(
         (out / INDEX).write_text(json.dumps(index, indent=2))
         files.append(out / INDEX)
     dtype_name = str(dtype).removeprefix("torch.")
-    (out / CONFIG).write_text(json.dumps(hf_config(model, dtype_name), indent=2))
+    config = hf_config(model, dtype_name) | carried_over(model.init_from_hf)
+    (out / CONFIG).write_text(json.dumps(config, indent=2))
     return [*files, out / CONFIG]
