@@ -13,7 +13,7 @@ from tetrad.comm import Comm
 from tetrad.comm.watchdog import Watchdog
 from tetrad.config import Config
 from tetrad.train.loop import Trainer, init_distributed
-from tetrad.train.metrics import MetricsWriter
+from tetrad.train.metrics import MetricsWriter, require_tensorboard
 from tetrad.train.stop import Preempted, StopRequest
 
 
@@ -26,6 +26,8 @@ def run(cfg: Config, threads: int | None = None, timeline: str | None = None) ->
     error the process group is left without a barrier: the peers must not wait for us."""
     if threads:
         torch.set_num_threads(threads)
+    if cfg.train.tensorboard:
+        require_tensorboard()  # every rank, before the first collective
     stop = StopRequest(grace=cfg.train.timeout)
     if threading.current_thread() is threading.main_thread():
         stop.install()
@@ -61,7 +63,12 @@ def _train(cfg: Config, mesh, device, comm: Comm, stop: StopRequest, timeline) -
             elif cfg.checkpoint.resume:
                 print(f"tetrad: no checkpoint under {out / 'checkpoints'}; starting afresh")
             writer = MetricsWriter(
-                cfg.train.out, cfg.train.steps, cfg.train.progress, append=resumed is not None
+                cfg.train.out,
+                cfg.train.steps,
+                cfg.train.progress,
+                append=resumed is not None,
+                tensorboard=cfg.train.tensorboard,
+                start_step=resumed or 0,
             )
         rows = trainer.fit(writer)
     finally:
