@@ -85,10 +85,11 @@ class TokenStream:
         global_batch: int,
         seq_len: int,
         heldout: int = 0,
+        name: str = "the data",
     ):
         self.tokens, self.seed = tokens, seed
         self.global_batch, self.seq_len, self.heldout = global_batch, seq_len, heldout
-        check_ids(tokens, vocab, "the data")
+        check_ids(tokens, vocab, name)
         # training windows end before the held-out ones begin: no token is in both
         self.eval_start = len(tokens) - heldout * seq_len - 1 if heldout else len(tokens)
         self.windows = max(0, (self.eval_start - 1) // seq_len)
@@ -251,7 +252,8 @@ def make_source(
         tokens = encode_text(source, tokenizer, max_bytes)
     else:
         tokens = load_path(source, max_bytes)
-    return TokenStream(tokens, vocab, seed, global_batch, seq_len, heldout)
+    name = "the stdlib corpus" if source == "stdlib" else source
+    return TokenStream(tokens, vocab, seed, global_batch, seq_len, heldout, name)
 
 
 def source_of(cfg: Config, heldout: int = 0):
