@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import Comm
-from tetrad.config import Config
+from tetrad.config import DTYPES, Config
 from tetrad.mesh import Mesh
 from tetrad.models.init import materialize
 from tetrad.models.llama import cross_entropy_sum
@@ -32,7 +32,9 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
       5. the runner: the pipeline schedule (its split backward rewires linears), or the
          plain microbatch loop;
       6. data parallelism last, over the final local parameters: ZeRO shards (fsdp) or
-         bucketed all-reduce (dp), and the matching state adapter.
+         bucketed all-reduce (dp), and the matching state adapter. Either one owns the
+         mixed precision: compute parameters in `train.dtype` (cast here, from the fp32
+         values just materialised, which become the fp32 master weights).
     """
     local = local_model(cfg, mesh, comm)  # 1-3
     model, tp = local.model, local.tp
@@ -51,11 +53,20 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
         grads, replicated = shards, {**replicated, **shards.view_replicated()}
         state = ZeroState(shards, model, cfg, mesh, comm, unshard, slicer)
     else:
-        named = list(model.named_parameters())
-        data = mesh["data"]
-        bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
-        grads = GradBuckets(named, data, comm, bucket_bytes) if data.size > 1 else LocalGrads(named)
-        state = PlainState(model, cfg, mesh, comm, unshard, slicer)
+        grads = _replicated_grads(model, cfg, mesh, comm)
+        state = PlainState(model, cfg, mesh, comm, unshard, slicer, grads.params())
     if tied_across_stages(cfg, mesh):  # first and last stage each hold it: sum their grads
-        grads = TiedGrads(grads, model.tok_embeddings.weight, mesh["pp_ends"], comm)
+        grads = TiedGrads(grads, TIED, mesh["pp_ends"], comm)
     return Engine(model, mesh, comm, runner, grads, state, replicated)
+
+
+def _replicated_grads(model: torch.nn.Module, cfg: Config, mesh: Mesh, comm: Comm) -> LocalGrads:
+    """Without ZeRO: DP's bucketed all-reduce over the data ranks, or nothing to reduce."""
+    named = list(model.named_parameters())
+    dtype = DTYPES[cfg.train.dtype]
+    data = mesh["data"]
+    if data.size == 1:
+        return LocalGrads(named, dtype)
+    bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
+    reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
+    return GradBuckets(named, data, comm, bucket_bytes, dtype, reduce_dtype)

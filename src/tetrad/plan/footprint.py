@@ -211,5 +211,5 @@ def _state(cfg: Config, named, replicated) -> ModelState:
     """`memory.model_state_bytes`'s arithmetic on given local parameters (fsdp rank 0)."""
     p = cfg.parallel
     if p.fsdp == 1:
-        return replicated_bytes(named)
+        return replicated_bytes(named, cfg.train.dtype)
     return zero_bytes(plan_units(named, replicated, p.fsdp), 0, p.zero_stage, cfg.train.dtype)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tetrad.comm import Comm, Work
-from tetrad.config import Config
+from tetrad.config import DTYPES, Config
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.parallel.pipeline.measure import ActivationMeter
@@ -75,6 +75,7 @@ class PipelineRuntime:
         loss_fn,
         store: WeightGradStore | None,
         releases: list[tuple[Wire, ...]] | None = None,
+        dtype: torch.dtype | None = None,
     ):
         self.model, self.mesh, self.comm, self.loss_fn = model, mesh, comm, loss_fn
         self.chunks = {c.stage: c for c in chunks}
@@ -83,7 +84,8 @@ class PipelineRuntime:
         self.releases = releases or [() for _ in rank_steps]
         self.meter = ActivationMeter()
         self.holds_loss = any(c.last for c in chunks)
-        self.dtype = next(model.parameters()).dtype
+        # the compute dtype, given: built before the data axis casts the parameters to it
+        self.dtype = dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
     def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> StepState:
@@ -257,6 +259,7 @@ def build_pipeline(
         loss_fn,
         store,
         send_releases(actions, all_steps, rank),
+        DTYPES[cfg.train.dtype],
     )
 
 
