@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from tetrad.config import Config, load_toml, model_preset, validate
+from tetrad.config import RECOMPUTE, Config, load_toml, model_preset, validate
 from tetrad.launch import launch, under_torchrun
 from tetrad.parallel.pipeline.schedules import SCHEDULES
 
@@ -33,11 +33,19 @@ TRAIN_FLAGS = {
     "lr": ("train", "lr", float),
     "seed": ("train", "seed", int),
     "dtype": ("train", "dtype", str),
+    "recompute": ("train", "recompute", str),
+    "loss_chunk": ("train", "loss_chunk", int),
     "out": ("train", "out", str),
     "data": ("data", "source", str),
     "checkpoint_every": ("checkpoint", "every", int),
 }
 DEGREES = ("dp", "fsdp", "tp", "pp")
+HELP = {
+    "recompute": "activation recomputation (default none): selective recomputes attention's "
+    "core and the SwiGLU product in backward, full whole blocks from their inputs",
+    "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
+    "full logits (default 1024; 0: full logits)",
+}
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +63,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": ("fp32", "bf16")}
         if flag == "zero_stage":
             kw = {"choices": (1, 2, 3)}
+        if flag == "recompute":
+            kw = {"choices": RECOMPUTE, "help": HELP["recompute"]}
+        if flag == "loss_chunk":
+            kw = {"metavar": "TOKENS", "help": HELP["loss_chunk"]}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)

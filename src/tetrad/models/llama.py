@@ -115,6 +115,9 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.first = True  # embeds token ids (a pipeline stage after the first gets hidden states)
         self.last = True  # applies the final norm and the output head
+        # False: the last stage ends at the final norm and a fused loss applies the head
+        # (models/loss.py), so no full logits are ever built
+        self.logits = True
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
         # string keys keep parameter names ("layers.7....") stable when a stage drops layers
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
@@ -136,10 +139,15 @@ class Llama(nn.Module):
         return self.head(self.norm(h)) if head else h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Output projection, tied to the embedding when configured."""
-        if self.output is not None:
-            return self.output(h)
-        return F.linear(h, self.tok_embeddings.weight)
+        """Output projection, tied to the embedding when configured (or, with `logits`
+        off, nothing: the loss projects)."""
+        if not self.logits:
+            return h
+        return F.linear(h, self.head_weight()) if self.output is None else self.output(h)
+
+    def head_weight(self) -> torch.Tensor:
+        """The output projection's weight [V, d]: the head's, or the tied embedding's."""
+        return (self.output if self.output is not None else self.tok_embeddings).weight
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

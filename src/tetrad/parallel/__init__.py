@@ -9,12 +9,14 @@ from tetrad.config import DTYPES, Config
 from tetrad.mesh import Mesh
 from tetrad.models.init import materialize
 from tetrad.models.llama import cross_entropy_sum
+from tetrad.models.loss import ChunkedCrossEntropy
 from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads
 from tetrad.parallel.engine import Engine
 from tetrad.parallel.local import local_model
 from tetrad.parallel.pipeline.runtime import build_pipeline, tied_across_stages
-from tetrad.parallel.runner import GradSync, MicrobatchLoop, Runner
+from tetrad.parallel.runner import GradSync, LossFn, MicrobatchLoop, Runner
 from tetrad.parallel.state import PlainState
+from tetrad.parallel.tensor import TPLayout
 from tetrad.parallel.zero import ZeroShards
 from tetrad.parallel.zero_state import ZeroState
 
@@ -39,7 +41,7 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
     local = local_model(cfg, mesh, comm)  # 1-3
     model, tp = local.model, local.tp
     materialize(model, cfg.model, cfg.train.seed, device, tp.slicer if tp else None)
-    loss_fn = tp.loss_fn if tp else cross_entropy_sum
+    loss_fn = _loss_fn(model, cfg, tp)
     replicated = local.replicated
     runner: Runner = MicrobatchLoop(model, loss_fn)
     if local.chunks is not None:
@@ -70,3 +72,14 @@ def _replicated_grads(model: torch.nn.Module, cfg: Config, mesh: Mesh, comm: Com
     bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
     reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
     return GradBuckets(named, data, comm, bucket_bytes, dtype, reduce_dtype)
+
+
+def _loss_fn(model: torch.nn.Module, cfg: Config, tp: TPLayout | None) -> LossFn:
+    """Cross-entropy over the head's logits, or (`loss_chunk` > 0) the head and the loss
+    fused in chunks of tokens, the model stopping at the final norm; vocabulary-parallel
+    under tp either way."""
+    chunk = cfg.train.loss_chunk
+    if chunk == 0:
+        return tp.loss_fn if tp else cross_entropy_sum
+    model.logits = False
+    return tp.chunked_loss_fn(model, chunk) if tp else ChunkedCrossEntropy(model, chunk)

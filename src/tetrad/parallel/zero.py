@@ -292,6 +292,8 @@ class ZeroShards:
             return
         paths = list(dict.fromkeys(n.rpartition(".")[0] for n in root.layout.names))
         paths.sort(key=lambda p: ROOT_ORDER.get(p, 1))  # the order forward uses them in
+        if not getattr(model, "logits", True):  # a fused loss reads the head's weight, never
+            paths = [p for p in paths if p != "output"]  # calls it: the norm installed it
         for path in paths:
             module = model.get_submodule(path)
             embed = path == "tok_embeddings"
