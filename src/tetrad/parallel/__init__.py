@@ -8,7 +8,7 @@ from tetrad.comm import Comm
 from tetrad.config import DTYPES, Config
 from tetrad.mesh import Mesh
 from tetrad.models.init import materialize
-from tetrad.models.llama import cross_entropy_sum
+from tetrad.models.llama import cross_entropy_sum, set_recompute
 from tetrad.models.loss import ChunkedCrossEntropy
 from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads
 from tetrad.parallel.engine import Engine
@@ -41,6 +41,7 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
     local = local_model(cfg, mesh, comm)  # 1-3
     model, tp = local.model, local.tp
     materialize(model, cfg.model, cfg.train.seed, device, tp.slicer if tp else None)
+    set_recompute(model, cfg.train.recompute)
     loss_fn = _loss_fn(model, cfg, tp)
     replicated = local.replicated
     runner: Runner = MicrobatchLoop(model, loss_fn)
