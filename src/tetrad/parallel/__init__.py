@@ -55,6 +55,7 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
         shards = ZeroShards(model, mesh, comm, cfg, replicated)
         grads, replicated = shards, {**replicated, **shards.view_replicated()}
         state = ZeroState(shards, model, cfg, mesh, comm, unshard, slicer)
+        runner.meter.exclude(u.flat for u in shards.units)  # parameters, not activations
     else:
         grads = _replicated_grads(model, cfg, mesh, comm)
         state = PlainState(model, cfg, mesh, comm, unshard, slicer, grads.params())

@@ -128,14 +128,23 @@ def llama_layer(
     items = [
         Saved("attention norm", norm, "seq"),
         Saved("qkv input", c * h, linear_in),
-        Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
-        Saved("sdpa q, out", 2 * c * h, "tp"),
-        Saved("sdpa k, v (repeated)", 2 * c * kv_width, "rank"),
-        Saved("sdpa log-sum-exp", 4 * heads, "rank"),
         Saved("ffn norm", norm, "seq"),
         Saved("w1/w3 input", c * h, linear_in),
-        Saved("w1 out, w3 out, silu out, product", 4 * c * f, "tp"),
     ]
+    if recompute == "selective":  # the core and silu(a)·b redone: matmul outputs kept
+        items += [
+            Saved("q, k, v (the core's inputs)", c * (heads + 2 * kv) * hd, "rank"),
+            Saved("core out (wo input)", c * h, "tp"),
+            Saved("w1 out, w3 out, product", 3 * c * f, "tp"),
+        ]
+    else:
+        items += [
+            Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
+            Saved("sdpa q, out", 2 * c * h, "tp"),
+            Saved("sdpa k, v (repeated)", 2 * c * kv_width, "rank"),
+            Saved("sdpa log-sum-exp", 4 * heads, "rank"),
+            Saved("w1 out, w3 out, silu out, product", 4 * c * f, "tp"),
+        ]
     if m.kv_heads < t:
         items.append(
             Saved("gathered k, v weights", fixed=2 * c * m.kv_heads * hd * h, split="rank")
@@ -158,13 +167,21 @@ def _op_policy(m: ModelConfig, t: int, c: int, heads: int) -> list[Saved]:
     ]
 
 
-def llama_head(m: ModelConfig, t: int, dtype: str, sp_shards: bool = False) -> list[Saved]:
+def llama_head(
+    m: ModelConfig, t: int, dtype: str, sp_shards: bool = False, chunked: bool = False
+) -> list[Saved]:
     """The last stage's final norm, head input and loss: the fp32 log-probabilities (tp=1,
-    F.cross_entropy) or fp32 logits (vocabulary-parallel loss), 4·V/t bytes a token."""
+    F.cross_entropy) or fp32 logits (vocabulary-parallel loss), 4·V/t bytes a token; or,
+    `chunked` (tetrad's --loss-chunk), no logits at all: the head's input, one fp32
+    log-sum-exp and the target's column and masks per token (models/loss.py)."""
     c, h = DTYPE_BYTES[dtype], m.dim
-    return [
+    items = [
         Saved("final norm", (4 + c) * h + 4, "seq"),
         Saved("head input", c * h, "seq" if sp_shards else "rank"),
+    ]
+    if chunked:
+        return items + [Saved("log-sum-exp, target column, masks", 4 + 8 + 2, "rank")]
+    return items + [
         Saved("fp32 logits", 4 * m.vocab, "tp"),
         Saved("targets, log-sum-exp", 8 + (6 if t > 1 else 0), "rank"),
     ]
@@ -191,10 +208,16 @@ def layer_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int, sp:
     return total_bytes(llama_layer(m, t, dtype), b, s, t, sp)
 
 
-def loss_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int) -> float:
+def loss_grad_workspace(
+    m: ModelConfig, t: int, dtype: str, b: int, s: int, chunk: int = 0
+) -> float:
     """Transient bytes of the loss backward on the last stage: the fp32 logit gradient and
-    its cast to the compute dtype."""
-    return b * s * (4 + DTYPE_BYTES[dtype]) * m.vocab / t
+    its cast to the compute dtype; chunked, one chunk's recomputed fp32 logits, their
+    gradient and its cast, and the fp32 head-weight gradient it accumulates."""
+    c = DTYPE_BYTES[dtype]
+    if chunk <= 0:
+        return b * s * (4 + c) * m.vocab / t
+    return min(chunk, b * s) * (8 + c) * m.vocab / t + 4 * m.vocab * m.dim / t
 
 
 # --- microbatches in flight ---------------------------------------------------------------

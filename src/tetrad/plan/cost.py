@@ -66,6 +66,8 @@ class Engine:
     defers plain linears only, so with tp > 1 its B does the weight gradients).
     sp_saves_shards: under SP the column-parallel linears keep their input's sequence
     shard and re-gather it for backward (Megatron); tetrad keeps the gathered input.
+    chunked_loss: the head and the loss run `train.loss_chunk` tokens at a time, never
+    holding full logits (tetrad).
     """
 
     name: str
@@ -76,9 +78,10 @@ class Engine:
     reduce_every_microbatch: bool = False
     split_w_with_tp: bool = False
     sp_saves_shards: bool = False
+    chunked_loss: bool = False
 
 
-TETRAD = Engine("tetrad")
+TETRAD = Engine("tetrad", chunked_loss=True)
 MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap
     "megatron", tp_overlap=1.0, grad_overlap_pp=True, param_gather_overlap=True,
     split_w_with_tp=True, sp_saves_shards=True,
@@ -133,7 +136,11 @@ class Planner:
             raise ValueError(f"recompute={recompute!r} is not one of {act.RECOMPUTE}")
         self.cluster, self.engine, self.recompute = cluster, engine, recompute
         self.footprint = Footprint(
-            cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch
+            cluster.device,
+            recompute,
+            engine.sp_saves_shards,
+            engine.reduce_every_microbatch,
+            engine.chunked_loss,
         )
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}

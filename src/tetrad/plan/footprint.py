@@ -73,9 +73,15 @@ class Footprint:
     """Memory of layouts of one model on one device kind; caches what layouts share."""
 
     def __init__(
-        self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool
+        self,
+        device: Device,
+        recompute: str,
+        sp_saves_shards: bool,
+        reduce_every_micro: bool,
+        chunked_loss: bool = False,
     ):
         self.device, self.recompute = device, recompute
+        self.chunked_loss = chunked_loss  # the engine honours train.loss_chunk (tetrad)
         self.sp_saves_shards, self.reduce_every_micro = sp_saves_shards, reduce_every_micro
         self._facts: dict[tuple, RankFacts] = {}
         self._template: dict[tuple, tuple] = {}
@@ -129,7 +135,9 @@ class Footprint:
         b, s, shards = cfg.microbatch_size, cfg.train.seq_len, self.sp_saves_shards
         layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards)
         layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
-        head = act.total_bytes(act.llama_head(m, p.tp, dt, sp_shards=shards), b, s, p.tp, p.sp)
+        chunked = self.chunked_loss and cfg.train.loss_chunk > 0
+        head = act.llama_head(m, p.tp, dt, sp_shards=shards, chunked=chunked)
+        head = act.total_bytes(head, b, s, p.tp, p.sp)
         embed = act.total_bytes(act.llama_embedding(p.tp, dt), b, s, p.tp, p.sp)
         out = [n * layer_bytes for n in split]
         out[0] += embed
@@ -179,7 +187,8 @@ class Footprint:
         transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp)
         if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
                                                       p.pp_schedule):  # fmt: skip
-            transient += act.loss_grad_workspace(m, p.tp, dt, b, s)
+            chunk = cfg.train.loss_chunk if self.chunked_loss else 0
+            transient += act.loss_grad_workspace(m, p.tp, dt, b, s, chunk)
         transient += self._zero_buffers(cfg, fa)
         return self.device.workspace_bytes + transient + ALLOCATOR * (transient + acts)
 

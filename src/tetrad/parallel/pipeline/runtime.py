@@ -58,7 +58,11 @@ class StepState(RunResult):
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     in_flight: int = 0
     peak_in_flight: int = 0
-    peak_act_bytes: int = 0  # activations: saved for backward, awaiting send or W
+
+    @property
+    def peak_act_bytes(self) -> int:
+        """Activations: saved for backward, awaiting send or W."""
+        return self.peak_activation_bytes
 
 
 class PipelineRuntime:
@@ -108,7 +112,7 @@ class PipelineRuntime:
             st.events.append(Event(c.kind, c.stage, c.microbatch, t0, time.time()))
             self._send(st, step.sends)
         self._release(st, tuple(st.sends))
-        st.peak_act_bytes = self.meter.peak
+        st.peak_activation_bytes = self.meter.peak
         return st
 
     # --- transfers ----------------------------------------------------------------------
