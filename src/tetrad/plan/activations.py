@@ -202,6 +202,20 @@ def llama_pending_w(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
     return [Saved("deferred linear inputs and output grads", inputs + grads, "tp")]
 
 
+def llama_pending_w_head(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
+    """The head's share of a zero-bubble W when it is deferred (no chunked loss, tp=1):
+    its input and its logits' gradient."""
+    c = DTYPE_BYTES[dtype]
+    if t > 1:  # the vocabulary-parallel head is not a plain linear: its W runs in B
+        return []
+    return [Saved("head input and logit gradient", c * (m.dim + m.vocab), "rank")]
+
+
+def llama_stage_output(m: ModelConfig, dtype: str) -> list[Saved]:
+    """A pipeline stage's output [b, s(/t), h], held until its send completes."""
+    return [Saved("stage output awaiting its send", DTYPE_BYTES[dtype] * m.dim, "seq")]
+
+
 def layer_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int, sp: bool) -> float:
     """Transient bytes while one block runs backward: about one block's activations (its
     gradients, or under recomputation the recomputed activations themselves)."""

@@ -145,22 +145,41 @@ class Footprint:
         return out
 
     def stage_pending_w(self, cfg: Config, split: list[int]) -> list[float]:
-        """Bytes a microbatch keeps on each stage between its B and its W."""
-        p = cfg.parallel
+        """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
+        deferred linears, and on the last stage the head's unless a chunked loss computes
+        its weight gradient in B."""
+        p, b, s = cfg.parallel, cfg.microbatch_size, cfg.train.seq_len
         w = act.llama_pending_w(cfg.model, p.tp, cfg.train.dtype)
-        one = act.total_bytes(w, cfg.microbatch_size, cfg.train.seq_len, p.tp, p.sp)
-        return [n * one for n in split]
+        one = act.total_bytes(w, b, s, p.tp, p.sp)
+        out = [n * one for n in split]
+        if not (self.chunked_loss and cfg.train.loss_chunk > 0):
+            head = act.llama_pending_w_head(cfg.model, p.tp, cfg.train.dtype)
+            out[-1] += act.total_bytes(head, b, s, p.tp, p.sp)
+        return out
+
+    def rank_activations(
+        self, cfg: Config, split: list[int], timeline: Timeline, pp_rank: int, deferred_w: bool
+    ) -> float:
+        """Peak activation bytes of pp rank `pp_rank` over the (simulated) step: its
+        microbatches in flight, and a stage output awaiting its send when it sends any."""
+        per_stage = self.stage_activations(cfg, split)
+        pending = self.stage_pending_w(cfg, split) if deferred_w else []
+        acts = act.peak_in_flight(timeline, pp_rank, per_stage, pending)
+        p = cfg.parallel
+        stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
+        if any(st < len(split) - 1 for st in stages):
+            acts += act.total_bytes(act.llama_stage_output(cfg.model, cfg.train.dtype),
+                                    cfg.microbatch_size, cfg.train.seq_len, p.tp, p.sp)  # fmt: skip
+        return acts
 
     def memory(
         self, cfg: Config, split: list[int], facts: list[RankFacts], timeline: Timeline,
         deferred_w: bool,
     ) -> Memory:  # fmt: skip
         """The fullest pp rank's memory: model state + activations in flight + overhead."""
-        per_stage = self.stage_activations(cfg, split)
-        pending = self.stage_pending_w(cfg, split) if deferred_w else []
         best = None
         for r in range(cfg.parallel.pp):
-            acts = act.peak_in_flight(timeline, r, per_stage, pending)
+            acts = self.rank_activations(cfg, split, timeline, r, deferred_w)
             mem = Memory(float(facts[r].state.total), acts, self.overhead(cfg, r, facts[r], acts),
                          self.device.hbm_bytes)  # fmt: skip
             if best is None or mem.total > best.total:
