@@ -73,3 +73,13 @@ def check_bf16(layout: Any, ranks: list[dict], bf16: dict, fp32: dict) -> None:
             assert measured == predicted, f"rank {rank}: measured {measured} != {predicted}"
     except AssertionError as e:
         raise AssertionError(f"layout {layout}: {e}") from e
+
+
+def predicted_activations(cfg, rank: int) -> float:
+    """The planner's peak activation bytes for global `rank` of `cfg` (tetrad's engine,
+    cfg's recompute mode)."""
+    from tetrad.plan.cost import TETRAD, Planner
+    from tetrad.plan.hardware import cluster_preset
+
+    planner = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute)
+    return planner.rank_activations(cfg, Mesh.plan(cfg.parallel.degrees, rank).coord["pp"])

@@ -238,20 +238,26 @@ def loss_grad_workspace(
 
 
 def peak_in_flight(
-    timeline: Timeline, rank: int, act: Sequence[float], pending_w: Sequence[float] = ()
+    timeline: Timeline,
+    rank: int,
+    act: Sequence[float],
+    pending_w: Sequence[float] = (),
+    sent: Sequence[float] = (),
 ) -> float:
     """Peak bytes of stashed activations on `rank` over a simulated (or measured) step.
 
     act[stage]: bytes one microbatch leaves on `stage` after its forward; pending_w[stage]:
-    bytes it keeps between B and W (zero-bubble). F adds act; B releases act and adds
-    pending_w; W releases pending_w; BW releases act.
+    bytes it keeps between B and W (zero-bubble); sent[stage]: the output an F sends,
+    alive until the send is done (tetrad waits for it before a later compute). F adds act
+    (and, until its end, sent); B releases act and adds pending_w; W releases pending_w;
+    BW releases act.
     """
     live = peak = 0.0
     for e in sorted(timeline.ranks[rank], key=lambda e: e.start):
         w = pending_w[e.stage] if pending_w else 0.0
         if e.kind == "F":
             live += act[e.stage]
-            peak = max(peak, live)
+            peak = max(peak, live + (sent[e.stage] if sent else 0.0))
         elif e.kind == "B":
             live += w - act[e.stage]
             peak = max(peak, live)

@@ -183,6 +183,13 @@ class Planner:
         memory = self.footprint.memory(cfg, self.split(cfg), facts, timeline, self._w_deferred(cfg))
         return self._prediction(cfg, step, timeline.bubble_fraction, memory, breakdown)
 
+    def rank_activations(self, cfg: Config, pp_rank: int) -> float:
+        """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory;
+        a rank runs its actions in one order whatever they cost, so unit costs do)."""
+        timeline = simulate(self.schedule(cfg), Costs(1.0, 1.0, 1.0), cfg.parallel.pp_schedule)
+        split, deferred = self.split(cfg), self._w_deferred(cfg)
+        return self.footprint.rank_activations(cfg, split, timeline, pp_rank, deferred)
+
     def rank_facts(self, cfg: Config, pp_rank: int) -> RankFacts:
         """Local parameter counts and exact model state of pp rank `pp_rank`."""
         return self.footprint.rank_facts(cfg, self.split(cfg), pp_rank)

@@ -161,16 +161,14 @@ class Footprint:
         self, cfg: Config, split: list[int], timeline: Timeline, pp_rank: int, deferred_w: bool
     ) -> float:
         """Peak activation bytes of pp rank `pp_rank` over the (simulated) step: its
-        microbatches in flight, and a stage output awaiting its send when it sends any."""
+        microbatches in flight, and each stage's output until its send is done."""
+        p = cfg.parallel
         per_stage = self.stage_activations(cfg, split)
         pending = self.stage_pending_w(cfg, split) if deferred_w else []
-        acts = act.peak_in_flight(timeline, pp_rank, per_stage, pending)
-        p = cfg.parallel
-        stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
-        if any(st < len(split) - 1 for st in stages):
-            acts += act.total_bytes(act.llama_stage_output(cfg.model, cfg.train.dtype),
-                                    cfg.microbatch_size, cfg.train.seq_len, p.tp, p.sp)  # fmt: skip
-        return acts
+        out = act.total_bytes(act.llama_stage_output(cfg.model, cfg.train.dtype),
+                              cfg.microbatch_size, cfg.train.seq_len, p.tp, p.sp)  # fmt: skip
+        sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
+        return act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent)
 
     def memory(
         self, cfg: Config, split: list[int], facts: list[RankFacts], timeline: Timeline,
