@@ -31,8 +31,9 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
       2. pipeline split: keep only this stage's layers (pp);
       3. tensor parallelism: shrink each planned linear/embedding to its tp slice;
       4. materialise: fill each local tensor with its slice of the layout-invariant init;
-      5. the runner: the pipeline schedule (its split backward rewires linears), or the
-         plain microbatch loop;
+      5. the model's memory settings (recomputation; a chunked loss that applies the
+         head itself), then the runner: the pipeline schedule (its split backward rewires
+         linears), or the plain microbatch loop;
       6. data parallelism last, over the final local parameters: ZeRO shards (fsdp) or
          bucketed all-reduce (dp), and the matching state adapter. Either one owns the
          mixed precision: compute parameters in `train.dtype` (cast here, from the fp32
