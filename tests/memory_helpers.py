@@ -16,20 +16,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from harness import trainer_for
 from tetrad.config import from_dict
 from tetrad.mesh import Mesh
 from tetrad.parallel.memory import model_state_bytes
 
 
 def train_and_measure(rank: int, world: int, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from tetrad.train.loop import Trainer
-
     out = []
     for raw in raws:
         cfg = from_dict(raw)
-        trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+        trainer = trainer_for(cfg, rank)
         rows = trainer.fit()
         state = trainer.engine.full_state_dict()
         out.append(

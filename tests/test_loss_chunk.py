@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness import tiny_config
 from memory_helpers import by_layout, max_rel, predicted_activations, train_and_measure
 from tetrad.models.llama import cross_entropy_sum
 from tetrad.models.loss import linear_cross_entropy
-from tetrad.testing import spawn, tiny_config
+from tetrad.testing import spawn
 
 
 def _inputs(n_seq=3, seq=7, dim=16, vocab=50):

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from harness import tiny_config
 from tetrad.config import validate
-from tetrad.testing import tiny_config
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,6 @@ def test_cli_refuses_a_negative_loss_chunk_before_launching(tmp_path, capsys):
     assert exit_.value.code == 2 and "invalid choice: 'most'" in capsys.readouterr().err
 
 
-@pytest.mark.distributed
 def test_cli_bf16_recompute_writes_measured_memory(tmp_path):
     res = _tetrad(
         "train", "--nproc", "1", "--layers", "2", "--dim", "32", "--heads", "4",

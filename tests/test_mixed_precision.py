@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness import tiny_config
 from memory_helpers import BF16_VISIBLE, by_layout, check_bf16, max_rel, train_and_measure
 from tetrad.models.flops import param_count
 from tetrad.parallel.memory import ModelState
-from tetrad.testing import spawn, tiny_config
-
-pytestmark = pytest.mark.distributed
+from tetrad.testing import spawn
 
 BF16 = {"dtype": "bf16"}
 
@@ -32,6 +31,7 @@ def test_bf16_single_process_keeps_fp32_masters(reference):
     assert max_rel(reference(train=BF16)["losses"], reference()["losses"]) > BF16_VISIBLE
 
 
+@pytest.mark.distributed
 def test_bf16_every_axis(reference):
     """dp (gradients reduced in fp32, or in bf16), ZeRO-1 and -3, tp with and without sp,
     pp under 1F1B and zero-bubble: each on 2 ranks, 20 steps."""

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness import tiny_config
 from memory_helpers import by_layout, max_rel, predicted_activations, train_and_measure
-from tetrad.testing import spawn, tiny_config
-
-pytestmark = pytest.mark.distributed
+from tetrad.testing import spawn
 
 MODES = ("none", "selective", "full")
 DEEP = {"layers": 4}  # two chunks per rank for the interleaved schedules
@@ -58,6 +57,7 @@ def test_recompute_single_process_with_accumulation():
     _check_modes("single process, 2 microbatches", runs, cfgs)
 
 
+@pytest.mark.distributed
 def test_recompute_every_layout_and_schedule():
     """dp, ZeRO-3 with accumulation, tp+sp, and the five pipeline schedules, on 2 ranks; in
     the same ranks, the zero-bubble schedules count their recomputations."""
