@@ -6,7 +6,15 @@ import argparse
 import os
 import sys
 
-from tetrad.config import DTYPES, Config, ModelConfig, load_toml, model_preset, validate
+from tetrad.config import (
+    DTYPES,
+    RECOMPUTE,
+    Config,
+    ModelConfig,
+    load_toml,
+    model_preset,
+    validate,
+)
 from tetrad.launch import launch, under_torchrun
 from tetrad.parallel.pipeline.schedules import SCHEDULES
 
@@ -33,6 +41,8 @@ TRAIN_FLAGS = {
     "lr": ("train", "lr", float),
     "seed": ("train", "seed", int),
     "dtype": ("train", "dtype", str),
+    "recompute": ("train", "recompute", str),
+    "loss_chunk": ("train", "loss_chunk", int),
     "out": ("train", "out", str),
     "data": ("data", "source", str),
     "tokenizer": ("data", "tokenizer", str),
@@ -46,6 +56,10 @@ FLAG_HELP = {
     "tokenizer": "a local tokenizer.json for text data (default: bytes, vocabulary 256)",
     "eval_every": "every K steps (and at the end) log eval_loss on a held-out split",
     "eval_batches": "global batches in the held-out split (default 4)",
+    "recompute": "activation recomputation (default none): selective recomputes attention's "
+    "core and the SwiGLU product in backward, full whole blocks from their inputs",
+    "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
+    "full logits (default 1024; 0: full logits)",
 }
 
 
@@ -64,6 +78,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": ("fp32", "bf16")}
         if flag == "zero_stage":
             kw = {"choices": (1, 2, 3)}
+        if flag == "recompute":
+            kw = {"choices": RECOMPUTE}
+        if flag == "loss_chunk":
+            kw = {"metavar": "TOKENS"}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)
