@@ -8,7 +8,15 @@ import sys
 import traceback
 from pathlib import Path
 
-from tetrad.config import DTYPES, Config, ModelConfig, load_toml, model_preset, validate
+from tetrad.config import (
+    DTYPES,
+    RECOMPUTE,
+    Config,
+    ModelConfig,
+    load_toml,
+    model_preset,
+    validate,
+)
 from tetrad.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE, rank_and_attempt, report
 from tetrad.launch import LOG_DIR, die_with_parent, launch, under_torchrun
 from tetrad.parallel.pipeline.schedules import SCHEDULES
@@ -36,6 +44,8 @@ TRAIN_FLAGS = {
     "lr": ("train", "lr", float),
     "seed": ("train", "seed", int),
     "dtype": ("train", "dtype", str),
+    "recompute": ("train", "recompute", str),
+    "loss_chunk": ("train", "loss_chunk", int),
     "out": ("train", "out", str),
     "data": ("data", "source", str),
     "tokenizer": ("data", "tokenizer", str),
@@ -52,6 +62,10 @@ FLAG_HELP = {
     "tokenizer": "a local tokenizer.json for text data (default: bytes, vocabulary 256)",
     "eval_every": "every K steps (and at the end) log eval_loss on a held-out split",
     "eval_batches": "global batches in the held-out split (default 4)",
+    "recompute": "activation recomputation (default none): selective recomputes attention's "
+    "core and the SwiGLU product in backward, full whole blocks from their inputs",
+    "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
+    "full logits (default 1024; 0: full logits)",
 }
 
 
@@ -88,6 +102,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": (1, 2, 3)}
         if flag == "timeout":
             kw = {"metavar": "S"}
+        if flag == "recompute":
+            kw = {"choices": RECOMPUTE}
+        if flag == "loss_chunk":
+            kw = {"metavar": "TOKENS"}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)

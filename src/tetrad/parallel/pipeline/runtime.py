@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tetrad.comm import Comm, Work
-from tetrad.config import Config
+from tetrad.config import DTYPES, Config
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.parallel.pipeline.measure import ActivationMeter
@@ -58,7 +58,11 @@ class StepState(RunResult):
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     in_flight: int = 0
     peak_in_flight: int = 0
-    peak_act_bytes: int = 0  # activations: saved for backward, awaiting send or W
+
+    @property
+    def peak_act_bytes(self) -> int:
+        """Activations: saved for backward, awaiting send or W."""
+        return self.peak_activation_bytes
 
 
 class PipelineRuntime:
@@ -75,6 +79,7 @@ class PipelineRuntime:
         loss_fn,
         store: WeightGradStore | None,
         releases: list[tuple[Wire, ...]] | None = None,
+        dtype: torch.dtype | None = None,
     ):
         self.model, self.mesh, self.comm, self.loss_fn = model, mesh, comm, loss_fn
         self.chunks = {c.stage: c for c in chunks}
@@ -83,7 +88,8 @@ class PipelineRuntime:
         self.releases = releases or [() for _ in rank_steps]
         self.meter = ActivationMeter()
         self.holds_loss = any(c.last for c in chunks)
-        self.dtype = next(model.parameters()).dtype
+        # the compute dtype, given: built before the data axis casts the parameters to it
+        self.dtype = dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
     def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> StepState:
@@ -106,7 +112,7 @@ class PipelineRuntime:
             st.events.append(Event(c.kind, c.stage, c.microbatch, t0, time.time()))
             self._send(st, step.sends)
         self._release(st, tuple(st.sends))
-        st.peak_act_bytes = self.meter.peak
+        st.peak_activation_bytes = self.meter.peak
         return st
 
     # --- transfers ----------------------------------------------------------------------
@@ -257,6 +263,7 @@ def build_pipeline(
         loss_fn,
         store,
         send_releases(actions, all_steps, rank),
+        DTYPES[cfg.train.dtype],
     )
 
 
