@@ -6,7 +6,9 @@ times a calibrated efficiency. Sources of every figure: docs/plan.md.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,3 +75,47 @@ def peak_tflops(device: torch.device, dtype: str) -> float:
         kind = next((d for d in (H200, H100, A100) if d.name in name), H100)
         return kind.peak_tflops[dtype]
     return cpu_core_tflops() * torch.get_num_threads()
+
+
+class Clock:
+    """Timestamps of device work, in seconds on the host's clock.
+
+    On CPU a mark is the host's time. On a GPU the host only enqueues work, so its clock
+    would time kernel launches: a mark is a CUDA event recorded on the current stream,
+    read after the work ran, against an anchor taken once per measured span (the
+    stream drained by a synchronize, then the host's time and an event recorded at once;
+    a synchronize serves where no event can: placing a GPU's times on the host's clock).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._host, self._event = 0.0, None
+
+    def anchor(self) -> None:
+        """Start a measured span (on a GPU: wait for the device once)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._event = self.mark()
+        self._host = time.time()
+
+    def mark(self) -> Any:
+        """Now, on the device's timeline."""
+        if not self.cuda:
+            return time.time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark: Any) -> float:
+        """A mark as seconds since the epoch (on a GPU, waits for the mark's work)."""
+        if not self.cuda:
+            return mark
+        mark.synchronize()
+        return self._host + self._event.elapsed_time(mark) / 1e3
+
+    def interval(self, start: Any, end: Any) -> float:
+        """Seconds between two marks (on a GPU, waits for the later one)."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3

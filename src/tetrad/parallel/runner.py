@@ -10,7 +10,7 @@ which backward may launch reductions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -26,7 +26,11 @@ class RunResult:
     """What one step's forward and backward did on this rank."""
 
     loss: torch.Tensor  # this rank's share of the step's loss (float64, on the device)
-    events: list = field(default_factory=list)  # timed computes (a pipeline's timeline)
+
+    @property
+    def events(self) -> list:
+        """Timed computes (a pipeline's timeline); none here."""
+        return []
 
 
 class GradSync(Protocol):

@@ -63,7 +63,9 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, comm: Comm | None = None):
         validate(cfg, mesh.world_size)
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.comm = comm or Comm()
+        self.comm = comm or Comm(device)
+        if self.comm.device != torch.device(device):
+            raise ValueError(f"Comm is for {self.comm.device}, the trainer computes on {device}")
         self.engine = parallelize(cfg, mesh, self.comm, device)
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
         source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
