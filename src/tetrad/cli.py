@@ -7,6 +7,7 @@ import os
 import sys
 
 from tetrad.config import Config, load_toml, model_preset, validate
+from tetrad.devices import pick
 from tetrad.launch import launch, under_torchrun
 from tetrad.parallel.pipeline.schedules import SCHEDULES
 
@@ -33,6 +34,8 @@ TRAIN_FLAGS = {
     "lr": ("train", "lr", float),
     "seed": ("train", "seed", int),
     "dtype": ("train", "dtype", str),
+    "device": ("train", "device", str),
+    "peak_tflops": ("train", "peak_tflops", float),
     "out": ("train", "out", str),
     "data": ("data", "source", str),
     "checkpoint_every": ("checkpoint", "every", int),
@@ -53,6 +56,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         kw = {"choices": SCHEDULES} if flag == "pp_schedule" else {}
         if flag == "dtype":
             kw = {"choices": ("fp32", "bf16")}
+        if flag == "device":
+            kw = {"choices": ("auto", "cpu", "cuda")}
+        if flag == "peak_tflops":
+            kw = {"help": "declared dense peak of one device, for MFU (default: from the table)"}
         if flag == "zero_stage":
             kw = {"choices": (1, 2, 3)}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, **kw)
@@ -116,6 +123,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if not under_torchrun():
         nproc = fill_world(cfg, args)
         validate(cfg, nproc)
+        t = cfg.train
+        pick(t.device, t.dtype, t.peak_tflops, nproc, 0)  # the device checks, once, here
         from tetrad.train.checkpoint import checkpoint_root, find_resume
 
         find_resume(checkpoint_root(cfg), cfg)  # a refused --out fails once, before launching
