@@ -219,6 +219,10 @@ def build_pipeline(
         store = WeightGradStore()
         defer_weight_grads(model, store)
     seq = cfg.train.seq_len // (p.tp if p.sp else 1)
+    if comm.device.type == "cuda":
+        # NCCL creates a communicator on its first use, with every member; torch requires
+        # that batched p2p not be that first use unless every rank joins the same batch
+        comm.barrier(mesh["pp"])
     return PipelineRuntime(
         model,
         chunks,
