@@ -23,8 +23,11 @@ batch by (time, tensor) keeps every link's sends and receives in one order, whic
 (it matches messages on a link in order, ignoring tags) needs.
 
 gloo posts each operation on its own and completes a send once the receiver has posted
-it; the same program is safe there (check.check_program proves both). A send is waited
-for (and its buffer freed) `slack` computes after it was posted.
+it; the same program is safe there (check.check_program proves both). There a receive
+may also be posted earlier, `early` computes before the one that needs it, so that its
+transfer overlaps that compute: posting blocks nothing on gloo, while on NCCL it would
+block the stream (so `early` is 0 for NCCL; the checker shows why). A send is waited for
+(and its buffer freed) `slack` computes after it was posted.
 """
 
 from __future__ import annotations
@@ -56,8 +59,11 @@ class Wait:
 Item = Post | Wait | Action  # an Action item is a compute (F, B, W or BW)
 
 
-def program(actions: list[list[Action]], slack: int = 1) -> list[list[Item]]:
-    """Every rank's items, in the order its runtime issues them (see the module docstring)."""
+def program(actions: list[list[Action]], slack: int = 1, early: int = 0) -> list[list[Item]]:
+    """Every rank's items, in the order its runtime issues them (see the module docstring).
+
+    early: post each receive up to this many computes before the one needing it (gloo
+    only: under NCCL's semantics only 0 is safe)."""
     tl = simulate(actions, Costs(f=1.0, b=1.0, w=1.0, comm=0.0))
     ends = [[e.end for e in events] for events in tl.ranks]
     made: dict[Wire, float] = {}  # simulated time at which each sent tensor exists
@@ -67,17 +73,17 @@ def program(actions: list[list[Action]], slack: int = 1) -> list[list[Item]]:
             k += a.is_compute
             if a.kind.startswith("SEND"):
                 made[wire(a)] = ends[r][k]
-    return [_rank_program(r, acts, ends[r], made, slack) for r, acts in enumerate(actions)]
+    return [_rank_program(r, acts, ends[r], made, slack, early) for r, acts in enumerate(actions)]
 
 
 def _rank_program(
-    rank: int, acts: list[Action], ends: list[float], made: dict[Wire, float], slack: int
+    rank: int, acts: list[Action], ends: list[float], made: dict, slack: int, early: int
 ) -> list[Item]:
     computes = [a for a in acts if a.is_compute]
     n = len(computes)
     posts: list[list[Action]] = [[] for _ in range(n + 1)]  # point k: before compute k
     waits: list[list[Action]] = [[] for _ in range(n + 1)]
-    k, needed = -1, []
+    k, needed, recv_at = -1, [], {}
     for a in acts:
         if a.is_compute:
             k += 1
@@ -90,8 +96,14 @@ def _rank_program(
             point = bisect_right(ends, made[wire(a)])  # computes ending by the tensor's time
             if point > k + 1:
                 raise ValueError(f"rank {rank}: {a} would be posted after the compute needing it")
-            posts[point].append(a)
+            recv_at[a] = min(point, max(k + 1 - early, 0))
             needed.append(a)
+    # each link's receives in its send order, (time, tensor): none posted after a later one
+    later: dict[int | None, int] = {}
+    for a in sorted(recv_at, key=lambda a: (made[wire(a)], wire(a)), reverse=True):
+        recv_at[a] = later[a.peer] = min(recv_at[a], later.get(a.peer, n))
+    for a, point in recv_at.items():
+        posts[point].append(a)
     items: list[Item] = []
     for k in range(n + 1):
         if posts[k]:

@@ -33,6 +33,9 @@ from tetrad.parallel.pipeline.weightgrad import WeightGradStore, defer_weight_gr
 from tetrad.parallel.runner import GradSync, LossFn, RunResult
 
 Key = tuple[int, int]  # (stage, microbatch)
+# receives posted this many computes early, so their transfer overlaps the compute: gloo
+# (CPU) posts each on its own; on NCCL's in-order stream only 0 is safe (see p2p.py)
+EARLY = {"cpu": 1, "cuda": 0}
 Wire = tuple[str, int, int]  # (direction, stage, microbatch): a tensor on the wire
 
 
@@ -226,7 +229,7 @@ def build_pipeline(
     return PipelineRuntime(
         model,
         chunks,
-        program(actions)[mesh["pp"].rank],
+        program(actions, early=EARLY[comm.device.type])[mesh["pp"].rank],
         mesh,
         comm,
         (cfg.microbatch_size, seq, cfg.model.dim),
