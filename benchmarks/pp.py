@@ -15,8 +15,9 @@ several layers): tetrad 1F1B on its balanced split against the cost-blind even s
 and the simulator's prediction for both.
 
 Every round runs one step of each runner, in an order that rotates between rounds;
-tokens/s is the median over rounds and each ratio the median of the rounds' ratios, so
-load that comes and goes on a shared machine hits both sides of a ratio alike.
+tokens/s is the median over rounds and each ratio the median of the rounds' ratios, with
+its spread (harness.py), so load that comes and goes on a shared machine hits both sides
+of a ratio alike. The peer's optimizer step is harness.py's.
 
 Bubble fraction, two ways. "timeline": 1 - busy / (pp x makespan) from the compute
 intervals tetrad's runtime records (its picture), next to the simulator's prediction at
@@ -35,11 +36,9 @@ With pp=4 on a 2-core machine the ranks share cores: wall times and the cpu bubb
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,19 +46,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tetrad.config import Config, from_dict
-from tetrad.mesh import Mesh
-from tetrad.models.flops import param_count
+import harness
+from tetrad.config import Config
 from tetrad.models.init import materialize
 from tetrad.models.llama import Llama, cross_entropy_sum
-from tetrad.parallel.pipeline import Costs, even_split, llama_layer_costs, simulate_schedule
 from tetrad.parallel.pipeline.measure import ActivationMeter, measure_step, plot_pair
-from tetrad.parallel.pipeline.partition import stage_costs
+from tetrad.parallel.pipeline.partition import even_split, llama_layer_costs, stage_costs
+from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.stage import layer_split, prune, rank_chunks
 from tetrad.testing import spawn
-from tetrad.train.data import Loader, make_source
-from tetrad.train.loop import Trainer
-from tetrad.train.optim import build_optimizer, lr_at, set_lr
 
 MODEL = {"layers": 8, "dim": 256, "heads": 8, "kv_heads": 4, "vocab": 8192}
 BIG_VOCAB = 32000  # the split phase: the head then costs several layers
@@ -70,16 +65,8 @@ def bench_config(
     pp: int, schedule: str = "1f1b", split: str = "", vocab: int = MODEL["vocab"]
 ) -> Config:
     """The benchmark job: 8 x 128 tokens per step, synthetic data, pp = world."""
-    return from_dict(
-        {
-            "model": MODEL | {"vocab": vocab},
-            "parallel": {
-                "pp": pp, "pp_schedule": schedule, "microbatches": MICROBATCHES, "pp_split": split,
-            },
-            "train": {"global_batch": 8, "seq_len": 128, "steps": 10**6, "progress": False},
-            "data": {"source": "synthetic"},
-        }
-    )  # fmt: skip
+    p = {"pp": pp, "pp_schedule": schedule, "microbatches": MICROBATCHES, "pp_split": split}
+    return harness.job(MODEL | {"vocab": vocab}, p, 10**6, batch=8, data="synthetic")
 
 
 class TetradRunner:
@@ -87,19 +74,15 @@ class TetradRunner:
 
     def __init__(self, cfg: Config, rank: int):
         self.cfg = cfg
-        self.mesh = Mesh.build({"pp": cfg.parallel.pp, "dp": 1, "fsdp": 1, "tp": 1}, rank)
-        self.trainer = Trainer(cfg, self.mesh, torch.device("cpu"))
+        self.trainer, self.train_step = harness.tetrad_trainer(cfg, rank, pp=cfg.parallel.pp)
         self.timeline = None
-
-    def train_step(self) -> float:
-        return self.trainer.train_step().loss
 
     def after_step(self) -> dict[str, float]:
         """Measured and simulated bubble of the step just run, and peak activations."""
-        state = self.trainer.engine.pipeline_state
-        p = self.cfg.parallel
+        state = self.trainer.engine.last_run  # the runtime's record of its last step
+        p, t = self.cfg.parallel, self.trainer
         measured, simulated = measure_step(
-            state.events, self.trainer.comm, self.mesh["pp"], p.pp_schedule, p.microbatches
+            state.events, t.comm, t.mesh["pp"], p.pp_schedule, p.microbatches
         )
         self.timeline = (measured, simulated)
         return {
@@ -130,7 +113,7 @@ class PeerRunner:
             ScheduleInterleavedZeroBubble,
         )
 
-        self.cfg, self.rank, self.world, self.step = cfg, rank, world, 0
+        self.rank, self.world = rank, world
         with torch.device("meta"):
             model = Llama(cfg.model)
         (chunk,) = rank_chunks(cfg, rank)
@@ -147,9 +130,8 @@ class PeerRunner:
         m = cfg.parallel.microbatches
         kind = ScheduleInterleavedZeroBubble if zero_bubble else Schedule1F1B
         self.schedule = kind([stage] if zero_bubble else stage, m, loss_fn=loss, scale_grads=False)
-        self.optimizer = build_optimizer(list(model.named_parameters()), cfg.train)
-        source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
-        self.loader = Loader(source, cfg.train.global_batch, cfg.train.seq_len, 0, 1, 1)
+        self.optimizer = harness.PeerOptimizer(model, cfg.train, plain_sharded=True)
+        self.loader = harness.peer_loader(cfg)
 
     def _metered(self, fn):
         def run(*args):
@@ -159,7 +141,7 @@ class PeerRunner:
         return run
 
     def train_step(self) -> float:
-        """One optimizer step; the last rank returns the mean token loss (others 0)."""
+        """One optimizer step; returns the mean token loss (the last rank computes it)."""
         (batch,) = self.loader.next()
         self.denom = float((batch.targets != -100).sum())
         self.meter.reset(self.model.parameters())
@@ -170,21 +152,8 @@ class PeerRunner:
             self.schedule.step(target=batch.targets, losses=losses)
         else:
             self.schedule.step()
-        self._clip_and_step()
-        return float(sum(float(x.detach()) for x in losses))
-
-    def _clip_and_step(self) -> None:
-        """tetrad's clipping (one world all-reduce of the squared norm) and AdamW."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum().reshape(1)
-        dist.all_reduce(sq)
-        norm, clip = math.sqrt(float(sq)), self.cfg.train.grad_clip
-        if clip > 0 and norm > clip:
-            torch._foreach_mul_(grads, clip / (norm + 1e-6))
-        set_lr(self.optimizer, lr_at(self.step, self.cfg.train))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        own = torch.stack(losses).sum() if losses else torch.zeros(())
+        return self.optimizer.step(own)
 
     def after_step(self) -> dict[str, float]:
         return {"act_bytes": float(self.meter.peak)}
@@ -219,7 +188,7 @@ def worker(rank: int, world: int, rounds: int, timelines: str) -> dict:
         "torch-1f1b": PeerRunner(bench_config(world), rank, world, zero_bubble=False),
         "torch-zb": PeerRunner(bench_config(world), rank, world, zero_bubble=True),
     }
-    out = {"schedules": _rounds(schedules, rounds)}
+    out = {"schedules": _timed_rounds(schedules, rounds)}
     if timelines and rank == 0:  # the last round's step of each tetrad schedule
         Path(timelines).mkdir(parents=True, exist_ok=True)
         for name in ("tetrad-1f1b", "tetrad-zb-h1"):
@@ -232,21 +201,18 @@ def worker(rank: int, world: int, rounds: int, timelines: str) -> dict:
         "balanced": TetradRunner(bench_config(world, vocab=BIG_VOCAB), rank),
         "even": TetradRunner(bench_config(world, split=even, vocab=BIG_VOCAB), rank),
     }
-    out["splits"] = _rounds(splits, rounds)
+    out["splits"] = _timed_rounds(splits, rounds)
     out["split_costs"] = {name: r.timeline[0].meta["costs"] for name, r in splits.items()}
     return out
 
 
-def _rounds(runners: dict, rounds: int) -> dict[str, list[dict]]:
+def _timed_rounds(runners: dict, rounds: int) -> dict[str, list[dict]]:
     """Round r runs one step of each runner, the order rotated by r. Round 0 warms up
     (allocators, connections, shapes) and is dropped from the statistics, but its loss,
     from the same initial weights and batch, is kept to compare implementations."""
-    rows: dict[str, list[dict]] = {name: [] for name in runners}
-    names = list(runners)
-    for r in range(rounds + 1):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            rows[name].append(_timed_step(runners[name]))
-    return rows
+    return harness.alternate(
+        {name: partial(_timed_step, r) for name, r in runners.items()}, rounds + 1
+    )
 
 
 def _entry(steps: list[dict], pp: int) -> dict[str, Any]:
@@ -267,28 +233,31 @@ def _entry(steps: list[dict], pp: int) -> dict[str, Any]:
 
 def summarize(pp: int, ranks: list[dict]) -> dict[str, Any]:
     """One result row per pp: medians over rounds and ratios of paired rounds."""
-    rows, last = ranks[0]["schedules"], ranks[-1]["schedules"]
+    rows = ranks[0]["schedules"]
     out: dict[str, Any] = {"pp": pp, "split": layer_split(bench_config(pp))}
-    # the loss of step 0 (same weights, same batch); the peer reports it on the last rank
+    # the loss of step 0 (same weights, same batch)
     out["step0_loss"] = {
         "tetrad": rows["tetrad-1f1b"][0]["loss"],
-        "torch": last["torch-1f1b"][0]["loss"],
+        "torch": rows["torch-1f1b"][0]["loss"],
     }
     rows = {name: steps[1:] for name, steps in rows.items()}
     out |= {name: _entry(steps, pp) for name, steps in rows.items()}
-    out["ratios"] = {
-        "tetrad-1f1b / torch-1f1b tokens/s": _ratio(rows, "tetrad-1f1b", "torch-1f1b"),
-        "tetrad-zb-h1 / torch-zb tokens/s": _ratio(rows, "tetrad-zb-h1", "torch-zb"),
-        "tetrad-zb-h1 / tetrad-1f1b tokens/s": _ratio(rows, "tetrad-zb-h1", "tetrad-1f1b"),
-        "zb-h1 / 1f1b bubble, measured": round(
-            out["tetrad-zb-h1"]["bubble_timeline"] / out["tetrad-1f1b"]["bubble_timeline"], 3
+    ratios = {
+        "tetrad-1f1b / torch-1f1b tokens/s": _paired(rows, "torch-1f1b", "tetrad-1f1b", "wall"),
+        "tetrad-zb-h1 / torch-zb tokens/s": _paired(rows, "torch-zb", "tetrad-zb-h1", "wall"),
+        "tetrad-zb-h1 / tetrad-1f1b tokens/s": _paired(rows, "tetrad-1f1b", "tetrad-zb-h1", "wall"),
+        "zb-h1 / 1f1b bubble, measured": _paired(
+            rows, "tetrad-zb-h1", "tetrad-1f1b", "bubble_timeline"
         ),
-        "zb-h1 / 1f1b bubble, simulated at measured costs": round(
-            out["tetrad-zb-h1"]["bubble_simulated"] / out["tetrad-1f1b"]["bubble_simulated"], 3
+        "zb-h1 / 1f1b bubble, simulated at measured costs": _paired(
+            rows, "tetrad-zb-h1", "tetrad-1f1b", "bubble_simulated"
         ),
     }
+    out["ratios"] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
+    out["ratio_spreads"] = {k: harness.spread(v) for k, v in ratios.items()}
     out["zb-h1 measured costs (s)"] = _round_costs(ranks[0]["zb_costs"])
     splits = {name: steps[1:] for name, steps in ranks[0]["splits"].items()}
+    gain = _paired(splits, "even", "balanced", "wall")
     out["split_vocab_32000"] = {
         "balanced": {"split": layer_split(bench_config(pp, vocab=BIG_VOCAB))}
         | _entry(splits["balanced"], pp)
@@ -296,7 +265,8 @@ def summarize(pp: int, ranks: list[dict]) -> dict[str, Any]:
         "even": {"split": even_split(MODEL["layers"], pp)}
         | _entry(splits["even"], pp)
         | {"measured costs (s)": _round_costs(ranks[0]["split_costs"]["even"])},
-        "balanced / even tokens/s": _ratio(splits, "balanced", "even"),
+        "balanced / even tokens/s": round(statistics.median(gain), 3),
+        "balanced / even tokens/s, spread": harness.spread(gain),
         "simulated": simulate_split(pp),
     }
     return out
@@ -309,9 +279,10 @@ def _round_costs(costs: dict) -> dict:
     }
 
 
-def _ratio(rows: dict[str, list[dict]], a: str, b: str) -> float:
-    """Median over rounds of a's tokens/s over b's (each round's steps ran back to back)."""
-    return round(statistics.median(sb["wall"] / sa["wall"] for sa, sb in zip(rows[a], rows[b])), 3)
+def _paired(rows: dict[str, list[dict]], a: str, b: str, key: str) -> list[float]:
+    """a's `key` over b's, round by round (each round's steps ran back to back); with the
+    wall time, b's tokens/s over a's."""
+    return [sa[key] / sb[key] for sa, sb in zip(rows[a], rows[b])]
 
 
 def simulate_split(pp: int) -> dict[str, Any]:
@@ -335,9 +306,7 @@ def simulate_split(pp: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--rounds", type=int, default=8)
+    p = harness.arguments(__doc__, "--pp", steps=0, rounds=8)
     p.add_argument("--timelines", default="", help="write pp=4 timeline pictures under DIR")
     args = p.parse_args()
     results = []
@@ -346,20 +315,9 @@ def main() -> None:
         timelines = args.timelines if pp == max(args.pp) else ""
         ranks = spawn(worker, pp, args.rounds, timelines, timeout=900)
         results.append(summarize(pp, ranks))
-    report = {
-        "benchmark": "pp",
-        "model": MODEL,
-        "params": param_count(bench_config(2).model),
-        "tokens_per_step": 8 * 128,
-        "microbatches": MICROBATCHES,
-        "backend": "gloo",
-        "threads_per_rank": 1,
-        "torch": torch.__version__,
-        "rounds": args.rounds,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "results": results,
-    }
-    print(json.dumps(report, indent=2))
+    harness.report("pp", bench_config(2), results, tokens_per_step=8 * 128,
+                   microbatches=MICROBATCHES, rounds=args.rounds,
+                   seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,23 +15,19 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_close_run
+from harness import assert_close_run, tiny_config, trainer_for
 from tetrad.config import validate
-from tetrad.testing import spawn, tiny_config
+from tetrad.testing import spawn
 from tetrad.train import checkpoint
 
 
 def _jobs(rank: int, world: int, jobs: list[tuple[dict, int | None]]) -> list[dict]:
     """Per (config, stop): build a trainer, resume (if configured), train to `stop`."""
     from tetrad.config import from_dict
-    from tetrad.mesh import Mesh
-    from tetrad.train.loop import Trainer
 
     out = []
     for raw, stop in jobs:
-        cfg = from_dict(raw)
-        degrees = {a: getattr(cfg.parallel, a) for a in ("pp", "dp", "fsdp", "tp")}
-        trainer = Trainer(cfg, Mesh.build(degrees, rank), torch.device("cpu"))
+        trainer = trainer_for(from_dict(raw), rank)
         start = trainer.resume()
         rows = trainer.fit(stop=stop)
         state = trainer.engine.full_state_dict()
@@ -80,13 +76,8 @@ def test_resume_reproduces_the_straight_run(reference, interrupted, tmp_path):
 
 def test_adam_state_is_restored_not_restarted(interrupted):
     from tetrad.config import from_dict
-    from tetrad.mesh import Mesh
-    from tetrad.train.loop import Trainer
 
-    cfg = from_dict(_cfg(interrupted[0], resume=True))
-    trainer = Trainer(
-        cfg, Mesh.build({"pp": 1, "dp": 1, "fsdp": 1, "tp": 1}, 0), torch.device("cpu")
-    )
+    trainer = trainer_for(from_dict(_cfg(interrupted[0], resume=True)), 0)
     assert trainer.resume() == 10
     ckpt = checkpoint.read(interrupted[0] / "checkpoints" / "step_00000010")
     for name, p in trainer.engine.named_parameters():
@@ -98,6 +89,7 @@ def test_adam_state_is_restored_not_restarted(interrupted):
     assert trainer.loader.state_dict() == {"step": 10}
 
 
+@pytest.mark.distributed
 def test_resharding_across_layouts(reference, tmp_path):
     """Saved under dp=2 and resumed under tp=2, pp=2 (1f1b), fsdp=2 zero-3 and zero-1;
     saved under fsdp=2 zero-3 and under tp=2, resumed on one process."""

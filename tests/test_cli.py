@@ -30,6 +30,7 @@ def read_metrics(path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.distributed
 def test_train_dp4_matches_single_process(tmp_path):
     runs = {}
     for nproc, extra in ((1, []), (4, ["--dp", "4"])):

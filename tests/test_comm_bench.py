@@ -57,6 +57,7 @@ def tetrad(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.distributed
 def test_bench_comm_small(tmp_path):
     path = tmp_path / "comm.json"
     res = tetrad(

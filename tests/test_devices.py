@@ -98,14 +98,12 @@ def test_paths_put_their_collective_tensors_on_the_compute_device():
 def test_metrics_agreement_and_bench_use_the_compute_device():
     """The same proof for the metrics row, the checkpoint agreement and bench comm's
     agreement on the slowest rank (a single process: the collectives are local)."""
+    from harness import tiny_config, trainer_for
     from tetrad.commbench import _slowest
-    from tetrad.mesh import Mesh
-    from tetrad.testing import tiny_config
     from tetrad.train import checkpoint
-    from tetrad.train.loop import StepResult, Trainer
+    from tetrad.train.loop import StepResult
 
-    cfg = tiny_config()
-    trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, 0), torch.device("cpu"))
+    trainer = trainer_for(tiny_config(), 0)
     with torch.device("meta"):
         row = trainer.metrics(StepResult(1.0, 2.0, 64, False), 0.5, 100.0)
         checkpoint.agree(trainer.engine, None, "save")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_close_run
+from harness import assert_close_run, run_layout, tiny_config, trainer_for
 from tetrad.models.flops import param_count
-from tetrad.testing import run_layout, spawn, tiny_config
+from tetrad.testing import spawn
+
+pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("dp,microbatches", [(2, 1), (4, 1), (2, 2), (4, 2)], ids=lambda v: str(v))
@@ -32,12 +34,8 @@ def test_dp_comm_volume_is_theoretical():
 
 def _nan_worker(rank: int, world: int, cfg_dict: dict) -> list[bool]:
     from tetrad.config import from_dict
-    from tetrad.mesh import Mesh
-    from tetrad.train.loop import Trainer
 
-    cfg = from_dict(cfg_dict)
-    mesh = Mesh.build({"pp": 1, "dp": world, "fsdp": 1, "tp": 1}, rank)
-    trainer = Trainer(cfg, mesh, torch.device("cpu"))
+    trainer = trainer_for(from_dict(cfg_dict), rank)
     before = {n: p.detach().clone() for n, p in trainer.engine.named_parameters()}
     if rank == 1:  # poison one gradient on one rank during step 0 only
         p = trainer.engine.model.layers["0"].attention.wq.weight

@@ -18,7 +18,11 @@ from tetrad.mesh import Group
 
 pytestmark = pytest.mark.cuda
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+
+
+def two_gpus(test):
+    """Needs 2 GPUs, and starts 2 ranks through torchrun."""
+    return pytest.mark.distributed(pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")(test))
 
 
 def test_clock_times_the_device_not_the_launch():
@@ -41,8 +45,8 @@ def test_comm_refuses_a_host_tensor():
 
 
 def test_bf16_steps_on_one_gpu():
+    from harness import tiny_config
     from tetrad.mesh import Mesh
-    from tetrad.testing import tiny_config
     from tetrad.train.loop import Trainer
 
     cfg = tiny_config(train={"dtype": "bf16", "device": "cuda", "peak_tflops": 1.0})

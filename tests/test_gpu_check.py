@@ -43,6 +43,7 @@ def test_bad_flags_exit_2_with_a_message(capsys):
     assert "gpu_check: error: --gpus must be >= 1, got -1" in capsys.readouterr().err
 
 
+@pytest.mark.distributed  # starts the script's process
 def test_without_a_gpu_it_says_so():
     """On this machine (no GPU) the script refuses plainly instead of guessing figures."""
     proc = subprocess.run(

@@ -4,11 +4,10 @@ against a live single-process run (the multi-process layouts are in test_zero.py
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
-import torch
 
+from harness import reference_csv, tiny_config, trainer_for
 from tetrad.config import model_preset
 from tetrad.models.flops import param_count
 from tetrad.parallel.memory import (
@@ -20,9 +19,7 @@ from tetrad.parallel.memory import (
     zero_formula_bytes,
 )
 from tetrad.parallel.zero import plan_units
-from tetrad.testing import tiny_config
 
-REFERENCE_CSV = Path("/work/shared/reference/zero_model_state_memory.csv")
 STAGES = {"baseline DP": 0, "P_os (ZeRO-1)": 1, "P_os+g (ZeRO-2)": 2, "P_os+g+p (ZeRO-3)": 3}
 
 
@@ -32,9 +29,8 @@ def test_formula_reproduces_the_papers_worked_example():
     assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
 
 
-@pytest.mark.skipif(not REFERENCE_CSV.exists(), reason="reference table not available")
 def test_formula_matches_reference_table():
-    with open(REFERENCE_CSV) as fh:
+    with open(reference_csv("zero_model_state_memory.csv")) as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) > 40
     for row in rows:
@@ -99,13 +95,8 @@ def test_predicted_is_the_formula_up_to_padding(name, model, n, dtype):
 
 def test_plain_data_parallel_measured_equals_predicted():
     """fsdp = 1 (one process here): 4 + 4 + 8 bytes per parameter plus the step counters."""
-    from tetrad.mesh import Mesh
-    from tetrad.train.loop import Trainer
-
     cfg = tiny_config(train={"steps": 2})
-    trainer = Trainer(
-        cfg, Mesh.build({"pp": 1, "dp": 1, "fsdp": 1, "tp": 1}, 0), torch.device("cpu")
-    )
+    trainer = trainer_for(cfg, 0)
     found = measure_at_each_step(trainer.engine, trainer.optimizer)
     trainer.train_step()
     psi = param_count(cfg.model)

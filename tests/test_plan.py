@@ -1,9 +1,9 @@
 """The planner against the literature's formulas and published measurements; no processes.
 
-Published rows are copied below (with their source) from /work/shared/reference so the
-tests run from a clean clone; when the reference CSVs are present, a test checks the
-copies. `python tests/test_plan.py` prints the predicted-vs-published tables of
-docs/plan.md.
+Published rows are copied below (with their source) from the reference CSVs, which live
+beside the repository (harness.REFERENCE), so the tests run from a clean clone; when the
+CSVs are present, a test checks the copies. `python tests/test_plan.py` prints the
+predicted-vs-published tables of docs/plan.md.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import reference_csv
 from tetrad.config import ModelConfig, model_preset
 from tetrad.models.flops import param_count
 from tetrad.parallel.memory import model_state_bytes, zero_formula_bytes
@@ -26,7 +27,6 @@ from tetrad.plan.cost import ENGINES, MEGATRON, Planner, gpt_as_llama, layout_co
 from tetrad.plan.hardware import GiB, calibrated, cluster_preset
 from tetrad.plan.search import Space, search
 
-REFERENCE = Path("/work/shared/reference")
 ROOT = Path(__file__).resolve().parents[1]
 
 # --- published rows -----------------------------------------------------------------------
@@ -174,10 +174,8 @@ def test_gpt_layer_reproduces_korthikanti(key, s, b, h, a, t):
     assert got == pytest.approx(KORTHIKANTI[key](s, b, h, a, t), rel=1e-12)
 
 
-@pytest.mark.skipif(not (REFERENCE / "activation_memory_formulas.csv").exists(),
-                    reason="reference CSVs not available")  # fmt: skip
 def test_korthikanti_table_is_the_csv():
-    with open(REFERENCE / "activation_memory_formulas.csv") as fh:
+    with open(reference_csv("activation_memory_formulas.csv")) as fh:
         formulas = [r["bytes_per_transformer_layer"] for r in csv.DictReader(fh)]
     assert "s*b*h*(34 + 5*a*s/h)" in formulas and "s*b*h*2" in formulas
     assert "s*b*h*(10 + 24/t + 5*a*s/(h*t))" in formulas and "s*b*h*(10 + 24/t)" in formulas
@@ -296,17 +294,17 @@ def test_throughput_against_published_rows(rows):
     assert len(rows) == len(MEGATRON_ROWS) + len(TORCHTITAN_ROWS)
 
 
-@pytest.mark.skipif(not (REFERENCE / "megatron_h100_readme_table.csv").exists(),
-                    reason="reference CSVs not available")  # fmt: skip
 def test_copied_rows_match_the_csvs():
-    with open(REFERENCE / "megatron_h100_readme_table.csv") as fh:
+    megatron = reference_csv("megatron_h100_readme_table.csv")
+    torchtitan = reference_csv("torchtitan_bench.csv")
+    with open(megatron) as fh:
         csv_rows = list(csv.DictReader(fh))
     got = [(r["model_size"], int(r["attention_heads"]), int(r["hidden_size"]),
             int(r["num_layers"]), int(r["tp"]), int(r["pp"]), int(r["dp"]),
             int(r["global_batch_size_seqs"]), float(r["achieved_tflops_per_gpu"]))
            for r in csv_rows]  # fmt: skip
     assert got == MEGATRON_ROWS
-    with open(REFERENCE / "torchtitan_bench.csv") as fh:
+    with open(torchtitan) as fh:
         tt = [(r["model"], r["tokens_per_s_per_gpu"]) for r in csv.DictReader(fh)]
     for row in TORCHTITAN_ROWS:
         assert any(float(tps) == row[10] for _, tps in tt if tps), row

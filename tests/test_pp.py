@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_close_run
-from tetrad.testing import run_layouts, tiny_config
+from harness import assert_close_run, run_layouts, tiny_config
+
+pytestmark = pytest.mark.distributed
 
 MODEL = {"layers": 4}
 TRAIN = {"global_batch": 24}

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from harness import tiny_config, trainer_for
 from tetrad.parallel.pipeline.measure import ActivationMeter, estimate_costs
 from tetrad.parallel.pipeline.timeline import Event, Timeline
-from tetrad.testing import spawn, tiny_config
+from tetrad.testing import spawn
 
 # Absolute tolerance on the bubble fraction (share of pp x step time left idle), for the
 # best-matching of the timed steps. The simulator is fed per-stage medians, so it cannot
@@ -38,16 +39,13 @@ STEPS = 8  # the first step warms up allocators and connections; the other 7 are
 
 def _timeline_worker(rank: int, world: int, out_dir: str) -> dict:
     from tetrad.config import from_dict
-    from tetrad.mesh import Mesh
     from tetrad.parallel.pipeline.measure import measure_step
-    from tetrad.train.loop import Trainer
     from tetrad.train.run import write_step_timeline
 
     result = {}
     for schedule in ("1f1b", "zb-h1"):
-        cfg = from_dict(_config(schedule).to_dict())
-        mesh = Mesh.build({"pp": 2, "dp": 1, "fsdp": 1, "tp": 1}, rank)
-        trainer = Trainer(cfg, mesh, torch.device("cpu"))
+        trainer = trainer_for(from_dict(_config(schedule).to_dict()), rank)
+        pp = trainer.mesh["pp"]
         pairs = []
         for step in range(STEPS):
             cpu = time.thread_time()
@@ -55,9 +53,9 @@ def _timeline_worker(rank: int, world: int, out_dir: str) -> dict:
             events = trainer.engine.last_run.events
             mine = torch.tensor([(time.thread_time() - cpu) / sum(e.duration for e in events)])
             shares = torch.empty(2)
-            trainer.comm.all_gather(shares, mine, mesh["pp"])
+            trainer.comm.all_gather(shares, mine, pp)
             share = shares.min()  # the least served rank
-            measured, simulated = measure_step(events, trainer.comm, mesh["pp"], schedule, 4)
+            measured, simulated = measure_step(events, trainer.comm, pp, schedule, 4)
             if step > 0:
                 pairs.append((measured.bubble_fraction, simulated.bubble_fraction, float(share)))
         write_step_timeline(trainer, f"{out_dir}/{schedule}")  # what --timeline DIR runs
@@ -75,6 +73,7 @@ def _config(schedule: str):
     )
 
 
+@pytest.mark.distributed
 def test_measured_bubble_matches_the_simulator_and_pictures_are_written(tmp_path):
     result = spawn(_timeline_worker, 2, str(tmp_path), timeout=150)[0]
     busy = []

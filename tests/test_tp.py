@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from conftest import assert_close_run
+from harness import assert_close_run, run_layouts, tiny_config, trainer_for
 from tetrad.config import validate
-from tetrad.testing import run_layouts, spawn, tiny_config
+from tetrad.testing import spawn
 
 # Layouts by world size, each group trained in one set of processes: name -> (parallel,
 # model overrides). kv_heads=2 is == tp at tp=2 and < tp at tp=4 (each kv head replicated
@@ -28,6 +27,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_tp_matches_single_process(reference, world):
     cases = LAYOUTS[world]
@@ -43,15 +43,12 @@ def test_tp_matches_single_process(reference, world):
 
 
 def _comm_worker(rank: int, world: int, dicts: list[dict]) -> list[dict]:
-    """One step of each config on the same mesh; the comm layer's counts for that step."""
+    """One step of each config; the comm layer's counts for that step."""
     from tetrad.config import from_dict
-    from tetrad.mesh import Mesh
-    from tetrad.train.loop import Trainer
 
-    mesh = Mesh.build({"pp": 1, "dp": 1, "fsdp": 1, "tp": world}, rank)
     out = []
     for raw in dicts:
-        trainer = Trainer(from_dict(raw), mesh, torch.device("cpu"))
+        trainer = trainer_for(from_dict(raw), rank)
         trainer.comm.reset()
         trainer.train_step()
         out.append(trainer.comm.summary())
@@ -66,6 +63,7 @@ def _calls(summary: dict, op: str) -> int:
     return summary.get(f"tp/{op}", {}).get("calls", 0)
 
 
+@pytest.mark.distributed
 def test_tp_comm_volume_per_layer_is_megatron():
     """Per layer per microbatch: 8·b·s·h·(t-1)/t elements on the bus, with SP or without.
 

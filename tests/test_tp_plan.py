@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
+from harness import tiny_config
 from tetrad.comm import Comm
 from tetrad.mesh import Group, Mesh
 from tetrad.models.init import build_model, materialize
 from tetrad.models.llama import Llama, RMSNorm, cross_entropy_sum
 from tetrad.models.plans import LLAMA_PLAN, STYLES, assign, matches, style_of
 from tetrad.parallel.tensor import VocabParallelCrossEntropy, apply_tp, shard_index, vocab_range
-from tetrad.testing import tiny_config
 
 
 def _meta_llama(**model) -> nn.Module:

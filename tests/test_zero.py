@@ -10,24 +10,22 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from conftest import assert_close_run
-from tetrad.testing import spawn, tiny_config
+from harness import assert_close_run, tiny_config, trainer_for
+from tetrad.testing import spawn
+
+pytestmark = pytest.mark.distributed
 
 
 def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
     """Train each config in turn; per run: losses, norms, one step's comm, memory, weights."""
     from tetrad.config import from_dict
-    from tetrad.mesh import Mesh
     from tetrad.parallel.memory import measure_at_each_step, model_state_bytes
-    from tetrad.train.loop import Trainer
 
     out = []
     for raw in runs:
         cfg = from_dict(raw)
-        degrees = {a: getattr(cfg.parallel, a) for a in ("pp", "dp", "fsdp", "tp")}
-        trainer = Trainer(cfg, Mesh.build(degrees, rank), torch.device("cpu"))
+        trainer = trainer_for(cfg, rank)
         at_step = measure_at_each_step(trainer.engine, trainer.optimizer)
         losses, norms, comm = [], [], None
         for step in range(cfg.train.steps):

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tetrad.config import Config, from_dict
 from tetrad.launch import free_port
 
 
@@ -126,61 +125,3 @@ def _collect(procs, results, world: int, timeout: float) -> list[Any]:
             raise RuntimeError(f"rank {rank} of {world} failed:\n{payload}")
         out[rank] = _unpack(payload)
     return [out[r] for r in range(world)]
-
-
-def tiny_config(**overrides: dict[str, Any]) -> Config:
-    """The float32 test model: tiny Llama, synthetic data, 20 steps, no progress display."""
-    base = {
-        "model": {"layers": 2, "dim": 32, "heads": 4, "kv_heads": 2, "vocab": 64},
-        "train": {
-            "steps": 20, "global_batch": 8, "seq_len": 16, "lr": 3e-3,
-            "warmup_steps": 2, "progress": False,
-        },
-        "data": {"source": "synthetic"},
-    }  # fmt: skip
-    for section, values in overrides.items():
-        base.setdefault(section, {}).update(values)
-    return from_dict(base)
-
-
-def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """Train a config on this rank; return losses, norms, comm stats and the full weights."""
-    from tetrad.mesh import Mesh
-    from tetrad.train.loop import Trainer
-
-    cfg = from_dict(cfg_dict)
-    degrees = cfg.parallel.degrees
-    mesh = Mesh.build(degrees, rank)
-    trainer = Trainer(cfg, mesh, torch.device("cpu"))
-    rows = trainer.fit()
-    state = trainer.engine.full_state_dict()
-    return {
-        "losses": [r["loss"] for r in rows],
-        "grad_norms": [r["grad_norm"] for r in rows],
-        "skipped": [r["skipped"] for r in rows],
-        "comm": trainer.comm.summary(),
-        "state": state if rank == 0 else None,
-    }
-
-
-def train_many(rank: int, world: int, cfg_dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Several trainings, one after the other, in one set of processes (saves start-ups)."""
-    return [train_worker(rank, world, raw) for raw in cfg_dicts]
-
-
-def run_layouts(cfgs: list[Config], timeout: float = 600.0) -> list[dict[str, Any]]:
-    """Train configs of one world size in one spawn; rank 0's results in order."""
-    worlds = {c.parallel.world_size for c in cfgs}
-    if len(worlds) != 1:
-        raise ValueError(f"run_layouts needs one world size, got {sorted(worlds)}")
-    raws = [c.to_dict() for c in cfgs]
-    return spawn(train_many, worlds.pop(), raws, timeout=timeout)[0]
-
-
-def run_layout(cfg: Config, timeout: float = 240.0) -> dict[str, Any]:
-    """Train `cfg` on its world size (in-process when 1); rank 0's result."""
-    world = cfg.parallel.world_size
-    raw = cfg.to_dict()
-    if world == 1:
-        return train_worker(0, 1, raw)
-    return spawn(train_worker, world, raw, timeout=timeout)[0]

@@ -1,0 +1,110 @@
+"""The test harness: the tiny test model, training runs on one rank or several, the
+comparison of two runs, and where the reference CSVs live.
+
+Test-only; what users need (`spawn`) is in `tetrad.testing`. Tests import these with
+`from harness import ...`: pytest puts tests/ on sys.path, and spawned ranks inherit it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tetrad.config import Config, from_dict
+from tetrad.mesh import Mesh
+from tetrad.testing import spawn
+from tetrad.train.loop import Trainer
+
+# The shared/ folder beside the repository (not part of it: a clean clone skips its tests)
+REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+
+
+def reference_csv(name: str) -> Path:
+    """The path of reference CSV `name`; skips the calling test when it is not there."""
+    path = REFERENCE / name
+    if not path.exists():
+        where = path if REFERENCE.is_dir() else REFERENCE
+        pytest.skip(
+            f"reference CSVs not found at {where} (the shared/ folder beside the repository)"
+        )
+    return path
+
+
+def tiny_config(**overrides: dict[str, Any]) -> Config:
+    """The float32 test model: tiny Llama, synthetic data, 20 steps, no progress display."""
+    base = {
+        "model": {"layers": 2, "dim": 32, "heads": 4, "kv_heads": 2, "vocab": 64},
+        "train": {
+            "steps": 20, "global_batch": 8, "seq_len": 16, "lr": 3e-3,
+            "warmup_steps": 2, "progress": False,
+        },
+        "data": {"source": "synthetic"},
+    }  # fmt: skip
+    for section, values in overrides.items():
+        base.setdefault(section, {}).update(values)
+    return from_dict(base)
+
+
+def trainer_for(cfg: Config, rank: int) -> Trainer:
+    """This rank's CPU trainer of `cfg` on the mesh of its degrees (process group joined)."""
+    return Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+
+
+def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """Train a config on this rank; return losses, norms, comm stats and the full weights."""
+    trainer = trainer_for(from_dict(cfg_dict), rank)
+    rows = trainer.fit()
+    state = trainer.engine.full_state_dict()
+    return {
+        "losses": [r["loss"] for r in rows],
+        "grad_norms": [r["grad_norm"] for r in rows],
+        "skipped": [r["skipped"] for r in rows],
+        "comm": trainer.comm.summary(),
+        "state": state if rank == 0 else None,
+    }
+
+
+def train_many(rank: int, world: int, cfg_dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several trainings, one after the other, in one set of processes (saves start-ups)."""
+    return [train_worker(rank, world, raw) for raw in cfg_dicts]
+
+
+def run_layouts(cfgs: list[Config], timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Train configs of one world size in one spawn; rank 0's results in order."""
+    worlds = {c.parallel.world_size for c in cfgs}
+    if len(worlds) != 1:
+        raise ValueError(f"run_layouts needs one world size, got {sorted(worlds)}")
+    raws = [c.to_dict() for c in cfgs]
+    return spawn(train_many, worlds.pop(), raws, timeout=timeout)[0]
+
+
+def run_layout(cfg: Config, timeout: float = 240.0) -> dict[str, Any]:
+    """Train `cfg` on its world size (in-process when 1); rank 0's result."""
+    world = cfg.parallel.world_size
+    raw = cfg.to_dict()
+    if world == 1:
+        return train_worker(0, 1, raw)
+    return spawn(train_worker, world, raw, timeout=timeout)[0]
+
+
+def assert_close_run(got: dict, ref: dict, rtol: float = 1e-5) -> None:
+    """Per-step losses, grad norms and final weights equal to the reference (relative rtol)."""
+    torch.testing.assert_close(
+        torch.tensor(got["losses"], dtype=torch.float64),
+        torch.tensor(ref["losses"], dtype=torch.float64),
+        rtol=rtol, atol=0,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(got["grad_norms"], dtype=torch.float64),
+        torch.tensor(ref["grad_norms"], dtype=torch.float64),
+        rtol=rtol, atol=0,
+    )  # fmt: skip
+    assert got["state"].keys() == ref["state"].keys()
+    # Weights: norm-wise relative error per tensor. Adam turns round-off in near-zero
+    # gradients into visible element-wise differences, so element-wise rtol is too strict.
+    for name, value in ref["state"].items():
+        err = float((got["state"][name].double() - value.double()).norm() / value.double().norm())
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
