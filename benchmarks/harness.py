@@ -33,7 +33,7 @@ from tetrad.mesh import Mesh
 from tetrad.models.flops import param_count
 from tetrad.models.init import materialize
 from tetrad.models.llama import Llama
-from tetrad.train.data import Loader, make_source
+from tetrad.train.data import Loader, source_of
 from tetrad.train.loop import Trainer
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 
@@ -89,7 +89,7 @@ def peer_model(cfg: Config) -> Llama:
 
 def peer_loader(cfg: Config, data_rank: int = 0, data_ranks: int = 1) -> Loader:
     """The loader tetrad's trainer would give this data rank (one microbatch per step)."""
-    source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
+    source = source_of(cfg)
     t = cfg.train
     return Loader(source, t.global_batch, t.seq_len, data_rank, data_ranks, 1)
 

@@ -27,7 +27,7 @@ def loader(source, data_rank=0, data_ranks=1, microbatches=1) -> Loader:
 def sources():
     return {
         "synthetic": Synthetic(vocab=64, seed=1),
-        "stdlib": make_source("stdlib", vocab=256, seed=1, max_bytes=1 << 18),
+        "stdlib": make_source("stdlib", 256, 1, 1 << 18, B, S),
     }
 
 
@@ -96,7 +96,7 @@ def test_stdlib_corpus_is_real_bytes():
     data = stdlib_corpus(1 << 16)
     assert data.dtype == np.uint8 and len(data) == 1 << 16
     assert b"def " in data.tobytes() and b"import " in data.tobytes()
-    src = make_source("stdlib", vocab=256, seed=0, max_bytes=1 << 16)
+    src = make_source("stdlib", 256, 0, 1 << 16, B, 32)
     inputs, targets = src.sequence(0, 0, 32)
     assert torch.equal(inputs[1:], targets[:-1])  # next-token targets
     assert int(inputs.max()) < 256
@@ -119,7 +119,7 @@ def test_token_file_is_memory_mapped(tmp_path, suffix, dtype):
     loaded = load_path(str(path), max_bytes=1 << 20)
     assert isinstance(loaded, np.memmap)
     assert np.array_equal(loaded, tokens)
-    src = make_source(str(path), vocab=1000, seed=0, max_bytes=1 << 20)
+    src = make_source(str(path), 1000, 0, 1 << 20, B, 20)
     inputs, targets = src.sequence(3, 1, 20)
     start = int(np.flatnonzero(tokens == int(inputs[0]))[0])
     assert inputs.tolist() == tokens[start : start + 20].tolist()
@@ -134,7 +134,7 @@ def test_text_file_and_folder(tmp_path):
     both = load_path(str(tmp_path), max_bytes=1 << 20)
     assert both.tobytes() == b"hello world\n" * 20 + b"second file\n" * 20
     assert len(load_path(str(tmp_path), max_bytes=100)) == 100
-    src = make_source(str(tmp_path), vocab=256, seed=0, max_bytes=1 << 20)
+    src = make_source(str(tmp_path), 256, 0, 1 << 20, B, 16)
     inputs, _ = src.sequence(0, 0, 16)
     assert bytes(inputs.tolist()) in both.tobytes()
 
@@ -143,10 +143,9 @@ def test_token_id_beyond_vocab_is_an_error(tmp_path):
     path = tmp_path / "big.u16"
     np.array([1, 2, 300, 4] * 50, dtype=np.uint16).tofile(path)
     with pytest.raises(ValueError, match=r"token id 300 .* >= model\.vocab=256"):
-        make_source(str(path), vocab=256, seed=0, max_bytes=1 << 20)
+        make_source(str(path), 256, 0, 1 << 20, B, S)
 
 
 def test_corpus_shorter_than_a_sequence_is_an_error():
-    src = TokenStream(np.arange(10, dtype=np.uint16), vocab=16, seed=0)
     with pytest.raises(ValueError, match=r"corpus of 10 tokens is too short for seq_len=16"):
-        src.sequence(0, 0, 16)
+        TokenStream(np.arange(10, dtype=np.uint16), vocab=16, seed=0, global_batch=B, seq_len=16)

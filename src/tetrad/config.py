@@ -36,6 +36,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    init_from_hf: str = ""  # a Hugging Face Llama directory: its shape and its weights
 
     @property
     def head_dim(self) -> int:
@@ -135,6 +136,9 @@ class TrainConfig:
     progress: bool = True
     device: str = "auto"
     peak_tflops: float = 0.0  # 0: look it up from the device (CPU: a nominal figure)
+    eval_every: int = 0  # steps between held-out evaluations (0: none)
+    eval_batches: int = 4  # global batches of the held-out split per evaluation
+    tensorboard: bool = False  # also write TensorBoard event files beside metrics.jsonl
 
 
 @dataclass
@@ -143,6 +147,7 @@ class DataConfig:
 
     source: str = "stdlib"
     max_bytes: int = 16 * 2**20
+    tokenizer: str = ""  # a tokenizer.json (Hugging Face tokenizers); "": bytes
 
 
 @dataclass
@@ -284,14 +289,18 @@ def _validate_train(cfg: Config) -> None:
     _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables), got {t.grad_clip}")
     _require(t.dtype in DTYPES, f"train.dtype={t.dtype!r} not in {tuple(DTYPES)}")
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} not auto/cpu/cuda")
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: never), got {t.eval_every}")
+    _require(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
     d = cfg.data
-    if d.source in ("stdlib",):
+    if d.source == "stdlib":
         _require(
-            cfg.model.vocab >= 256,
+            cfg.model.vocab >= 256 or bool(d.tokenizer),
             f"data.source='stdlib' is byte-level: model.vocab={cfg.model.vocab} must be >= 256",
         )
     elif d.source != "synthetic":
         _require(Path(d.source).exists(), f"data.source={d.source!r}: no such file or directory")
+    if d.tokenizer:
+        _require(Path(d.tokenizer).exists(), f"data.tokenizer={d.tokenizer!r}: no such file")
 
 
 def _validate_layout(cfg: Config) -> None:

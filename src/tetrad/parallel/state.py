@@ -141,7 +141,8 @@ class PlainState:
     def _slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the full logical tensor `name` (its tp shard, or all)."""
         index = self.slicer(name) if self.slicer else None
-        return full if index is None else full[index]
+        # indexed even when whole: `full` may be lazy (read on indexing, see interop.hf)
+        return full[...] if index is None else full[index]
 
 
 def set_adam_state(

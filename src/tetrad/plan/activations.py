@@ -104,8 +104,9 @@ def _local_heads(m: ModelConfig, t: int) -> tuple[int, int]:
 
 
 def llama_layer(
-    m: ModelConfig, t: int, dtype: str, recompute: str = "none", sp_shards: bool = False
-) -> list[Saved]:
+    m: ModelConfig, t: int, dtype: str, recompute: str = "none", sp_shards: bool = False,
+    fused: bool = False, gqa_native: bool = False,
+) -> list[Saved]:  # fmt: skip
     """One transformer block of tetrad's Llama on a tp rank (pass t=1 without tp).
 
     c is the compute dtype's bytes. In fp32 the norm's `x.float()` is its input itself,
@@ -113,7 +114,10 @@ def llama_layer(
     and kept per position. kv_heads < tp gathers the k and v weights for each forward and
     the linear keeps the gathered weight (a fixed cost per microbatch). sp_shards: the
     column-parallel linears keep their input's SP shard (Megatron) instead of the
-    gathered whole (tetrad).
+    gathered whole (tetrad). fused: a fused RMSNorm keeps its c-byte input and the fp32
+    rsqrt (no fp32 copy), a fused SwiGLU its two inputs and product (Transformer Engine,
+    torch.compile), 3 f-wide tensors, not 4. gqa_native: the attention kernel keeps k
+    and v as they are, not repeated to the query heads.
     """
     _check_recompute(recompute)
     c, h, f, hd = DTYPE_BYTES[dtype], m.dim, m.hidden_dim, m.head_dim
@@ -122,19 +126,19 @@ def llama_layer(
     heads, kv = _local_heads(m, t)
     if recompute == "op":
         return _op_policy(m, t, c, heads)
-    kv_width = heads * hd if heads > kv else kv * hd  # k and v after repeat_interleave
-    norm = (4 + c) * h + 4  # fp32 input copy, bf16 normalised, fp32 rsqrt
+    kv_width = heads * hd if heads > kv and not gqa_native else kv * hd  # (repeated) k, v
+    norm = c * h + 4 if fused else (4 + c) * h + 4  # (fp32 copy,) normalised, fp32 rsqrt
     linear_in = "seq" if sp_shards else "rank"
     items = [
         Saved("attention norm", norm, "seq"),
         Saved("qkv input", c * h, linear_in),
         Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
         Saved("sdpa q, out", 2 * c * h, "tp"),
-        Saved("sdpa k, v (repeated)", 2 * c * kv_width, "rank"),
+        Saved("attention k, v", 2 * c * kv_width, "rank"),
         Saved("sdpa log-sum-exp", 4 * heads, "rank"),
         Saved("ffn norm", norm, "seq"),
         Saved("w1/w3 input", c * h, linear_in),
-        Saved("w1 out, w3 out, silu out, product", 4 * c * f, "tp"),
+        Saved("w1 out, w3 out, (silu out,) product", (3 if fused else 4) * c * f, "tp"),
     ]
     if m.kv_heads < t:
         items.append(
@@ -185,10 +189,12 @@ def llama_pending_w(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
     return [Saved("deferred linear inputs and output grads", inputs + grads, "tp")]
 
 
-def layer_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int, sp: bool) -> float:
+def layer_grad_workspace(
+    m: ModelConfig, t: int, dtype: str, b: int, s: int, sp: bool, fused: bool = False
+) -> float:
     """Transient bytes while one block runs backward: about one block's activations (its
     gradients, or under recomputation the recomputed activations themselves)."""
-    return total_bytes(llama_layer(m, t, dtype), b, s, t, sp)
+    return total_bytes(llama_layer(m, t, dtype, fused=fused), b, s, t, sp)
 
 
 def loss_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int) -> float:

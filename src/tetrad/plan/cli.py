@@ -3,11 +3,14 @@
     tetrad plan --model llama3-8b --gpus 64 --gpu h100 --global-batch 1024 --seq-len 8192 \\
         --fsdp 8 --tp 8                       # predict this layout (dp fills the rest)
     tetrad plan --model llama3-70b --gpus 256 --gpu h100 --search --top 5 --json
+    tetrad plan --from-run runs/dp2 --from-run runs/fsdp2 --pp 2 --microbatches 4
+                                              # fitted to this machine's runs
 
 A layout is the degrees (dp, fsdp, tp, pp; the ones not given: dp takes what is left,
 the others are 1) plus zero stage, sp, schedule, microbatches and virtual stages. With
 --search the given flags are fixed and the rest is searched. A table by default; --json
-prints one JSON object: {"mode", "cluster", "model", "engine", "predictions": [...]}.
+prints one JSON object: {"mode", "cluster", "model", "engine", "predictions": [...]}
+(and "calibration" with --from-run). Every shown prediction carries a step-time range.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from tetrad.config import Config, ModelConfig, model_preset
 from tetrad.parallel.pipeline.schedules import SCHEDULES
 from tetrad.plan.activations import RECOMPUTE
+from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
 from tetrad.plan.cost import ENGINES, Planner, layout_config
 from tetrad.plan.hardware import CLUSTERS, Cluster, calibrated, cluster_preset
 from tetrad.plan.search import Space, search
@@ -33,17 +37,21 @@ LAYOUT_FLAGS = ("dp", "fsdp", "tp", "pp", "zero_stage", "pp_schedule", "microbat
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     """The `tetrad plan` flags."""
-    p.add_argument("--model", default="llama3-8b", help="model preset (default llama3-8b)")
+    p.add_argument("--model", help="model preset (default llama3-8b, or the run's model)")
     for flag in MODEL_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=int, help=f"override model.{flag}")
     p.add_argument("--tie-embeddings", action="store_true", default=None)
-    p.add_argument("--gpus", type=int, required=True, help="world size")
-    p.add_argument("--gpu", default="h100", choices=sorted(CLUSTERS) + ["cpu"],
-                   help="device and cluster preset (cpu: this machine)")  # fmt: skip
+    p.add_argument("--gpus", type=int, help="world size (required unless --from-run)")
+    p.add_argument("--gpu", choices=sorted(CLUSTERS) + ["cpu"],
+                   help="device and cluster preset (default h100; cpu: this machine, the "
+                        "default with --from-run)")  # fmt: skip
     p.add_argument("--gpus-per-node", type=int, help="override the preset's GPUs per node")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--global-batch", type=int, help="sequences per step (or the run's)")
+    p.add_argument("--seq-len", type=int, help="sequence length (or the run's)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="default bf16, or the run's")
+    p.add_argument("--from-run", action="append", metavar="RUN", default=[],
+                   help="a tetrad run directory (config.json, metrics.jsonl) on this "
+                        "machine to fit efficiency and links to; repeatable")  # fmt: skip
     for flag in ("dp", "fsdp", "tp", "pp", "microbatches", "virtual_stages"):
         p.add_argument("--" + flag.replace("_", "-"), type=int)
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3))
@@ -61,12 +69,32 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def build_model(args: argparse.Namespace) -> ModelConfig:
-    """The preset with any shape flags applied."""
+def fill_from_runs(args: argparse.Namespace) -> list[Run]:
+    """Read --from-run directories; unset job flags take the first run's values."""
+    runs = [read_run(path) for path in args.from_run]
+    first = runs[0].cfg if runs else None
+    defaults = {"gpu": "cpu" if runs else "h100", "dtype": "bf16"}
+    if first is not None:
+        defaults.update(gpus=first.parallel.world_size, global_batch=first.train.global_batch,
+                        seq_len=first.train.seq_len, dtype=first.train.dtype)  # fmt: skip
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    missing = [f"--{k.replace('_', '-')}" for k in ("gpus", "global_batch", "seq_len")
+               if getattr(args, k) is None]  # fmt: skip
+    if missing:
+        raise ValueError(f"{', '.join(missing)} required (or --from-run RUN)")
+    return runs
+
+
+def build_model(args: argparse.Namespace, runs: list[Run] | None = None) -> ModelConfig:
+    """The preset (or the first run's model) with any shape flags applied."""
     overrides = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
     if args.tie_embeddings:
         overrides["tie_embeddings"] = True
-    return dataclasses.replace(model_preset(args.model), **overrides)
+    if args.model is None and runs:
+        return dataclasses.replace(runs[0].cfg.model, **overrides)
+    return dataclasses.replace(model_preset(args.model or "llama3-8b"), **overrides)
 
 
 def build_cluster(args: argparse.Namespace) -> Cluster:
@@ -112,8 +140,13 @@ def build_space(args: argparse.Namespace) -> Space:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Predict or search as the flags say; the JSON-ready answer."""
-    model, cluster = build_model(args), build_cluster(args)
-    planner = Planner(cluster, ENGINES[args.engine], args.recompute)
+    runs = fill_from_runs(args)
+    model, cluster = build_model(args, runs), build_cluster(args)
+    engine = ENGINES[args.engine]
+    calibration = None
+    if runs:
+        cluster, calibration = calibrate(cluster, engine, runs, fit_links=not args.calibration)
+    planner = Planner(cluster, engine, args.recompute)
     if args.search:
         base = layout_config(model, args.global_batch, args.seq_len, args.dtype)
         preds = search(planner, base, args.gpus, build_space(args), top=args.top)
@@ -121,13 +154,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         preds = [planner.predict(build_layout(args, model))]
         mode = "predict"
-    return {
+    preds = [planner.with_range(_config_of(p, model, args), p) for p in preds]
+    answer = {
         "mode": mode,
         "cluster": dataclasses.asdict(cluster),
         "model": dataclasses.asdict(model),
         "engine": dataclasses.asdict(ENGINES[args.engine]),
         "predictions": [p.to_dict() for p in preds],
     }
+    if calibration is not None:
+        answer["calibration"] = to_dict(calibration)
+    return answer
+
+
+def _config_of(pred: Any, model: ModelConfig, args: argparse.Namespace) -> Config:
+    """The Config a prediction's layout describes."""
+    lay = pred.layout
+    keys = ("dp", "fsdp", "tp", "pp", "zero_stage", "sp", "pp_schedule", "microbatches",
+            "virtual_stages")  # fmt: skip
+    return layout_config(model, lay["global_batch"], lay["seq_len"], lay["dtype"],
+                         **{k: lay[k] for k in keys})  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -172,6 +218,7 @@ def print_prediction(answer: dict[str, Any]) -> None:
     rows = [
         ("layout", _layout_text(pred["layout"])),
         ("step time", f"{pred['step_time_s']:.3f} s"),
+        ("  range", "{:.3f} - {:.3f} s".format(*pred["step_time_range_s"])),
         ("tokens/s", f"{pred['tokens_per_s']:,.0f}"),
         ("TFLOP/s per GPU", f"{pred['tflops_per_gpu']:.1f}"),
         ("MFU", f"{100 * pred['mfu']:.1f}%"),
@@ -201,11 +248,13 @@ def print_search(answer: dict[str, Any]) -> None:
         return
     where = f"{preds[0]['layout']['world']} x {answer['cluster']['device']['name']}"
     table = Table(title=f"tetrad plan --search: {answer['model']['name']} on {where}")
-    for col in ("#", "layout", "step (s)", "tokens/s", "MFU", "bubble", "memory (GiB)"):
+    cols = ("#", "layout", "step (s)", "range (s)", "tokens/s", "MFU", "bubble", "memory (GiB)")
+    for col in cols:
         table.add_column(col, justify="left" if col == "layout" else "right")
     for i, p in enumerate(preds, 1):
         table.add_row(
             str(i), _layout_text(p["layout"]), f"{p['step_time_s']:.3f}",
+            "{:.3f}-{:.3f}".format(*p["step_time_range_s"]),
             f"{p['tokens_per_s']:,.0f}", f"{100 * p['mfu']:.1f}%",
             f"{100 * p['bubble_fraction']:.1f}%", f"{p['memory']['total'] / GiB:.1f}",
         )  # fmt: skip

@@ -32,12 +32,13 @@ The model, per optimizer step (b microbatch size, s sequence, h hidden, t = tp):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from tetrad.config import DTYPE_BYTES, Config, ModelConfig, validate
 from tetrad.models.flops import flops_per_token
-from tetrad.parallel.pipeline.partition import llama_layer_costs, stage_costs
+from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
     SPLIT_BACKWARD,
     build_schedule,
@@ -47,6 +48,7 @@ from tetrad.parallel.pipeline.schedules import (
 from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.plan import activations as act
+from tetrad.plan.compute import ComputeModel, Kernels, backward
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster
 
@@ -66,6 +68,9 @@ class Engine:
     defers plain linears only, so with tp > 1 its B does the weight gradients).
     sp_saves_shards: under SP the column-parallel linears keep their input's sequence
     shard and re-gather it for backward (Megatron); tetrad keeps the gathered input.
+    kernels: fused or eager elementwise kernels and the flash-attention class
+    (`plan.compute`); fused kernels also save less (`plan.activations`: a fused norm keeps
+    its bf16 input and no fp32 copy, a fused SwiGLU three f-wide tensors, not four).
     """
 
     name: str
@@ -76,16 +81,40 @@ class Engine:
     reduce_every_microbatch: bool = False
     split_w_with_tp: bool = False
     sp_saves_shards: bool = False
+    kernels: Kernels = Kernels()
+    gather_bucket: float = 0.0
+    reduce_bucket: float = 0.0
+    gather_overlap: bool = True
 
+
+# Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
+# torchtitan's async TP): a stated fit on the development rows (docs/plan.md).
+TP_OVERLAP = 0.8
 
 TETRAD = Engine("tetrad")
-MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap
-    "megatron", tp_overlap=1.0, grad_overlap_pp=True, param_gather_overlap=True,
-    split_w_with_tp=True, sp_saves_shards=True,
+MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
+    "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
+    split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),
 )  # fmt: skip
 TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True)
-TORCHTITAN_ASYNC_TP = dataclasses.replace(TORCHTITAN, name="torchtitan-async-tp", tp_overlap=1.0)
-ENGINES = {e.name: e for e in (TETRAD, MEGATRON, TORCHTITAN, TORCHTITAN_ASYNC_TP)}
+TORCHTITAN_COMPILE = dataclasses.replace(
+    TORCHTITAN, name="torchtitan-compile", kernels=Kernels(fused=True)
+)
+# async TP is a torch.compile pass in torchtitan: compiled kernels as well
+TORCHTITAN_ASYNC_TP = dataclasses.replace(
+    TORCHTITAN_COMPILE, name="torchtitan-async-tp", tp_overlap=TP_OVERLAP
+)
+# DeepSpeed ZeRO-3 (with Megatron's fused kernels, as Megatron-DeepSpeed runs it): gathers
+# in prefetch buckets of 5e7 elements, reduces every micro-step in buckets of 5e8
+# (the defaults of `stage3_prefetch_bucket_size` and `reduce_bucket_size`)
+DEEPSPEED = Engine(
+    "deepspeed", grad_overlap_pp=True, reduce_every_microbatch=True,
+    kernels=Kernels(fused=True), gather_bucket=5e7, reduce_bucket=5e8, gather_overlap=False,
+)  # fmt: skip
+ENGINES = {
+    e.name: e
+    for e in (TETRAD, MEGATRON, TORCHTITAN, TORCHTITAN_COMPILE, TORCHTITAN_ASYNC_TP, DEEPSPEED)
+}
 
 
 @dataclass
@@ -100,6 +129,8 @@ class Prediction:
     bubble_fraction: float
     memory: Memory
     breakdown: dict[str, float] = field(default_factory=dict)
+    step_time_range_s: tuple[float, float] | None = None
+    tokens_per_s_range: tuple[float, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (memory in bytes, with its total and whether it fits)."""
@@ -131,10 +162,17 @@ class Planner:
     def __init__(self, cluster: Cluster, engine: Engine = TETRAD, recompute: str = "none"):
         if recompute not in act.RECOMPUTE:
             raise ValueError(f"recompute={recompute!r} is not one of {act.RECOMPUTE}")
+        if not cluster.overlap:  # nothing runs beside the compute on this machine
+            engine = dataclasses.replace(
+                engine, tp_overlap=0.0, grad_overlap=False, param_gather_overlap=False,
+                gather_overlap=False,
+            )  # fmt: skip
         self.cluster, self.engine, self.recompute = cluster, engine, recompute
         self.footprint = Footprint(
-            cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch
-        )
+            cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
+            engine.kernels.fused, engine.kernels.gqa_native,
+        )  # fmt: skip
+        self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}
 
@@ -176,6 +214,23 @@ class Planner:
         memory = self.footprint.memory(cfg, self.split(cfg), facts, timeline, self._w_deferred(cfg))
         return self._prediction(cfg, step, timeline.bubble_fraction, memory, breakdown)
 
+    def with_range(self, cfg: Config, pred: Prediction) -> Prediction:
+        """`pred` with a step-time range: the layout predicted at the lowest and highest
+        efficiency of the rows (or runs) the device was fitted to (`Cluster.spread`)."""
+        lo, hi = self.cluster.spread
+        steps = []
+        for ratio in (hi, lo):  # the faster end first
+            device = dataclasses.replace(
+                self.cluster.device, efficiency=self.cluster.device.efficiency * ratio
+            )
+            cluster = dataclasses.replace(self.cluster, device=device)
+            steps.append(Planner(cluster, self.engine, self.recompute).predict(cfg, False))
+        low, high = steps[0].step_time_s, steps[1].step_time_s
+        tokens = cfg.train.global_batch * cfg.train.seq_len
+        return dataclasses.replace(
+            pred, step_time_range_s=(low, high), tokens_per_s_range=(tokens / high, tokens / low)
+        )
+
     def rank_facts(self, cfg: Config, pp_rank: int) -> RankFacts:
         """Local parameter counts and exact model state of pp rank `pp_rank`."""
         return self.footprint.rank_facts(cfg, self.split(cfg), pp_rank)
@@ -189,11 +244,8 @@ class Planner:
 
     def stage_times(self, cfg: Config, facts: list[RankFacts]) -> StageTimes:
         """Seconds per microbatch, per global stage: compute, exposed TP, exposed ZeRO-3."""
-        p, t = cfg.parallel, cfg.parallel.tp
-        flops = self._stage_flops(cfg)
-        rate = self.cluster.device.flops_per_s(cfg.train.dtype)
-        b = cfg.microbatch_size
-        compute = {k: [f * b / t / rate for f in v] for k, v in flops.items()}
+        p = cfg.parallel
+        compute = self._stage_seconds(cfg)
         tp = self._tp_times(cfg)
         fsdp = self._zero3_gathers(cfg, facts, compute)
         if self.engine.reduce_every_microbatch:
@@ -209,19 +261,19 @@ class Planner:
             return False
         return cfg.parallel.tp == 1 or self.engine.split_w_with_tp
 
-    def _stage_flops(self, cfg: Config) -> dict[str, list[float]]:
-        """F, B and W FLOPs of one sequence on each global stage (whole tp group)."""
-        m, s = cfg.model, cfg.train.seq_len
-        items = llama_layer_costs(m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads,
-                                  m.vocab, s)  # fmt: skip
-        attention = 2 * 2 * s * s * m.dim  # forward; its backward (2x) is all input gradient
-        layer_f = items[1] / 3
-        proj = layer_f - attention
-        redo = {"none": 0.0, "selective": 0.0, "full": layer_f, "op": proj / 2}[self.recompute]
+    def _stage_seconds(self, cfg: Config) -> dict[str, list[float]]:
+        """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
+        m, p, s, dt = cfg.model, cfg.parallel, cfg.train.seq_len, cfg.train.dtype
+        b = cfg.microbatch_size
+        fwd = self.compute.block_forward(m, p.tp, p.sp, b * s, b, s, dt)
+        bwd = backward(fwd)
+        redo = {"none": 0.0, "selective": 0.0, "full": fwd.total, "op": fwd.gemm / 2}
+        embed = b * s * m.dim * _cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
+        head = self.compute.head(m, p.tp, b * s, dt)
         per = {
-            "F": [items[0] / 3] + [layer_f] * m.layers + [items[-1] / 3],
-            "B": [items[0] / 3] + [proj + 2 * attention + redo] * m.layers + [items[-1] / 3],
-            "W": [items[0] / 3] + [proj] * m.layers + [items[-1] / 3],
+            "F": [embed] + [fwd.total] * m.layers + [head.total],
+            "B": [embed] + [bwd.total + redo[self.recompute]] * m.layers + [backward(head).total],
+            "W": [0.0] + [fwd.gemm] * m.layers + [head.gemm],
         }
         split = self.split(cfg)
         return {k: stage_costs(v, split) for k, v in per.items()}
@@ -260,10 +312,12 @@ class Planner:
             if layers == 0:
                 continue
             block = facts[_rank_of_stage(cfg, stage)].block
-            gather = link.time("all_gather", p.fsdp, layers * block * _cbytes(cfg))
+            calls = _calls(block, 1, self.engine.gather_bucket)
+            gather = layers * calls * link.time("all_gather", p.fsdp, block * _cbytes(cfg) / calls)
             first = gather / layers
-            fwd_window = compute["F"][stage]
-            bwd_window = compute["B"][stage] + compute["W"][stage]
+            hide = 1.0 if self.engine.gather_overlap else 0.0
+            fwd_window = hide * compute["F"][stage]
+            bwd_window = hide * (compute["B"][stage] + compute["W"][stage])
             out["F"][stage] = first + max(0.0, gather - first - fwd_window)
             out["B"][stage] = first + max(0.0, gather - first - bwd_window)
         return out
@@ -299,10 +353,13 @@ class Planner:
         p = cfg.parallel
         if p.dp * p.fsdp == 1:
             return 0.0
+        bucket = self.engine.reduce_bucket
         if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients
-            return self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4)
+            n = _calls(fa.psi, 1, bucket)
+            return n * self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4 / n)
         rb = DTYPE_BYTES[p.reduce_dtype]
-        rs = self.cluster.link(p.tp, p.fsdp).time("reduce_scatter", p.fsdp, fa.psi * rb)
+        n = _calls(fa.psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
+        rs = n * self.cluster.link(p.tp, p.fsdp).time("reduce_scatter", p.fsdp, fa.psi * rb / n)
         hsdp = self.cluster.link(p.tp * p.fsdp, p.dp).time("all_reduce", p.dp, fa.psi / p.fsdp * 4)
         return rs + hsdp
 
@@ -376,6 +433,12 @@ def _exposed(seconds: float, units: int, window: float) -> float:
     compute is done: the last part always shows, the rest hides up to the window."""
     last = seconds / units
     return last + max(0.0, seconds - last - window)
+
+
+def _calls(elems: float, units: int, bucket: float) -> int:
+    """Collective calls a pass over `elems` elements makes: one per unit, or one per
+    `bucket` elements where the engine buckets (0: no buckets)."""
+    return max(1, math.ceil(elems / bucket)) if bucket else units
 
 
 def _fold_w(compute, tp, fsdp) -> StageTimes:

@@ -73,9 +73,11 @@ class Footprint:
     """Memory of layouts of one model on one device kind; caches what layouts share."""
 
     def __init__(
-        self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool
-    ):
-        self.device, self.recompute = device, recompute
+        self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool,
+        fused: bool = False, gqa_native: bool = False,
+    ):  # fmt: skip
+        self.device, self.recompute, self.fused = device, recompute, fused
+        self.gqa_native = gqa_native
         self.sp_saves_shards, self.reduce_every_micro = sp_saves_shards, reduce_every_micro
         self._facts: dict[tuple, RankFacts] = {}
         self._template: dict[tuple, tuple] = {}
@@ -127,7 +129,8 @@ class Footprint:
         """Bytes one microbatch leaves on each global stage after its forward."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
         b, s, shards = cfg.microbatch_size, cfg.train.seq_len, self.sp_saves_shards
-        layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards)
+        layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
+                                gqa_native=self.gqa_native)  # fmt: skip
         layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
         head = act.total_bytes(act.llama_head(m, p.tp, dt, sp_shards=shards), b, s, p.tp, p.sp)
         embed = act.total_bytes(act.llama_embedding(p.tp, dt), b, s, p.tp, p.sp)
@@ -176,7 +179,7 @@ class Footprint:
         stage, ZeRO's buffers) + the allocator's share of transients and activations."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
         b, s = cfg.microbatch_size, cfg.train.seq_len
-        transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp)
+        transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp, self.fused)
         if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
                                                       p.pp_schedule):  # fmt: skip
             transient += act.loss_grad_workspace(m, p.tp, dt, b, s)

@@ -1,9 +1,10 @@
-"""Devices and clusters the planner knows: declared peaks, memory, links, one efficiency.
+"""Devices and clusters the planner knows: declared peaks, memory, links, GEMM efficiency.
 
 Every number here is a vendor specification or a published measurement (the sources are
-in the reference notes and docs/plan.md), except `Device.efficiency`: the share of
-the dense peak a training step's matmuls reach on that device kind. It is calibrated once
-per device kind and stated in docs/plan.md; nothing else in the planner is fitted.
+in the reference notes and docs/plan.md), except `GEMM_EFFICIENCY`: the share of the
+dense peak a training step's large GEMMs reach on that device kind, fitted once per kind
+and stated in docs/plan.md (with `plan.compute.GEMM_HALF_WIDTH` and `cost.TP_OVERLAP`,
+the planner's only fitted constants).
 
 Links follow the alpha-beta model: a collective over n ranks on a buffer of S bytes takes
 `alpha * steps + bus_bytes / bw`, with a ring's steps and bus bytes (all-reduce 2(n-1)
@@ -15,6 +16,7 @@ and S) and `bw` the achieved bus bandwidth per GPU (what nccl-tests calls busbw)
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,12 +33,19 @@ RING = {  # op -> (steps, bus bytes per buffer byte) of a ring over n ranks
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of link as one GPU sees it.
+    """One kind of link as one GPU sees it, and the group a collective runs over.
 
-    alpha_s: latency per ring step; bw_Bps: achieved bus bandwidth per GPU (bytes/s);
-    line_Bps: the line rate per direction it achieves that share of (0: unknown).
+    bw_Bps: achieved bus bandwidth per GPU (bytes/s); line_Bps: the line rate per
+    direction it achieves that share of (0: unknown). Latency follows NCCL's own tuning
+    model (`src/graph/tuning.cc`, Simple protocol): `base_s` per call, `alpha_s` per ring
+    step on this link kind; when the group spans `nodes` > 1 nodes, the ring's steps that
+    cross a node (nodes - 1 of them for all-gather and reduce-scatter, twice that for
+    all-reduce) cost `alpha_s` and the others `intra_alpha_s`. Across more than two
+    nodes an all-reduce may run as NCCL's double binary tree instead, with latency
+    `base + 2·((ppn - 1)·intra + log2(nodes)·alpha)` at 0.9 of the ring's bandwidth;
+    the faster of the two is taken, as NCCL's tuner does.
     measured: per-op (alpha per call, bus bandwidth) from a `tetrad bench comm` fit; it
-    takes precedence over alpha_s and bw_Bps for the ops it has.
+    takes precedence for the ops it has.
     """
 
     name: str
@@ -44,6 +53,9 @@ class Link:
     bw_Bps: float
     line_Bps: float = 0.0
     measured: dict[str, tuple[float, float]] = field(default_factory=dict)
+    base_s: float = 0.0
+    nodes: int = 1
+    intra_alpha_s: float = 0.0
 
     @property
     def achieved_fraction(self) -> float | None:
@@ -58,7 +70,17 @@ class Link:
         if op in self.measured:
             alpha, bw = self.measured[op]
             return alpha + bus(n) * nbytes / bw
-        return self.alpha_s * steps(n) + bus(n) * nbytes / self.bw_Bps
+        transfer = bus(n) * nbytes / self.bw_Bps
+        nodes = min(self.nodes, n) if op != "send_recv" else 1
+        if nodes <= 1:
+            return self.base_s + self.alpha_s * steps(n) + transfer
+        inter = (nodes - 1) * (2 if op == "all_reduce" else 1)
+        ring = self.base_s + (steps(n) - inter) * self.intra_alpha_s + inter * self.alpha_s
+        if op != "all_reduce" or nodes <= 2:
+            return ring + transfer
+        ppn = max(n // nodes, 1)
+        tree = self.base_s + 2 * ((ppn - 1) * self.intra_alpha_s + math.log2(nodes) * self.alpha_s)
+        return min(ring + transfer, tree + transfer / TREE_BW_SHARE)
 
 
 @dataclass(frozen=True)
@@ -70,6 +92,13 @@ class Cluster:
     gpus_per_node: int
     intra: Link
     inter: Link
+    sized: bool = True  # GEMM rates fall with small matrices (plan.compute); not for cpu
+    # lowest and highest efficiency, over the fitted one, among the rows (or runs) it was
+    # fitted to: a prediction's range (Planner.with_range)
+    spread: tuple[float, float] = (1.0, 1.0)
+    # communication runs beside compute (GPU: copy engines and spare SMs); False on a CPU
+    # whose every core computes: gloo's transfers then take turns with the compute
+    overlap: bool = True
 
     def link(self, stride: int, size: int) -> Link:
         """The link a collective over `size` ranks `stride` apart runs at.
@@ -83,9 +112,11 @@ class Cluster:
         if stride * size <= self.gpus_per_node:
             return self.intra
         k = max(1, min(size, self.gpus_per_node // max(stride, 1)))
+        nodes = math.ceil(size / k)
+        out = replace(self.inter, nodes=nodes, intra_alpha_s=self.intra.alpha_s)
         if k == 1 or self.inter.measured:
-            return self.inter
-        return replace(self.inter, bw_Bps=min(self.intra.bw_Bps, k * self.inter.bw_Bps))
+            return out
+        return replace(out, bw_Bps=min(self.intra.bw_Bps, k * self.inter.bw_Bps))
 
     def p2p_link(self, distance: int) -> Link:
         """The link between two ranks `distance` apart (a pipeline boundary): one NIC when
@@ -95,20 +126,37 @@ class Cluster:
 
 # --- presets ------------------------------------------------------------------------------
 
-NVLINK4 = Link("nvlink4", 1.5e-6, 370e9, 450e9)  # 450 GB/s per direction, ~370 achieved
-NVLINK3 = Link("nvlink3", 1.5e-6, 230e9, 300e9)  # 300 GB/s per direction; 8xA100 busbw ~230
-IB_NDR = Link("ib-ndr", 5e-6, 47e9, 50e9)  # 400 Gb/s NIC per GPU: 46-48 GB/s busbw
-IB_HDR = Link("ib-hdr", 5e-6, 23.5e9, 25e9)  # 200 Gb/s NIC per GPU: the same ~94% of line
+# NCCL's tuning model, Simple protocol: 8.4 us a call; a ring step 3.4 us on NVLink, 14 us
+# across the network (the tree's network step is the same 14 us)
+NCCL_BASE, NCCL_NVLINK_STEP, NCCL_NET_STEP = 8.4e-6, 3.4e-6, 14e-6
+TREE_BW_SHARE = 0.9  # NCCL's tree runs at 0.9 of the ring's bus bandwidth
+NVLINK4 = Link("nvlink4", NCCL_NVLINK_STEP, 370e9, 450e9, base_s=NCCL_BASE)  # ~370 of 450 GB/s
+NVLINK3 = Link("nvlink3", NCCL_NVLINK_STEP, 230e9, 300e9, base_s=NCCL_BASE)  # 8xA100 busbw ~230
+IB_NDR = Link("ib-ndr", NCCL_NET_STEP, 47e9, 50e9, base_s=NCCL_BASE)  # 400 Gb/s: 46-48 GB/s
+IB_HDR = Link("ib-hdr", NCCL_NET_STEP, 23.5e9, 25e9, base_s=NCCL_BASE)  # 200 Gb/s: the same 94%
 # gloo on this machine's loopback (docs/results/comm_nproc2.json, 2 ranks): all-reduce
 # ~0.7 ms per call, i.e. 2 ring steps; ~0.76 GB/s bus bandwidth
 GLOO_LOOPBACK = Link("gloo-loopback", 3.5e-4, 0.76e9)
 
+# Share of the dense peak large GEMMs reach within a training step, by device kind
+# (attention and elementwise work are priced apart, plan.compute): the median over the
+# development rows of each kind of the share that reproduces the row (docs/plan.md,
+# "Efficiency"); H200 takes H100's (same die and clocks, no bf16 row to check).
+GEMM_EFFICIENCY = {"h100": 0.61, "h100-hbm2e": 0.50, "a100": 0.72, "h200": 0.61}
+# the lowest and highest implied efficiency of those rows over the median (docs/plan.md)
+SPREAD = {"h100": (0.88, 1.19), "h100-hbm2e": (0.91, 1.11), "a100": (0.89, 1.04),
+          "h200": (0.88, 1.19)}  # fmt: skip
+
+
+def _gpu(device: Device) -> Device:
+    return replace(device, efficiency=GEMM_EFFICIENCY[device.name])
+
+
 CLUSTERS = {
-    "h100": Cluster(H100, 8, NVLINK4, IB_NDR),
-    "h100-hbm2e": Cluster(H100_HBM2E, 8, NVLINK4, IB_NDR),
-    "h200": Cluster(H200, 8, NVLINK4, IB_NDR),
-    "a100": Cluster(A100, 8, NVLINK3, IB_HDR),
-}
+    d.name: Cluster(_gpu(d), 8, link, ib, spread=SPREAD[d.name])
+    for d, link, ib in ((H100, NVLINK4, IB_NDR), (H100_HBM2E, NVLINK4, IB_NDR),
+                        (H200, NVLINK4, IB_NDR), (A100, NVLINK3, IB_HDR))
+}  # fmt: skip
 
 
 def cpu_cluster() -> Cluster:
@@ -122,7 +170,9 @@ def cpu_cluster() -> Cluster:
     # efficiency: tetrad's own single-process runs of the small models here reach about a
     # quarter of the declared one-core peak (metrics.jsonl mfu); stated, not fitted
     device = Device("cpu", {"fp32": peak, "bf16": peak}, mem / cores, 10e9, 0.25, 0.25 * GiB)
-    return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK)
+    # spread: the measured steps of docs/plan.md's table, -25% to +30% of the predicted
+    return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK, sized=False, spread=(0.75, 1.3),
+                   overlap=False)  # fmt: skip
 
 
 def cluster_preset(name: str) -> Cluster:

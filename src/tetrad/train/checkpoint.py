@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
-from tetrad.config import Config
+from tetrad.config import Config, from_dict
 from tetrad.models.init import full_shape
 from tetrad.models.llama import meta_llama
 from tetrad.train.optim import lr_at
@@ -254,6 +254,29 @@ def restore(path: Path, engine, optimizer, loader, cfg: Config) -> int:
         error = e
     agree(engine, error, f"loading checkpoint {path}")
     return ckpt.step
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory's newest committed checkpoint."""
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return p
+    found = committed(p / "checkpoints")
+    if found:
+        return found[-1]
+    raise ValueError(
+        f"{p} is neither a checkpoint (no {MANIFEST}) nor a run with committed checkpoints "
+        f"under {p / 'checkpoints'} (train with --checkpoint-every K)"
+    )
+
+
+def load_model(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
+    """The run's configuration and every logical parameter, full size, of a checkpoint (or
+    of a run's newest one), verified."""
+    ckpt = read(resolve(path))
+    cfg = from_dict(ckpt.manifest["training"]["config"])
+    check_model(ckpt, cfg)
+    return cfg, ckpt.model
 
 
 # --- files --------------------------------------------------------------------------------

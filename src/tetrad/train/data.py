@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tetrad.config import Config
 from tetrad.models.batch import IGNORE, Microbatch
 from tetrad.models.init import name_seed
 
@@ -47,33 +48,98 @@ def load_path(path: str, max_bytes: int) -> np.ndarray:
 
 
 class TokenStream:
-    """Random windows of a long token array; window i of step k depends on (seed, k, i)."""
+    """A long token array read in epochs: shuffled passes over fixed windows, no repetition.
 
-    def __init__(self, tokens: np.ndarray, vocab: int, seed: int):
+    Window w is tokens [w·s, w·s + s + 1) (s = seq_len). Sequence `index` of step k is the
+    global sequence g = k·B + index; it is window order(epoch)[g mod n] of epoch g div n,
+    with `order` a permutation of the n training windows drawn from (seed, epoch). So what
+    a step sees is a function of (seed, k) alone: a resumed run continues the same pass,
+    and a changed data-parallel degree re-deals the same sequences. The last `heldout`
+    windows (after a one-token gap) are in no epoch: they are the evaluation split.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        vocab: int,
+        seed: int,
+        global_batch: int,
+        seq_len: int,
+        heldout: int = 0,
+    ):
         self.tokens, self.seed = tokens, seed
+        self.global_batch, self.seq_len, self.heldout = global_batch, seq_len, heldout
         top = int(tokens[: min(len(tokens), 1 << 22)].max()) if len(tokens) else 0
         if top >= vocab:
             raise ValueError(f"token id {top} in the data is >= model.vocab={vocab}")
+        # training windows end before the held-out ones begin: no token is in both
+        self.eval_start = len(tokens) - heldout * seq_len - 1 if heldout else len(tokens)
+        self.windows = max(0, (self.eval_start - 1) // seq_len)
+        if self.windows < 1:
+            held = f" and {heldout} held-out sequences" if heldout else ""
+            raise ValueError(
+                f"corpus of {len(tokens)} tokens is too short for seq_len={seq_len}{held}"
+            )
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def epochs(self, steps: int) -> float:
+        """Passes over the training windows made by the first `steps` steps."""
+        return steps * self.global_batch / self.windows
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The training windows in epoch `epoch`'s order (the current epoch's is kept)."""
+        if self._order is None or self._order[0] != epoch:
+            gen = np.random.default_rng(name_seed(self.seed, f"epoch:{epoch}"))
+            self._order = (epoch, gen.permutation(self.windows))
+        return self._order[1]
 
     def sequence(self, step: int, index: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(self.tokens) <= seq_len + 1:
-            raise ValueError(
-                f"corpus of {len(self.tokens)} tokens is too short for seq_len={seq_len}"
-            )
-        gen = np.random.default_rng(name_seed(self.seed, f"data:{step}:{index}"))
-        start = int(gen.integers(0, len(self.tokens) - seq_len - 1))
-        window = torch.from_numpy(np.asarray(self.tokens[start : start + seq_len + 1], np.int64))
+        self._check(seq_len)
+        epoch, position = divmod(step * self.global_batch + index, self.windows)
+        return self.window(int(self.order(epoch)[position]) * seq_len)
+
+    def window(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.from_numpy(
+            np.asarray(self.tokens[start : start + self.seq_len + 1], np.int64)
+        )
         return window[:-1], window[1:]
+
+    def _check(self, seq_len: int) -> None:
+        if seq_len != self.seq_len:
+            raise ValueError(f"windows of {self.seq_len} tokens cut, {seq_len} asked for")
+
+    def heldout_split(self) -> HeldOut:
+        return HeldOut(self)
+
+
+class HeldOut:
+    """The evaluation split of a `TokenStream`: its last windows, in order (batch k holds
+    sequences k·B to (k+1)·B - 1, wrapping around)."""
+
+    def __init__(self, stream: TokenStream):
+        if not stream.heldout:
+            raise ValueError("no held-out windows were set aside")
+        self.stream = stream
+
+    def sequence(self, step: int, index: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.stream
+        s._check(seq_len)
+        g = (step * s.global_batch + index) % s.heldout
+        return s.window(s.eval_start + g * seq_len)
 
 
 class Synthetic:
     """Learnable synthetic sequences (arithmetic progressions with noise), variably padded."""
 
-    def __init__(self, vocab: int, seed: int):
-        self.vocab, self.seed = vocab, seed
+    def __init__(self, vocab: int, seed: int, split: str = "synthetic"):
+        self.vocab, self.seed, self.split = vocab, seed, split
+
+    def heldout_split(self) -> Synthetic:
+        """Sequences drawn under another name: never the ones training sees."""
+        return Synthetic(self.vocab, self.seed, "synthetic-heldout")
 
     def sequence(self, step: int, index: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(name_seed(self.seed, f"synthetic:{step}:{index}"))
+        gen = torch.Generator().manual_seed(name_seed(self.seed, f"{self.split}:{step}:{index}"))
         start, stride = torch.randint(0, self.vocab, (2,), generator=gen).tolist()
         seq = (start + (stride % 7 + 1) * torch.arange(seq_len + 1)) % self.vocab
         noise = torch.rand(seq_len + 1, generator=gen) < 0.1
@@ -132,9 +198,49 @@ class Loader:
         self.step = int(state["step"])
 
 
-def make_source(source: str, vocab: int, seed: int, max_bytes: int):
-    """`synthetic`, `stdlib` or a path -> an object with `sequence(step, index, seq_len)`."""
+def make_source(
+    source: str,
+    vocab: int,
+    seed: int,
+    max_bytes: int,
+    global_batch: int,
+    seq_len: int,
+    heldout: int = 0,
+    tokenizer: str = "",
+):
+    """`synthetic`, `stdlib` or a path -> an object with `sequence(step, index, seq_len)`
+    (and `heldout_split()`). Text is read as bytes, or through `tokenizer` when given;
+    a prepared .u16/.u32 token file is checked against its sidecar first."""
     if source == "synthetic":
         return Synthetic(vocab, seed)
-    tokens = stdlib_corpus(max_bytes) if source == "stdlib" else load_path(source, max_bytes)
-    return TokenStream(tokens, vocab, seed)
+    if tokenizer:
+        from tetrad.interop.tokenizer import check_vocab
+
+        check_vocab(tokenizer, vocab)
+    if source == "stdlib" and tokenizer:
+        from tetrad.interop.tokenizer import encode
+
+        tokens = encode([stdlib_corpus(max_bytes).tobytes().decode("utf-8", "replace")], tokenizer)
+    elif source == "stdlib":
+        tokens = stdlib_corpus(max_bytes)
+    elif Path(source).suffix in (".u16", ".u32"):
+        from tetrad.interop.tokenizer import check_token_file
+
+        check_token_file(source, vocab, tokenizer)
+        tokens = load_path(source, max_bytes)
+    elif tokenizer:
+        from tetrad.interop.tokenizer import encode_text
+
+        tokens = encode_text(source, tokenizer, max_bytes)
+    else:
+        tokens = load_path(source, max_bytes)
+    return TokenStream(tokens, vocab, seed, global_batch, seq_len, heldout)
+
+
+def source_of(cfg: Config, heldout: int = 0):
+    """The data source a configuration names (`heldout` windows set aside for evaluation)."""
+    t, d = cfg.train, cfg.data
+    return make_source(
+        d.source, cfg.model.vocab, t.seed, d.max_bytes, t.global_batch, t.seq_len, heldout,
+        d.tokenizer,
+    )  # fmt: skip

@@ -21,7 +21,7 @@ from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
 from tetrad.parallel.memory import model_state_bytes
 from tetrad.train import checkpoint
-from tetrad.train.data import Loader, make_source
+from tetrad.train.data import Loader, source_of
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 
@@ -59,6 +59,17 @@ def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch
     return Mesh.build(cfg.parallel.degrees, rank), device
 
 
+def hf_weights(cfg: Config):
+    """The Hugging Face weights to start from (None: tetrad's own init), every tensor's
+    name, shape and dtype checked against the configured model."""
+    if not cfg.model.init_from_hf:
+        return None
+    from tetrad.interop import hf
+
+    hf.check_model(cfg.model.init_from_hf, cfg.model)
+    return hf.HFWeights(cfg.model.init_from_hf, cfg.model)
+
+
 class Trainer:
     """Builds the engine, optimizer and loader for this rank, and runs steps."""
 
@@ -68,17 +79,20 @@ class Trainer:
         self.comm = comm or Comm(device)
         if self.comm.device != torch.device(device):
             raise ValueError(f"Comm is for {self.comm.device}, the trainer computes on {device}")
+        # bad data or weights fail here, alike on every rank, before the first collective
+        t, data = cfg.train, mesh["data"]
+        heldout = t.eval_batches * t.global_batch if t.eval_every else 0
+        source = source_of(cfg, heldout)
+        hf = hf_weights(cfg)
         self.engine = parallelize(cfg, mesh, self.comm, device)
+        if hf is not None:
+            self.engine.load_full(hf)  # each rank reads only its slices
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
-        source = make_source(cfg.data.source, cfg.model.vocab, cfg.train.seed, cfg.data.max_bytes)
-        data = mesh["data"]
-        self.loader = Loader(
-            source,
-            cfg.train.global_batch,
-            cfg.train.seq_len,
-            data.rank,
-            data.size,
-            cfg.parallel.microbatches,
+        split = (data.rank, data.size, cfg.parallel.microbatches)
+        self.loader = Loader(source, t.global_batch, t.seq_len, *split)
+        # the held-out split: never in a training batch (see TokenStream, Synthetic)
+        self.eval_loader = (
+            Loader(source.heldout_split(), t.global_batch, t.seq_len, *split) if heldout else None
         )
         self.step = 0
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -92,7 +106,19 @@ class Trainer:
         waits for the device once: when every rank reads the agreed loss, norm and token
         count to decide, alike, whether to step.
         """
-        micro = self.loader.next()
+        agreed, count = self._forward_backward(self.loader.next())
+        loss, sq_norm, tokens = torch.cat([agreed, count.view(1)]).tolist()  # the host sync
+        norm = math.sqrt(sq_norm)
+        skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        if not skipped:
+            self._apply(norm)
+        self.engine.zero_grad()
+        self.step += 1
+        return StepResult(loss, norm, int(tokens), skipped)
+
+    def _forward_backward(self, micro) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of the global batch's mean token loss; ([loss, grad norm^2], token
+        count), agreed by every rank, still on the device."""
         f64 = dict(dtype=torch.float64, device=self.device)
         count = torch.tensor(float(sum(mb.tokens for mb in micro)), **f64)
         self.comm.all_reduce(count, self.mesh["data"])
@@ -103,14 +129,23 @@ class Trainer:
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
         agreed = torch.stack([own_loss, self.engine.grad_sq_norm()])
         self.comm.all_reduce(agreed, self.mesh["world"])
-        loss, sq_norm, tokens = torch.cat([agreed, count.view(1)]).tolist()  # the host sync
-        norm = math.sqrt(sq_norm)
-        skipped = not (math.isfinite(loss) and math.isfinite(norm))
-        if not skipped:
-            self._apply(norm)
-        self.engine.zero_grad()
-        self.step += 1
-        return StepResult(loss, norm, int(tokens), skipped)
+        return agreed, count
+
+    def evaluate(self) -> float:
+        """Mean token loss over `eval_batches` global batches of the held-out split.
+
+        Each batch takes the training step's own path with the update skipped (the path a
+        non-finite step takes): every layout, pipeline schedules included, evaluates
+        unchanged, at the price of a backward pass nobody uses."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        last_step = self.engine.last_run  # the training step's record (pipeline timeline)
+        for k in range(self.cfg.train.eval_batches):
+            agreed, count = self._forward_backward(self.eval_loader.batch(k))
+            self.engine.zero_grad()
+            total += torch.stack([agreed[0] * count, count])
+        self.engine.last_run = last_step
+        loss_sum, tokens = total.tolist()
+        return loss_sum / max(tokens, 1.0)
 
     def _apply(self, norm: float) -> None:
         clip = self.cfg.train.grad_clip
@@ -147,7 +182,12 @@ class Trainer:
             "model_state_bytes": int(maxed[2]),  # parameters, gradients, optimizer state
             "comm_bytes": float(summed[0]),
             "skipped": result.skipped,
-        }
+        } | self._epoch()
+
+    def _epoch(self) -> dict[str, float]:
+        """Passes made over a token corpus (synthetic data has none)."""
+        source = self.loader.source
+        return {"epoch": source.epochs(self.step)} if hasattr(source, "epochs") else {}
 
     def fit(self, writer: MetricsWriter | None = None, stop: int | None = None) -> list[dict]:
         """Run the remaining steps (until `stop`, if given: an interrupted job's stand-in);
@@ -160,6 +200,9 @@ class Trainer:
             result = self.train_step()
             seconds = time.perf_counter() - t0
             row = self.metrics(result, seconds, self.comm.total_bus_bytes())
+            every = self.cfg.train.eval_every
+            if every and (self.step % every == 0 or self.step == self.cfg.train.steps):
+                row["eval_loss"] = self.evaluate()
             rows.append(row)
             if writer is not None and self.mesh.rank == 0:
                 writer.write(row)

@@ -18,24 +18,72 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-class MetricsWriter:
-    """Appends one JSON object per step to DIR/metrics.jsonl and drives the progress display."""
+# metrics.jsonl keys that TensorBoard shows, under these tags
+SCALARS = {
+    "loss": "train/loss",
+    "eval_loss": "eval/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "epoch": "train/epoch",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "step_time_s": "perf/step_time_s",
+    "peak_mem_bytes": "memory/peak_bytes",
+    "model_state_bytes": "memory/model_state_bytes",
+    "comm_bytes": "comm/bytes",
+}
 
-    def __init__(self, out_dir: str, total_steps: int, progress: bool, append: bool = False):
+
+def require_tensorboard() -> None:
+    """--tensorboard needs the optional package; every rank checks before training."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            "--tensorboard needs the tensorboard package: pip install 'tetrad[tensorboard]'"
+        ) from e
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to DIR/metrics.jsonl and drives the progress display;
+    with `tensorboard`, the same series as event files under DIR/tensorboard."""
+
+    def __init__(
+        self,
+        out_dir: str,
+        total_steps: int,
+        progress: bool,
+        append: bool = False,
+        tensorboard: bool = False,
+        start_step: int = 0,
+    ):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a" if append else "w")  # noqa: SIM115
         self.total = total_steps
         self.display = Display(total_steps) if progress else None
+        self.events = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # a resumed run purges the events of steps it is about to redo
+            purge = start_step if append else None
+            self.events = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=purge)
 
     def write(self, row: dict[str, Any]) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        if self.events is not None:
+            for key, tag in SCALARS.items():
+                if key in row:
+                    self.events.add_scalar(tag, row[key], row["step"])
         if self.display:
             self.display.update(row)
 
     def close(self) -> None:
         self.file.close()
+        if self.events is not None:
+            self.events.close()
         if self.display:
             self.display.close()
 
@@ -62,15 +110,16 @@ class Display:
     @staticmethod
     def describe(row: dict[str, Any]) -> str:
         skipped = " SKIPPED" if row["skipped"] else ""
+        held = f" (eval {row['eval_loss']:.4f})" if "eval_loss" in row else ""
         return (
-            f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | "
+            f"loss {row['loss']:.4f}{held} | {row['tokens_per_s']:,.0f} tok/s | "
             f"MFU {100 * row['mfu']:.2f}% | mem {row['peak_mem_bytes'] / 2**20:,.0f} MiB{skipped}"
         )
 
     def update(self, row: dict[str, Any]) -> None:
         if self.live:
             self.bar.update(self.task, completed=row["step"] + 1, info=self.describe(row))
-        elif row["step"] % self.every == 0 or row["step"] + 1 == self.total:
+        elif row["step"] % self.every == 0 or row["step"] + 1 == self.total or "eval_loss" in row:
             print(f"step {row['step'] + 1}/{self.total} | {self.describe(row)}", flush=True)
 
     def close(self) -> None:

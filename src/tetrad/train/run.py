@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tetrad.config import Config
 from tetrad.train.loop import Trainer, init_distributed
-from tetrad.train.metrics import MetricsWriter
+from tetrad.train.metrics import MetricsWriter, require_tensorboard
 
 
 def run(cfg: Config, threads: int | None = None, timeline: str | None = None) -> list[dict]:
@@ -19,6 +19,8 @@ def run(cfg: Config, threads: int | None = None, timeline: str | None = None) ->
     timeline: with pp > 1, a directory for the last step's pipeline timeline pictures."""
     if threads:
         torch.set_num_threads(threads)
+    if cfg.train.tensorboard:
+        require_tensorboard()  # every rank, before the first collective
     mesh, device = init_distributed(cfg)
     try:
         trainer = Trainer(cfg, mesh, device)
@@ -33,7 +35,12 @@ def run(cfg: Config, threads: int | None = None, timeline: str | None = None) ->
             elif cfg.checkpoint.resume:
                 print(f"tetrad: no checkpoint under {out / 'checkpoints'}; starting afresh")
             writer = MetricsWriter(
-                cfg.train.out, cfg.train.steps, cfg.train.progress, append=resumed is not None
+                cfg.train.out,
+                cfg.train.steps,
+                cfg.train.progress,
+                append=resumed is not None,
+                tensorboard=cfg.train.tensorboard,
+                start_step=resumed or 0,
             )
         rows = trainer.fit(writer)
         if writer is not None:

@@ -1,0 +1,383 @@
+"""Hugging Face Llama checkpoints in and out: config.json <-> ModelConfig, weights by name.
+
+A Hugging Face Llama directory holds `config.json` and either one `model.safetensors` or
+shards listed in `model.safetensors.index.json`. Import reads headers first (every name,
+shape and dtype checked before a byte of weights is read), then each rank reads only the
+slices its layout holds, through safetensors' lazy slicing. Export writes the same layout
+back, sharded with an index when large. Pickled `.bin` checkpoints are refused: loading
+them would run code from the file.
+
+Rotary layout: tetrad rotates interleaved channel pairs (2i, 2i+1) of each head; Hugging
+Face's `rotate_half` pairs channel i with i + head_dim/2. So the rows of q and k are
+permuted within each head on the way in and back on the way out:
+tetrad row 2i = HF row i, tetrad row 2i+1 = HF row i + head_dim/2.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tetrad.config import ModelConfig
+from tetrad.models.init import full_shape
+from tetrad.models.llama import meta_llama
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+# tetrad leaf -> Hugging Face leaf, inside `model.layers.{i}.`
+_BLOCK = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of tetrad parameter `name`."""
+    if name in _TOP:
+        return _TOP[name]
+    _, layer, leaf = name.split(".", 2)
+    return f"model.layers.{layer}.{_BLOCK[leaf]}"
+
+
+# --- config.json --------------------------------------------------------------------------
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """A Hugging Face Llama `config.json`, or a ValueError saying why this is not one."""
+    d = Path(directory)
+    file = d / CONFIG
+    if not d.is_dir():
+        raise ValueError(f"--init-from-hf {d}: no such directory")
+    if not file.is_file():
+        raise ValueError(f"{d} is not a Hugging Face checkpoint: {CONFIG} is missing")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is unreadable: {e}") from e
+    if raw.get("model_type") != "llama":
+        raise ValueError(f"{file}: model_type={raw.get('model_type')!r}, expected 'llama'")
+    return raw
+
+
+def _rope_theta(raw: dict[str, Any], file: Path) -> float:
+    """rope_theta, from the top level (transformers 4) or rope_parameters (transformers 5);
+    scaled rotary variants (llama3, yarn, ...) are refused: tetrad computes plain rotary."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ValueError(f"{file}: rope_type={kind!r} is not supported (only 'default')")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def model_fields(directory: str | Path) -> dict[str, Any]:
+    """ModelConfig fields from a Hugging Face Llama `config.json`."""
+    raw = read_config(directory)
+    file = Path(directory) / CONFIG
+    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in (*need, "vocab_size") if k not in raw]
+    if missing:
+        raise ValueError(f"{file}: missing {missing}")
+    heads = int(raw["num_attention_heads"])
+    dim = int(raw["hidden_size"])
+    head_dim = raw.get("head_dim") or dim // heads
+    if head_dim * heads != dim:
+        raise ValueError(f"{file}: head_dim={head_dim} x heads={heads} != hidden_size={dim}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ValueError(f"{file}: {flag}=true is not supported (tetrad's Llama has none)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{file}: hidden_act={raw['hidden_act']!r}, expected 'silu'")
+    return {
+        "name": "hf",
+        "layers": int(raw["num_hidden_layers"]),
+        "dim": dim,
+        "heads": heads,
+        "kv_heads": int(raw.get("num_key_value_heads") or heads),
+        "vocab": int(raw["vocab_size"]),
+        "ffn_dim": int(raw["intermediate_size"]),
+        "max_seq_len": int(raw.get("max_position_embeddings", 4096)),
+        "rope_theta": _rope_theta(raw, file),
+        "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
+    }
+
+
+HF_KEYS = {  # ModelConfig field -> its key in config.json, for error messages
+    "layers": "num_hidden_layers",
+    "dim": "hidden_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "vocab": "vocab_size",
+    "ffn_dim": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
+
+def model_config(directory: str | Path, given: dict[str, Any] | None = None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory. `given`: values the user set (flag name ->
+    (field, value)); one that contradicts config.json is an error naming both."""
+    fields = model_fields(directory)
+    for flag, (field, value) in (given or {}).items():
+        if fields[field] != value:
+            raise ValueError(
+                f"{flag}={value} contradicts {HF_KEYS[field]}={fields[field]} in "
+                f"{Path(directory) / CONFIG}"
+            )
+    return ModelConfig(**fields, init_from_hf=str(directory))
+
+
+def check_model(directory: str | Path, model: ModelConfig) -> None:
+    """The configured model is the one in `directory` (every rank, before training)."""
+    fields = model_fields(directory)
+    mine = {k: getattr(model, k) for k in fields if k != "name"} | {"ffn_dim": model.hidden_dim}
+    bad = [k for k, v in mine.items() if v != fields[k]]
+    if bad:
+        detail = ", ".join(f"model.{k}={mine[k]} vs {HF_KEYS[k]}={fields[k]}" for k in bad)
+        raise ValueError(f"the model does not match {Path(directory) / CONFIG}: {detail}")
+
+
+# --- weights in ---------------------------------------------------------------------------
+
+
+def weight_files(directory: str | Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it."""
+    d = Path(directory)
+    if (d / INDEX).is_file():
+        try:
+            weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{d / INDEX} is unreadable: {e!r}") from e
+        files = {name: d / f for name, f in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise ValueError(f"{d / INDEX} lists shard {f.name}, which is missing from {d}")
+        return files
+    if (d / SINGLE).is_file():
+        with safe_open(d / SINGLE, framework="pt") as fh:
+            return {name: d / SINGLE for name in fh.keys()}  # noqa: SIM118
+    if any(d.glob("*.bin")):
+        raise ValueError(
+            f"{d} holds only pickled .bin weights, which tetrad does not load (unpickling runs "
+            "code); convert them to safetensors first"
+        )
+    raise ValueError(f"{d} has neither {SINGLE} nor {INDEX}")
+
+
+class HFWeights(Mapping):
+    """tetrad name -> a lazy tensor in a Hugging Face directory, indexable by this rank's
+    slice (`weights[name][rows, cols]` reads those elements only), as float32.
+
+    Constructing it checks every tensor the model needs: present, float, the right shape.
+    """
+
+    def __init__(self, directory: str | Path, model: ModelConfig):
+        self.directory, self.model = Path(directory), model
+        self.files = weight_files(directory)
+        self.names = [n for n, _ in meta_llama(model).named_parameters()]
+        headers = self._headers()
+        for name in self.names:
+            key = hf_name(name)
+            if key not in self.files:
+                raise ValueError(f"{self.directory}: tensor {key} is missing")
+            dtype, shape = headers[key]
+            want = tuple(full_shape(name, model))
+            if dtype not in FLOATS:
+                raise ValueError(f"{self.files[key]}: {key} has dtype {dtype}; expected a float")
+            if shape != want:
+                raise ValueError(f"{self.files[key]}: {key} has shape {shape}, expected {want}")
+
+    def _headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        out = {}
+        for file in sorted(set(self.files.values())):
+            with safe_open(file, framework="pt") as fh:
+                for key in fh.keys():  # noqa: SIM118
+                    s = fh.get_slice(key)
+                    out[key] = (s.get_dtype(), tuple(s.get_shape()))
+        return out
+
+    def __getitem__(self, name: str) -> LazyParam:
+        if name not in self.names:
+            raise KeyError(name)
+        return LazyParam(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Elements `index` of tetrad tensor `name` (rows in tetrad's order), float32."""
+        key = hf_name(name)
+        heads = _rotary_heads(name, self.model)
+        rows, rest = index[0], index[1:]
+        shape = full_shape(name, self.model)
+        hd = self.model.head_dim
+        lo, hi, step = rows.indices(shape[0])
+        # q/k rows permute within a head: read whole heads, permute, then keep the rows
+        aligned = heads is None or (lo % hd == 0 and hi % hd == 0 and step == 1)
+        read_rows = slice(lo, hi) if aligned else slice(None)
+        with safe_open(self.files[key], framework="pt") as fh:
+            t = fh.get_slice(key)[(read_rows, *rest)].float()
+        if heads is not None:
+            t = permute_from_hf(t, hd)
+            if not aligned:
+                t = t[rows]
+        return t
+
+
+class LazyParam:
+    """One tensor of an `HFWeights`, read when indexed (`[...]`: all of it)."""
+
+    def __init__(self, weights: HFWeights, name: str):
+        self.weights, self.name = weights, name
+        self.shape = torch.Size(full_shape(name, weights.model))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if index is Ellipsis:
+            index = ()
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        return self.weights.read(self.name, index)
+
+
+def _rotary_heads(name: str, model: ModelConfig) -> int | None:
+    """Number of heads whose rows a rotary permutation reorders (q and k), else None."""
+    if name.endswith("attention.wq.weight"):
+        return model.heads
+    if name.endswith("attention.wk.weight"):
+        return model.kv_heads
+    return None
+
+
+def permute_from_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of whole heads from rotate_half order (i, i + d/2) to interleaved pairs."""
+    rest = w.shape[1:]
+    return w.reshape(-1, 2, head_dim // 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def permute_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of whole heads from interleaved pairs back to rotate_half order."""
+    rest = w.shape[1:]
+    return w.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+# --- weights out --------------------------------------------------------------------------
+
+
+def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """tetrad's full logical tensors -> Hugging Face names and rotary order."""
+    out = {}
+    for name, t in state.items():
+        if _rotary_heads(name, model) is not None:
+            t = permute_to_hf(t, model.head_dim)
+        out[hf_name(name)] = t.contiguous()
+    return out
+
+
+def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """A `config.json` that transformers' LlamaForCausalLM reads as this model."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": model.dim,
+        "intermediate_size": model.hidden_dim,
+        "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads,
+        "num_key_value_heads": model.kv_heads,
+        "head_dim": model.head_dim,
+        "vocab_size": model.vocab,
+        "max_position_embeddings": model.max_seq_len,
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": model.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": model.init_std,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+
+
+# what a model imported from Hugging Face keeps on the way out: its special tokens
+CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def carried_over(source: str) -> dict[str, Any]:
+    """Special-token ids of the directory a model was imported from (when still there)."""
+    file = Path(source) / CONFIG if source else None
+    if file is None or not file.is_file():
+        return {}
+    raw = json.loads(file.read_text())
+    return {k: raw[k] for k in CARRIED if k in raw}
+
+
+def save(
+    state: dict[str, torch.Tensor],
+    model: ModelConfig,
+    out: str | Path,
+    max_shard_bytes: int = 4 * 2**30,
+    dtype: torch.dtype = torch.float32,
+) -> list[Path]:
+    """Write a Hugging Face Llama directory from full logical tensors; returns its files.
+
+    Tensors are cut into shards of at most `max_shard_bytes` (a tensor larger than that gets
+    a shard of its own), listed in model.safetensors.index.json when there is more than one.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to(dtype) for k, v in to_hf_state(state, model).items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    names = [SINGLE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]  # fmt: skip
+    for name, shard in zip(names, shards):
+        save_file(shard, out / name, metadata={"format": "pt"})
+    files = [out / n for n in names]
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: n for n, s in zip(names, shards) for k in s},
+        }
+        (out / INDEX).write_text(json.dumps(index, indent=2))
+        files.append(out / INDEX)
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = hf_config(model, dtype_name) | carried_over(model.init_from_hf)
+    (out / CONFIG).write_text(json.dumps(config, indent=2))
+    return [*files, out / CONFIG]

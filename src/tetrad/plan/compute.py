@@ -1,0 +1,132 @@
+"""Seconds of one microbatch's forward, input-gradient and weight-gradient work on one rank.
+
+Three kinds of kernels, each charged at what bounds it, instead of one efficiency that
+hides them all:
+
+- GEMMs (every linear): 2·M·K·N FLOPs at `peak x efficiency x g(K) x g(N)`, with
+  g(x) = x / (x + GEMM_HALF_WIDTH): a matmul whose local K or N is small (a small model,
+  or a large one cut by tp) feeds the tensor cores worse. `efficiency` is the share of
+  the peak large GEMMs reach in a training step on that device kind (fitted).
+- Flash attention: the causal half of the s x s square (the FLOPs flash attention runs),
+  at the share of the peak its kernel reaches on that device (`ATTENTION`, published).
+- Elementwise work (norms, rotary, residual adds, SwiGLU's gate, the loss's softmax):
+  bytes read and written at HBM bandwidth. Eager PyTorch runs each op as its own kernel
+  (a norm reads and writes its input five times, in fp32); fused kernels (Megatron's
+  and Transformer Engine's, torch.compile) do one pass. The engine says which.
+
+The backward of an elementwise op moves about twice the forward's bytes (it reads the
+saved input and the output gradient, writes the input gradient); flash attention's
+backward runs 2.5x the forward's FLOPs (five matmuls to two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.config import DTYPE_BYTES, ModelConfig
+from tetrad.devices import Device
+
+# Width (elements) at which a GEMM dimension halves the large-GEMM rate: a stated fit on
+# the development rows (docs/plan.md, "Efficiency"); cpu: no size effect is modelled.
+GEMM_HALF_WIDTH = 384.0
+
+# Share of the dense peak flash attention reaches, fwd + bwd, causal, head dim 128, by
+# device and kernel: "fa2" is FlashAttention-2 (PyTorch's sdpa), "fa3" the Hopper kernels
+# (FlashAttention-3, cuDNN's, which Megatron uses through Transformer Engine). Dao 2023
+# (FA2, Fig. 6: A100 fwd+bwd causal 176-203 TFLOP/s of 312); Shah et al. 2024 (FA3: FA2
+# reaches about 35% of H100's peak; FA3 75% forward, backward 1.5-1.75x FA2's).
+ATTENTION = {
+    "a100": {"fa2": 0.60, "fa3": 0.60},
+    "h100": {"fa2": 0.32, "fa3": 0.55},
+    "h100-hbm2e": {"fa2": 0.32, "fa3": 0.55},
+    "h200": {"fa2": 0.32, "fa3": 0.55},
+}
+BACKWARD_ATTENTION = 2.5  # flash attention's backward FLOPs over its forward's
+BACKWARD_ELEMENTWISE = 2.0  # bytes an elementwise backward moves over its forward's
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How an implementation runs the non-GEMM work: `fused` elementwise kernels (one
+    pass per fused op) or eager ones; `attention` kernel class ("fa2" or "fa3");
+    `gqa_native`: the attention kernel reads the kv heads as they are (Transformer
+    Engine, flash-attn), where PyTorch's sdpa path repeats them to the query heads first
+    and keeps the repeated copies for backward."""
+
+    fused: bool = False
+    attention: str = "fa2"
+    gqa_native: bool = False
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Seconds of one microbatch on one rank, by kernel kind, for F, B and W."""
+
+    gemm: float
+    attention: float
+    elementwise: float
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise
+
+
+def gemm_factor(width: float) -> float:
+    """Share of the large-GEMM rate a GEMM with a dimension of `width` elements reaches."""
+    return width / (width + GEMM_HALF_WIDTH)
+
+
+def _linears(m: ModelConfig, t: int) -> list[tuple[int, int]]:
+    """(K, N) of each linear of a block on one tp rank: wq, wk, wv, wo, w1, w3, w2."""
+    h, f, hd = m.dim, m.hidden_dim, m.head_dim
+    kv = max(m.kv_heads // t, 1) * hd
+    return [(h, h // t), (h, kv), (h, kv), (h // t, h), (h, f // t), (h, f // t), (f // t, h)]
+
+
+class ComputeModel:
+    """Per-rank seconds of the blocks and of the head, for one device and kernel set."""
+
+    def __init__(self, device: Device, kernels: Kernels, sized: bool = True):
+        self.device, self.kernels, self.sized = device, kernels, sized
+
+    def _gemm_rate(self, k: float, n: float, dtype: str) -> float:
+        rate = self.device.flops_per_s(dtype)
+        return rate * gemm_factor(k) * gemm_factor(n) if self.sized else rate
+
+    def _attention_rate(self, dtype: str) -> float:
+        share = ATTENTION.get(self.device.name, {}).get(self.kernels.attention)
+        if share is None:  # a device without published kernels: the GEMM rate
+            return self.device.flops_per_s(dtype)
+        return self.device.peak_tflops[dtype] * 1e12 * share
+
+    def block_forward(self, m: ModelConfig, t: int, sp: bool, tokens: int, seqs: int,
+                      s: int, dtype: str) -> Parts:  # fmt: skip
+        """One block's forward on one rank for `tokens` = seqs x s tokens."""
+        gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, dtype) for k, n in _linears(m, t))
+        attention = seqs * 2 * s * s * m.dim / t / self._attention_rate(dtype)  # causal half
+        nbytes = tokens * self.elementwise_bytes(m, t, sp, dtype)
+        return Parts(gemm, attention, nbytes / self.device.hbm_Bps)
+
+    def elementwise_bytes(self, m: ModelConfig, t: int, sp: bool, dtype: str) -> float:
+        """HBM bytes a block's elementwise forward moves per token on one rank."""
+        c, h, f = DTYPE_BYTES[dtype], m.dim, m.hidden_dim
+        kv = m.kv_heads * m.head_dim
+        if self.kernels.fused:  # one read and one write per fused op
+            norms, rotary, gate = 2 * (2 * c * h), 2 * c * (h + kv), 3 * c * f
+        else:  # fp32 cast, square-mean, scale, cast back, weight; complex rotary; silu, mul
+            norms, rotary, gate = 2 * (20 * h + 4 * c * h), (2 * c + 16) * (h + kv), 5 * c * f
+        residual = 2 * 3 * c * h
+        return (norms + residual) / (t if sp else 1) + (rotary + gate) / t
+
+    def head(self, m: ModelConfig, t: int, tokens: int, dtype: str) -> Parts:
+        """The head matmul and the loss's forward on one rank (no attention)."""
+        c, v = DTYPE_BYTES[dtype], m.vocab / t
+        gemm = 2 * tokens * m.dim * v / self._gemm_rate(m.dim, v, dtype)
+        loss = (8 + 2 * c) if self.kernels.fused else (12 + c)  # bytes a token per vocab entry
+        return Parts(gemm, 0.0, tokens * v * loss / self.device.hbm_Bps)
+
+
+def backward(fwd: Parts) -> Parts:
+    """The input-gradient part of a block's backward, from its forward."""
+    return Parts(fwd.gemm, BACKWARD_ATTENTION * fwd.attention,
+                 BACKWARD_ELEMENTWISE * fwd.elementwise)  # fmt: skip

@@ -1,0 +1,114 @@
+"""`tetrad report RUN`: PNG plots of a run's metrics.jsonl and a short text summary."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+MIB = 2**-20
+# figure file -> (title, panels); a panel: (y label, [(metrics key, legend, scale)])
+FIGURES = {
+    "loss.png": ("loss", [("loss", [("loss", "train", 1.0), ("eval_loss", "held-out", 1.0)])]),
+    "optim.png": (
+        "optimizer",
+        [("learning rate", [("lr", "lr", 1.0)]), ("grad norm", [("grad_norm", "norm", 1.0)])],
+    ),
+    "throughput.png": (
+        "throughput",
+        [("tokens/s", [("tokens_per_s", "tokens/s", 1.0)]), ("MFU (%)", [("mfu", "MFU", 100.0)])],
+    ),
+    "memory.png": (
+        "memory (max over ranks)",
+        [("MiB", [("peak_mem_bytes", "peak", MIB), ("model_state_bytes", "model state", MIB)])],
+    ),
+    "comm.png": ("communication", [("MiB per step", [("comm_bytes", "bus bytes", MIB)])]),
+}
+
+
+def read_metrics(run: str | Path) -> list[dict[str, Any]]:
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run} is not a run directory: {path.name} is missing")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n} is not JSON: {e}") from e
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Median tokens/s and MFU (the first step, which warms up, excluded when there are
+    more), peak memory, skipped steps, final and best held-out loss."""
+    timed = rows[1:] if len(rows) > 1 else rows
+    skipped = [r["step"] for r in rows if r.get("skipped")]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    lines = [
+        f"steps                {rows[0]['step']}..{rows[-1]['step']} ({len(rows)} rows)",
+        f"loss                 {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}",
+        f"tokens               {sum(r['tokens'] for r in rows):,}",
+        f"median tokens/s      {statistics.median(r['tokens_per_s'] for r in timed):,.0f}",
+        f"median MFU           {100 * statistics.median(r['mfu'] for r in timed):.2f}%",
+        f"median step time     {statistics.median(r['step_time_s'] for r in timed) * 1e3:.1f} ms",
+        f"peak memory          {max(r['peak_mem_bytes'] for r in rows) / 2**20:,.1f} MiB"
+        " (max over ranks and steps)",
+        f"skipped steps        {len(skipped)}" + (f" (steps {skipped[:10]})" if skipped else ""),
+    ]
+    if evals:
+        best = min(evals, key=lambda e: e[1])
+        lines.append(
+            f"eval loss            {evals[-1][1]:.4f} at step {evals[-1][0]}"
+            f" (best {best[1]:.4f} at step {best[0]})"
+        )
+    if "epoch" in rows[-1]:
+        lines.append(f"epochs               {rows[-1]['epoch']:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """One PNG per figure, one panel per quantity, the series present in the rows."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("tetrad report needs matplotlib: pip install 'tetrad[plot]'") from e
+    written = []
+    for fname, (title, panels) in FIGURES.items():
+        panels = [(y, [s for s in ss if any(s[0] in r for r in rows)]) for y, ss in panels]
+        panels = [(y, ss) for y, ss in panels if ss]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.8 * len(panels)), squeeze=False)
+        for ax, (ylabel, series) in zip(axes[:, 0], panels):
+            for key, legend, scale in series:
+                pts = [(r["step"], r[key] * scale) for r in rows if key in r]
+                sparse = len(pts) < 0.5 * len(rows) or len(pts) < 30
+                ax.plot(*zip(*pts), label=legend, marker="o" if sparse else None, markersize=3)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            if len(series) > 1:
+                ax.legend()
+        axes[-1, 0].set_xlabel("step")
+        axes[0, 0].set_title(title)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=100)
+        plt.close(fig)
+        written.append(out / fname)
+    return written
+
+
+def report(run: str | Path, out: str | Path | None = None) -> tuple[str, list[Path]]:
+    """Write RUN/report/ (or `out`): the PNGs and summary.txt; return the summary text."""
+    rows = read_metrics(run)
+    out = Path(out) if out else Path(run) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    text = summary(rows)
+    (out / "summary.txt").write_text(text)
+    return text, [*plot(rows, out), out / "summary.txt"]
