@@ -6,7 +6,15 @@ import argparse
 import os
 import sys
 
-from tetrad.config import DTYPES, Config, ModelConfig, load_toml, model_preset, validate
+from tetrad.config import (
+    DTYPES,
+    RECOMPUTE,
+    Config,
+    ModelConfig,
+    load_toml,
+    model_preset,
+    validate,
+)
 from tetrad.devices import pick
 from tetrad.launch import launch, under_torchrun
 from tetrad.parallel.pipeline.schedules import SCHEDULES
@@ -36,6 +44,8 @@ TRAIN_FLAGS = {
     "dtype": ("train", "dtype", str),
     "device": ("train", "device", str),
     "peak_tflops": ("train", "peak_tflops", float),
+    "recompute": ("train", "recompute", str),
+    "loss_chunk": ("train", "loss_chunk", int),
     "out": ("train", "out", str),
     "data": ("data", "source", str),
     "tokenizer": ("data", "tokenizer", str),
@@ -52,6 +62,10 @@ FLAG_HELP = {
     "device": "auto (default: CUDA if available, else CPU), cpu or cuda",
     "peak_tflops": "declared dense peak of one device in TFLOP/s, for MFU (default: the "
     "table in devices.py; needed for a GPU not in it)",
+    "recompute": "activation recomputation (default none): selective recomputes attention's "
+    "core and the SwiGLU product in backward, full whole blocks from their inputs",
+    "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
+    "full logits (default 1024; 0: full logits)",
 }
 
 
@@ -72,6 +86,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": ("auto", "cpu", "cuda")}
         if flag == "zero_stage":
             kw = {"choices": (1, 2, 3)}
+        if flag == "recompute":
+            kw = {"choices": RECOMPUTE}
+        if flag == "loss_chunk":
+            kw = {"metavar": "TOKENS"}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)

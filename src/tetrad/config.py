@@ -18,6 +18,8 @@ import torch
 # compute and reduction dtypes by name: the one table every part reads
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+# activation recomputation: nothing, the cheap and large parts, or whole blocks
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
@@ -132,6 +134,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     dtype: str = "fp32"
+    recompute: str = "none"  # activation recomputation: none, selective or full
+    loss_chunk: int = 1024  # tokens per chunk of the fused head + loss (0: full logits)
     out: str = "runs/default"
     progress: bool = True
     device: str = "auto"
@@ -291,6 +295,16 @@ def _validate_train(cfg: Config) -> None:
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} not auto/cpu/cuda")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: never), got {t.eval_every}")
     _require(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
+    _require(
+        t.dtype != "bf16" or _bf16_supported(t.device),
+        f"train.dtype='bf16' but this CUDA device ({_cuda_name()}) has no bf16 support;"
+        " use dtype='fp32'",
+    )
+    _require(t.recompute in RECOMPUTE, f"train.recompute={t.recompute!r} is not one of {RECOMPUTE}")
+    _require(
+        t.loss_chunk >= 0,
+        f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per chunk; 0: full logits)",
+    )
     d = cfg.data
     if d.source == "stdlib":
         _require(
@@ -301,6 +315,21 @@ def _validate_train(cfg: Config) -> None:
         _require(Path(d.source).exists(), f"data.source={d.source!r}: no such file or directory")
     if d.tokenizer:
         _require(Path(d.tokenizer).exists(), f"data.tokenizer={d.tokenizer!r}: no such file")
+
+
+def _uses_cuda(device: str) -> bool:
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def _bf16_supported(device: str) -> bool:
+    """CPUs compute bf16 (natively or emulated); a CUDA device only from Ampere on."""
+    if not _uses_cuda(device) or not torch.cuda.is_available():
+        return True  # no CUDA device to ask: the trainer's own device check speaks then
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def _cuda_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 
 
 def _validate_layout(cfg: Config) -> None:

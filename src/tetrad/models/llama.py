@@ -14,6 +14,7 @@ from torch import nn
 
 from tetrad.config import ModelConfig
 from tetrad.models.batch import IGNORE
+from tetrad.models.recompute import recompute
 
 
 class RMSNorm(nn.Module):
@@ -59,11 +60,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.heads * hd, cfg.dim, bias=False)
+        self.recompute = "none"  # "selective": the core is redone in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # with sequence parallelism x is [b, s/tp, h] and the projections gather the sequence,
         # so the sequence length is read from their outputs.
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [b, s, local (kv) heads · hd]
+        core = recompute if self.recompute == "selective" else _call
+        return self.wo(core(self.core, q, k, v))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rotary, repeated kv heads and causal softmax(qkᵀ)v: [b, s, heads·hd] each way."""
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.head_dim)  # [b, s, local heads, hd]
         k = k.view(b, s, -1, self.head_dim)  # [b, s, local kv heads, hd]
@@ -76,7 +83,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class FeedForward(nn.Module):
@@ -87,9 +94,19 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)  # down
+        self.recompute = "none"  # "selective": silu(a)·b is redone in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        product = recompute if self.recompute == "selective" else _call
+        return self.w2(product(swiglu, self.w1(x), self.w3(x)))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 class Block(nn.Module):
@@ -101,8 +118,12 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.recompute = "none"  # "full": only the block's input is kept for backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recompute(self.body, x) if self.recompute == "full" else self.body(x)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -115,6 +136,9 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.first = True  # embeds token ids (a pipeline stage after the first gets hidden states)
         self.last = True  # applies the final norm and the output head
+        # False: the last stage ends at the final norm and a fused loss applies the head
+        # (models/loss.py), so no full logits are ever built
+        self.logits = True
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
         # string keys keep parameter names ("layers.7....") stable when a stage drops layers
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
@@ -136,10 +160,25 @@ class Llama(nn.Module):
         return self.head(self.norm(h)) if head else h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Output projection, tied to the embedding when configured."""
-        if self.output is not None:
-            return self.output(h)
-        return F.linear(h, self.tok_embeddings.weight)
+        """Output projection, tied to the embedding when configured (or, with `logits`
+        off, nothing: the loss projects)."""
+        if not self.logits:
+            return h
+        return F.linear(h, self.head_weight()) if self.output is None else self.output(h)
+
+    def head_weight(self) -> torch.Tensor:
+        """The output projection's weight [V, d]: the head's, or the tied embedding's."""
+        return (self.output if self.output is not None else self.tok_embeddings).weight
+
+
+def set_recompute(model: nn.Module, mode: str) -> None:
+    """Activation recomputation for every block of `model`: "none", "selective" (attention's
+    core and the SwiGLU product) or "full" (whole blocks); see models/recompute.py."""
+    for block in model.modules():
+        if isinstance(block, Block):
+            block.recompute = mode if mode == "full" else "none"
+            inner = mode if mode == "selective" else "none"
+            block.attention.recompute = block.feed_forward.recompute = inner
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

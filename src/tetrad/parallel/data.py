@@ -9,6 +9,13 @@ so every rank issues the same collectives in the same order. On accumulation mic
 
 No averaging: the trainer divides every microbatch's summed token loss by the token count
 of the *global* batch, so the sum over data ranks is already the single-process gradient.
+
+Mixed precision (`train.dtype` bf16), as ZeRO does it on its shards: the model computes in
+bf16 parameters; the optimizer steps fp32 master copies (`Masters`), which are what
+`params()` returns. Gradients accumulate in bf16 (in the buckets), are all-reduced in
+`parallel.reduce_dtype` (a bucket is cast to it when launched) and become the masters'
+fp32 gradients, which live from `finish` to `zero_grad`; `after_step` copies the updated
+masters into the bf16 parameters.
 """
 
 from __future__ import annotations
@@ -19,6 +26,40 @@ from torch import nn
 from tetrad.comm import Comm, Work
 from tetrad.mesh import Group
 
+Named = list[tuple[str, nn.Parameter]]
+
+
+class Masters:
+    """fp32 master copies of parameters that compute in a lower precision.
+
+    Built from the materialised fp32 parameters, which it then casts to `dtype` in place
+    (the modules keep their Parameter objects, so hooks and names stay)."""
+
+    def __init__(self, named: Named, dtype: torch.dtype):
+        self.model = named
+        self.named: Named = []
+        with torch.no_grad():
+            for name, p in named:
+                master = nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                p.data = p.data.to(dtype)
+                self.named.append((name, master))
+        self.of = {id(p): m for (_, p), (_, m) in zip(named, self.named)}
+
+    def take_grads(self) -> None:
+        """The masters' fp32 gradients from the parameters' (no data axis)."""
+        for (_, p), (_, m) in zip(self.model, self.named):
+            m.grad = None if p.grad is None else p.grad.float()
+
+    def drop_grads(self) -> None:
+        for _, m in self.named:
+            m.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """After the optimizer: the compute parameters are the rounded masters."""
+        for (_, p), (_, m) in zip(self.model, self.named):
+            p.copy_(m)
+
 
 class Bucket:
     """A flat buffer holding the gradients of a few consecutive parameters."""
@@ -28,6 +69,7 @@ class Bucket:
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         self.pending = len(params)
         self.work: Work | None = None
+        self.sent: torch.Tensor | None = None  # what is all-reduced: the buffer, or its cast
         offset = 0
         for p in params:
             p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
@@ -35,25 +77,32 @@ class Bucket:
 
 
 class LocalGrads:
-    """No data axis: gradients stay where backward leaves them (a `GradSync`)."""
+    """No data axis: gradients stay where backward leaves them (a `GradSync`). With a
+    compute `dtype` below fp32, the optimizer steps fp32 masters of them."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]]):
+    def __init__(self, named: Named, dtype: torch.dtype = torch.float32):
         self.named = named
+        self.masters = Masters(named, dtype) if dtype != torch.float32 else None
         self.sync = True
 
-    def params(self) -> list[tuple[str, nn.Parameter]]:
-        return self.named
+    def params(self) -> Named:
+        """The optimizer's tensors: the parameters, or their fp32 masters."""
+        return self.masters.named if self.masters else self.named
 
     def finish(self) -> None:
-        pass
+        if self.masters:
+            self.masters.take_grads()
 
     def zero_grad(self) -> None:
         for _, p in self.named:
             if p.grad is not None:
                 p.grad.zero_()
+        if self.masters:
+            self.masters.drop_grads()
 
     def after_step(self) -> None:
-        pass
+        if self.masters:
+            self.masters.copy_to_model()
 
 
 class GradBuckets(LocalGrads):
@@ -61,10 +110,16 @@ class GradBuckets(LocalGrads):
     (a `GradSync`)."""
 
     def __init__(
-        self, named: list[tuple[str, nn.Parameter]], group: Group, comm: Comm, bucket_bytes: int
+        self,
+        named: Named,
+        group: Group,
+        comm: Comm,
+        bucket_bytes: int,
+        dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
     ):
-        super().__init__(named)
-        self.group, self.comm = group, comm
+        super().__init__(named, dtype)  # casts the parameters first: buckets take their dtype
+        self.group, self.comm, self.reduce_dtype = group, comm, reduce_dtype
         params = [p for _, p in named if p.requires_grad]
         self.buckets = self._make_buckets(params, bucket_bytes)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
@@ -96,7 +151,9 @@ class GradBuckets(LocalGrads):
             self._launch(self.buckets[self.launched])
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.work = self.comm.all_reduce(bucket.buffer, self.group, async_op=True)
+        buf = bucket.buffer
+        bucket.sent = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
+        bucket.work = self.comm.all_reduce(bucket.sent, self.group, async_op=True)
         self.launched += 1
 
     def finish(self) -> None:
@@ -106,22 +163,40 @@ class GradBuckets(LocalGrads):
                 self._launch(self.buckets[self.launched])
             for b in self.buckets:
                 b.work.wait()
+                self._land(b)
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
         self.launched = 0
 
+    def _land(self, bucket: Bucket) -> None:
+        """Put a reduced bucket where the optimizer reads it: the masters' fp32 gradients
+        (views of the reduced buffer when it is fp32), or back into the buffer."""
+        sent, bucket.sent = bucket.sent, None
+        if self.masters is None:
+            if sent is not bucket.buffer:
+                bucket.buffer.copy_(sent)
+            return
+        full = sent if sent.dtype == torch.float32 else sent.float()
+        offset = 0
+        for p in bucket.params:
+            self.masters.of[id(p)].grad = full[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.buffer.zero_()
+        if self.masters:
+            self.masters.drop_grads()
 
 
 class TiedGrads:
-    """Another `GradSync` whose gradients of `tied` are then summed over `group`: a
-    parameter two ranks hold (the embedding tied across the first and last pipeline
-    stages), each with the gradient of its own uses."""
+    """Another `GradSync` whose gradients of the optimizer tensor `tied` (a name) are then
+    summed over `group`: a parameter two ranks hold (the embedding tied across the first
+    and last pipeline stages), each with the gradient of its own uses."""
 
-    def __init__(self, inner: LocalGrads, tied: nn.Parameter, group: Group, comm: Comm):
-        self.inner, self.tied, self.group, self.comm = inner, tied, group, comm
+    def __init__(self, inner: LocalGrads, tied: str, group: Group, comm: Comm):
+        self.inner, self.group, self.comm = inner, group, comm
+        self.tied = dict(inner.params())[tied]  # the parameter, or its fp32 master
 
     @property
     def sync(self) -> bool:

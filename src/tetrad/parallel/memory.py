@@ -79,10 +79,21 @@ def zero_bytes(layouts: list[UnitLayout], fsdp_rank: int, stage: int, dtype: str
     return ModelState(full_params + master_params, full_grads + shard_grads, optimizer)
 
 
-def replicated_bytes(named_shapes: list[tuple[str, tuple[int, ...]]]) -> ModelState:
-    """Plain data parallelism (fsdp = 1): fp32 parameters, gradients and AdamW, unsharded."""
+def replicated_bytes(
+    named_shapes: list[tuple[str, tuple[int, ...]]], dtype: str = "fp32"
+) -> ModelState:
+    """Plain data parallelism (fsdp = 1): parameters, gradients and AdamW, unsharded.
+
+    fp32: 4 + 4 + 8 bytes per parameter. Mixed precision: compute parameters and their
+    accumulated gradients in `dtype` (2 + 2), the fp32 gradients the optimizer reads
+    (+4, alive from the reduction to the next step's zero_grad), the fp32 masters and
+    AdamW (4 + 8): 20 bytes, where the ZeRO paper's 2 + 2 + 12 has no fp32 gradient."""
     psi = sum(math.prod(s) for _, s in named_shapes)
-    return ModelState(4 * psi, 4 * psi, ADAM_BYTES * psi + STEP_BYTES * len(named_shapes))
+    optimizer = ADAM_BYTES * psi + STEP_BYTES * len(named_shapes)
+    if dtype == "fp32":
+        return ModelState(4 * psi, 4 * psi, optimizer)
+    c = DTYPE_BYTES[dtype]
+    return ModelState(c * psi, (c + MASTER_BYTES) * psi, optimizer + MASTER_BYTES * psi)
 
 
 def model_state_bytes(cfg: Config, rank: int = 0) -> ModelState:
@@ -90,7 +101,7 @@ def model_state_bytes(cfg: Config, rank: int = 0) -> ModelState:
     named, replicated = local_parameters(cfg, rank)
     p = cfg.parallel
     if p.fsdp == 1:
-        return replicated_bytes(named)
+        return replicated_bytes(named, cfg.train.dtype)
     degrees = p.degrees
     fsdp_rank = Mesh.plan(degrees, rank).coord["fsdp"]
     layouts = plan_units(named, replicated, p.fsdp)
@@ -143,11 +154,15 @@ def measured_model_state(engine, optimizer: torch.optim.Optimizer) -> ModelState
         for t in optimizer.state.get(p, {}).values()
         if isinstance(t, torch.Tensor)
     ]
-    shards = engine.grads
+    shards = getattr(engine.grads, "inner", engine.grads)  # a tied-embedding wrapper's
     if not isinstance(shards, ZeroShards):
-        params = [p for _, p in engine.named_parameters()]
+        params = [p for _, p in shards.named]
         grads = size(*(p.grad for p in params))
-        return ModelState(size(*params), grads, size(*state))
+        if shards.masters is None:
+            return ModelState(size(*params), grads, size(*state))
+        masters = [m for _, m in shards.masters.named]
+        grads += size(*(m.grad for m in masters))
+        return ModelState(size(*params), grads, size(*masters, *state))
     mixed = any(u.data.dtype != torch.float32 for u in shards.units)
     masters = [u.master for u in shards.units]
     params = size(*(u.data for u in shards.units), *([] if mixed else masters))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tetrad.models.batch import Microbatch
+from tetrad.parallel.meter import ActivationMeter
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -26,6 +27,7 @@ class RunResult:
     """What one step's forward and backward did on this rank."""
 
     loss: torch.Tensor  # this rank's share of the step's loss (float64, on the device)
+    peak_activation_bytes: int = 0  # the most bytes autograd held saved for backward at once
 
     @property
     def events(self) -> list:
@@ -54,6 +56,7 @@ class Runner(Protocol):
     """Runs forward and backward over this rank's microbatches of one step."""
 
     holds_loss: bool  # whether this rank computes the loss (holds the head)
+    meter: ActivationMeter  # counts the activations its forwards save
 
     def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> RunResult:
         """Accumulate gradients of sum(token losses)/denom into the parameters."""
@@ -64,16 +67,19 @@ class MicrobatchLoop:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, holds_loss: bool = True):
         self.model, self.loss_fn, self.holds_loss = model, loss_fn, holds_loss
+        self.meter = ActivationMeter()  # what autograd saves: the step's activations
 
     def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> RunResult:
         device = denom.device
         total = torch.zeros((), dtype=torch.float64, device=device)
+        self.meter.reset(self.model.parameters())
         for i, mb in enumerate(micro):
             # no_sync: only the last microbatch's backward launches the reductions
             grads.sync = i == len(micro) - 1
-            logits = self.model(mb.inputs.to(device))
-            loss = self.loss_fn(logits, mb.targets.to(device)) / denom
+            with self.meter.saving():
+                logits = self.model(mb.inputs.to(device))
+                loss = self.loss_fn(logits, mb.targets.to(device)) / denom
             del logits  # the graph keeps what backward needs; the logits may go (b·s·V)
             loss.backward()
             total += loss.detach().double()
-        return RunResult(total)
+        return RunResult(total, peak_activation_bytes=self.meter.peak)

@@ -39,10 +39,13 @@ class PlainState:
         comm: Comm,
         unshard: Unshard | None = None,
         slicer: Slicer | None = None,
+        optimized: list[tuple[str, torch.Tensor]] | None = None,
     ):
         self.model, self.cfg, self.mesh, self.comm = model, cfg, mesh, comm
         self.unshard = unshard or (lambda _, t: t)  # tp: all-gathers a shard (a collective)
         self.slicer = slicer  # tp: the index of this rank's shard in a full tensor
+        # name -> the tensor the optimizer steps: the parameter, or its fp32 master
+        self.optimized = dict(optimized or model.named_parameters())
 
     @property
     def device(self) -> torch.device:
@@ -54,15 +57,17 @@ class PlainState:
         return [n for n, _ in self.model.named_parameters()]
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters (tp shards, its stages) by logical name."""
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        """This rank's parameters (tp shards, its stages) by logical name: the fp32 masters
+        in mixed precision."""
+        return {n: self.optimized[n].detach() for n, _ in self.model.named_parameters()}
 
     def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
         """AdamW moments by kind and local name (zeros before the first step, which AdamW
         treats alike), and the step count."""
         moments: Moments = {k: {} for k in MOMENTS}
         step = 0
-        for name, p in self.model.named_parameters():
+        for name, _ in self.model.named_parameters():
+            p = self.optimized[name]
             state = optimizer.state.get(p, {})
             for k in MOMENTS:
                 moments[k][name] = state[k] if k in state else torch.zeros_like(p)
@@ -77,11 +82,15 @@ class PlainState:
         step: int,
         optimizer: torch.optim.Optimizer | None,
     ) -> None:
-        """Copy local logical tensors into the parameters and their AdamW state."""
+        """Copy local logical tensors into the parameters (and their masters) and the
+        AdamW state."""
         for name, p in self.model.named_parameters():
-            p.copy_(params[name])
+            master = self.optimized[name]
+            master.copy_(params[name])
+            if master is not p:
+                p.copy_(master)
             if moments is not None:
-                set_adam_state(optimizer, p, step, *(moments[k][name] for k in MOMENTS))
+                set_adam_state(optimizer, master, step, *(moments[k][name] for k in MOMENTS))
 
     # --- the full half: the same for every layout ----------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ from tetrad.mesh import Group, Mesh
 from tetrad.models.batch import IGNORE
 from tetrad.models.init import Slicer, full_shape
 from tetrad.models.llama import RMSNorm
+from tetrad.models.loss import linear_cross_entropy
 from tetrad.models.plans import assign
 
 SHARDED = ("dp", "fsdp")  # a tp-sharded parameter is still replicated over the data axes
@@ -219,6 +220,28 @@ class VocabParallelCrossEntropy:
         return _VocabParallelCE.apply(logits, targets, self.start, self.comm, self.group)
 
 
+class VocabParallelLinearCrossEntropy:
+    """The engine's loss_fn under tp with a chunked loss: (final-normed hidden, targets) ->
+    loss sum, the vocabulary-parallel head applied chunk by chunk (`models/loss.py`)."""
+
+    def __init__(self, model: nn.Module, tp: TP, start: int, chunk: int):
+        self.model, self.tp, self.start, self.chunk = model, tp, start, chunk
+
+    def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.model.output is not None:  # what VocabParallelHead does first (a tied head's
+            h = self.tp.enter(h)  # input entered the region at the final norm)
+        weight = self.model.head_weight()  # [V_r, d]
+        return linear_cross_entropy(h, weight, targets, self.chunk, self.start, self._combine)
+
+    def _combine(self, lse: torch.Tensor, picked: torch.Tensor):
+        """Global log-sum-exp and target logit per token from every rank's (one all-gather)."""
+        stats = torch.stack((lse, picked))  # [2, N]
+        every = stats.new_empty((self.tp.group.size * 2, stats.shape[1]))
+        self.tp.comm.all_gather(every, stats, self.tp.group)
+        every = every.view(self.tp.group.size, 2, -1)
+        return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)
+
+
 # --- applying a plan --------------------------------------------------------------------
 
 
@@ -230,6 +253,12 @@ class TPLayout:
     replicated: dict[str, tuple[str, ...]]  # parameter -> axes it is replicated over
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     unshard: Callable[[str, torch.Tensor], torch.Tensor]
+    tp: TP
+    vocab_start: int  # this rank's first vocabulary row
+
+    def chunked_loss_fn(self, model: nn.Module, chunk: int) -> VocabParallelLinearCrossEntropy:
+        """The loss_fn of a model whose last stage stops before the head (`logits=False`)."""
+        return VocabParallelLinearCrossEntropy(model, self.tp, self.vocab_start, chunk)
 
 
 def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[slice, ...]:
@@ -321,6 +350,8 @@ def _layout(kinds: dict[str, str], tp: TP, cfg: Config) -> TPLayout:
         replicated={name: SHARDED for name in kinds},
         loss_fn=VocabParallelCrossEntropy(tp.comm, tp.group, start),
         unshard=unshard,
+        tp=tp,
+        vocab_start=start,
     )
 
 

@@ -183,10 +183,15 @@ class FlatUnit:
         # `.data` aliases the storage with its own version counter: gathers and the
         # optimizer write through it without invalidating tensors autograd saved.
         self.data = self.flat.data
-        self._load(model)
         lo, hi = rank * layout.shard, (rank + 1) * layout.shard
-        shared = self.stage < 3 and dtype == torch.float32
-        self.master = self.data[lo:hi] if shared else self.data[lo:hi].float().clone()
+        if dtype == torch.float32:
+            self._load(model, self.data)
+            self.master = self.data[lo:hi] if self.stage < 3 else self.data[lo:hi].clone()
+        else:  # the master shard from the fp32 values, not from their bf16 rounding
+            full = torch.zeros(layout.padded, device=device)
+            self._load(model, full)
+            self.data.copy_(full)
+            self.master = full[lo:hi].clone()
         self.views = layout.views(rank)
         self.params = [(v.name, nn.Parameter(self.master[v.start : v.stop])) for v in self.views]
         # the fp32 gradient shard: stage 1 keeps it (in fp32, as a slice of the full
@@ -210,10 +215,10 @@ class FlatUnit:
             p.grad = None if grad is None else grad[v.start : v.stop]
 
     @torch.no_grad()
-    def _load(self, model: nn.Module) -> None:
-        """Copy the materialised parameters in, and drop them from their modules."""
+    def _load(self, model: nn.Module, flat: torch.Tensor) -> None:
+        """Copy the materialised parameters into `flat`, and drop them from their modules."""
         for (module, attr, _), off, n in zip(self.targets, self.layout.offsets, self.sizes):
-            self.data[off : off + n].copy_(getattr(module, attr).detach().reshape(-1))
+            flat[off : off + n].copy_(getattr(module, attr).detach().reshape(-1))
             del module._parameters[attr]
 
     def install(self) -> None:
@@ -287,6 +292,8 @@ class ZeroShards:
             return
         paths = list(dict.fromkeys(n.rpartition(".")[0] for n in root.layout.names))
         paths.sort(key=lambda p: ROOT_ORDER.get(p, 1))  # the order forward uses them in
+        if not getattr(model, "logits", True):  # a fused loss reads the head's weight, never
+            paths = [p for p in paths if p != "output"]  # calls it: the norm installed it
         for path in paths:
             module = model.get_submodule(path)
             embed = path == "tok_embeddings"

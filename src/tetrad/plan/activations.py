@@ -132,14 +132,23 @@ def llama_layer(
     items = [
         Saved("attention norm", norm, "seq"),
         Saved("qkv input", c * h, linear_in),
-        Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
-        Saved("sdpa q, out", 2 * c * h, "tp"),
-        Saved("attention k, v", 2 * c * kv_width, "rank"),
-        Saved("sdpa log-sum-exp", 4 * heads, "rank"),
         Saved("ffn norm", norm, "seq"),
         Saved("w1/w3 input", c * h, linear_in),
-        Saved("w1 out, w3 out, (silu out,) product", (3 if fused else 4) * c * f, "tp"),
     ]
+    if recompute == "selective":  # tetrad's: the core and silu(a)·b redone, matmul outputs kept
+        items += [
+            Saved("q, k, v (the core's inputs)", c * (heads + 2 * kv) * hd, "rank"),
+            Saved("core out (wo input)", c * h, "tp"),
+            Saved("w1 out, w3 out, product", 3 * c * f, "tp"),
+        ]
+    else:
+        items += [
+            Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
+            Saved("sdpa q, out", 2 * c * h, "tp"),
+            Saved("attention k, v", 2 * c * kv_width, "rank"),
+            Saved("sdpa log-sum-exp", 4 * heads, "rank"),
+            Saved("w1 out, w3 out, (silu out,) product", (3 if fused else 4) * c * f, "tp"),
+        ]
     if m.kv_heads < t:
         items.append(
             Saved("gathered k, v weights", fixed=2 * c * m.kv_heads * hd * h, split="rank")
@@ -162,13 +171,21 @@ def _op_policy(m: ModelConfig, t: int, c: int, heads: int) -> list[Saved]:
     ]
 
 
-def llama_head(m: ModelConfig, t: int, dtype: str, sp_shards: bool = False) -> list[Saved]:
+def llama_head(
+    m: ModelConfig, t: int, dtype: str, sp_shards: bool = False, chunked: bool = False
+) -> list[Saved]:
     """The last stage's final norm, head input and loss: the fp32 log-probabilities (tp=1,
-    F.cross_entropy) or fp32 logits (vocabulary-parallel loss), 4·V/t bytes a token."""
+    F.cross_entropy) or fp32 logits (vocabulary-parallel loss), 4·V/t bytes a token; or,
+    `chunked` (tetrad's --loss-chunk), no logits at all: the head's input, one fp32
+    log-sum-exp and the target's column and masks per token (models/loss.py)."""
     c, h = DTYPE_BYTES[dtype], m.dim
-    return [
+    items = [
         Saved("final norm", (4 + c) * h + 4, "seq"),
         Saved("head input", c * h, "seq" if sp_shards else "rank"),
+    ]
+    if chunked:
+        return items + [Saved("log-sum-exp, target column, masks", 4 + 8 + 2, "rank")]
+    return items + [
         Saved("fp32 logits", 4 * m.vocab, "tp"),
         Saved("targets, log-sum-exp", 8 + (6 if t > 1 else 0), "rank"),
     ]
@@ -189,6 +206,20 @@ def llama_pending_w(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
     return [Saved("deferred linear inputs and output grads", inputs + grads, "tp")]
 
 
+def llama_pending_w_head(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
+    """The head's share of a zero-bubble W when it is deferred (no chunked loss, tp=1):
+    its input and its logits' gradient."""
+    c = DTYPE_BYTES[dtype]
+    if t > 1:  # the vocabulary-parallel head is not a plain linear: its W runs in B
+        return []
+    return [Saved("head input and logit gradient", c * (m.dim + m.vocab), "rank")]
+
+
+def llama_stage_output(m: ModelConfig, dtype: str) -> list[Saved]:
+    """A pipeline stage's output [b, s(/t), h], held until its send completes."""
+    return [Saved("stage output awaiting its send", DTYPE_BYTES[dtype] * m.dim, "seq")]
+
+
 def layer_grad_workspace(
     m: ModelConfig, t: int, dtype: str, b: int, s: int, sp: bool, fused: bool = False
 ) -> float:
@@ -197,30 +228,42 @@ def layer_grad_workspace(
     return total_bytes(llama_layer(m, t, dtype, fused=fused), b, s, t, sp)
 
 
-def loss_grad_workspace(m: ModelConfig, t: int, dtype: str, b: int, s: int) -> float:
+def loss_grad_workspace(
+    m: ModelConfig, t: int, dtype: str, b: int, s: int, chunk: int = 0
+) -> float:
     """Transient bytes of the loss backward on the last stage: the fp32 logit gradient and
-    its cast to the compute dtype."""
-    return b * s * (4 + DTYPE_BYTES[dtype]) * m.vocab / t
+    its cast to the compute dtype; chunked, one chunk's recomputed fp32 logits, their
+    gradient and its cast, and the fp32 head-weight gradient it accumulates."""
+    c = DTYPE_BYTES[dtype]
+    if chunk <= 0:
+        return b * s * (4 + c) * m.vocab / t
+    return min(chunk, b * s) * (8 + c) * m.vocab / t + 4 * m.vocab * m.dim / t
 
 
 # --- microbatches in flight ---------------------------------------------------------------
 
 
 def peak_in_flight(
-    timeline: Timeline, rank: int, act: Sequence[float], pending_w: Sequence[float] = ()
+    timeline: Timeline,
+    rank: int,
+    act: Sequence[float],
+    pending_w: Sequence[float] = (),
+    sent: Sequence[float] = (),
 ) -> float:
     """Peak bytes of stashed activations on `rank` over a simulated (or measured) step.
 
     act[stage]: bytes one microbatch leaves on `stage` after its forward; pending_w[stage]:
-    bytes it keeps between B and W (zero-bubble). F adds act; B releases act and adds
-    pending_w; W releases pending_w; BW releases act.
+    bytes it keeps between B and W (zero-bubble); sent[stage]: the output an F sends,
+    alive until the send is done (tetrad waits for it before a later compute). F adds act
+    (and, until its end, sent); B releases act and adds pending_w; W releases pending_w;
+    BW releases act.
     """
     live = peak = 0.0
     for e in sorted(timeline.ranks[rank], key=lambda e: e.start):
         w = pending_w[e.stage] if pending_w else 0.0
         if e.kind == "F":
             live += act[e.stage]
-            peak = max(peak, live)
+            peak = max(peak, live + (sent[e.stage] if sent else 0.0))
         elif e.kind == "B":
             live += w - act[e.stage]
             peak = max(peak, live)

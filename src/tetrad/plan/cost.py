@@ -71,6 +71,8 @@ class Engine:
     kernels: fused or eager elementwise kernels and the flash-attention class
     (`plan.compute`); fused kernels also save less (`plan.activations`: a fused norm keeps
     its bf16 input and no fp32 copy, a fused SwiGLU three f-wide tensors, not four).
+    chunked_loss: the head and the loss run `train.loss_chunk` tokens at a time, never
+    holding full logits (tetrad).
     """
 
     name: str
@@ -85,13 +87,14 @@ class Engine:
     gather_bucket: float = 0.0
     reduce_bucket: float = 0.0
     gather_overlap: bool = True
+    chunked_loss: bool = False
 
 
 # Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
 # torchtitan's async TP): a stated fit on the development rows (docs/plan.md).
 TP_OVERLAP = 0.8
 
-TETRAD = Engine("tetrad")
+TETRAD = Engine("tetrad", chunked_loss=True)
 MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
     "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
     split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),
@@ -170,7 +173,7 @@ class Planner:
         self.cluster, self.engine, self.recompute = cluster, engine, recompute
         self.footprint = Footprint(
             cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
-            engine.kernels.fused, engine.kernels.gqa_native,
+            engine.kernels.fused, engine.kernels.gqa_native, engine.chunked_loss,
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
@@ -213,6 +216,13 @@ class Planner:
         step = sum(breakdown.values())
         memory = self.footprint.memory(cfg, self.split(cfg), facts, timeline, self._w_deferred(cfg))
         return self._prediction(cfg, step, timeline.bubble_fraction, memory, breakdown)
+
+    def rank_activations(self, cfg: Config, pp_rank: int) -> float:
+        """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory;
+        a rank runs its actions in one order whatever they cost, so unit costs do)."""
+        timeline = simulate(self.schedule(cfg), Costs(1.0, 1.0, 1.0), cfg.parallel.pp_schedule)
+        split, deferred = self.split(cfg), self._w_deferred(cfg)
+        return self.footprint.rank_activations(cfg, split, timeline, pp_rank, deferred)
 
     def with_range(self, cfg: Config, pred: Prediction) -> Prediction:
         """`pred` with a step-time range: the layout predicted at the lowest and highest

@@ -74,10 +74,11 @@ class Footprint:
 
     def __init__(
         self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool,
-        fused: bool = False, gqa_native: bool = False,
+        fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
     ):  # fmt: skip
         self.device, self.recompute, self.fused = device, recompute, fused
         self.gqa_native = gqa_native
+        self.chunked_loss = chunked_loss  # the engine honours train.loss_chunk (tetrad)
         self.sp_saves_shards, self.reduce_every_micro = sp_saves_shards, reduce_every_micro
         self._facts: dict[tuple, RankFacts] = {}
         self._template: dict[tuple, tuple] = {}
@@ -132,7 +133,9 @@ class Footprint:
         layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
                                 gqa_native=self.gqa_native)  # fmt: skip
         layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
-        head = act.total_bytes(act.llama_head(m, p.tp, dt, sp_shards=shards), b, s, p.tp, p.sp)
+        chunked = self.chunked_loss and cfg.train.loss_chunk > 0
+        head = act.llama_head(m, p.tp, dt, sp_shards=shards, chunked=chunked)
+        head = act.total_bytes(head, b, s, p.tp, p.sp)
         embed = act.total_bytes(act.llama_embedding(p.tp, dt), b, s, p.tp, p.sp)
         out = [n * layer_bytes for n in split]
         out[0] += embed
@@ -140,22 +143,39 @@ class Footprint:
         return out
 
     def stage_pending_w(self, cfg: Config, split: list[int]) -> list[float]:
-        """Bytes a microbatch keeps on each stage between its B and its W."""
-        p = cfg.parallel
+        """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
+        deferred linears, and on the last stage the head's unless a chunked loss computes
+        its weight gradient in B."""
+        p, b, s = cfg.parallel, cfg.microbatch_size, cfg.train.seq_len
         w = act.llama_pending_w(cfg.model, p.tp, cfg.train.dtype)
-        one = act.total_bytes(w, cfg.microbatch_size, cfg.train.seq_len, p.tp, p.sp)
-        return [n * one for n in split]
+        one = act.total_bytes(w, b, s, p.tp, p.sp)
+        out = [n * one for n in split]
+        if not (self.chunked_loss and cfg.train.loss_chunk > 0):
+            head = act.llama_pending_w_head(cfg.model, p.tp, cfg.train.dtype)
+            out[-1] += act.total_bytes(head, b, s, p.tp, p.sp)
+        return out
+
+    def rank_activations(
+        self, cfg: Config, split: list[int], timeline: Timeline, pp_rank: int, deferred_w: bool
+    ) -> float:
+        """Peak activation bytes of pp rank `pp_rank` over the (simulated) step: its
+        microbatches in flight, and each stage's output until its send is done."""
+        p = cfg.parallel
+        per_stage = self.stage_activations(cfg, split)
+        pending = self.stage_pending_w(cfg, split) if deferred_w else []
+        out = act.total_bytes(act.llama_stage_output(cfg.model, cfg.train.dtype),
+                              cfg.microbatch_size, cfg.train.seq_len, p.tp, p.sp)  # fmt: skip
+        sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
+        return act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent)
 
     def memory(
         self, cfg: Config, split: list[int], facts: list[RankFacts], timeline: Timeline,
         deferred_w: bool,
     ) -> Memory:  # fmt: skip
         """The fullest pp rank's memory: model state + activations in flight + overhead."""
-        per_stage = self.stage_activations(cfg, split)
-        pending = self.stage_pending_w(cfg, split) if deferred_w else []
         best = None
         for r in range(cfg.parallel.pp):
-            acts = act.peak_in_flight(timeline, r, per_stage, pending)
+            acts = self.rank_activations(cfg, split, timeline, r, deferred_w)
             mem = Memory(float(facts[r].state.total), acts, self.overhead(cfg, r, facts[r], acts),
                          self.device.hbm_bytes)  # fmt: skip
             if best is None or mem.total > best.total:
@@ -182,7 +202,8 @@ class Footprint:
         transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp, self.fused)
         if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
                                                       p.pp_schedule):  # fmt: skip
-            transient += act.loss_grad_workspace(m, p.tp, dt, b, s)
+            chunk = cfg.train.loss_chunk if self.chunked_loss else 0
+            transient += act.loss_grad_workspace(m, p.tp, dt, b, s, chunk)
         transient += self._zero_buffers(cfg, fa)
         return self.device.workspace_bytes + transient + ALLOCATOR * (transient + acts)
 
@@ -214,5 +235,5 @@ def _state(cfg: Config, named, replicated) -> ModelState:
     """`memory.model_state_bytes`'s arithmetic on given local parameters (fsdp rank 0)."""
     p = cfg.parallel
     if p.fsdp == 1:
-        return replicated_bytes(named)
+        return replicated_bytes(named, cfg.train.dtype)
     return zero_bytes(plan_units(named, replicated, p.fsdp), 0, p.zero_stage, cfg.train.dtype)

@@ -19,7 +19,7 @@ from tetrad.devices import peak_tflops, pick
 from tetrad.mesh import Mesh
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
-from tetrad.parallel.memory import model_state_bytes
+from tetrad.parallel.memory import measure_at_each_step, model_state_bytes
 from tetrad.train import checkpoint
 from tetrad.train.data import Loader, source_of
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
@@ -98,6 +98,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)
         self.model_state = model_state_bytes(cfg, mesh.rank).total  # exact, see parallel/memory
+        # measured at every optimizer step: the live model-state tensors at the step boundary
+        self.measured_state = measure_at_each_step(self.engine, self.optimizer)
 
     def train_step(self) -> StepResult:
         """One optimizer step over the global batch.
@@ -159,11 +161,15 @@ class Trainer:
         """The metrics.jsonl row: sums and maxima over ranks come from two small collectives."""
         summed = torch.tensor([comm_bytes], dtype=torch.float64, device=self.device)
         self.comm.all_reduce(summed, self.mesh["world"])
+        run = self.engine.last_run
+        measured = self.measured_state[-1].total if self.measured_state else 0
+        self.measured_state[:-1] = []  # only the latest is read
         maxed = torch.tensor(
-            [float(peak_memory_bytes(self.device)), seconds, float(self.model_state)],
+            [float(peak_memory_bytes(self.device)), seconds, float(self.model_state),
+             float(measured), float(run.peak_activation_bytes if run else 0)],
             dtype=torch.float64,
             device=self.device,
-        )
+        )  # fmt: skip
         self.comm.all_reduce(maxed, self.mesh["world"], op="max")
         step_time = float(maxed[1])
         tokens_per_s = result.tokens / step_time if step_time > 0 else 0.0
@@ -179,7 +185,12 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
             "peak_mem_bytes": int(maxed[0]),
-            "model_state_bytes": int(maxed[2]),  # parameters, gradients, optimizer state
+            # saved for backward, at the step's peak (a saved-tensor meter, any device)
+            "peak_activation_bytes": int(maxed[4]),
+            # parameters, gradients, optimizer state: the live tensors after the optimizer
+            # step, and what parallel/memory predicts for them (equal, to the byte)
+            "model_state_bytes": int(maxed[3]),
+            "model_state_predicted_bytes": int(maxed[2]),
             "comm_bytes": float(summed[0]),
             "skipped": result.skipped,
         } | self._epoch()

@@ -6,19 +6,20 @@ the transfer latency off that timeline (medians), and `simulated_timeline` repla
 same schedule in the simulator with those costs, so a measured bubble can be held
 against the bubble the schedule itself predicts. `write_timeline` draws both and writes
 Chrome traces. `ActivationMeter` counts activation bytes through autograd's saved-tensor
-hooks, for tetrad's runtime and for the peer in benchmarks/pp.py alike.
+hooks (parallel/meter.py, re-exported here), for tetrad's runtimes and for the peer in
+benchmarks/pp.py alike.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from tetrad.comm import Comm
 from tetrad.mesh import Group
+from tetrad.parallel.meter import ActivationMeter  # noqa: F401  (re-exported)
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.timeline import Event, Timeline, plot_timeline, save_chrome_trace
 
@@ -161,90 +162,3 @@ def plot_pair(measured: Timeline, simulated: Timeline, path: str | Path) -> None
         f"{name} simulated at the measured median costs": simulated,
     }
     plot_timeline(timelines, str(path), share_time=True)
-
-
-# --- activation memory -----------------------------------------------------------------
-
-
-class ActivationMeter:
-    """Live and peak bytes of activations held by one rank.
-
-    Counted: the distinct storages autograd saves for backward while `saving()` is active
-    (released when autograd frees them), plus whatever `hold` keeps alive on top (stage
-    outputs waiting for their send, inputs of deferred weight gradients). Parameters are
-    not activations and are skipped; views of one storage count once.
-    """
-
-    def __init__(self) -> None:
-        self.skip: set[int] = set()
-        self.refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
-        self.held: dict[object, list[int]] = {}
-        self.live = 0
-        self.peak = 0
-
-    def reset(self, params: Iterable[torch.Tensor] = ()) -> None:
-        """Start a new peak; `params`' storages are never counted."""
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-        self.peak = self.live
-
-    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """Context manager: count every tensor autograd saves inside it."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def hold(self, key: object, tensors: Iterable[torch.Tensor]) -> None:
-        """Count `tensors` as live until `drop(key)`."""
-        ptrs = [p for p in (self._ref(t) for t in tensors) if p is not None]
-        self.held.setdefault(key, []).extend(ptrs)
-
-    def drop(self, key: object) -> None:
-        """Stop counting what `hold(key, ...)` kept."""
-        for ptr in self.held.pop(key, []):
-            self._unref(ptr)
-
-    def references(self, t: torch.Tensor) -> int:
-        """How many saved tensors and holds currently count `t`'s storage."""
-        return self.refs.get(t.untyped_storage().data_ptr(), [0])[0]
-
-    def _pack(self, t: torch.Tensor):
-        ptr = self._ref(t)
-        # detached: an output saved by its own node would otherwise hold that node, a
-        # cycle through C++ that Python's collector cannot see (graphs kept for a later
-        # weight pass then leak)
-        return t if ptr is None else _Saved(t.detach(), ptr, self)
-
-    def _ref(self, t: torch.Tensor) -> int | None:
-        if t.device.type == "meta":
-            return None
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self.skip:
-            return None
-        entry = self.refs.setdefault(ptr, [0, storage.nbytes()])
-        if entry[0] == 0:
-            self.live += entry[1]
-            self.peak = max(self.peak, self.live)
-        entry[0] += 1
-        return ptr
-
-    def _unref(self, ptr: int) -> None:
-        entry = self.refs[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self.refs[ptr]
-
-
-class _Saved:
-    """A saved tensor with a receipt: when autograd lets go of it, the meter is told."""
-
-    __slots__ = ("tensor", "ptr", "meter")
-
-    def __init__(self, tensor: torch.Tensor, ptr: int, meter: ActivationMeter):
-        self.tensor, self.ptr, self.meter = tensor, ptr, meter
-
-    def __del__(self) -> None:
-        self.meter._unref(self.ptr)
-
-
-def _unpack(packed):
-    return packed.tensor if isinstance(packed, _Saved) else packed

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tetrad.comm import Comm, Work
-from tetrad.config import Config
+from tetrad.config import DTYPES, Config
 from tetrad.devices import Clock
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
@@ -52,7 +52,6 @@ class StepState(RunResult):
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     in_flight: int = 0
     peak_in_flight: int = 0
-    peak_act_bytes: int = 0  # activations: saved for backward, awaiting send or W
     # timed computes: (kind, stage, microbatch, start mark, end mark) of `clock`
     marks: list = field(default_factory=list)
     clock: Clock | None = None
@@ -63,6 +62,11 @@ class StepState(RunResult):
         waits for them (the step's own host sync has usually done so already)."""
         read = self.clock.seconds
         return [Event(k, s, mb, read(t0), read(t1)) for k, s, mb, t0, t1 in self.marks]
+
+    @property
+    def peak_act_bytes(self) -> int:
+        """Activations: saved for backward, awaiting send or W."""
+        return self.peak_activation_bytes
 
 
 class PipelineRuntime:
@@ -78,13 +82,15 @@ class PipelineRuntime:
         act_shape: tuple[int, ...],
         loss_fn,
         store: WeightGradStore | None,
+        dtype: torch.dtype | None = None,
     ):
         self.model, self.mesh, self.comm, self.loss_fn = model, mesh, comm, loss_fn
         self.chunks = {c.stage: c for c in chunks}
         self.items, self.act_shape, self.store = items, act_shape, store
         self.meter = ActivationMeter()
         self.holds_loss = any(c.last for c in chunks)
-        self.dtype = next(model.parameters()).dtype
+        # the compute dtype, given: built before the data axis casts the parameters to it
+        self.dtype = dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.clock = Clock(self.device)
 
@@ -106,7 +112,7 @@ class PipelineRuntime:
                 t0 = self.clock.mark()
                 self._compute(st, item)
                 st.marks.append((item.kind, item.stage, item.microbatch, t0, self.clock.mark()))
-        st.peak_act_bytes = self.meter.peak
+        st.peak_activation_bytes = self.meter.peak
         return st
 
     # --- transfers ----------------------------------------------------------------------
@@ -235,6 +241,7 @@ def build_pipeline(
         (cfg.microbatch_size, seq, cfg.model.dim),
         loss_fn,
         store,
+        DTYPES[cfg.train.dtype],
     )
 
 

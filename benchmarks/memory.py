@@ -1,0 +1,150 @@
+"""Memory for models that do not fit: tetrad's activation recomputation against FSDP2 with
+`checkpoint_wrapper` (the torchtitan recipe), side by side, at fsdp 2.
+
+Same model (tetrad's Llama: 8 layers, dim 128, 4 heads, 2 kv heads, vocab 256), same
+batches (16 x 128 tokens of the standard-library corpus per step), same optimizer step
+and loss semantics (harness.py), in the same processes, for each recompute mode:
+
+- none: neither recomputes;
+- selective: tetrad recomputes attention's core and the SwiGLU product (`--recompute
+  selective`); FSDP2's blocks run under torch's selective checkpointing with a policy
+  that keeps every matmul and attention output and recomputes the rest (torchtitan's
+  per-op policy, without its every-other-matmul thinning);
+- full: tetrad checkpoints every block (`--recompute full`); FSDP2 wraps every block in
+  `checkpoint_wrapper` before `fully_shard` (torchtitan's full activation checkpointing).
+
+tetrad runs ZeRO-3 with its default chunked loss; FSDP2 the plain loss over full logits.
+Each side is built and warmed up under harness.py's memory instrument (peak live tensor
+bytes per rank in the c10 CPU allocator, over the warm-up steps: one instrument for both),
+then timed rounds alternate (ratios with spreads over rounds). tetrad's own saved-tensor
+meter (`peak_activation_bytes` in metrics.jsonl) and the planner's prediction of it are
+reported beside.
+
+    .venv/bin/python benchmarks/memory.py          # fsdp 2, prints JSON
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from functools import partial
+from typing import Any
+
+import torch
+
+import harness
+from tetrad.config import Config, from_dict, model_preset
+from tetrad.mesh import Mesh
+from tetrad.models.llama import cross_entropy_sum
+from tetrad.plan.cost import TETRAD, Planner
+from tetrad.plan.hardware import cluster_preset
+from tetrad.testing import spawn
+
+MODES = ("none", "selective", "full")
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    """Selective checkpointing policy: keep matmul and attention outputs, recompute the
+    rest (norms, rotary, SwiGLU's activation and product)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    keep = (
+        aten.mm.default,
+        aten.bmm.default,
+        aten.addmm.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+    )
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class FSDP2Runner:
+    """tetrad's training step written the torchtitan way: activation checkpointing applied
+    to each block, then `fully_shard` on each block and the root."""
+
+    def __init__(self, cfg: Config, rank: int, world: int, mode: str):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        self.world = world
+        model = harness.peer_model(cfg)
+        for name, block in list(model.layers.items()):
+            if mode == "full":
+                model.layers[name] = checkpoint_wrapper(block)
+            elif mode == "selective":
+                context = partial(create_selective_checkpoint_contexts, _keep_matmuls)
+                model.layers[name] = checkpoint_wrapper(block, context_fn=context)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = harness.PeerOptimizer(model, cfg.train)
+        self.loader = harness.peer_loader(cfg, rank, world)
+
+    def train_step(self) -> float:
+        (mb,) = self.loader.next()
+        loss = cross_entropy_sum(self.model(mb.inputs), mb.targets) / harness.global_tokens([mb])
+        (loss * self.world).backward()  # FSDP2 averages over the world; tetrad sums
+        return self.optimizer.step(loss)
+
+
+def worker(rank: int, world: int, raw: dict, steps: int, warmup: int, rounds: int) -> list:
+    """Per recompute mode: both sides measured through warm-up, then timed rounds."""
+    out = []
+    for mode in MODES:
+        cfg = from_dict(raw)
+        cfg.train.recompute = mode
+        makers = {
+            "tetrad": lambda cfg=cfg: harness.tetrad_trainer(cfg, rank, fsdp=world),
+            "fsdp2": lambda cfg=cfg, mode=mode: harness.side(FSDP2Runner(cfg, rank, world, mode)),
+        }
+        sides, result = harness.race(makers, warmup, steps, rounds)
+        run = sides["tetrad"].engine.last_run
+        out.append(result | {"tetrad_saved_bytes": run.peak_activation_bytes})
+    return out
+
+
+def predicted_saved(cfg: Config, rank: int) -> float:
+    planner = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute)
+    return planner.rank_activations(cfg, Mesh.plan(cfg.parallel.degrees, rank).coord["pp"])
+
+
+def summarize(cfg: Config, mode: str, out: dict, steps: int) -> dict[str, Any]:
+    cfg = from_dict(cfg.to_dict())
+    cfg.train.recompute = mode
+    t_loss = out["losses"]["tetrad"]
+    return {
+        "recompute": mode,
+        **harness.timing(out["seconds"], cfg, steps),
+        **harness.memory(out["peaks"]),
+        "tetrad_saved_activation_bytes_measured": out["tetrad_saved_bytes"],
+        "tetrad_saved_activation_bytes_predicted": int(predicted_saved(cfg, 0)),
+        "losses_max_rel_diff": max(harness.rel_diffs(t_loss, out["losses"]["fsdp2"])),
+    }
+
+
+def main() -> None:
+    args = harness.arguments(__doc__, "--worlds", steps=2, rounds=4, warmup=2).parse_args()
+    model = asdict(model_preset("small")) | {"layers": 8}
+    rows = []
+    for world in args.worlds[:1] if args.worlds == [2, 4] else args.worlds:
+        total = args.warmup + args.rounds * args.steps
+        cfg = harness.job(model, {"fsdp": world, "zero_stage": 3}, total)
+        per_mode = spawn(worker, world, cfg.to_dict(), args.steps, args.warmup, args.rounds,
+                         timeout=1800)[0]  # fmt: skip
+        rows += [
+            {"fsdp": world} | summarize(cfg, m, o, args.steps) for m, o in zip(MODES, per_mode)
+        ]
+    harness.report("memory", cfg, rows, zero_stage=3, dtype="fp32", loss_chunk=cfg.train.loss_chunk,
+                   steps_per_round=args.steps, rounds=args.rounds, memory_measure="peak live "
+                   "tensor bytes, c10 CPU allocator via torch.profiler")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

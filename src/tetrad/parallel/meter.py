@@ -1,0 +1,110 @@
+"""Activation memory, measured: the bytes autograd keeps saved for backward, live and at peak.
+
+Used by both runners (the microbatch loop and the pipeline runtime) for `metrics.jsonl`'s
+`peak_activation_bytes`, by tests that hold the planner's activation model against it, and
+by the benchmarks for the peers. It works on any device: it counts tensors, not allocator
+blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class ActivationMeter:
+    """Live and peak bytes of activations held by one rank.
+
+    Counted: the distinct storages autograd saves for backward while `saving()` is active
+    (released when autograd frees them), plus whatever `hold` keeps alive on top (stage
+    outputs waiting for their send, inputs of deferred weight gradients). Parameters are
+    not activations and are skipped; views of one storage count once.
+    """
+
+    def __init__(self) -> None:
+        self.fixed: set[int] = set()  # storages that are never activations (see exclude)
+        self.skip: set[int] = set()
+        self.refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self.held: dict[object, list[int]] = {}
+        self.live = 0
+        self.peak = 0
+
+    def reset(self, params: Iterable[torch.Tensor] = ()) -> None:
+        """Start a new peak; `params`' storages are never counted."""
+        self.skip = self.fixed | {_storage_id(p) for p in params}
+        self.peak = self.live
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these tensors' storages, nor their views' (ZeRO's flat parameter
+        buffers, which modules see only through views, even across a free and re-gather)."""
+        self.fixed |= {_storage_id(t) for t in tensors}
+        self.skip |= self.fixed
+
+    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Context manager: count every tensor autograd saves inside it."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def hold(self, key: object, tensors: Iterable[torch.Tensor]) -> None:
+        """Count `tensors` as live until `drop(key)`."""
+        ptrs = [p for p in (self._ref(t) for t in tensors) if p is not None]
+        self.held.setdefault(key, []).extend(ptrs)
+
+    def drop(self, key: object) -> None:
+        """Stop counting what `hold(key, ...)` kept."""
+        for ptr in self.held.pop(key, []):
+            self._unref(ptr)
+
+    def references(self, t: torch.Tensor) -> int:
+        """How many saved tensors and holds currently count `t`'s storage."""
+        return self.refs.get(t.untyped_storage().data_ptr(), [0])[0]
+
+    def _pack(self, t: torch.Tensor):
+        ptr = self._ref(t)
+        # detached: an output saved by its own node would otherwise hold that node, a
+        # cycle through C++ that Python's collector cannot see (graphs kept for a later
+        # weight pass then leak)
+        return t if ptr is None else _Saved(t.detach(), ptr, self)
+
+    def _ref(self, t: torch.Tensor) -> int | None:
+        if t.device.type == "meta":
+            return None
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or storage._cdata in self.skip:
+            return None
+        entry = self.refs.setdefault(ptr, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        return ptr
+
+    def _unref(self, ptr: int) -> None:
+        entry = self.refs[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.refs[ptr]
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """The storage's identity: unlike its data pointer, it survives a resize (ZeRO-3 frees
+    and re-gathers a buffer in place)."""
+    return t.untyped_storage()._cdata
+
+
+class _Saved:
+    """A saved tensor with a receipt: when autograd lets go of it, the meter is told."""
+
+    __slots__ = ("tensor", "ptr", "meter")
+
+    def __init__(self, tensor: torch.Tensor, ptr: int, meter: ActivationMeter):
+        self.tensor, self.ptr, self.meter = tensor, ptr, meter
+
+    def __del__(self) -> None:
+        self.meter._unref(self.ptr)
+
+
+def _unpack(packed):
+    return packed.tensor if isinstance(packed, _Saved) else packed

@@ -1,0 +1,65 @@
+"""--recompute, --loss-chunk and --dtype bf16: bad values refused before any process starts,
+with the value named; a bf16 CLI run writes the measured memory figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import tiny_config
+from tetrad.config import validate
+
+
+@pytest.mark.parametrize(
+    "train,needle",
+    [
+        ({"recompute": "some"}, "train.recompute='some'"),
+        ({"loss_chunk": -1}, "train.loss_chunk=-1"),
+    ],
+)
+def test_bad_memory_settings_name_the_value(train, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        validate(tiny_config(train=train))
+
+
+def test_bf16_on_a_cuda_device_without_it_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **_: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla V100-SXM2-16GB")
+    with pytest.raises(ValueError, match="V100.*no bf16 support"):
+        validate(tiny_config(train={"dtype": "bf16", "device": "cuda"}))
+    validate(tiny_config(train={"dtype": "bf16", "device": "cpu"}))  # CPUs compute bf16
+
+
+def _tetrad(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tetrad.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def test_cli_refuses_a_negative_loss_chunk_before_launching(tmp_path, capsys):
+    from tetrad.cli import main
+
+    assert main(["train", "--nproc", "2", "--loss-chunk", "-5", "--out", str(tmp_path)]) == 2
+    assert "tetrad: error: train.loss_chunk=-5" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--recompute", "most"])
+    assert exit_.value.code == 2 and "invalid choice: 'most'" in capsys.readouterr().err
+
+
+def test_cli_bf16_recompute_writes_measured_memory(tmp_path):
+    res = _tetrad(
+        "train", "--nproc", "1", "--layers", "2", "--dim", "32", "--heads", "4",
+        "--kv-heads", "2", "--vocab", "64", "--seq-len", "16", "--global-batch", "4",
+        "--steps", "2", "--data", "synthetic", "--no-progress", "--dtype", "bf16",
+        "--recompute", "full", "--loss-chunk", "16", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["peak_activation_bytes"] > 0 for r in rows)
+    assert all(r["model_state_bytes"] == r["model_state_predicted_bytes"] for r in rows)
+    config = json.loads((tmp_path / "config.json").read_text())["train"]
+    assert (config["dtype"], config["recompute"], config["loss_chunk"]) == ("bf16", "full", 16)

@@ -1,0 +1,74 @@
+"""bf16 mixed precision in every layout: bf16 compute parameters, fp32 masters and AdamW,
+gradients reduced in `reduce_dtype`, the loss in fp32. The tolerances, and how a test
+knows bf16 is really on, are stated in memory_helpers.py; the 2×2×2×2 mix in bf16 shares
+its 16 ranks with the fp32 one in test_zero.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import tiny_config
+from memory_helpers import BF16_VISIBLE, by_layout, check_bf16, max_rel, train_and_measure
+from tetrad.models.flops import param_count
+from tetrad.parallel.memory import ModelState
+from tetrad.testing import spawn
+
+BF16 = {"dtype": "bf16"}
+
+
+def test_bf16_single_process_keeps_fp32_masters(reference):
+    """Compute parameters bf16 (2 bytes each), gradients bf16 plus the fp32 ones the
+    optimizer reads, masters and AdamW fp32: 2 + 6 + 12 bytes a parameter, measured."""
+    cfgs = [tiny_config(train={**BF16, "steps": 2}), tiny_config(train={"steps": 2})]
+    bf16, fp32 = (r[0] for r in by_layout([train_and_measure(0, 1, [c.to_dict() for c in cfgs])]))
+    psi, tensors = param_count(cfgs[0].model), len(bf16["state"])
+    assert bf16["memory"][0] == bf16["memory"][1]
+    assert bf16["memory"][0] == ModelState(2 * psi, 6 * psi, 12 * psi + 4 * tensors)
+    assert fp32["memory"][0] == ModelState(4 * psi, 4 * psi, 8 * psi + 4 * tensors)
+    assert all(t.dtype == torch.float32 for t in bf16["state"].values())  # the masters
+    assert max_rel(reference(train=BF16)["losses"], reference()["losses"]) > BF16_VISIBLE
+
+
+@pytest.mark.distributed
+def test_bf16_every_axis(reference):
+    """dp (gradients reduced in fp32, or in bf16), ZeRO-1 and -3, tp with and without sp,
+    pp under 1F1B and zero-bubble: each on 2 ranks, 20 steps."""
+    layouts = [
+        {"dp": 2},
+        {"dp": 2, "reduce_dtype": "bf16"},
+        {"fsdp": 2, "zero_stage": 1},
+        {"fsdp": 2, "zero_stage": 3, "microbatches": 2},
+        {"tp": 2},
+        {"tp": 2, "sp": True},
+        {"pp": 2, "microbatches": 2},
+        {"pp": 2, "microbatches": 2, "pp_schedule": "zb-h1"},
+    ]
+    cfgs = [tiny_config(train=BF16, parallel=p) for p in layouts]
+    results = by_layout(spawn(train_and_measure, 2, [c.to_dict() for c in cfgs], timeout=600))
+    for layout, ranks in zip(layouts, results):
+        check_bf16(layout, ranks, reference(train=BF16), reference())
+
+
+def test_bf16_resume_is_exact(reference, tmp_path):
+    """Checkpoints hold the fp32 masters and their AdamW state: a bf16 run stopped after
+    10 steps and resumed continues exactly as the straight run (the bf16 parameters are
+    the masters' rounding either way)."""
+    from tetrad.mesh import Mesh
+    from tetrad.train.loop import Trainer
+
+    def trainer(resume: bool) -> Trainer:
+        cfg = tiny_config(
+            train={**BF16, "out": str(tmp_path)}, checkpoint={"every": 10, "resume": resume}
+        )
+        return Trainer(cfg, Mesh.build(cfg.parallel.degrees, 0), torch.device("cpu"))
+
+    trainer(False).fit(stop=10)
+    resumed = trainer(True)
+    assert resumed.resume() == 10
+    rows = resumed.fit()
+    straight = reference(train=BF16)
+    assert [r["loss"] for r in rows] == straight["losses"][10:]
+    for name, value in resumed.engine.full_state_dict().items():
+        assert torch.equal(value, straight["state"][name]), name
