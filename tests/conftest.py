@@ -26,3 +26,13 @@ def reference():
         return cache[key]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a GPU: skipped, saying so, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs these)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

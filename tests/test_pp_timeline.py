@@ -14,8 +14,6 @@ from torch import nn
 
 from harness import tiny_config, trainer_for
 from tetrad.parallel.pipeline.measure import ActivationMeter, estimate_costs
-from tetrad.parallel.pipeline.runtime import send_releases
-from tetrad.parallel.pipeline.schedules import build_schedule, steps, wire
 from tetrad.parallel.pipeline.timeline import Event, Timeline
 from tetrad.testing import spawn
 
@@ -144,36 +142,3 @@ def test_activation_meter_keeps_no_graph_alive():
     del y
     gc.collect()
     assert meter.live == 0
-
-
-@pytest.mark.parametrize(
-    "name,pp,m,v",
-    [("gpipe", 4, 4, 1), ("1f1b", 2, 3, 1), ("1f1b", 4, 8, 1), ("zb-h1", 4, 6, 1),
-     ("interleaved-1f1b", 2, 4, 2), ("zb-v", 4, 8, 2), ("zb-v", 3, 2, 2)],
-)  # fmt: skip
-def test_early_send_waits_never_deadlock(name, pp, m, v):
-    """Run every rank's steps with the sends it waits for before each compute as
-    blocking: a wait needs the peer to have posted the matching receive."""
-    actions = build_schedule(name, pp, m, v)
-    all_steps = steps(actions, lookahead=1)
-    releases = [send_releases(actions, all_steps, r) for r in range(pp)]
-    post_step = {wire(a): (r, t) for r, rs in enumerate(all_steps) for t, s in enumerate(rs)
-                 for a in s.post}  # fmt: skip
-    done = [0] * pp  # steps finished per rank
-    sent: set = set()
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(pp):
-            while done[r] < len(all_steps[r]):
-                step, release = all_steps[r][done[r]], releases[r][done[r]]
-                if any(wire(a) not in sent for a in step.wait):
-                    break
-                if any(done[post_step[k][0]] < post_step[k][1] for k in release):
-                    break  # the peer has not reached the step that posts the receive
-                sent |= {wire(a) for a in step.sends}
-                done[r] += 1
-                progressed = True
-    assert done == [len(s) for s in all_steps], f"stuck at steps {done}"
-    released = [k for r in releases for ks in r for k in ks]
-    assert len(released) == len(set(released))  # each send waited at most once early

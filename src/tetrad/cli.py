@@ -17,6 +17,7 @@ from tetrad.config import (
     model_preset,
     validate,
 )
+from tetrad.devices import pick
 from tetrad.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE, rank_and_attempt, report
 from tetrad.launch import LOG_DIR, die_with_parent, launch, under_torchrun
 from tetrad.parallel.pipeline.schedules import SCHEDULES
@@ -44,6 +45,8 @@ TRAIN_FLAGS = {
     "lr": ("train", "lr", float),
     "seed": ("train", "seed", int),
     "dtype": ("train", "dtype", str),
+    "device": ("train", "device", str),
+    "peak_tflops": ("train", "peak_tflops", float),
     "recompute": ("train", "recompute", str),
     "loss_chunk": ("train", "loss_chunk", int),
     "out": ("train", "out", str),
@@ -62,6 +65,9 @@ FLAG_HELP = {
     "tokenizer": "a local tokenizer.json for text data (default: bytes, vocabulary 256)",
     "eval_every": "every K steps (and at the end) log eval_loss on a held-out split",
     "eval_batches": "global batches in the held-out split (default 4)",
+    "device": "auto (default: CUDA if available, else CPU), cpu or cuda",
+    "peak_tflops": "declared dense peak of one device in TFLOP/s, for MFU (default: the "
+    "table in devices.py; needed for a GPU not in it)",
     "recompute": "activation recomputation (default none): selective recomputes attention's "
     "core and the SwiGLU product in backward, full whole blocks from their inputs",
     "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
@@ -98,6 +104,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         kw = {"choices": SCHEDULES} if flag == "pp_schedule" else {}
         if flag == "dtype":
             kw = {"choices": ("fp32", "bf16")}
+        if flag == "device":
+            kw = {"choices": ("auto", "cpu", "cuda")}
         if flag == "zero_stage":
             kw = {"choices": (1, 2, 3)}
         if flag == "timeout":
@@ -235,6 +243,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ValueError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT")
     validate(cfg, nproc * args.nnodes)
+    t = cfg.train
+    pick(t.device, t.dtype, t.peak_tflops, nproc, 0)  # the device checks, once, here
     from tetrad.train.checkpoint import checkpoint_root, find_resume
 
     prepare_out(cfg.train.out)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad.comm import Comm, bus_factor
+from tetrad.devices import Clock
 from tetrad.launch import launch, under_torchrun
 from tetrad.mesh import Group, Mesh
 
@@ -97,33 +97,34 @@ def _operation(op: str, nbytes: int, comm: Comm, group: Group, device) -> Callab
 
 def _slowest(seconds: float, comm: Comm, group: Group) -> float:
     """The maximum of a per-rank time over the group (so every rank agrees on it)."""
-    mine = torch.tensor([seconds], dtype=torch.float64)
-    every = torch.empty(group.size, dtype=torch.float64)
+    mine = torch.tensor([seconds], dtype=torch.float64, device=comm.device)
+    every = torch.empty(group.size, dtype=torch.float64, device=comm.device)
     comm.all_gather(every, mine, group)
     return float(every.max())
 
 
-def _timed(run: Callable[[], None], iters: int, sync: Callable[[], None]) -> float:
-    sync()
-    t0 = time.perf_counter()
+def _timed(run: Callable[[], None], iters: int, clock: Clock) -> float:
+    """Mean seconds per call. On a GPU the calls only enqueue work, so, as nccl-tests
+    does, time them with events on the stream around all `iters` of them."""
+    clock.anchor()  # drains the device's queue before the first timed call
+    t0 = clock.mark()
     for _ in range(iters):
         run()
-    sync()
-    return (time.perf_counter() - t0) / iters
+    return clock.interval(t0, clock.mark()) / iters
 
 
 def measure(
     op: str, nbytes: int, iters: int, seconds: float, comm: Comm, group: Group, device
 ) -> dict[str, Any]:
     """One row of the table: warm up, pick an iteration count that fits `seconds`, time it."""
-    control = Comm()  # agreements between ranks are not part of the measured traffic
+    control = Comm(device)  # agreements between ranks are not part of the measured traffic
     run = _operation(op, nbytes, comm, group, device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    warm = _slowest(_timed(run, 1, sync), control, group)
+    clock = Clock(device)
+    warm = _slowest(_timed(run, 1, clock), control, group)
     count = max(1, min(iters, int(seconds / max(warm, 1e-9))))
-    _timed(run, max(1, count // 4), sync)  # more warm-up where it is cheap
+    _timed(run, max(1, count // 4), clock)  # more warm-up where it is cheap
     control.barrier(group)
-    t = _slowest(_timed(run, count, sync), control, group)
+    t = _slowest(_timed(run, count, clock), control, group)
     size = _numel(nbytes, group.size) * 4
     factor = bus_factor(_factor_op(op), group.size)
     algbw = size / t
@@ -166,7 +167,7 @@ def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_bench(args: argparse.Namespace, group: Group, device) -> dict[str, Any]:
     """Every (op, size) row and each op's alpha-beta fit, identical on every rank."""
-    comm = Comm()
+    comm = Comm(device)
     grid = sizes(args.min_bytes, args.max_bytes, args.factor)
     rows, fits = [], {}
     for op in parse_ops(args.ops):

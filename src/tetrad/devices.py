@@ -6,7 +6,9 @@ times a calibrated efficiency. Sources of every figure: docs/plan.md.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,10 +68,90 @@ def cpu_core_tflops() -> float:
 
 def peak_tflops(device: torch.device, dtype: str) -> float:
     """Declared dense peak of one device (one rank) for `dtype`: the preset whose kind the
-    CUDA device name contains (an unknown GPU counts as an H100); on CPU, one core's
-    peak times the torch threads this rank uses."""
+    CUDA device name contains; on CPU, one core's peak times the torch threads this rank
+    uses. An unknown GPU is a ValueError asking for the figure: a guessed peak would make
+    every MFU wrong without a word."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        kind = next((d for d in (H200, H100, A100) if d.name in name), H100)
+        name = torch.cuda.get_device_name(device)
+        kind = next((d for d in (H200, H100, A100) if d.name in name.lower()), None)
+        if kind is None:
+            raise ValueError(
+                f"no declared peak for GPU {name!r} (known: {sorted(GPUS)}); pass "
+                f"--peak-tflops with its dense {dtype} peak in TFLOP/s"
+            )
         return kind.peak_tflops[dtype]
     return cpu_core_tflops() * torch.get_num_threads()
+
+
+def pick(want: str, dtype: str, peak: float, local_ranks: int, local_rank: int) -> torch.device:
+    """This rank's compute device ("auto": a GPU if there is one), refused with a
+    ValueError before any collective where it cannot serve: CUDA asked for but absent,
+    more ranks on this node than GPUs, bf16 on a GPU without it (compute capability < 8.0),
+    a GPU whose peak is unknown and not given (`peak` 0)."""
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"train.device='cuda' but CUDA is not available (torch {torch.__version__}, "
+            f"CUDA build {torch.version.cuda}); use --device cpu"
+        )
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise ValueError(
+            f"{local_ranks} ranks on this node but {gpus} GPU(s): each rank needs its own; "
+            f"launch at most {gpus} per node, or use --device cpu"
+        )
+    device = torch.device("cuda", local_rank)
+    major, minor = torch.cuda.get_device_capability(device)
+    if dtype == "bf16" and major < 8:
+        raise ValueError(
+            f"dtype='bf16' needs compute capability 8.0 or newer; "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}: use --dtype fp32"
+        )
+    if not peak:
+        peak_tflops(device, dtype)
+    return device
+
+
+class Clock:
+    """Timestamps of device work, in seconds on the host's clock.
+
+    On CPU a mark is the host's time. On a GPU the host only enqueues work, so its clock
+    would time kernel launches: a mark is a CUDA event recorded on the current stream,
+    read after the work ran, against an anchor taken once per measured span (the
+    stream drained by a synchronize, then the host's time and an event recorded at once;
+    a synchronize serves where no event can: placing a GPU's times on the host's clock).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._host, self._event = 0.0, None
+
+    def anchor(self) -> None:
+        """Start a measured span (on a GPU: wait for the device once)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._event = self.mark()
+        self._host = time.time()
+
+    def mark(self) -> Any:
+        """Now, on the device's timeline."""
+        if not self.cuda:
+            return time.time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark: Any) -> float:
+        """A mark as seconds since the epoch (on a GPU, waits for the mark's work)."""
+        if not self.cuda:
+            return mark
+        mark.synchronize()
+        return self._host + self._event.elapsed_time(mark) / 1e3
+
+    def interval(self, start: Any, end: Any) -> float:
+        """Seconds between two marks (on a GPU, waits for the later one)."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3

@@ -6,18 +6,27 @@ makes each rank send: the nccl-tests convention, all-reduce 2(n-1)/n, all-gather
 reduce-scatter (n-1)/n of the full buffer, broadcast and send 1x), and the seconds spent
 blocking. Tests compare these counts with the theoretical volume of each layout; the
 trainer reports them per step.
+
+Every tensor handed to a collective must live on the compute device the `Comm` was made
+for (NCCL takes device tensors only; gloo would hide the mistake on CPU): a tensor on
+another device is refused with a ValueError before any process is involved. "Seconds
+blocked" is host time on CPU; on a GPU, where `wait()` only makes the compute stream
+wait, it is the time that stream stalls, measured with CUDA events around the wait.
+Only `torch.distributed` functions that exist since the declared floor (torch 2.6) are
+called (tests/test_torch_floor.py holds the code to that).
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tetrad.comm.watchdog import Watchdog
+from tetrad.devices import Clock
 from tetrad.mesh import Group
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -41,7 +50,24 @@ class OpStats:
     calls: int = 0
     bytes: int = 0  # buffer bytes (full buffer for all-gather/reduce-scatter)
     bus_bytes: float = 0.0  # bytes this rank sends on a ring
-    seconds: float = 0.0  # time blocked in the call or in its wait()
+    clock: Clock | None = field(default=None, repr=False)
+    _seconds: float = 0.0
+    _pending: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # GPU marks
+
+    def blocked(self, start: Any, end: Any) -> None:
+        """Charge the time between two marks of `clock` (read later on a GPU)."""
+        if self.clock is not None and self.clock.cuda:
+            self._pending.append((start, end))
+        else:
+            self._seconds += end - start
+
+    @property
+    def seconds(self) -> float:
+        """Time blocked in the call or in its wait() (on a GPU, waits for the marks)."""
+        for start, end in self._pending:
+            self._seconds += self.clock.interval(start, end)
+        self._pending.clear()
+        return self._seconds
 
 
 class Work:
@@ -53,25 +79,42 @@ class Work:
 
     def wait(self) -> None:
         if self._handle is not None:
-            t0 = time.perf_counter()
+            clock = self._stats.clock or Clock(torch.device("cpu"))
+            t0 = clock.mark()
             if self._watch:
                 self._watch.arm(self._what)
             self._handle.wait()
             if self._watch:
                 self._watch.disarm()
-            self._stats.seconds += time.perf_counter() - t0
+            self._stats.blocked(t0, clock.mark())
             self._handle = None
 
 
 class Comm:
     """The collectives, with accounting. One per process, passed explicitly.
 
-    With a `watchdog`, every blocking call (a synchronous collective, an async one's wait)
-    is armed with its name and group, so a call that never completes is named."""
+    device: the compute device; every tensor handed to a collective must live there. With a
+    `watchdog`, every blocking call (a synchronous collective, an async one's wait) is armed
+    with its name and group, so a call that never completes is named.
+    """
 
-    def __init__(self, watchdog: Watchdog | None = None) -> None:
-        self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+    def __init__(
+        self, device: torch.device | str = "cpu", watchdog: Watchdog | None = None
+    ) -> None:
         self.watchdog = watchdog
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device, self.clock = device, Clock(device)
+        self.stats: dict[tuple[str, str], OpStats] = defaultdict(lambda: OpStats(clock=self.clock))
+
+    def check_device(self, t: torch.Tensor, group: Group, op: str) -> None:
+        """Refuse a tensor that is not on the compute device (NCCL would, less clearly)."""
+        if t.device != self.device:
+            raise ValueError(
+                f"{op} over {group.name!r}: a tensor on {t.device}, but this rank's "
+                f"collectives take tensors on its compute device {self.device}"
+            )
 
     def reset(self) -> None:
         self.stats.clear()
@@ -99,7 +142,7 @@ class Comm:
         return s
 
     def _run(self, stats: OpStats, fn, async_op: bool, what=None) -> Work | None:
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         if async_op:
             return Work(fn(True), stats, self.watchdog, what)
         if self.watchdog:
@@ -107,13 +150,14 @@ class Comm:
         fn(False)
         if self.watchdog:
             self.watchdog.disarm()
-        stats.seconds += time.perf_counter() - t0
+        stats.blocked(t0, self.clock.mark())
         return None
 
     def all_reduce(
         self, t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"
     ) -> Work | None:
         """In place over `group`: the "sum" (gloo has no AVG: callers scale) or the "max"."""
+        self.check_device(t, group, "all_reduce")
         if group.size == 1:
             return Work(None, OpStats()) if async_op else None
         s = self._record(group, "all_reduce", t.numel() * t.element_size())
@@ -129,13 +173,15 @@ class Comm:
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
     ) -> Work | None:
         """Concatenate every rank's `inp` along dim 0 into `out` (size * inp)."""
+        self.check_device(out, group, "all_gather")
+        self.check_device(inp, group, "all_gather")
         if group.size == 1:
             out.copy_(inp)
             return Work(None, OpStats()) if async_op else None
         s = self._record(group, "all_gather", out.numel() * out.element_size())
         return self._run(
             s,
-            lambda a: dist.all_gather_single(out, inp, group=group.pg, async_op=a),
+            lambda a: dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=a),
             async_op,
             _what("all_gather", group),
         )
@@ -144,19 +190,22 @@ class Comm:
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
     ) -> Work | None:
         """Sum `inp` over the group and keep this rank's dim-0 slice in `out`."""
+        self.check_device(out, group, "reduce_scatter")
+        self.check_device(inp, group, "reduce_scatter")
         if group.size == 1:
             out.copy_(inp)
             return Work(None, OpStats()) if async_op else None
         s = self._record(group, "reduce_scatter", inp.numel() * inp.element_size())
         return self._run(
             s,
-            lambda a: dist.reduce_scatter_single(out, inp, group=group.pg, async_op=a),
+            lambda a: dist.reduce_scatter_tensor(out, inp, group=group.pg, async_op=a),
             async_op,
             _what("reduce_scatter", group),
         )
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group) -> None:
         """Broadcast from group-local index `src`."""
+        self.check_device(t, group, "broadcast")
         if group.size == 1:
             return
         s = self._record(group, "broadcast", t.numel() * t.element_size())
@@ -169,9 +218,13 @@ class Comm:
         )
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[Work]:
-        """Post sends/receives together: ops are ("send"|"recv", tensor, global peer rank)."""
+        """Post sends/receives together: ops are ("send"|"recv", tensor, global peer rank).
+
+        One Work per op. NCCL runs the batch as one group and returns one work for all of
+        it: every op then shares it (waiting for any op waits for the whole batch)."""
         p2p = []
         for kind, t, peer in ops:
+            self.check_device(t, group, kind)
             if kind == "send":
                 stats = self._record(group, "send", t.numel() * t.element_size())
                 p2p.append(dist.P2POp(dist.isend, t, peer, group=group.pg))
@@ -182,6 +235,8 @@ class Comm:
         if not p2p:
             return []
         handles = dist.batch_isend_irecv(p2p)
+        if len(handles) != len(p2p):  # coalesced (NCCL): one work for the whole batch
+            handles = [handles[0] if handles else None] * len(p2p)
         stats, what = self.stats[(group.name, "p2p_wait")], _what("send/recv", group)
         return [Work(h, stats, self.watchdog, what) for h in handles]
 

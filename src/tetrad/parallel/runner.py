@@ -10,7 +10,7 @@ which backward may launch reductions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -27,8 +27,12 @@ class RunResult:
     """What one step's forward and backward did on this rank."""
 
     loss: torch.Tensor  # this rank's share of the step's loss (float64, on the device)
-    events: list = field(default_factory=list)  # timed computes (a pipeline's timeline)
     peak_activation_bytes: int = 0  # the most bytes autograd held saved for backward at once
+
+    @property
+    def events(self) -> list:
+        """Timed computes (a pipeline's timeline); none here."""
+        return []
 
 
 class GradSync(Protocol):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tetrad.comm import Comm
 from tetrad.config import Config, validate
-from tetrad.devices import peak_tflops
+from tetrad.devices import peak_tflops, pick
 from tetrad.mesh import Mesh
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
@@ -41,12 +41,14 @@ class StepResult:
 
 
 def pick_device(cfg: Config) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+    """This rank's compute device, validated (see `devices.pick`); made current on a GPU."""
+    t = cfg.train
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick(t.device, t.dtype, t.peak_tflops, local_ranks, local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch.device]:
@@ -94,7 +96,9 @@ class Trainer:
     ):
         validate(cfg, mesh.world_size)
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.comm = comm or Comm()
+        self.comm = comm or Comm(device)
+        if self.comm.device != torch.device(device):
+            raise ValueError(f"Comm is for {self.comm.device}, the trainer computes on {device}")
         self.stop = stop or StopRequest()  # installed on signals by `run`, not here
         self.saver = checkpoint.Saver(cfg.checkpoint.async_save)
         # bad data or weights fail here, alike on every rank, before the first collective

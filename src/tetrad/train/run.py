@@ -35,7 +35,7 @@ def run(cfg: Config, threads: int | None = None, timeline: str | None = None) ->
     watchdog = Watchdog(cfg.train.timeout)
     clean = False
     try:
-        rows = _train(cfg, mesh, device, Comm(watchdog), stop, timeline)
+        rows = _train(cfg, mesh, device, Comm(device, watchdog), stop, timeline)
         clean = True
         return rows
     except Preempted:

@@ -12,28 +12,42 @@
    neighbouring stages share a rank, F(s) follows F(s-1) and B(s) follows B(s+1).
    With the matching of 2, every F therefore runs after the previous stage's F and
    every B after the next stage's B, across ranks too.
-4. Progress under the runtime's semantics: sends are non-blocking (buffered) and a
-   receive blocks until its matching send has executed. Posting receives earlier than
-   they are waited on does not change this, since posting blocks nothing.
+4. Progress of the lists themselves (the simulator's semantics): sends are buffered and
+   a receive blocks until its matching send has executed. Whether the transfers as the
+   runtime issues them progress on a real transport is `check_program`'s question.
 
 Optional proofs:
 
 - `in_order=True`: on every link src -> dst the SENDs leave in the order the RECVs are
   waited on, so a transport that matches messages in order and ignores tags (NCCL) can
   post each receive just in time. All schedules here pass except zb-v, whose links
-  carry activations and gradients both ways; `schedules.steps` gives a posting order
-  that is in link order for every schedule.
+  carry activations and gradients both ways; `p2p.program` orders each link's
+  transfers alike on both ends for every schedule.
 - `rendezvous=True`: progress when a send blocks until the receiver reaches the
   matching receive (a synchronous, unbuffered send). gpipe passes; the others only
   when pp = 1 or m = 1, since in a 1F1B-style steady state neighbours send to each
   other at once. The runtime must therefore not use blocking sends.
+
+`check_program` proves what the runtime actually issues (`p2p.program`: batches posted,
+waits, computes) against a transport's semantics:
+
+- "nccl": per rank, one stream runs the batches in issue order; a batch starts once the
+  batch before it completed and the computes issued before it ran (the stream waits for
+  the compute stream when a batch is posted); a transfer completes once its batch and
+  its peer's matching batch have both started, and a batch once all of its transfers
+  did; a wait holds the compute stream until the whole batch completes (one work per
+  batch). Messages on a link match in issue order, whatever their tags.
+- "gloo": one host thread per rank; posting never blocks; waiting for a receive blocks
+  until the matching send is posted, waiting for a send until the matching receive is.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 
-from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, wire
+from tetrad.parallel.pipeline.p2p import Item, Post, Wait
+from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, compute_only, wire
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 
@@ -228,6 +242,191 @@ def _check_channel_order(actions: list[list[Action]]) -> None:
                     f"link {link[0]}->{link[1]}: message {i} is sent as {x} "
                     f"but received as {y} (in-order transports would mismatch)"
                 )
+
+
+# --- the programs the runtime issues ------------------------------------------------------
+
+Op = tuple[int, int]  # (rank, index of the transfer in that rank's issue order)
+
+
+def check_program(
+    actions: list[list[Action]], programs: list[list[Item]], transport: str = "nccl"
+) -> None:
+    """Raise ValueError unless `programs` run `actions` to the end on `transport`
+    ("nccl" or "gloo"; see the module docstring)."""
+    if transport not in ("nccl", "gloo"):
+        raise ValueError(f"unknown transport {transport!r}; expected 'nccl' or 'gloo'")
+    if len(programs) != len(actions):
+        raise ValueError(f"expected {len(actions)} rank programs, got {len(programs)}")
+    for rank, (acts, items) in enumerate(zip(actions, programs)):
+        _check_items(rank, acts, items)
+    match = _match(programs)
+    if transport == "nccl":
+        _nccl_progress(programs, match)
+    else:
+        _gloo_progress(programs, match)
+
+
+def _check_items(rank: int, acts: list[Action], items: list[Item]) -> None:
+    """The program runs the rank's computes in order, posts each of its transfers once
+    (a send after the compute making it) and waits for each once, after posting it, a
+    receive before the compute that needs it."""
+    comps = [i for i in items if isinstance(i, Action)]
+    if comps != compute_only(acts):
+        raise ValueError(f"rank {rank}: the program's computes differ from the schedule's")
+    posted: dict[Key, int] = {}
+    waited: set[Key] = set()
+    done: set[Key] = set()
+    for i, item in enumerate(items):
+        if isinstance(item, Action):
+            done.add((item.kind, item.stage, item.microbatch))
+            continue
+        for a in item.ops:
+            key = (a.kind, a.stage, a.microbatch)
+            if isinstance(item, Post):
+                if key in posted:
+                    raise ValueError(f"rank {rank}: {a} posted twice")
+                posted[key] = i
+            elif key not in posted or key in waited:
+                raise ValueError(f"rank {rank}: {a} waited before posted, or twice")
+            else:
+                waited.add(key)
+    transfers = {(a.kind, a.stage, a.microbatch) for a in acts if not a.is_compute}
+    if set(posted) != transfers or waited != transfers:
+        raise ValueError(f"rank {rank}: transfers posted or waited differ from the schedule's")
+    _check_item_order(rank, acts, items)
+
+
+def _check_item_order(rank: int, acts: list[Action], items: list[Item]) -> None:
+    pos = {}
+    for i, item in enumerate(items):
+        for a in item.ops if isinstance(item, Post | Wait) else (item,):
+            pos.setdefault((type(item).__name__, a.kind, a.stage, a.microbatch), i)
+    for j, a in enumerate(acts):
+        if a.is_compute:
+            continue
+        near = acts[j - 1] if a.kind.startswith("SEND") else acts[j + 1]
+        compute = pos[("Action", near.kind, near.stage, near.microbatch)]
+        key = (a.kind, a.stage, a.microbatch)
+        if a.kind.startswith("SEND") and pos[("Post", *key)] < compute:
+            raise ValueError(f"rank {rank}: {a} posted before {near} makes its tensor")
+        if a.kind.startswith("RECV") and pos[("Wait", *key)] > compute:
+            raise ValueError(f"rank {rank}: {near} runs before waiting for {a}")
+
+
+def _match(programs: list[list[Item]]) -> dict[Op, Op]:
+    """Pair the k-th send on each link with the k-th receive (in-order matching)."""
+    sends: dict[tuple[int, int], list[tuple[Op, Action]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[Op, Action]]] = {}
+    for rank, items in enumerate(programs):
+        n = 0
+        for item in items:
+            for a in item.ops if isinstance(item, Post) else ():
+                side = sends if a.kind.startswith("SEND") else recvs
+                link = (rank, a.peer) if a.kind.startswith("SEND") else (a.peer, rank)
+                side.setdefault(link, []).append(((rank, n), a))
+                n += 1
+    match: dict[Op, Op] = {}
+    for link in sends.keys() | recvs.keys():
+        out, into = sends.get(link, []), recvs.get(link, [])
+        if len(out) != len(into):
+            raise ValueError(f"link {link[0]}->{link[1]}: {len(out)} sends, {len(into)} receives")
+        for i, ((s_op, s), (r_op, r)) in enumerate(zip(out, into)):
+            if wire(s) != wire(r):
+                raise ValueError(
+                    f"link {link[0]}->{link[1]}: message {i} is sent as {s} but received as "
+                    f"{r} (an in-order transport would hand it to the wrong tensor)"
+                )
+            match[s_op], match[r_op] = r_op, s_op
+    return match
+
+
+def _batches(items: list[Item]) -> tuple[list[int], list[int], list[int]]:
+    """Per batch: its first op's index and the computes issued before it; per compute:
+    the last batch waited for before it (-1: none)."""
+    first, before, need = [], [], []
+    n_ops = n_comp = 0
+    batch_of: dict[Key, int] = {}
+    last = -1
+    for item in items:
+        if isinstance(item, Post):
+            for a in item.ops:
+                batch_of[(a.kind, a.stage, a.microbatch)] = len(first)
+            first.append(n_ops)
+            before.append(n_comp)
+            n_ops += len(item.ops)
+        elif isinstance(item, Wait):
+            last = max([last] + [batch_of[(a.kind, a.stage, a.microbatch)] for a in item.ops])
+        else:
+            need.append(last)
+            n_comp += 1
+    return first, before, need
+
+
+def _nccl_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
+    """Run the streams (see the module docstring) to the end, or report where they stop."""
+    shape = [_batches(items) for items in programs]
+    sizes = [[len(i.ops) for i in items if isinstance(i, Post)] for items in programs]
+    head = [0] * len(programs)  # per rank: the batch its stream runs now
+    done = [0] * len(programs)  # per rank: computes run
+
+    def batch(op: Op) -> int:
+        return bisect_right(shape[op[0]][0], op[1]) - 1
+
+    def started(rank: int, b: int) -> bool:
+        return b < head[rank] or (b == head[rank] and done[rank] >= shape[rank][1][b])
+
+    moved = True
+    while moved:
+        moved = False
+        for r, (first, _, need) in enumerate(shape):
+            while done[r] < len(need) and need[done[r]] < head[r]:
+                done[r] += 1
+                moved = True
+            while head[r] < len(first) and started(r, head[r]):
+                ops = range(first[head[r]], first[head[r]] + sizes[r][head[r]])
+                if not all(started(match[(r, i)][0], batch(match[(r, i)])) for i in ops):
+                    break
+                head[r] += 1
+                moved = True
+                while done[r] < len(need) and need[done[r]] < head[r]:
+                    done[r] += 1
+    stuck = [
+        f"rank {r}: stream at batch {head[r]} of {len(first)}, compute {done[r]} of {len(need)}"
+        for r, (first, _, need) in enumerate(shape)
+        if head[r] < len(first) or done[r] < len(need)
+    ]
+    if stuck:
+        raise ValueError("deadlock under NCCL's semantics: " + "; ".join(stuck))
+
+
+def _gloo_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
+    """Run every rank's host thread to the end, or report where each one blocks."""
+    pc = [0] * len(programs)
+    posted: set[Op] = set()
+    index = [_op_index(items) for items in programs]
+    moved = True
+    while moved:
+        moved = False
+        for r, items in enumerate(programs):
+            while pc[r] < len(items):
+                item = items[pc[r]]
+                if isinstance(item, Post):
+                    posted |= {(r, index[r][(a.kind, a.stage, a.microbatch)]) for a in item.ops}
+                elif isinstance(item, Wait):
+                    ops = [(r, index[r][(a.kind, a.stage, a.microbatch)]) for a in item.ops]
+                    if not all(match[op] in posted for op in ops):
+                        break
+                pc[r] += 1
+                moved = True
+    stuck = [f"rank {r} at {acts[pc[r]]}" for r, acts in enumerate(programs) if pc[r] < len(acts)]
+    if stuck:
+        raise ValueError("deadlock under gloo's semantics: " + "; ".join(stuck))
+
+
+def _op_index(items: list[Item]) -> dict[Key, int]:
+    ops = [a for item in items if isinstance(item, Post) for a in item.ops]
+    return {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(ops)}
 
 
 def _fmt(keys: object) -> str:

@@ -35,19 +35,20 @@ def gather_timeline(events: list[Event], comm: Comm, group: Group, **meta) -> Ti
     Clocks are compared directly (one host: one clock), so times are seconds from the
     earliest start on any rank. Ranks may hold different numbers of events: each pads.
     """
-    count = torch.tensor([float(len(events))], dtype=torch.float64)
-    counts = torch.empty(group.size, dtype=torch.float64)
+    f64 = dict(dtype=torch.float64, device=comm.device)  # NCCL gathers device tensors only
+    count = torch.tensor([float(len(events))], **f64)
+    counts = torch.empty(group.size, **f64)
     comm.all_gather(counts, count, group)
     n = int(counts.max())
-    rows = torch.full((n, 5), -1.0, dtype=torch.float64)  # [kind, stage, mb, start, end]
+    rows = torch.full((n, 5), -1.0, **f64)  # [kind, stage, mb, start, end]
     if events:  # float64: epoch seconds need its 53 bits to keep microseconds
         rows[: len(events)] = torch.tensor(
             [[KINDS.index(e.kind), e.stage, e.microbatch, e.start, e.end] for e in events],
-            dtype=torch.float64,
+            **f64,
         )
-    table = torch.empty(group.size * n, 5, dtype=torch.float64)
+    table = torch.empty(group.size * n, 5, **f64)
     comm.all_gather(table, rows, group)
-    table = table.view(group.size, n, 5)
+    table = table.view(group.size, n, 5).cpu()
     valid = table[..., 0] >= 0
     t0 = float(table[..., 3][valid].min()) if bool(valid.any()) else 0.0
     ranks = [

@@ -1,22 +1,19 @@
-"""The pipeline runtime: execute this rank's schedule, one `Step` at a time.
+"""The pipeline runtime: execute this rank's program, one item at a time.
 
-A step posts its receives early (non-blocking, in the order the peer sends them), waits
-for the ones its compute needs, runs the compute (F, B, W or BW) and posts its sends
-non-blocking. Tensors that cross stages on the same rank (zb-v's V turn) go through the
-same mailbox as received ones, without a transfer. Every compute is timed, so a step's
-measured timeline can be compared with the simulator's prediction for the same lists.
+The program (`p2p.program`) says when to post each batch of sends and receives, when to
+wait for them and when to compute; it is the one the checker proves deadlock-free under
+NCCL's and gloo's semantics. Tensors that cross stages on the same rank (zb-v's V turn)
+go through the same mailbox as received ones, without a transfer. Every compute is timed
+on the device (`devices.Clock`), so a step's measured timeline can be compared with the
+simulator's prediction for the same lists.
 
 A stage output is freed as soon as its send is done (Megatron's trick): the autograd node
 stays, the tensor's storage is swapped for an empty one, and backward starts from the
-node's gradient edge, which needs no shape check against the freed data. gloo completes
-a send only once the peer has posted the matching receive, so the runtime waits for a
-send at the first step by which, in the schedule's unit-cost simulation, that receive is
-posted (`send_releases`): a wait the simulated run already satisfies cannot close a cycle.
+node's gradient edge, which needs no shape check against the freed data.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,24 +21,21 @@ from torch import nn
 
 from tetrad.comm import Comm, Work
 from tetrad.config import DTYPES, Config
+from tetrad.devices import Clock
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.parallel.pipeline.measure import ActivationMeter
-from tetrad.parallel.pipeline.schedules import (
-    Action,
-    Step,
-    build_schedule,
-    stage_to_rank,
-    steps,
-    wire,
-)
-from tetrad.parallel.pipeline.simulate import Costs, simulate
+from tetrad.parallel.pipeline.p2p import Item, Post, Wait, program
+from tetrad.parallel.pipeline.schedules import Action, build_schedule, stage_to_rank, wire
 from tetrad.parallel.pipeline.stage import Chunk
 from tetrad.parallel.pipeline.timeline import Event
 from tetrad.parallel.pipeline.weightgrad import WeightGradStore, defer_weight_grads
 from tetrad.parallel.runner import GradSync, LossFn, RunResult
 
 Key = tuple[int, int]  # (stage, microbatch)
+# receives posted this many computes early, so their transfer overlaps the compute: gloo
+# (CPU) posts each on its own; on NCCL's in-order stream only 0 is safe (see p2p.py)
+EARLY = {"cpu": 1, "cuda": 0}
 Wire = tuple[str, int, int]  # (direction, stage, microbatch): a tensor on the wire
 
 
@@ -58,6 +52,16 @@ class StepState(RunResult):
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     in_flight: int = 0
     peak_in_flight: int = 0
+    # timed computes: (kind, stage, microbatch, start mark, end mark) of `clock`
+    marks: list = field(default_factory=list)
+    clock: Clock | None = None
+
+    @property
+    def events(self) -> list[Event]:
+        """The timed computes in seconds; read only when looked at, since on a GPU that
+        waits for them (the step's own host sync has usually done so already)."""
+        read = self.clock.seconds
+        return [Event(k, s, mb, read(t0), read(t1)) for k, s, mb, t0, t1 in self.marks]
 
     @property
     def peak_act_bytes(self) -> int:
@@ -66,31 +70,29 @@ class StepState(RunResult):
 
 
 class PipelineRuntime:
-    """Runs one rank's steps against its chunks of the model (the engine's `Runner`)."""
+    """Runs one rank's program against its chunks of the model (the engine's `Runner`)."""
 
     def __init__(
         self,
         model,
         chunks: list[Chunk],
-        rank_steps: list[Step],
+        items: list[Item],
         mesh: Mesh,
         comm: Comm,
         act_shape: tuple[int, ...],
         loss_fn,
         store: WeightGradStore | None,
-        releases: list[tuple[Wire, ...]] | None = None,
         dtype: torch.dtype | None = None,
     ):
         self.model, self.mesh, self.comm, self.loss_fn = model, mesh, comm, loss_fn
         self.chunks = {c.stage: c for c in chunks}
-        self.rank_steps, self.act_shape, self.store = rank_steps, act_shape, store
-        # per step, the sends to wait for (and free) before its compute; None: at the end
-        self.releases = releases or [() for _ in rank_steps]
+        self.items, self.act_shape, self.store = items, act_shape, store
         self.meter = ActivationMeter()
         self.holds_loss = any(c.last for c in chunks)
         # the compute dtype, given: built before the data axis casts the parameters to it
         self.dtype = dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        self.clock = Clock(self.device)
 
     def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> StepState:
         """Execute the whole schedule for one optimizer step. Gradient reductions wait
@@ -99,19 +101,17 @@ class PipelineRuntime:
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         st = StepState(loss=loss, micro=micro, denom=denom)
         self.meter.reset(self.model.parameters())
-        for step, release in zip(self.rank_steps, self.releases):
-            self._post(st, step.post)
-            for a in step.wait:
-                work, buf = st.recvs.pop(wire(a))
-                work.wait()
-                st.box[wire(a)] = buf
-            self._release(st, release)
-            t0 = time.time()
-            self._compute(st, step.compute)
-            c = step.compute
-            st.events.append(Event(c.kind, c.stage, c.microbatch, t0, time.time()))
-            self._send(st, step.sends)
-        self._release(st, tuple(st.sends))
+        self.clock.anchor()
+        st.clock = self.clock
+        for item in self.items:
+            if isinstance(item, Post):
+                self._post(st, item.ops)
+            elif isinstance(item, Wait):
+                self._wait(st, item.ops)
+            else:
+                t0 = self.clock.mark()
+                self._compute(st, item)
+                st.marks.append((item.kind, item.stage, item.microbatch, t0, self.clock.mark()))
         st.peak_activation_bytes = self.meter.peak
         return st
 
@@ -119,35 +119,38 @@ class PipelineRuntime:
     def _peer(self, a: Action) -> int:
         return self.mesh["pp"].ranks[a.peer]
 
-    def _post(self, st: StepState, recvs: tuple[Action, ...]) -> None:
-        ops, keys = [], []
-        for a in recvs:
-            buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-            ops.append(("recv", buf, self._peer(a)))
-            keys.append((wire(a), buf))
-        works = self.comm.batch_p2p(ops, self.mesh["pp"])
-        for (key, buf), work in zip(keys, works):
-            st.recvs[key] = (work, buf)
-
-    def _send(self, st: StepState, sends: tuple[Action, ...]) -> None:
-        ops = []
-        for a in sends:
-            t = st.box.pop(wire(a))
-            ops.append(("send", t, self._peer(a)))
-        works = self.comm.batch_p2p(ops, self.mesh["pp"])
-        for a, work, (_, t, _) in zip(sends, works, ops):
+    def _post(self, st: StepState, ops: tuple[Action, ...]) -> None:
+        """One batch: each send's tensor from the mailbox, a fresh buffer for each receive."""
+        batch = []
+        for a in ops:
+            if a.kind.startswith("SEND"):
+                batch.append(("send", st.box.pop(wire(a)), self._peer(a)))
+            else:
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                batch.append(("recv", buf, self._peer(a)))
+        works = self.comm.batch_p2p(batch, self.mesh["pp"])
+        for a, work, (_, t, _) in zip(ops, works, batch, strict=True):
+            if a.kind.startswith("RECV"):
+                st.recvs[wire(a)] = (work, t)
+                continue
             st.sends[wire(a)] = (work, t)
             out = st.outputs.get((a.stage - 1, a.microbatch)) if a.kind == "SEND_F" else None
             if out is not None and self.meter.references(out) == 1:  # only our own hold:
                 # autograd did not save the output, so the send buffer may own its storage
                 out.data = torch.empty(0, dtype=out.dtype, device=out.device)
 
-    def _release(self, st: StepState, keys: tuple[Wire, ...]) -> None:
-        """Wait for these sends; dropping their buffers frees the sent tensors."""
-        for key in keys:
-            work, _ = st.sends.pop(key)
-            work.wait()
-            self.meter.drop(key)
+    def _wait(self, st: StepState, ops: tuple[Action, ...]) -> None:
+        """Receives land in the mailbox; finished sends drop their buffers (and the sent
+        tensors with them)."""
+        for a in ops:
+            if a.kind.startswith("RECV"):
+                work, buf = st.recvs.pop(wire(a))
+                work.wait()
+                st.box[wire(a)] = buf
+            else:
+                work, _ = st.sends.pop(wire(a))
+                work.wait()
+                self.meter.drop(wire(a))
 
     # --- compute ------------------------------------------------------------------------
     def _compute(self, st: StepState, a: Action) -> None:
@@ -214,33 +217,6 @@ class PipelineRuntime:
             self.store.flush(key)
 
 
-def send_releases(
-    actions: list[list[Action]], all_steps: list[list[Step]], rank: int
-) -> list[tuple[Wire, ...]]:
-    """For each of `rank`'s steps, the sends (wire keys) to wait for before its compute.
-
-    A send from step k is waited at the first later step whose compute starts, in the
-    unit-cost simulation of the same lists, no earlier than the peer posts the matching
-    receive. That simulated run satisfies every such wait, so they add no cycle to the
-    schedule's dependencies and cannot deadlock it; sends with no such step wait at the
-    end. Real costs that differ from unit ones can only delay a release, never hang it.
-    """
-    tl = simulate(actions, Costs(f=1.0, b=1.0, w=1.0, comm=0.0))
-    posted: dict[Wire, float] = {}  # a receive is posted when its step's predecessor ends
-    for r, rank_steps in enumerate(all_steps):
-        for t, step in enumerate(rank_steps):
-            for a in step.post:
-                posted[wire(a)] = tl.ranks[r][t - 1].end if t > 0 else 0.0
-    starts = [e.start for e in tl.ranks[rank]]
-    out: list[list[Wire]] = [[] for _ in starts]
-    for k, step in enumerate(all_steps[rank]):
-        for a in step.sends:
-            later = [j for j in range(k + 1, len(starts)) if starts[j] >= posted[wire(a)]]
-            if later:
-                out[later[0]].append(wire(a))
-    return [tuple(keys) for keys in out]
-
-
 def build_pipeline(
     model: nn.Module, cfg: Config, mesh: Mesh, comm: Comm, chunks: list[Chunk], loss_fn: LossFn
 ) -> PipelineRuntime:
@@ -252,17 +228,19 @@ def build_pipeline(
         store = WeightGradStore()
         defer_weight_grads(model, store)
     seq = cfg.train.seq_len // (p.tp if p.sp else 1)
-    all_steps, rank = steps(actions, lookahead=1), mesh["pp"].rank
+    if comm.device.type == "cuda":
+        # NCCL creates a communicator on its first use, with every member; torch requires
+        # that batched p2p not be that first use unless every rank joins the same batch
+        comm.barrier(mesh["pp"])
     return PipelineRuntime(
         model,
         chunks,
-        all_steps[rank],
+        program(actions, early=EARLY[comm.device.type])[mesh["pp"].rank],
         mesh,
         comm,
         (cfg.microbatch_size, seq, cfg.model.dim),
         loss_fn,
         store,
-        send_releases(actions, all_steps, rank),
         DTYPES[cfg.train.dtype],
     )
 

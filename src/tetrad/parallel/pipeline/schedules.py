@@ -3,9 +3,9 @@
 A schedule is data. `build_schedule` returns, for every pp rank, the compute actions
 (F, B, W, BW) in the order the rank runs them, with the point-to-point transfers woven in:
 a receive sits just before the compute that needs it, a send just after the compute that
-produced it. The runtime executes the lists (sends non-blocking, receives pre-posted), the
-simulator times them and the checker proves them complete and deadlock-free; all three
-read the same lists, so prediction and execution cannot disagree.
+produced it. The runtime executes the lists (`p2p.program` says when each transfer is
+posted and waited for), the simulator times them and the checker proves them complete and
+deadlock-free; all three read the same lists, so prediction and execution cannot disagree.
 
 Stages are global model chunks 0..pp*v-1. `stage_to_rank` places them on ranks.
 """
@@ -48,21 +48,6 @@ class Action:
     def __str__(self) -> str:
         peer = "" if self.peer is None else f"<->r{self.peer}"
         return f"{self.kind}(s{self.stage},mb{self.microbatch}){peer}"
-
-
-@dataclass(frozen=True)
-class Step:
-    """One compute action of a rank with the transfers around it, for the runtime.
-
-    post: receives to post (non-blocking) before this step; they may serve later steps.
-    wait: receives this compute needs (posted at this step or earlier).
-    sends: sends to post (non-blocking) right after the compute.
-    """
-
-    post: tuple[Action, ...]
-    wait: tuple[Action, ...]
-    compute: Action
-    sends: tuple[Action, ...]
 
 
 def stage_to_rank(stage: int, pp: int, v: int, schedule: str) -> int:
@@ -127,63 +112,6 @@ def build_schedule(
 def compute_only(rank_actions: list[Action]) -> list[Action]:
     """Drop the transfers: the compute order of one rank."""
     return [a for a in rank_actions if a.is_compute]
-
-
-def steps(actions: list[list[Action]], lookahead: int = 0) -> list[list[Step]]:
-    """Group every rank's list into steps, and say when to post each receive.
-
-    A receive is posted `lookahead` steps before the step that waits for it, or earlier
-    where needed so that on every link src -> dst the receives are posted in the order
-    src sends: a transport that matches messages in order and ignores tags (NCCL) then
-    pairs each tensor right. Posting early never blocks, so deadlock freedom (as proven
-    by check_schedule) is unchanged; it only holds buffers longer.
-    """
-    grouped = [_group(rank, acts) for rank, acts in enumerate(actions)]
-    link_pos = {
-        wire(a): i
-        for acts in actions
-        for i, a in enumerate(x for x in acts if x.kind.startswith("SEND"))
-    }
-    out = []
-    for rank_steps in grouped:
-        post_at = _post_steps(rank_steps, lookahead, link_pos)
-        posts: list[list[Action]] = [[] for _ in rank_steps]
-        for recv, i in sorted(post_at.items(), key=lambda kv: (kv[0].peer, link_pos[wire(kv[0])])):
-            posts[i].append(recv)
-        out.append([Step(tuple(p), w, c, s) for p, (w, c, s) in zip(posts, rank_steps)])
-    return out
-
-
-def _group(rank: int, rank_actions: list[Action]) -> list[tuple[tuple, Action, tuple]]:
-    """(receives waited, compute, sends) triples of one rank's list."""
-    out: list[tuple[tuple, Action, tuple]] = []
-    recvs: list[Action] = []
-    for a in rank_actions:
-        if a.kind.startswith("RECV"):
-            recvs.append(a)
-        elif a.is_compute:
-            out.append((tuple(recvs), a, ()))
-            recvs = []
-        elif not out:
-            raise ValueError(f"rank {rank}: {a} precedes any compute")
-        else:  # a send belongs to the compute that produced its tensor
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + (a,))
-    if recvs:
-        raise ValueError(f"rank {rank}: receives {[str(a) for a in recvs]} end the list")
-    return out
-
-
-def _post_steps(rank_steps: list, lookahead: int, link_pos: dict) -> dict[Action, int]:
-    """Step index at which to post each receive of one rank."""
-    post_at = {r: max(i - lookahead, 0) for i, (wait, _, _) in enumerate(rank_steps) for r in wait}
-    by_link: dict[int | None, list[Action]] = {}
-    for recv in sorted(post_at, key=lambda r: link_pos[wire(r)]):
-        by_link.setdefault(recv.peer, []).append(recv)
-    for recvs in by_link.values():
-        # walk each link backwards: a receive is posted no later than any after it
-        for k in range(len(recvs) - 2, -1, -1):
-            post_at[recvs[k]] = min(post_at[recvs[k]], post_at[recvs[k + 1]])
-    return post_at
 
 
 def wire(a: Action) -> tuple[str, int, int]:

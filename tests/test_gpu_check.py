@@ -1,0 +1,129 @@
+"""scripts/gpu_check.py's CPU-side parts: flags, the plan of parts, judging, the JSON writer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts/gpu_check.py")
+gc = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gc  # dataclasses look their module up there
+_spec.loader.exec_module(gc)
+
+
+def test_defaults():
+    args = gc.parse_args([])
+    assert (args.out, args.steps, args.layout_steps, args.gpus) == ("gpu_check.json", 50, 8, None)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--steps", "5"], ["--steps 5", ">= 12"]),
+        (["--layout-steps", "0"], ["--layout-steps 0"]),
+        (["--gpus", "0"], ["--gpus must be >= 1, got 0"]),
+        (["--rtol", "0"], ["--rtol must be > 0"]),
+    ],
+)
+def test_bad_flags_name_the_values(argv, words):
+    with pytest.raises(ValueError) as err:
+        gc.parse_args(argv)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_bad_flags_exit_2_with_a_message(capsys):
+    assert gc.main(["--gpus", "-1"]) == 2
+    assert "gpu_check: error: --gpus must be >= 1, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.distributed  # starts the script's process
+def test_without_a_gpu_it_says_so():
+    """On this machine (no GPU) the script refuses plainly instead of guessing figures."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), "--out", "/nonexistent/x.json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if proc.returncode != 2:
+        pytest.skip("a GPU is visible: the script would run for real")
+    assert "no CUDA device is visible" in proc.stderr
+
+
+def test_parts_on_one_and_two_gpus(tmp_path):
+    args = gc.parse_args(["--steps", "50"])
+    one, skipped = gc.plan_parts(args, 1, tmp_path)
+    assert [p.name for p in one] == ["cuda_tests", "train_bf16_100m"]
+    assert "need 2 GPUs, this machine has 1" in skipped[0]
+    bf16 = one[1].argv
+    assert bf16[bf16.index("--dtype") + 1] == "bf16" and bf16[bf16.index("--steps") + 1] == "50"
+    two, skipped = gc.plan_parts(gc.parse_args(["--skip-tests"]), 2, tmp_path)
+    names = [p.name for p in two]
+    assert names == ["train_bf16_100m", "layout_single"] + [
+        f"layout_{n}" for n in ("dp", "fsdp", "tp", "pp-1f1b", "pp-zb-h1")
+    ] + ["bench_comm"]
+    assert skipped == ["cuda_tests: --skip-tests"]
+    # every part has a timeout, so a hang is reported: on one GPU 8 minutes at most
+    assert sum(p.timeout_s for p in one) <= 8 * 60 and sum(p.timeout_s for p in two) <= 20 * 60
+    for p in two[2:-1]:  # every layout runs the same job on 2 ranks as the single GPU
+        assert p.argv[p.argv.index("--nproc") + 1] == "2"
+        assert p.argv[p.argv.index("--global-batch") + 1] == "8"
+
+
+def test_the_100m_model_is_100m():
+    from tetrad.cli import build_config, parser
+    from tetrad.models.flops import param_count
+
+    args = parser().parse_args(["train", *gc.MODEL_100M])
+    assert 100e6 <= param_count(build_config(args).model) <= 130e6
+
+
+def test_judging_runs():
+    rows = [
+        {"loss": 5.0 - i * 0.01, "tokens_per_s": 1000.0 + i, "mfu": 0.3, "step_time_s": 0.1,
+         "peak_mem_bytes": 2**30 + i}
+        for i in range(50)
+    ]  # fmt: skip
+    t = gc.throughput(rows)
+    assert t["tokens_per_s"] == 1000.0 + 29.5 and t["peak_mem_bytes"] == 2**30 + 49 and t["finite"]
+    assert "error" in gc.throughput(rows[:5])
+    assert not gc.throughput([{**rows[0], "loss": float("nan")}] * 12)["finite"]
+    ok = gc.compare_losses([2.0, 1.0], [2.0, 1.00005], rtol=1e-4)
+    assert ok["ok"] and ok["max_rel_diff"] == pytest.approx(5e-5)
+    assert not gc.compare_losses([2.0, 1.0], [2.0, 1.001], rtol=1e-4)["ok"]
+    assert not gc.compare_losses([2.0, 1.0], [2.0], rtol=1e-4)["ok"]
+
+
+def test_junit_counts(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest" errors="0" failures="1" skipped="2" tests="7">'
+        "</testsuite></testsuites>"
+    )
+    assert gc.junit_counts(xml) == {
+        "tests": 7, "failures": 1, "errors": 0, "skipped": 2, "passed": 4
+    }  # fmt: skip
+
+
+def test_summary_and_writer(tmp_path):
+    parts = [gc.Part("a", [], 1, {"ok": True}), gc.Part("b", [], 1, {"ok": False, "error": "x"})]
+    s = gc.summarize({"gpus": ["NVIDIA H100"]}, parts, ["layouts: need 2 GPUs"], 12.34)
+    assert s["ok"] is False and s["results"]["b"]["error"] == "x" and s["seconds"] == 12.3
+    assert gc.summarize({}, parts[:1], [], 1.0)["ok"] is True
+    assert gc.summarize({}, [], [], 1.0)["ok"] is False  # nothing ran: nothing passed
+    path = tmp_path / "deep" / "gpu_check.json"
+    gc.write_summary(path, s)
+    assert json.loads(path.read_text()) == s
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_script_is_executable_and_calls_the_driver():
+    sh = ROOT / "scripts/gpu_check.sh"
+    assert sh.stat().st_mode & 0o111
+    assert "scripts/gpu_check.py" in sh.read_text()
+    assert sys.executable  # the driver runs under the project's interpreter
