@@ -254,21 +254,24 @@ def peak_in_flight(
 
     act[stage]: bytes one microbatch leaves on `stage` after its forward; pending_w[stage]:
     bytes it keeps between B and W (zero-bubble); sent[stage]: the output an F sends,
-    alive until the send is done (tetrad waits for it before a later compute). F adds act
-    (and, until its end, sent); B releases act and adds pending_w; W releases pending_w;
-    BW releases act.
+    alive until the send is done: the runtime waits for a send (and frees it) one compute
+    after posting it (`p2p.program`'s slack), so it lives through the F that made it and
+    the rank's next compute. F adds act; B releases act and adds pending_w; W releases
+    pending_w; BW releases act.
     """
     live = peak = 0.0
+    sending = 0.0  # the output of the previous compute, if an F, still being sent
     for e in sorted(timeline.ranks[rank], key=lambda e: e.start):
         w = pending_w[e.stage] if pending_w else 0.0
+        out = sent[e.stage] if sent and e.kind == "F" else 0.0
         if e.kind == "F":
             live += act[e.stage]
-            peak = max(peak, live + (sent[e.stage] if sent else 0.0))
         elif e.kind == "B":
             live += w - act[e.stage]
-            peak = max(peak, live)
-        elif e.kind == "W":
+        peak = max(peak, live + sending + out)
+        if e.kind == "W":
             live -= w
         elif e.kind == "BW":
             live -= act[e.stage]
+        sending = out
     return peak
