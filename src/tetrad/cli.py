@@ -274,7 +274,10 @@ def worker(cfg: Config, args: argparse.Namespace) -> int:
     threads = args.threads or int(os.environ.get("TETRAD_THREADS", "0"))
     try:
         run(cfg, threads=threads or None, timeline=args.timeline)
-        return 0
+        # done, and the process group destroyed: leave without the interpreter's teardown,
+        # in which gloo's threads sometimes abort the process ("terminate called without
+        # an active exception") after the job has succeeded
+        return _leave(0)
     except Preempted as e:
         reported = report("preempted", str(e), EXIT_PREEMPTED, step=e.step, path=str(e.path))
         if rank == 0 and not reported:  # under the launcher, the launcher says it once
@@ -293,7 +296,8 @@ def worker(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _leave(code: int) -> int:
-    """Exit now under torchrun: a process group's teardown must not hang a failed rank."""
+    """Exit now under torchrun: a process group's teardown must not hang (or abort) a
+    rank whose outcome is decided and reported."""
     if not under_torchrun():
         return code
     sys.stdout.flush()
