@@ -32,35 +32,8 @@ import torch.distributed as dist
 import harness
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.models.flops import param_count
-from tetrad.models.llama import cross_entropy_sum
 from tetrad.parallel.memory import measure_at_each_step, model_state_bytes, zero_formula_bytes
 from tetrad.testing import spawn
-
-
-class FSDP2Runner:
-    """The same training step as tetrad's Trainer, written the usual FSDP2 way."""
-
-    def __init__(self, cfg: Config, rank: int, world: int):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        self.world = world
-        model = harness.peer_model(cfg)
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.model = model
-        self.optimizer = harness.PeerOptimizer(model, cfg.train)
-        self.loader = harness.peer_loader(cfg, rank, world)
-
-    def train_step(self) -> float:
-        """One optimizer step; returns the global mean token loss."""
-        (mb,) = self.loader.next()
-        loss = cross_entropy_sum(self.model(mb.inputs), mb.targets) / harness.global_tokens([mb])
-        # FSDP2 averages gradients over the world; tetrad sums with a global denominator
-        (loss * self.world).backward()
-        return self.optimizer.step(loss)
 
 
 def memory_table(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
@@ -101,7 +74,10 @@ def worker(rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, round
         states.append(measure_at_each_step(trainer.engine, trainer.optimizer))
         return trainer, step
 
-    makers = {"tetrad": make_tetrad, "fsdp2": lambda: harness.side(FSDP2Runner(cfg, rank, world))}
+    makers = {
+        "tetrad": make_tetrad,
+        "fsdp2": lambda: harness.side(harness.FSDP2Runner(cfg, rank, world)),
+    }
     counter = harness.CollectiveCounter(world)
     sides, out = harness.race(makers, warmup, steps, rounds, around={"fsdp2": counter})
     return out | {

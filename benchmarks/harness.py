@@ -32,7 +32,7 @@ from tetrad.config import Config, TrainConfig, from_dict
 from tetrad.mesh import Mesh
 from tetrad.models.flops import param_count
 from tetrad.models.init import materialize
-from tetrad.models.llama import Llama
+from tetrad.models.llama import Llama, cross_entropy_sum
 from tetrad.train.data import Loader, source_of
 from tetrad.train.loop import Trainer
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
@@ -394,3 +394,33 @@ def report(benchmark: str, cfg: Config, results: list, **fields: Any) -> None:
         "torch": torch.__version__,
     }
     print(json.dumps(out | fields | {"results": results}, indent=2))
+
+
+class FSDP2Runner:
+    """tetrad's training step written the usual FSDP2 way: `fully_shard` on each block and
+    the root. `wrap(model)`, if given, rewraps the blocks first (activation checkpointing,
+    as torchtitan applies it before sharding)."""
+
+    def __init__(self, cfg: Config, rank: int, world: int, wrap: Callable | None = None):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.world = world
+        model = peer_model(cfg)
+        if wrap is not None:
+            wrap(model)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = PeerOptimizer(model, cfg.train)
+        self.loader = peer_loader(cfg, rank, world)
+
+    def train_step(self) -> float:
+        """One optimizer step; returns the global mean token loss."""
+        (mb,) = self.loader.next()
+        loss = cross_entropy_sum(self.model(mb.inputs), mb.targets) / global_tokens([mb])
+        # FSDP2 averages gradients over the world; tetrad sums with a global denominator
+        (loss * self.world).backward()
+        return self.optimizer.step(loss)

@@ -34,7 +34,6 @@ import torch
 import harness
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.mesh import Mesh
-from tetrad.models.llama import cross_entropy_sum
 from tetrad.plan.cost import TETRAD, Planner
 from tetrad.plan.hardware import cluster_preset
 from tetrad.testing import spawn
@@ -59,39 +58,20 @@ def _keep_matmuls(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class FSDP2Runner:
-    """tetrad's training step written the torchtitan way: activation checkpointing applied
-    to each block, then `fully_shard` on each block and the root."""
+def checkpointed(mode: str):
+    """torchtitan's activation checkpointing for `mode`, applied to each block in place."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    def __init__(self, cfg: Config, rank: int, world: int, mode: str):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            checkpoint_wrapper,
-        )
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        self.world = world
-        model = harness.peer_model(cfg)
+    def wrap(model) -> None:
         for name, block in list(model.layers.items()):
             if mode == "full":
                 model.layers[name] = checkpoint_wrapper(block)
             elif mode == "selective":
                 context = partial(create_selective_checkpoint_contexts, _keep_matmuls)
                 model.layers[name] = checkpoint_wrapper(block, context_fn=context)
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.model = model
-        self.optimizer = harness.PeerOptimizer(model, cfg.train)
-        self.loader = harness.peer_loader(cfg, rank, world)
 
-    def train_step(self) -> float:
-        (mb,) = self.loader.next()
-        loss = cross_entropy_sum(self.model(mb.inputs), mb.targets) / harness.global_tokens([mb])
-        (loss * self.world).backward()  # FSDP2 averages over the world; tetrad sums
-        return self.optimizer.step(loss)
+    return wrap
 
 
 def worker(rank: int, world: int, raw: dict, steps: int, warmup: int, rounds: int) -> list:
@@ -102,7 +82,9 @@ def worker(rank: int, world: int, raw: dict, steps: int, warmup: int, rounds: in
         cfg.train.recompute = mode
         makers = {
             "tetrad": lambda cfg=cfg: harness.tetrad_trainer(cfg, rank, fsdp=world),
-            "fsdp2": lambda cfg=cfg, mode=mode: harness.side(FSDP2Runner(cfg, rank, world, mode)),
+            "fsdp2": lambda cfg=cfg, mode=mode: harness.side(
+                harness.FSDP2Runner(cfg, rank, world, checkpointed(mode))
+            ),
         }
         sides, result = harness.race(makers, warmup, steps, rounds)
         run = sides["tetrad"].engine.last_run

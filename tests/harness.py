@@ -108,3 +108,14 @@ def assert_close_run(got: dict, ref: dict, rtol: float = 1e-5) -> None:
     for name, value in ref["state"].items():
         err = float((got["state"][name].double() - value.double()).norm() / value.double().norm())
         assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def valid_schedule(name: str, pp: int, m: int, v: int) -> bool:
+    """Whether `schedules.validate` accepts the request (grids enumerate only these)."""
+    from tetrad.parallel.pipeline.schedules import validate
+
+    try:
+        validate(name, pp, m, v)
+    except ValueError:
+        return False
+    return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness import valid_schedule as _valid
 from tetrad.parallel.pipeline.check import check_program
 from tetrad.parallel.pipeline.p2p import Post, Wait, computes, program
 from tetrad.parallel.pipeline.runtime import EARLY
@@ -12,18 +13,8 @@ from tetrad.parallel.pipeline.schedules import (
     Action,
     build_schedule,
     compute_only,
-    validate,
     wire,
 )
-
-
-def _valid(name: str, pp: int, m: int, v: int) -> bool:
-    try:
-        validate(name, pp, m, v)
-    except ValueError:
-        return False
-    return True
-
 
 GRID = [
     (name, pp, m, v)

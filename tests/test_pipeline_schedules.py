@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness import valid_schedule as _valid
 from tetrad.parallel.pipeline.check import check_schedule
 from tetrad.parallel.pipeline.schedules import (
     SCHEDULES,
@@ -12,17 +13,7 @@ from tetrad.parallel.pipeline.schedules import (
     compute_only,
     placement,
     stage_to_rank,
-    validate,
 )
-
-
-def _valid(name: str, pp: int, m: int, v: int) -> bool:
-    try:
-        validate(name, pp, m, v)
-    except ValueError:
-        return False
-    return True
-
 
 GRID = [
     (name, pp, m, v)
