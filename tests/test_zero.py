@@ -78,7 +78,7 @@ def _check_comm(cfg, comm: dict) -> None:
     assert rs["bus_bytes"] == pytest.approx((n - 1) / n * elt * padded, rel=1e-12)
     assert ag["bus_bytes"] == pytest.approx((n - 1) / n * elt * gathered, rel=1e-12)
     if p.dp > 1:  # HSDP: each reduced shard all-reduced across the replicas
-        assert comm["dp/all_reduce"]["bytes"] == elt * padded // n
+        assert comm["replica/all_reduce"]["bytes"] == elt * padded // n
     assert padded - sum(u.numel for u in units) < len(units) * n  # padding < n per unit
 
 

@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 from tetrad.config import (
+    CP_ATTENTION,
     DTYPES,
     RECOMPUTE,
     Config,
@@ -29,6 +30,7 @@ TRAIN_FLAGS = {
     "tp": ("parallel", "tp", int),
     "pp": ("parallel", "pp", int),
     "cp": ("parallel", "cp", int),
+    "cp_attention": ("parallel", "cp_attention", str),
     "zero_stage": ("parallel", "zero_stage", int),
     "pp_schedule": ("parallel", "pp_schedule", str),
     "microbatches": ("parallel", "microbatches", int),
@@ -71,6 +73,8 @@ FLAG_HELP = {
     "device": "auto (default: CUDA if available, else CPU), cpu or cuda",
     "peak_tflops": "declared dense peak of one device in TFLOP/s, for MFU (default: the "
     "table in devices.py; needed for a GPU not in it)",
+    "cp_attention": "how attention crosses the cp ranks: allgather (default: keys and values "
+    "all-gathered) or ring (kv blocks passed around, online softmax)",
     "recompute": "activation recomputation (default none): selective recomputes attention's "
     "core and the SwiGLU product in backward, full whole blocks from their inputs",
     "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
@@ -115,6 +119,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"metavar": "S"}
         if flag == "recompute":
             kw = {"choices": RECOMPUTE}
+        if flag == "cp_attention":
+            kw = {"choices": CP_ATTENTION}
         if flag == "loss_chunk":
             kw = {"metavar": "TOKENS"}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)

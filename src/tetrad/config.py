@@ -20,6 +20,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # activation recomputation: nothing, the cheap and large parts, or whole blocks
 RECOMPUTE = ("none", "selective", "full")
+# context parallelism's attention: keys and values all-gathered, or passed around a ring
+CP_ATTENTION = ("allgather", "ring")
 
 
 @dataclass
@@ -95,6 +97,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (docs/cp.md)
+    cp_attention: str = "allgather"  # how attention crosses the cp ranks: allgather or ring
     zero_stage: int = 3
     sp: bool = False
     pp_schedule: str = "1f1b"
@@ -264,6 +267,10 @@ def _validate_parallel(p: ParallelConfig, world_size: int | None) -> None:
             f"world size {world_size} != dp*fsdp*cp*tp*pp = {p.dp}*{p.fsdp}*{p.cp}*{p.tp}*{p.pp}"
             f" = {p.world_size}",
         )
+    _require(
+        p.cp_attention in CP_ATTENTION,
+        f"cp_attention={p.cp_attention!r} is not one of {CP_ATTENTION}",
+    )
     _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
     _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
     _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {tuple(DTYPES)}")

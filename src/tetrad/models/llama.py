@@ -32,9 +32,15 @@ class RMSNorm(nn.Module):
 
 
 def rotary(seq_len: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """cos/sin tables, [s, head_dim/2, 2] in float32."""
+    """cos/sin tables of positions 0..s-1, [s, head_dim/2, 2] in float32."""
+    return rotary_at(torch.arange(seq_len, device=device), head_dim, theta)
+
+
+def rotary_at(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """cos/sin tables of the given (global) positions, [len, head_dim/2, 2] in float32."""
+    device = positions.device
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv)
+    angles = torch.outer(positions.float(), inv)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
@@ -49,28 +55,40 @@ def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention."""
+    """Causal grouped-query self-attention: projections around a swappable core.
+
+    `core` is the part that sees the whole sequence at once (rotary, softmax(qkᵀ)v);
+    context parallelism replaces it with one that exchanges keys and values across the
+    ranks that hold the other parts of the sequence (parallel/context.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hd = cfg.head_dim
-        self.head_dim = hd
-        self.theta = cfg.rope_theta
         self.wq = nn.Linear(cfg.dim, cfg.heads * hd, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.heads * hd, cfg.dim, bias=False)
+        self.core: nn.Module = CausalCore(hd, cfg.rope_theta)
         self.recompute = "none"  # "selective": the core is redone in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # with sequence parallelism x is [b, s/tp, h] and the projections gather the sequence,
         # so the sequence length is read from their outputs.
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [b, s, local (kv) heads · hd]
-        core = recompute if self.recompute == "selective" else _call
-        return self.wo(core(self.core, q, k, v))
+        run = recompute if self.recompute == "selective" else _call
+        return self.wo(run(self.core, q, k, v))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Rotary, repeated kv heads and causal softmax(qkᵀ)v: [b, s, heads·hd] each way."""
+
+class CausalCore(nn.Module):
+    """Rotary, repeated kv heads and causal softmax(qkᵀ)v: [b, s, heads·hd] each way.
+
+    Local heads are read from the inputs' widths (tensor parallelism shrinks them)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.head_dim)  # [b, s, local heads, hd]
         k = k.view(b, s, -1, self.head_dim)  # [b, s, local kv heads, hd]

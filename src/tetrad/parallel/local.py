@@ -17,11 +17,12 @@ from tetrad.config import Config
 from tetrad.mesh import Mesh, rank_of
 from tetrad.models.llama import meta_llama
 from tetrad.models.plans import LLAMA_PLAN
+from tetrad.parallel.context import apply_cp
 from tetrad.parallel.pipeline.stage import Chunk, prune, rank_chunks
 from tetrad.parallel.tensor import TPLayout, apply_tp
 
 # Axes a parameter is, by default, replicated over (identical on every rank of them).
-REPLICATED = ("dp", "fsdp", "tp")
+REPLICATED = ("dp", "fsdp", "cp", "tp")
 
 
 @dataclass
@@ -41,13 +42,16 @@ class LocalModel:
 
 
 def local_model(cfg: Config, mesh: Mesh, comm: Comm) -> LocalModel:
-    """Steps 1-3 of `parallelize`, on the meta device: build, pipeline split, tp shrink."""
+    """Steps 1-3 of `parallelize`, on the meta device: build, pipeline split, tp shrink,
+    and context parallelism's attention cores (they hold no parameters)."""
     model = meta_llama(cfg.model)
     chunks = None
     if mesh.degrees["pp"] > 1:
         chunks = rank_chunks(cfg, mesh["pp"].rank)
         prune(model, chunks)
     layout = apply_tp(model, LLAMA_PLAN, mesh, comm, cfg) if mesh.degrees["tp"] > 1 else None
+    if mesh.degrees["cp"] > 1:
+        apply_cp(model, mesh, comm, cfg)
     return LocalModel(model, chunks, layout)
 
 

@@ -44,7 +44,7 @@ from tetrad.models.llama import RMSNorm
 from tetrad.models.loss import linear_cross_entropy
 from tetrad.models.plans import assign
 
-SHARDED = ("dp", "fsdp")  # a tp-sharded parameter is still replicated over the data axes
+SHARDED = ("dp", "fsdp", "cp")  # a tp-sharded parameter is still replicated over these
 
 
 @dataclass

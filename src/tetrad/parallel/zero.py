@@ -31,7 +31,8 @@ Accumulation: on non-final microbatches (`sync=False`) gradients accumulate in t
 flat gradient and nothing is reduced; the final microbatch reduces each unit once, so a
 step moves the same bytes whatever the microbatch count (ZeRO-2/3 hold up to one full
 gradient per unit during the step for this). HSDP: the reduce-scattered shard is then
-all-reduced over "dp". Mixed precision: compute buffers in `train.dtype` are gathered
+all-reduced over "replica" (dp × cp: with context parallelism the cp ranks' gradients
+are summed too). Mixed precision: compute buffers in `train.dtype` are gathered
 from casts of the fp32 master shards; gradients are reduced in `parallel.reduce_dtype`
 and kept as fp32 shards for the optimizer.
 """
@@ -255,7 +256,9 @@ class ZeroShards:
 
     def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, replicated):
         self.mesh, self.comm, self.cfg = mesh, comm, cfg
-        self.group, self.dp = mesh["fsdp"], mesh["dp"]
+        # a shard's copies: one per dp replica and per cp rank (cp ranks hold other tokens
+        # of the same sequences, so their gradients are summed like dp's)
+        self.group, self.dp = mesh["fsdp"], mesh["replica"]
         self.stage = cfg.parallel.zero_stage
         self.reshard_after_forward = cfg.parallel.reshard_after_forward
         self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]

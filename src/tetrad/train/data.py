@@ -17,6 +17,7 @@ import torch
 from tetrad.config import Config
 from tetrad.models.batch import IGNORE, Microbatch
 from tetrad.models.init import name_seed
+from tetrad.parallel.context import split_sequence
 
 
 def stdlib_corpus(max_bytes: int) -> np.ndarray:
@@ -170,7 +171,8 @@ class Synthetic:
 
 
 class Loader:
-    """This data rank's microbatches of each step."""
+    """This data rank's microbatches of each step: whole sequences, or (context
+    parallelism) this cp rank's two chunks of each, tokens and targets alike."""
 
     def __init__(
         self,
@@ -180,10 +182,13 @@ class Loader:
         data_rank: int,
         data_ranks: int,
         microbatches: int,
+        cp_rank: int = 0,
+        cp: int = 1,
     ):
         self.source, self.seq_len = source, seq_len
         self.global_batch, self.data_rank, self.data_ranks = global_batch, data_rank, data_ranks
         self.microbatches = microbatches
+        self.cp_rank, self.cp = cp_rank, cp
         self.step = 0
 
     @property
@@ -198,11 +203,15 @@ class Loader:
         b = self.microbatch_size
         return [
             Microbatch(
-                torch.stack([s[0] for s in seqs[j : j + b]]),
-                torch.stack([s[1] for s in seqs[j : j + b]]),
+                self._share(torch.stack([s[0] for s in seqs[j : j + b]])),
+                self._share(torch.stack([s[1] for s in seqs[j : j + b]])),
             )
             for j in range(0, per_rank, b)
         ]
+
+    def _share(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, S] -> this cp rank's [b, S/cp] (its token count is then its own share)."""
+        return split_sequence(x, self.cp, self.cp_rank)
 
     def next(self) -> list[Microbatch]:
         out = self.batch(self.step)

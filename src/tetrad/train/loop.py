@@ -102,7 +102,7 @@ class Trainer:
         self.stop = stop or StopRequest()  # installed on signals by `run`, not here
         self.saver = checkpoint.Saver(cfg.checkpoint.async_save)
         # bad data or weights fail here, alike on every rank, before the first collective
-        t, data = cfg.train, mesh["data"]
+        t, batch = cfg.train, mesh["batch"]  # ranks reading different sequences
         heldout = t.eval_batches * t.global_batch if t.eval_every else 0
         source = source_of(cfg, heldout)
         hf = hf_weights(cfg)
@@ -110,7 +110,8 @@ class Trainer:
         if hf is not None:
             self.engine.load_full(hf)  # each rank reads only its slices
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
-        split = (data.rank, data.size, cfg.parallel.microbatches)
+        cp = mesh["cp"]  # each cp rank then keeps its two chunks of every sequence
+        split = (batch.rank, batch.size, cfg.parallel.microbatches, cp.rank, cp.size)
         self.loader = Loader(source, t.global_batch, t.seq_len, *split)
         # the held-out split: never in a training batch (see TokenStream, Synthetic)
         self.eval_loader = (

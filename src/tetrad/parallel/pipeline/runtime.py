@@ -227,7 +227,7 @@ def build_pipeline(
     if any(a.kind == "W" for a in actions[mesh["pp"].rank]):
         store = WeightGradStore()
         defer_weight_grads(model, store)
-    seq = cfg.train.seq_len // (p.tp if p.sp else 1)
+    seq = cfg.train.seq_len // p.cp // (p.tp if p.sp else 1)  # this rank's share
     if comm.device.type == "cuda":
         # NCCL creates a communicator on its first use, with every member; torch requires
         # that batched p2p not be that first use unless every rank joins the same batch
