@@ -65,7 +65,7 @@ def _shards(tp: int, sp: bool, **model) -> list[dict[str, torch.Tensor]]:
     cfg = tiny_config(model=model, parallel={"tp": tp, "sp": sp})
     out = []
     for rank in range(tp):
-        mesh = Mesh.plan({"pp": 1, "dp": 1, "fsdp": 1, "tp": tp}, rank)
+        mesh = Mesh.plan({"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": tp}, rank)
         with torch.device("meta"):
             model_ = Llama(cfg.model)
         layout = apply_tp(model_, LLAMA_PLAN, mesh, Comm(), cfg)
@@ -101,7 +101,7 @@ def test_kv_heads_below_tp_compute_the_head_of_their_queries():
     cfg = tiny_config(parallel={"tp": 4})
     heads = []
     for rank in range(4):
-        mesh = Mesh.plan({"pp": 1, "dp": 1, "fsdp": 1, "tp": 4}, rank)
+        mesh = Mesh.plan({"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 4}, rank)
         model = _meta_llama()
         apply_tp(model, LLAMA_PLAN, mesh, Comm(), cfg)
         wk = model.layers["0"].attention.wk
@@ -113,7 +113,7 @@ def test_kv_heads_below_tp_compute_the_head_of_their_queries():
 def test_unplanned_linear_is_an_error():
     model = _meta_llama()
     plan = {k: v for k, v in LLAMA_PLAN.items() if k != "output"}
-    mesh = Mesh.plan({"pp": 1, "dp": 1, "fsdp": 1, "tp": 2}, 0)
+    mesh = Mesh.plan({"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 2}, 0)
     with pytest.raises(ValueError, match="no entry for module 'output'"):
         apply_tp(model, plan, mesh, Comm(), tiny_config(parallel={"tp": 2}))
 

@@ -1,0 +1,192 @@
+"""Context parallelism reproduces the single process, alone and with every other axis, and
+moves the bytes docs/cp.md states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import assert_close_run, run_layouts, tiny_config, trainer_for
+from tetrad.config import validate
+from tetrad.parallel.context import _block, chunk_positions, split_sequence
+from tetrad.testing import spawn
+
+RING = {"cp_attention": "ring"}
+
+# name -> (parallel, train overrides), grouped by world size (one spawn per group)
+LAYOUTS = {
+    2: {
+        "cp2-ring-mb2-selective": (
+            {"cp": 2, "microbatches": 2, **RING},
+            {"recompute": "selective"},
+        ),
+        "cp2-full": ({"cp": 2}, {"recompute": "full"}),
+    },
+    4: {
+        "cp4": ({"cp": 4}, {}),
+        "cp4-ring": ({"cp": 4, **RING}, {}),
+        "cp2xtp2-sp-ring": ({"cp": 2, "tp": 2, "sp": True, **RING}, {}),
+        "cp2xdp2": ({"cp": 2, "dp": 2}, {}),
+        "cp2xfsdp2-zero3": ({"cp": 2, "fsdp": 2, "zero_stage": 3}, {}),
+        "cp2xpp2-1f1b-mb2-ring": ({"cp": 2, "pp": 2, "microbatches": 2, **RING}, {}),
+    },
+}
+
+
+def _check_all(cases: dict, runs: list[dict], reference) -> None:
+    failed = []
+    for (name, (par, train)), got in zip(cases.items(), runs):
+        extra = {"train": train} if train else {}  # the same cache key as other files'
+        ref = reference(parallel={"microbatches": par.get("microbatches", 1)}, **extra)
+        try:
+            assert_close_run(got, ref)
+        except AssertionError as e:
+            failed.append(f"{name}: {e}")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_cp_matches_single_process(reference, world):
+    cases = LAYOUTS[world]
+    cfgs = [tiny_config(parallel=par, train=train) for par, train in cases.values()]
+    _check_all(cases, run_layouts(cfgs), reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_cp_with_four_other_axes_on_16_ranks(reference):
+    """pp 2 x fsdp 2 (ZeRO-3) x cp 2 x tp 2: four axes at once (16 processes on a small
+    machine: one microbatch, the all-gather core; the ring meets pp, tp and sp above)."""
+    par = {"pp": 2, "fsdp": 2, "cp": 2, "tp": 2}
+    cases = {"pp2xfsdp2xcp2xtp2": (par, {})}
+    _check_all(cases, run_layouts([tiny_config(parallel=par)], timeout=600), reference)
+
+
+# --- the chunk layout (pure) -------------------------------------------------------------
+
+
+def test_chunks_partition_the_sequence_and_balance_causal_work():
+    for cp in (1, 2, 3, 4):
+        seq = 8 * cp
+        held = [chunk_positions(seq, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(held).tolist()) == list(range(seq))
+        # pairs (query, key) under the causal mask: the same number on every rank
+        work = {int((p[:, None] >= torch.arange(seq)[None, :]).sum()) for p in held}
+        assert len(work) == 1, work
+    assert chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert chunk_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+
+
+def test_split_sequence_takes_the_two_chunks():
+    x = torch.arange(24).view(2, 12)
+    assert split_sequence(x, 3, 1).tolist() == [[2, 3, 8, 9], [14, 15, 20, 21]]
+    assert split_sequence(x, 1, 0) is x
+    with pytest.raises(ValueError, match="seq_len=12 does not split into 2\\*cp=8 chunks"):
+        split_sequence(x, 4, 0)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_blocks_cover_exactly_the_causal_pairs(cp):
+    """What each ring step computes (rows x cols, masked on the diagonal) is exactly the
+    set of causal (query, key) pairs between the two ranks' chunks: none skipped, none extra."""
+    c, seq = 2, 4 * cp
+    for r in range(cp):
+        q = chunk_positions(seq, cp, r)
+        for src in range(cp):
+            k = chunk_positions(seq, cp, src)
+            want = q[:, None] >= k[None, :]
+            rows, cols, diagonal = _block(r, src, c)
+            got = torch.zeros_like(want)
+            inside = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
+            got[rows, cols] = inside.tril() if diagonal else inside
+            assert torch.equal(got, want), (r, src)
+
+
+def test_seq_len_not_divisible_by_2cp_is_refused():
+    cfg = tiny_config(parallel={"cp": 4}, train={"seq_len": 12})
+    with pytest.raises(ValueError, match=r"cp=4 .*2\*cp=8 .*seq_len=12 is not divisible by 8"):
+        validate(cfg, 4)
+
+
+# --- communication volume ----------------------------------------------------------------
+
+
+def cp_bytes(kind: str, cp: int, layers: int, micro: int, b: int, seq: int, kv_dim: int, e: int):
+    """docs/cp.md's volume of one step on one rank: {op: (buffer bytes, bus bytes)}.
+
+    N = 2·b·(S/cp)·kv_dim: the elements of one rank's keys and values of one layer and
+    microbatch (kv_dim: this rank's kv heads times head_dim)."""
+    n = 2 * b * (seq // cp) * kv_dim
+    per = layers * micro
+    if kind == "allgather":  # forward all-gather of cp·N, backward reduce-scatter of cp·N
+        full = per * cp * n * e
+        bus = full * (cp - 1) / cp
+        return {"all_gather": (full, bus), "reduce_scatter": (full, bus)}
+    # ring: cp-1 kv blocks forward, cp-1 again backward, and the fp32 dk, dv: cp hops
+    sent = per * (2 * (cp - 1) * n * e + cp * n * 4)
+    return {"send": (sent, sent)}
+
+
+def _comm_worker(rank: int, world: int, dicts: list[dict]) -> list[dict]:
+    from tetrad.config import from_dict
+
+    out = []
+    for raw in dicts:
+        trainer = trainer_for(from_dict(raw), rank)
+        trainer.comm.reset()
+        trainer.train_step()
+        out.append(trainer.comm.summary())
+    return out
+
+
+VOLUME = {  # world -> [(parallel, kv heads per rank)]; tiny: 2 layers, kv 2 x head_dim 8
+    2: [({"cp": 2}, 2), ({"cp": 2, "microbatches": 2, **RING}, 2)],
+    4: [({"cp": 4, **RING}, 2), ({"cp": 2, "tp": 2}, 1), ({"cp": 4}, 2)],
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", sorted(VOLUME))
+def test_cp_bytes_per_layer_are_the_formula(world):
+    cfgs = [tiny_config(parallel=par) for par, _ in VOLUME[world]]
+    summaries = spawn(_comm_worker, world, [c.to_dict() for c in cfgs], timeout=300)
+    for (cfg, (_, kv_heads)), rank_sums in zip(zip(cfgs, VOLUME[world]), zip(*summaries)):
+        p, t, m = cfg.parallel, cfg.train, cfg.model
+        b = t.global_batch // (p.data_ranks * p.microbatches)
+        want = cp_bytes(
+            p.cp_attention, p.cp, m.layers, p.microbatches, b, t.seq_len, kv_heads * m.head_dim, 4
+        )
+        for summary in rank_sums:  # every rank moves the same
+            got = {k.split("/")[1]: v for k, v in summary.items() if k.startswith("cp/")}
+            for op, (buf, bus) in want.items():
+                assert got[op]["bytes"] == buf, (p, op, got[op])
+                assert got[op]["bus_bytes"] == pytest.approx(bus, rel=1e-12), (p, op)
+            moved = {op for op, s in got.items() if s["bytes"]}
+            assert moved == set(want), (p, moved)
+
+
+# --- bf16 --------------------------------------------------------------------------------
+
+
+def _bf16_worker(rank: int, world: int, dicts: list[dict]) -> list[list[float]]:
+    from tetrad.config import from_dict
+
+    return [[r["loss"] for r in trainer_for(from_dict(raw), rank).fit()] for raw in dicts]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_cp_runs_in_bf16(reference):
+    """bf16 compute under cp (both cores): finite, near the fp32 single process, not it."""
+    cfgs = [
+        tiny_config(parallel={"cp": 2, "cp_attention": a}, train={"steps": 4, "dtype": "bf16"})
+        for a in ("allgather", "ring")
+    ]
+    fp32 = reference(parallel={"microbatches": 1})["losses"][:4]
+    for bf16 in spawn(_bf16_worker, 2, [c.to_dict() for c in cfgs], timeout=300)[0]:
+        assert all(torch.isfinite(torch.tensor(bf16)))
+        assert bf16 != fp32
+        torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=5e-2, atol=0)
