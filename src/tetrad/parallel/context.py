@@ -12,8 +12,9 @@ embeddings use the global positions of the two chunks.
 
 Two cores, `parallel.cp_attention` picks:
 - "allgather" (the default): keys and values of every rank all-gathered (one collective
-  per layer, kv heads only), then ordinary attention of the local queries against the
-  whole sequence, masked by global position. Its backward reduce-scatters dk and dv.
+  per layer, kv heads only), then the local queries against each rank's block in turn,
+  merged like the ring's (below) but with no communication inside. The gather's backward
+  reduce-scatters dk and dv. It saves the whole sequence's keys and values (unrepeated).
 - "ring": the kv blocks travel around the ring of cp ranks; each step posts the next
   send/receive, computes the local queries against the block in hand (whole blocks above
   the diagonal skipped, so each off-diagonal step is half a block of work) and merges it
@@ -28,7 +29,6 @@ bytes each moves per layer, which tests/test_cp.py checks against `Comm`'s count
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tetrad.comm import Comm
@@ -81,19 +81,9 @@ class AllGatherCore(_CPCore):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
-        q, k, v, pos = self.rotated(q, k, v)
+        q, k, v, _ = self.rotated(q, k, v)
         kv = gather_from_cp(torch.stack((k, v)), self.comm, self.group, dim=2)  # [2,b,S,kvh,hd]
-        n = self.group.size
-        every = torch.cat([chunk_positions(s * n, n, r, q.device) for r in range(n)])
-        mask = pos[:, None] >= every[None, :]  # [s/cp, S]: causal by global position
-        k, v = kv[0], kv[1]
-        rep = q.shape[2] // k.shape[2]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
-        )
-        return out.transpose(1, 2).reshape(b, s, -1)
+        return _GatheredAttention.apply(q, kv, self.group.rank).reshape(b, s, -1)
 
 
 class RingCore(_CPCore):
@@ -102,11 +92,10 @@ class RingCore(_CPCore):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
         q, k, v, _ = self.rotated(q, k, v)
-        out = _RingAttention.apply(q, k, v, self.comm, self.group)
-        return out.reshape(b, s, -1)
+        return _RingAttention.apply(q, k, v, self.comm, self.group).reshape(b, s, -1)
 
 
-# --- ring attention ----------------------------------------------------------------------
+# --- blockwise attention: what both cores compute, one kv block (one rank's) at a time -----
 
 
 def _block(rank: int, src: int, c: int):
@@ -144,55 +133,121 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kv_block(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A travelling block [2, b, s, kvh, hd] -> fp32 k, v [b, kvh, 1, s, hd]."""
+    """One rank's block [2, b, s, kvh, hd] -> fp32 k, v [b, kvh, 1, s, hd]."""
     k, v = kv.float().permute(0, 1, 3, 2, 4).unsqueeze(3).unbind(0)
     return k, v
 
 
+class _Online:
+    """The running softmax(qkᵀ/√d)v of this rank's queries over the blocks seen so far:
+    output and log-sum-exp in fp32, each block merged by log-sum-exp."""
+
+    def __init__(self, q: torch.Tensor, kv_heads: int):
+        self.qg = _grouped(q, kv_heads)  # [b, kvh, rep, s, hd]
+        self.out = torch.zeros_like(self.qg)
+        self.lse = torch.full(self.qg.shape[:-1], float("-inf"), device=q.device)
+        self.scale = q.shape[-1] ** -0.5
+
+    def add(self, kv: torch.Tensor, where: tuple[int, int, int]) -> None:
+        """Merge the block of rank `src`'s keys and values; `where` = (rank, src, chunk)."""
+        rows, cols, diag = _block(*where)
+        kb, vb = _kv_block(kv)
+        s = _scores(self.qg, kb, rows, cols, diag, self.scale)
+        block_lse = torch.logsumexp(s, dim=-1)
+        block_out = torch.matmul(torch.exp(s - block_lse[..., None]), vb[..., cols, :])
+        lse = self.lse[..., rows]
+        merged = torch.logaddexp(lse, block_lse)
+        self.out[..., rows, :] = (
+            self.out[..., rows, :] * torch.exp(lse - merged)[..., None]
+            + block_out * torch.exp(block_lse - merged)[..., None]
+        )
+        self.lse[..., rows] = merged
+
+
+class _Grads:
+    """The backward of `_Online`, block by block, from the saved output and log-sum-exp."""
+
+    def __init__(self, q, grad, out, lse, kv_heads: int):
+        self.qg, self.dout = _grouped(q, kv_heads), _grouped(grad, kv_heads)
+        self.delta = (self.dout * out).sum(-1)  # [b, kvh, rep, s]: rowsum(dO ∘ O)
+        self.lse, self.scale = lse, q.shape[-1] ** -0.5
+        self.dq = torch.zeros_like(self.qg)
+
+    def block(self, kv: torch.Tensor, where: tuple[int, int, int]) -> torch.Tensor:
+        """Add one block's dq; return its (dk, dv) [2, b, s, kvh, hd] in fp32."""
+        rows, cols, diag = _block(*where)
+        kb, vb = _kv_block(kv)
+        p = torch.exp(
+            _scores(self.qg, kb, rows, cols, diag, self.scale) - self.lse[..., rows, None]
+        )
+        d_rows = self.dout[..., rows, :]
+        dv = torch.matmul(p.transpose(-1, -2), d_rows).sum(2)  # [b, kvh, cols, hd]
+        dp = torch.matmul(d_rows, vb[..., cols, :].transpose(-1, -2))
+        ds = p * (dp - self.delta[..., rows, None])
+        self.dq[..., rows, :] += torch.matmul(ds, kb[..., cols, :]) * self.scale
+        dk = torch.matmul(ds.transpose(-1, -2), self.qg[..., rows, :]).sum(2) * self.scale
+        grads = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=kv.device)
+        grads[0][:, cols] = dk.permute(0, 2, 1, 3)  # [b, cols, kvh, hd]
+        grads[1][:, cols] = dv.permute(0, 2, 1, 3)
+        return grads
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """This rank's queries q [b, s, h, hd] against the gathered kv [2, b, cp·s, kvh, hd]
+    (rank-major), block by block; saves only q, kv, the fp32 output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, kv, rank: int):
+        s, n = q.shape[1], kv.shape[2] // q.shape[1]
+        run = _Online(q, kv.shape[3])
+        for src in range(n):
+            run.add(kv[:, :, src * s : (src + 1) * s], (rank, src, s // 2))
+        ctx.rank = rank
+        ctx.save_for_backward(q, kv, run.out, run.lse)
+        return _ungrouped(run.out).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, kv, out, lse = ctx.saved_tensors
+        s, n = q.shape[1], kv.shape[2] // q.shape[1]
+        grads = _Grads(q, grad, out, lse, kv.shape[3])
+        dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+        for src in range(n):
+            dkv[:, :, src * s : (src + 1) * s] = grads.block(
+                kv[:, :, src * s : (src + 1) * s], (ctx.rank, src, s // 2)
+            )
+        return _ungrouped(grads.dq).to(q.dtype), dkv.to(kv.dtype), None
+
+
 class _RingAttention(torch.autograd.Function):
-    """softmax(qkᵀ/√d)v over the whole sequence from this rank's queries and the kv blocks
-    passed around the ring. q [b, s, h, hd], k and v [b, s, kvh, hd] (rotated, local)."""
+    """The same from this rank's own k, v [b, s, kvh, hd]: the kv blocks pass around the
+    ring, the next in flight while the one in hand is computed; in backward their dk, dv
+    (fp32) travel with them and arrive home, after cp hops, summed over every user."""
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, group: Group):
         n, r, c = group.size, group.rank, q.shape[1] // 2
-        scale = q.shape[-1] ** -0.5
-        qg = _grouped(q, k.shape[2])  # [b, kvh, rep, s, hd]
-        out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:-1], float("-inf"), device=q.device)  # [b, kvh, rep, s]
+        run = _Online(q, k.shape[2])
         kv = torch.stack((k, v)).contiguous()  # [2, b, s, kvh, hd]: what travels
         for i in range(n):
             works, nxt = [], None
-            if i < n - 1:  # the next block travels while this one is computed
+            if i < n - 1:
                 nxt = torch.empty_like(kv)
                 works = ring_pass(kv, nxt, comm, group)
-            rows, cols, diag = _block(r, (r - i) % n, c)
-            kb, vb = _kv_block(kv)
-            s = _scores(qg, kb, rows, cols, diag, scale)
-            block_lse = torch.logsumexp(s, dim=-1)
-            block_out = torch.matmul(torch.exp(s - block_lse[..., None]), vb[..., cols, :])
-            merged = torch.logaddexp(lse[..., rows], block_lse)
-            out[..., rows, :] = (
-                out[..., rows, :] * torch.exp(lse[..., rows] - merged)[..., None]
-                + block_out * torch.exp(block_lse - merged)[..., None]
-            )
-            lse[..., rows] = merged
+            run.add(kv, (r, (r - i) % n, c))
             for w in works:
                 w.wait()
             kv = nxt
         ctx.comm, ctx.group = comm, group
-        ctx.save_for_backward(q, k, v, out, lse)
-        return _ungrouped(out).to(q.dtype)
+        ctx.save_for_backward(q, k, v, run.out, run.lse)
+        return _ungrouped(run.out).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         comm, group = ctx.comm, ctx.group
         n, r, c = group.size, group.rank, q.shape[1] // 2
-        scale = q.shape[-1] ** -0.5
-        qg, dout = _grouped(q, k.shape[2]), _grouped(grad, k.shape[2])
-        delta = (dout * out).sum(-1)  # [b, kvh, rep, s]: rowsum(dO ∘ O)
-        dq = torch.zeros_like(qg)
+        grads = _Grads(q, grad, out, lse, k.shape[2])
         kv = torch.stack((k, v)).contiguous()
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # travels
         incoming: list = []  # the dkv of the block now in hand, still arriving
@@ -201,7 +256,7 @@ class _RingAttention(torch.autograd.Function):
             if i < n - 1:
                 nxt = torch.empty_like(kv)
                 works = ring_pass(kv, nxt, comm, group)
-            local = _block_grads(qg, dout, delta, lse, kv, dq, (r, (r - i) % n, c), scale)
+            local = grads.block(kv, (r, (r - i) % n, c))
             for w in incoming:
                 w.wait()
             dkv = dkv + local  # the sum of every rank that used this block so far
@@ -210,27 +265,10 @@ class _RingAttention(torch.autograd.Function):
             for w in works:
                 w.wait()
             kv, dkv = nxt, arriving
-        for w in incoming:  # after n hops, this rank's own block's dk, dv, summed
+        for w in incoming:  # after n hops: this rank's own block's dk, dv, summed
             w.wait()
-        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-        return _ungrouped(dq).to(q.dtype), dk, dv, None, None
-
-
-def _block_grads(qg, dout, delta, lse, kv, dq, where, scale) -> torch.Tensor:
-    """Add one block's dq to `dq`; return its (dk, dv) contribution [2, b, s, kvh, hd]."""
-    rank, src, c = where
-    rows, cols, diag = _block(rank, src, c)
-    kb, vb = _kv_block(kv)
-    p = torch.exp(_scores(qg, kb, rows, cols, diag, scale) - lse[..., rows, None])
-    d_rows = dout[..., rows, :]
-    dv = torch.matmul(p.transpose(-1, -2), d_rows).sum(2)  # [b, kvh, cols, hd]
-    ds = p * (torch.matmul(d_rows, vb[..., cols, :].transpose(-1, -2)) - delta[..., rows, None])
-    dq[..., rows, :] += torch.matmul(ds, kb[..., cols, :]) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2) * scale
-    grads = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=kv.device)
-    grads[0][:, cols] = dk.permute(0, 2, 1, 3)  # [b, cols, kvh, hd]
-    grads[1][:, cols] = dv.permute(0, 2, 1, 3)
-    return grads
+        dq = _ungrouped(grads.dq).to(q.dtype)
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 CORES = dict(zip(CP_ATTENTION, (AllGatherCore, RingCore)))
