@@ -121,6 +121,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": RECOMPUTE}
         if flag == "cp_attention":
             kw = {"choices": CP_ATTENTION}
+        if flag == "cp":
+            kw = {"metavar": "N"}
         if flag == "loss_chunk":
             kw = {"metavar": "TOKENS"}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)

@@ -110,32 +110,62 @@ def _block(rank: int, src: int, c: int):
     return slice(c, 2 * c), slice(0, 2 * c), False
 
 
-def _scores(q, k, rows, cols, diagonal, scale):
-    """fp32 scores [b, kvh, rep, rows, cols] of a block; masked causally on the diagonal."""
-    s = torch.matmul(q[..., rows, :], k[..., cols, :].transpose(-1, -2)) * scale
-    if diagonal:
-        n = s.shape[-1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~causal, float("-inf"))
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    """fp32 scores [..., n, m] of a block; masked causally (top-left) on the diagonal."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
     return s
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[b, s, h, hd] -> fp32 [b, kvh, h/kvh, s, hd]: query heads grouped by their kv head."""
-    b, s, h, hd = x.shape
-    return x.float().view(b, s, kv_heads, h // kv_heads, hd).permute(0, 2, 3, 1, 4)
+def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: q [b, H, n, hd] against k, v [b, H, m, hd] -> (out [b, H, n, hd], its
+    fp32 log-sum-exp [b, H, n]). On CPU torch's own flash kernel (tiled: no n x m scores
+    kept); elsewhere the same in plain fp32 matmuls."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+    return _math_attend(q, k, v, causal, scale)
 
 
-def _ungrouped(x: torch.Tensor) -> torch.Tensor:
-    """Inverse of `_grouped` (still fp32): [b, kvh, rep, s, hd] -> [b, s, h, hd]."""
-    b, g, rep, s, hd = x.shape
-    return x.permute(0, 3, 1, 2, 4).reshape(b, s, g * rep, hd)
+def _math_attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend` in plain fp32 matmuls (any device)."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v.float()).to(q.dtype), lse
 
 
-def _kv_block(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's block [2, b, s, kvh, hd] -> fp32 k, v [b, kvh, 1, s, hd]."""
-    k, v = kv.float().permute(0, 1, 3, 2, 4).unsqueeze(3).unbind(0)
-    return k, v
+def _attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """dq, dk, dv of one block, given the *merged* output and log-sum-exp of all blocks:
+    P = exp(qkᵀ·scale − lse) is then the block's share of the whole softmax, and
+    dS = P ∘ (dO·vᵀ − rowsum(dO ∘ O)) the exact gradient of its scores."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    return _math_attend_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _math_attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """`_attend_backward` in plain fp32 matmuls (any device)."""
+    d, qf, kf = dout.float(), q.float(), k.float()
+    p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+    ds = p * (torch.matmul(d, v.float().transpose(-1, -2)) - (d * out.float()).sum(-1)[..., None])
+    dq = torch.matmul(ds, kf) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+    dv = torch.matmul(p.transpose(-1, -2), d)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _heads(kv: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's block [2, b, s, kvh, hd] -> k, v [b, H, s, hd], repeated to the query
+    heads (only for the kernel: what travels and what is saved stays unrepeated)."""
+    k, v = kv.transpose(2, 3).unbind(0)  # [b, kvh, s, hd]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return k.contiguous(), v.contiguous()
 
 
 class _Online:
@@ -143,53 +173,56 @@ class _Online:
     output and log-sum-exp in fp32, each block merged by log-sum-exp."""
 
     def __init__(self, q: torch.Tensor, kv_heads: int):
-        self.qg = _grouped(q, kv_heads)  # [b, kvh, rep, s, hd]
-        self.out = torch.zeros_like(self.qg)
-        self.lse = torch.full(self.qg.shape[:-1], float("-inf"), device=q.device)
-        self.scale = q.shape[-1] ** -0.5
+        self.q = q.transpose(1, 2).contiguous()  # [b, H, s, hd]
+        self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
+        self.out = torch.zeros(self.q.shape, dtype=torch.float32, device=q.device)
+        self.lse = torch.full(self.q.shape[:-1], float("-inf"), device=q.device)  # [b, H, s]
 
     def add(self, kv: torch.Tensor, where: tuple[int, int, int]) -> None:
         """Merge the block of rank `src`'s keys and values; `where` = (rank, src, chunk)."""
         rows, cols, diag = _block(*where)
-        kb, vb = _kv_block(kv)
-        s = _scores(self.qg, kb, rows, cols, diag, self.scale)
-        block_lse = torch.logsumexp(s, dim=-1)
-        block_out = torch.matmul(torch.exp(s - block_lse[..., None]), vb[..., cols, :])
+        k, v = _heads(kv, self.rep)
+        q = self.q[:, :, rows].contiguous()
+        k, v = k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
+        block_out, block_lse = _attend(q, k, v, diag, self.scale)
         lse = self.lse[..., rows]
         merged = torch.logaddexp(lse, block_lse)
-        self.out[..., rows, :] = (
-            self.out[..., rows, :] * torch.exp(lse - merged)[..., None]
-            + block_out * torch.exp(block_lse - merged)[..., None]
+        self.out[:, :, rows] = (
+            self.out[:, :, rows] * torch.exp(lse - merged)[..., None]
+            + block_out.float() * torch.exp(block_lse - merged)[..., None]
         )
         self.lse[..., rows] = merged
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.out.transpose(1, 2).contiguous().to(dtype)  # [b, s, H, hd], a copy
 
 
 class _Grads:
     """The backward of `_Online`, block by block, from the saved output and log-sum-exp."""
 
     def __init__(self, q, grad, out, lse, kv_heads: int):
-        self.qg, self.dout = _grouped(q, kv_heads), _grouped(grad, kv_heads)
-        self.delta = (self.dout * out).sum(-1)  # [b, kvh, rep, s]: rowsum(dO ∘ O)
-        self.lse, self.scale = lse, q.shape[-1] ** -0.5
-        self.dq = torch.zeros_like(self.qg)
+        self.q, self.dout = q.transpose(1, 2).contiguous(), grad.transpose(1, 2).contiguous()
+        self.out, self.lse = out.to(q.dtype), lse  # out, lse: [b, H, s, hd], [b, H, s]
+        self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
+        self.dq = torch.zeros(self.q.shape, dtype=torch.float32, device=q.device)
+        self._mine = (self.dout, self.q, self.out, self.lse)  # what the rows slice
 
     def block(self, kv: torch.Tensor, where: tuple[int, int, int]) -> torch.Tensor:
         """Add one block's dq; return its (dk, dv) [2, b, s, kvh, hd] in fp32."""
         rows, cols, diag = _block(*where)
-        kb, vb = _kv_block(kv)
-        p = torch.exp(
-            _scores(self.qg, kb, rows, cols, diag, self.scale) - self.lse[..., rows, None]
-        )
-        d_rows = self.dout[..., rows, :]
-        dv = torch.matmul(p.transpose(-1, -2), d_rows).sum(2)  # [b, kvh, cols, hd]
-        dp = torch.matmul(d_rows, vb[..., cols, :].transpose(-1, -2))
-        ds = p * (dp - self.delta[..., rows, None])
-        self.dq[..., rows, :] += torch.matmul(ds, kb[..., cols, :]) * self.scale
-        dk = torch.matmul(ds.transpose(-1, -2), self.qg[..., rows, :]).sum(2) * self.scale
+        k, v = _heads(kv, self.rep)
+        k, v = k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
+        dout, q, out, lse = (t[:, :, rows].contiguous() for t in self._mine)
+        dq, dk, dv = _attend_backward(dout, q, k, v, out, lse, diag, self.scale)
+        self.dq[:, :, rows] += dq.float()
         grads = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=kv.device)
-        grads[0][:, cols] = dk.permute(0, 2, 1, 3)  # [b, cols, kvh, hd]
-        grads[1][:, cols] = dv.permute(0, 2, 1, 3)
+        for i, g in enumerate((dk, dv)):  # [b, H, m, hd] -> summed per kv head [b, m, kvh, hd]
+            b, _, m, hd = g.shape
+            grads[i][:, cols] = g.float().view(b, -1, self.rep, m, hd).sum(2).transpose(1, 2)
         return grads
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dq.transpose(1, 2).to(dtype)  # [b, s, H, hd]
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -204,7 +237,7 @@ class _GatheredAttention(torch.autograd.Function):
             run.add(kv[:, :, src * s : (src + 1) * s], (rank, src, s // 2))
         ctx.rank = rank
         ctx.save_for_backward(q, kv, run.out, run.lse)
-        return _ungrouped(run.out).to(q.dtype)
+        return run.result(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -216,7 +249,7 @@ class _GatheredAttention(torch.autograd.Function):
             dkv[:, :, src * s : (src + 1) * s] = grads.block(
                 kv[:, :, src * s : (src + 1) * s], (ctx.rank, src, s // 2)
             )
-        return _ungrouped(grads.dq).to(q.dtype), dkv.to(kv.dtype), None
+        return grads.result(q.dtype), dkv.to(kv.dtype), None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -240,7 +273,7 @@ class _RingAttention(torch.autograd.Function):
             kv = nxt
         ctx.comm, ctx.group = comm, group
         ctx.save_for_backward(q, k, v, run.out, run.lse)
-        return _ungrouped(run.out).to(q.dtype)
+        return run.result(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -267,7 +300,7 @@ class _RingAttention(torch.autograd.Function):
             kv, dkv = nxt, arriving
         for w in incoming:  # after n hops: this rank's own block's dk, dv, summed
             w.wait()
-        dq = _ungrouped(grads.dq).to(q.dtype)
+        dq = grads.result(q.dtype)
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
