@@ -46,7 +46,7 @@ def core_extra_bytes(cfg: Config) -> float:
     """What one rank's cp attention cores save beyond 1/cp of the single process (all
     layers, one microbatch of b sequences): docs/cp.md's formula. Both keep their keys and
     values unrepeated (the whole sequence's, all-gathered; or their own, ring) where the
-    single process's kernel keeps them repeated to the query heads, and the output in fp32."""
+    single process's kernel keeps them repeated to the query heads, and an fp32 output."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return 0.0
@@ -54,7 +54,9 @@ def core_extra_bytes(cfg: Config) -> float:
     local = seq // p.cp
     keys = seq if p.cp_attention == "allgather" else local
     kv = 2 * b * m.head_dim * c * (keys * m.kv_heads - local * m.heads)
-    return m.layers * (kv + b * local * m.heads * m.head_dim * (4 - c))
+    # the fp32 output: in fp32 the very tensor the next matmul keeps, else a copy beside it
+    out = 0 if c == 4 else 4 * b * local * m.heads * m.head_dim
+    return m.layers * (kv + out)
 
 
 def worker(rank: int, world: int, raw: dict, steps: int, rounds: int) -> dict:

@@ -112,20 +112,23 @@ def test_adam_state_is_restored_not_restarted(interrupted):
 
 @pytest.mark.distributed
 def test_resharding_across_layouts(reference, tmp_path):
-    """Saved under dp=2 and resumed under tp=2, pp=2 (1f1b), fsdp=2 zero-3 and zero-1;
-    saved under fsdp=2 zero-3 and under tp=2, resumed on one process."""
+    """Saved under dp=2 and resumed under tp=2, pp=2 (1f1b), fsdp=2 zero-3 and zero-1 and
+    cp=2; saved under fsdp=2 zero-3, under tp=2 and under cp=2, resumed on one process."""
     dp_dir, zero_dir, tp_dir = tmp_path / "dp", tmp_path / "zero", tmp_path / "tp"
+    cp_dir = tmp_path / "cp"
     resumes = [
         {"tp": 2},
         {"pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
         {"fsdp": 2, "zero_stage": 3},
         {"fsdp": 2, "zero_stage": 1},
+        {"cp": 2},
     ]
     jobs = [(_cfg(dp_dir, {"dp": 2}, every=10), 10)]
     jobs += [(_cfg(dp_dir, par, resume=True), None) for par in resumes]
     # ZeRO-3's save is asynchronous (the resumed run checks what the background wrote)
     jobs += [(_cfg(zero_dir, {"fsdp": 2, "zero_stage": 3}, every=10, async_save=True), 10)]
     jobs += [(_cfg(tp_dir, {"tp": 2}, every=10), 10)]
+    jobs += [(_cfg(cp_dir, {"cp": 2, "cp_attention": "ring"}, every=10), 10)]
     by_rank = spawn(_jobs, 2, jobs, timeout=300)
     results = by_rank[0]
     ref = reference()
@@ -135,11 +138,13 @@ def test_resharding_across_layouts(reference, tmp_path):
             assert_close_run(got, _tail(ref, 10))
         except AssertionError as e:
             raise AssertionError(f"resumed under {par}: {e}") from None
-    for saved in (zero_dir, tp_dir):
+    for saved in (zero_dir, tp_dir, cp_dir):
         (got,) = _jobs(0, 1, [(_cfg(saved, resume=True), None)])
         assert got["start"] == 10, saved
         assert_close_run(got, _tail(ref, 10))
     _check_sharded_files(dp_dir, zero_dir, tp_dir)
+    step = "checkpoints/step_00000010"  # cp ranks hold the same parameters: one writer
+    assert sorted(p.name for p in (cp_dir / step).glob("*.safetensors")) == [SHARD0]
     _check_reads_only_own_boxes([r[3]["asked"] for r in by_rank])  # zero-3 from dp's files
 
 

@@ -175,7 +175,9 @@ class _Online:
     def __init__(self, q: torch.Tensor, kv_heads: int):
         self.q = q.transpose(1, 2).contiguous()  # [b, H, s, hd]
         self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
-        self.out = torch.zeros(self.q.shape, dtype=torch.float32, device=q.device)
+        # laid out [b, s, H, hd] (seen as [b, H, s, hd]): in fp32 the result handed on is
+        # this very tensor, so the next matmul's saved input and ours are one
+        self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device).transpose(1, 2)
         self.lse = torch.full(self.q.shape[:-1], float("-inf"), device=q.device)  # [b, H, s]
 
     def add(self, kv: torch.Tensor, where: tuple[int, int, int]) -> None:
@@ -194,7 +196,7 @@ class _Online:
         self.lse[..., rows] = merged
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.out.transpose(1, 2).contiguous().to(dtype)  # [b, s, H, hd], a copy
+        return self.out.transpose(1, 2).to(dtype)  # [b, s, H, hd]: itself in fp32
 
 
 class _Grads:
