@@ -26,7 +26,7 @@ from tetrad.parallel.pipeline.schedules import SCHEDULES
 from tetrad.plan.activations import RECOMPUTE
 from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
 from tetrad.plan.cost import ENGINES, Planner, layout_config
-from tetrad.plan.hardware import CLUSTERS, Cluster, calibrated, cluster_preset
+from tetrad.plan.hardware import CLUSTERS, Cluster, at_efficiency, calibrated, cluster_preset
 from tetrad.plan.search import Space, search
 
 GiB = 2**30
@@ -107,8 +107,7 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
-        device = dataclasses.replace(cluster.device, efficiency=args.efficiency)
-        cluster = dataclasses.replace(cluster, device=device)
+        cluster = at_efficiency(cluster, args.efficiency)
     return cluster
 
 

@@ -50,7 +50,7 @@ from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.plan import activations as act
 from tetrad.plan.compute import ComputeModel, Kernels, backward
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
-from tetrad.plan.hardware import Cluster
+from tetrad.plan.hardware import Cluster, at_efficiency
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
 
@@ -179,6 +179,15 @@ class Planner:
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}
 
+    def on(self, cluster: Cluster) -> Planner:
+        """A planner for `cluster` (the same engine and recompute) that shares this one's
+        caches: layer splits, schedules and model facts do not depend on the device's
+        speed, and rebuilding them is most of a small model's prediction."""
+        out = Planner(cluster, self.engine, self.recompute)
+        out._splits, out._schedules = self._splits, self._schedules
+        out.footprint.share_caches(self.footprint)
+        return out
+
     def schedule(self, cfg: Config) -> list:
         """The schedule's action lists (built once per schedule, pp, m and v)."""
         p = cfg.parallel
@@ -230,11 +239,8 @@ class Planner:
         lo, hi = self.cluster.spread
         steps = []
         for ratio in (hi, lo):  # the faster end first
-            device = dataclasses.replace(
-                self.cluster.device, efficiency=self.cluster.device.efficiency * ratio
-            )
-            cluster = dataclasses.replace(self.cluster, device=device)
-            steps.append(Planner(cluster, self.engine, self.recompute).predict(cfg, False))
+            cluster = at_efficiency(self.cluster, self.cluster.device.efficiency * ratio)
+            steps.append(self.on(cluster).predict(cfg, False))
         low, high = steps[0].step_time_s, steps[1].step_time_s
         tokens = cfg.train.global_batch * cfg.train.seq_len
         return dataclasses.replace(
@@ -341,7 +347,7 @@ class Planner:
         for stage, layers in enumerate(self.split(cfg)):
             fa = facts[_rank_of_stage(cfg, stage)]
             share = (layers + 1) / (fa.layer_units + 1)  # this chunk's share of the rank
-            seconds = self._grad_reduction(cfg, fa) * share
+            seconds = sum(self._grad_reduction(cfg, fa).values()) * share
             unit = seconds / (layers + 1)
             window = compute["B"][stage] + compute["W"][stage]
             out.append(unit + max(0.0, seconds - unit - window))
@@ -358,20 +364,23 @@ class Planner:
 
     # --- once per step, after the schedule ------------------------------------------------
 
-    def _grad_reduction(self, cfg: Config, fa: RankFacts) -> float:
-        """Seconds of one rank's gradient reduction over the data axes, unhidden."""
+    def _grad_reduction(self, cfg: Config, fa: RankFacts) -> dict[str, float]:
+        """Seconds of one rank's gradient reduction over the data axes, unhidden, by
+        axis: "fsdp" the reduce-scatter over the shard group, "dp" the all-reduce over
+        the replicas (plain DP's whole gradients, or HSDP's shard)."""
         p = cfg.parallel
         if p.dp * p.fsdp == 1:
-            return 0.0
+            return {"dp": 0.0, "fsdp": 0.0}
         bucket = self.engine.reduce_bucket
         if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients
             n = _calls(fa.psi, 1, bucket)
-            return n * self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4 / n)
+            ar = n * self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4 / n)
+            return {"dp": ar, "fsdp": 0.0}
         rb = DTYPE_BYTES[p.reduce_dtype]
         n = _calls(fa.psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
         rs = n * self.cluster.link(p.tp, p.fsdp).time("reduce_scatter", p.fsdp, fa.psi * rb / n)
         hsdp = self.cluster.link(p.tp * p.fsdp, p.dp).time("all_reduce", p.dp, fa.psi / p.fsdp * 4)
-        return rs + hsdp
+        return {"dp": hsdp, "fsdp": rs}
 
     def after_schedule(self, cfg: Config, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
         """Exposed seconds of one pp rank after its pipeline work: gradient reduction,
@@ -381,11 +390,14 @@ class Planner:
         stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
         bwd = sum(times.compute["B"][s] + times.compute["W"][s] for s in stages)
         fwd = sum(times.compute["F"][s] for s in stages)
-        grad = 0.0
+        grad = {"dp": 0.0, "fsdp": 0.0}
         if not eng.reduce_every_microbatch:
-            seconds = self._grad_reduction(cfg, fa)
+            parts = self._grad_reduction(cfg, fa)
+            seconds = sum(parts.values())
             hidden = eng.grad_overlap and (p.pp == 1 or eng.grad_overlap_pp)
-            grad = _exposed(seconds, units, bwd if hidden else 0.0)
+            shown = _exposed(seconds, units, bwd if hidden else 0.0)
+            # what shows is shared between the axes as their seconds are
+            grad = {k: shown * v / seconds for k, v in parts.items()} if seconds else grad
         gather = 0.0
         if p.fsdp > 1:
             link = self.cluster.link(p.tp, p.fsdp)
@@ -396,7 +408,7 @@ class Planner:
                 gather = link.time("all_gather", p.fsdp, fa.psi_root * _cbytes(cfg))
         shard = fa.psi / p.fsdp
         optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
-        return {"dp": grad, "fsdp": gather, "optimizer": optimizer}
+        return {"dp": grad["dp"], "fsdp": gather + grad["fsdp"], "optimizer": optimizer}
 
     def _breakdown(self, cfg, times, busiest, pipe, tails) -> dict[str, float]:
         """Seconds by cause on the busiest pp rank; the parts sum to the step time."""

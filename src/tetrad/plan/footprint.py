@@ -83,6 +83,10 @@ class Footprint:
         self._facts: dict[tuple, RankFacts] = {}
         self._template: dict[tuple, tuple] = {}
 
+    def share_caches(self, other: Footprint) -> None:
+        """Use `other`'s caches of model facts (they depend on the model and layout only)."""
+        self._facts, self._template = other._facts, other._template
+
     # --- model state ------------------------------------------------------------------------
 
     def rank_facts(self, cfg: Config, split: list[int], pp_rank: int) -> RankFacts:

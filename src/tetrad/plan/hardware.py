@@ -99,6 +99,10 @@ class Cluster:
     # communication runs beside compute (GPU: copy engines and spare SMs); False on a CPU
     # whose every core computes: gloo's transfers then take turns with the compute
     overlap: bool = True
+    # the cores that run the GEMMs also run the elementwise work (a CPU: small tensors
+    # stay in cache, and the ops are bound by the core, not by DRAM): its bandwidth moves
+    # with the efficiency (`at_efficiency`)
+    core_bound: bool = False
 
     def link(self, stride: int, size: int) -> Link:
         """The link a collective over `size` ranks `stride` apart runs at.
@@ -122,6 +126,14 @@ class Cluster:
         """The link between two ranks `distance` apart (a pipeline boundary): one NIC when
         they sit on different nodes."""
         return self.intra if distance < self.gpus_per_node else self.inter
+
+
+def at_efficiency(cluster: Cluster, efficiency: float) -> Cluster:
+    """`cluster` with its device's GEMM efficiency set to `efficiency`; on a core-bound
+    device the elementwise bandwidth scales by the same factor."""
+    dev = cluster.device
+    bw = dev.hbm_Bps * efficiency / dev.efficiency if cluster.core_bound else dev.hbm_Bps
+    return replace(cluster, device=replace(dev, efficiency=efficiency, hbm_Bps=bw))
 
 
 # --- presets ------------------------------------------------------------------------------
@@ -172,7 +184,7 @@ def cpu_cluster() -> Cluster:
     device = Device("cpu", {"fp32": peak, "bf16": peak}, mem / cores, 10e9, 0.25, 0.25 * GiB)
     # spread: the measured steps of docs/plan.md's table, -25% to +30% of the predicted
     return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK, sized=False, spread=(0.75, 1.3),
-                   overlap=False)  # fmt: skip
+                   overlap=False, core_bound=True)  # fmt: skip
 
 
 def cluster_preset(name: str) -> Cluster:
