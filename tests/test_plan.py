@@ -472,6 +472,48 @@ def test_latency_at_scale():
     assert link.time("all_reduce", 1536, 40e9) == pytest.approx(ring_latency + transfer * 40e9)
 
 
+def test_megatron_split_counts_embedding_and_loss():
+    """Megatron splits layers uniformly; 126 layers on 16 stages divide only with the
+    embedding and the loss counted as a layer each (Llama 3 405B's own arrangement: one
+    layer fewer on the first and last stages). tetrad balances on analytic costs."""
+    cfg = layout_config(LLAMA31_405B, 2048, 8192, fsdp=64, tp=8, pp=16, sp=True,
+                        microbatches=32)  # fmt: skip
+    assert Planner(cluster_preset("h100"), MEGATRON).split(cfg) == [7] + [8] * 14 + [7]
+    # the README's 70B (84 layers, pp 2, 7 chunks a rank): 6 layers a chunk, the head on top
+    # of the last; tetrad's balanced split gives that chunk fewer
+    cfg70 = layout_config(gpt_as_llama(84, 8192, 64, 131072, 4096), 384, 4096, fsdp=48, tp=8,
+                          pp=2, sp=True, pp_schedule="interleaved-1f1b", virtual_stages=7,
+                          microbatches=4)  # fmt: skip
+    assert Planner(cluster_preset("h100"), MEGATRON).split(cfg70) == [6] * 14
+    assert Planner(cluster_preset("h100")).split(cfg70) != [6] * 14
+
+
+def test_llama3_405b_production_layout_fits():
+    """Llama 3 405B as it trained (tp 8, pp 16, data-sharded over 64, seq 8192, no
+    recompute, 80 GB H100s), described with Megatron's kernels and sharded state: fits;
+    tetrad's own eager count of the same layout does not."""
+    cfg = layout_config(LLAMA31_405B, 2048, 8192, fsdp=64, tp=8, pp=16, sp=True,
+                        zero_stage=3, microbatches=32)  # fmt: skip
+    mem = Planner(cluster_preset("h100"), MEGATRON).predict(cfg).memory
+    assert mem.fits, mem
+    assert not Planner(cluster_preset("h100")).predict(cfg).memory.fits
+
+
+def test_deepspeed_zero3_keeps_its_live_parameters():
+    """DeepSpeed ZeRO-3 keeps at most `stage3_max_live_parameters` (1e9) gathered elements
+    and two reduce buckets of gradients, not two whole blocks: GPT 530B over 560 A100s
+    (4 sequences a GPU, full recompute) fits in 80 GB, where whole-block buffers (20 GB
+    of gathered bf16 blocks alone) would not."""
+    model = gpt_as_llama(105, 20480, 128, 51200, 2048)
+    cfg = layout_config(model, 2240, 2048, fsdp=560, zero_stage=3)
+    ds = Planner(cluster_preset("a100"), ENGINES["deepspeed"], "full").predict(cfg).memory
+    whole = dataclasses.replace(ENGINES["deepspeed"], max_live_params=0.0)
+    wb = Planner(cluster_preset("a100"), whole, "full").predict(cfg).memory
+    assert ds.fits and not wb.fits
+    block = 12 * 20480**2  # elements of a GPT block
+    assert wb.overhead - ds.overhead > 2 * 2 * block  # at least two bf16 blocks fewer
+
+
 def test_calibration_from_a_bench_json(tmp_path):
     src = ROOT / "docs" / "results" / "comm_nproc2.json"
     if not src.exists():

@@ -73,6 +73,14 @@ class Engine:
     its bf16 input and no fp32 copy, a fused SwiGLU three f-wide tensors, not four).
     chunked_loss: the head and the loss run `train.loss_chunk` tokens at a time, never
     holding full logits (tetrad).
+    split: how layers go to pipeline stages: "balanced" (tetrad's `layer_split`, on
+    analytic costs) or "uniform" (Megatron: L/S layers a stage; where S does not divide L
+    but divides L + 2, `--account-for-embedding-in-pipeline-split` and
+    `--account-for-loss-in-pipeline-split` count the embedding and the loss as a layer
+    each, so the first and last stages hold one layer fewer; otherwise balanced).
+    max_live_params: elements of gathered ZeRO-3 parameters kept at once (DeepSpeed's
+    `stage3_max_live_parameters`; 0: whole units, two blocks and the root); gradients
+    awaiting reduction are then two `reduce_bucket`s.
     """
 
     name: str
@@ -88,6 +96,8 @@ class Engine:
     reduce_bucket: float = 0.0
     gather_overlap: bool = True
     chunked_loss: bool = False
+    split: str = "balanced"
+    max_live_params: float = 0.0
 
 
 # Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
@@ -98,6 +108,7 @@ TETRAD = Engine("tetrad", chunked_loss=True)
 MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
     "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
     split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),
+    split="uniform",
 )  # fmt: skip
 TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True)
 TORCHTITAN_COMPILE = dataclasses.replace(
@@ -109,10 +120,12 @@ TORCHTITAN_ASYNC_TP = dataclasses.replace(
 )
 # DeepSpeed ZeRO-3 (with Megatron's fused kernels, as Megatron-DeepSpeed runs it): gathers
 # in prefetch buckets of 5e7 elements, reduces every micro-step in buckets of 5e8
-# (the defaults of `stage3_prefetch_bucket_size` and `reduce_bucket_size`)
+# (the defaults of `stage3_prefetch_bucket_size` and `reduce_bucket_size`), and keeps at
+# most 1e9 gathered elements (`stage3_max_live_parameters`)
 DEEPSPEED = Engine(
     "deepspeed", grad_overlap_pp=True, reduce_every_microbatch=True,
     kernels=Kernels(fused=True), gather_bucket=5e7, reduce_bucket=5e8, gather_overlap=False,
+    max_live_params=1e9,
 )  # fmt: skip
 ENGINES = {
     e.name: e
@@ -174,6 +187,7 @@ class Planner:
         self.footprint = Footprint(
             cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
             engine.kernels.fused, engine.kernels.gqa_native, engine.chunked_loss,
+            live=(engine.max_live_params, engine.reduce_bucket),
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
@@ -201,7 +215,8 @@ class Planner:
         p = cfg.parallel
         key = (repr(cfg.model), p.pp, p.virtual_stages, p.pp_split, cfg.train.seq_len)
         if key not in self._splits:
-            self._splits[key] = layer_split(cfg)
+            uniform = self.engine.split == "uniform" and not p.pp_split
+            self._splits[key] = (uniform and _uniform_split(cfg)) or layer_split(cfg)
         return self._splits[key]
 
     def predict(self, cfg: Config, detail: bool = True) -> Prediction:
@@ -468,6 +483,19 @@ def _fold_w(compute, tp, fsdp) -> StageTimes:
     moved = {"F": compute["F"], "W": [0.0] * len(compute["W"])}
     moved["B"] = [b + w for b, w in zip(compute["B"], compute["W"])]
     return StageTimes(moved, tp, fsdp)
+
+
+def _uniform_split(cfg: Config) -> list[int] | None:
+    """Megatron's split: L/S layers a stage, or, where S divides L + 2, the embedding and
+    the loss counted as a layer each (one layer fewer on the first and last stages);
+    None where neither divides."""
+    layers, stages = cfg.model.layers, cfg.parallel.pp * cfg.parallel.virtual_stages
+    if layers % stages == 0:
+        return [layers // stages] * stages
+    if stages > 1 and (layers + 2) % stages == 0 and (layers + 2) // stages > 1:
+        k = (layers + 2) // stages
+        return [k - 1] + [k] * (stages - 2) + [k - 1]
+    return None
 
 
 def _rank_of_stage(cfg: Config, stage: int) -> int:

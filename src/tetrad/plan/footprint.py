@@ -75,8 +75,11 @@ class Footprint:
     def __init__(
         self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool,
         fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
+        live: tuple[float, float] = (0.0, 0.0),
     ):  # fmt: skip
         self.device, self.recompute, self.fused = device, recompute, fused
+        # (most gathered ZeRO-3 elements kept at once, gradient bucket): (0, _) whole units
+        self.max_live, self.reduce_bucket = live
         self.gqa_native = gqa_native
         self.chunked_loss = chunked_loss  # the engine honours train.loss_chunk (tetrad)
         self.sp_saves_shards, self.reduce_every_micro = sp_saves_shards, reduce_every_micro
@@ -212,17 +215,36 @@ class Footprint:
         return self.device.workspace_bytes + transient + ALLOCATOR * (transient + acts)
 
     def _zero_buffers(self, cfg: Config, fa: RankFacts) -> float:
-        """ZeRO-3's gathered compute parameters and ZeRO-2/3's unsharded gradients."""
+        """ZeRO-3's gathered compute parameters and ZeRO-2/3's unsharded gradients.
+
+        Whole units (tetrad, FSDP): two blocks gathered (one prefetched) and the root;
+        gradients of two blocks and the root, or all of them where tetrad accumulates
+        whole over microbatches. An engine that caps its live parameters (DeepSpeed)
+        keeps at most that many gathered, but never less than one module (its largest
+        linear), and two reduce buckets of gradients."""
         p, c = cfg.parallel, DTYPE_BYTES[cfg.train.dtype]
         if p.fsdp == 1:
             return 0.0
+        units = 2 * fa.block + fa.psi_root
         extra = 0.0
-        if p.zero_stage == 3:  # two blocks gathered (one prefetched) and the root
-            extra += c * (2 * fa.block + fa.psi_root)
+        if p.zero_stage == 3:
+            gathered = units
+            if self.max_live:
+                gathered = max(min(units, self.max_live), _largest_linear(cfg))
+            extra += c * gathered
         if p.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
             whole = p.microbatches > 1 and not self.reduce_every_micro
-            extra += c * (fa.psi if whole else 2 * fa.block + fa.psi_root)
+            grads = fa.psi if whole else units
+            if self.max_live and self.reduce_bucket and not whole:
+                grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(cfg))
+            extra += c * grads
         return extra
+
+
+def _largest_linear(cfg: Config) -> float:
+    """Elements of a block's largest weight on one tp rank (an MLP matrix)."""
+    m = cfg.model
+    return max(m.dim * m.hidden_dim, m.dim * m.dim) / cfg.parallel.tp
 
 
 def _root_names(cfg: Config, first: bool, last: bool) -> set[str]:
