@@ -56,7 +56,7 @@ def test_train_dp4_matches_single_process(tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--nproc", "4", "--dp", "2"], "world size 4 != dp*fsdp*tp*pp = 2*1*1*1 = 2"),
+        (["--nproc", "4", "--dp", "2"], "world size 4 != dp*fsdp*cp*tp*pp = 2*1*1*1*1 = 2"),
         (["--nproc", "1", "--heads", "3"], "model.dim=32 is not divisible by heads=3"),
         (["--nproc", "1", "--global-batch", "6", "--microbatches", "4"], "global_batch=6"),
     ],

@@ -37,7 +37,8 @@ def test_valid_configs_pass():
 # (overrides, world size, regex the message must match: it names the values)
 BAD = {
     "world size != product of degrees": (
-        {"parallel": {"dp": 2, "tp": 2}}, 8, r"world size 8 != dp\*fsdp\*tp\*pp = 2\*1\*2\*1 = 4",
+        {"parallel": {"dp": 2, "tp": 2}}, 8,
+        r"world size 8 != dp\*fsdp\*cp\*tp\*pp = 2\*1\*1\*2\*1 = 4",
     ),
     "degree < 1": ({"parallel": {"dp": 0}}, None, r"parallel\.dp must be >= 1, got 0"),
     "microbatches < 1": (
@@ -64,6 +65,20 @@ BAD = {
     ),
     "seq_len > max_seq_len": (
         {"model": {"max_seq_len": 8}}, None, r"train\.seq_len=16 exceeds model\.max_seq_len=8",
+    ),
+    "cp degree < 1": ({"parallel": {"cp": 0}}, None, r"parallel\.cp must be >= 1, got 0"),
+    "seq_len not divisible by 2*cp": (
+        {"parallel": {"cp": 3}, "train": {"seq_len": 16}}, None,
+        r"cp=3 splits every sequence into 2\*cp=6 equal chunks: seq_len=16 is not divisible"
+        r" by 6",
+    ),
+    "cp world size": (
+        {"parallel": {"cp": 2, "tp": 2}}, 2,
+        r"world size 2 != dp\*fsdp\*cp\*tp\*pp = 1\*1\*2\*2\*1 = 4",
+    ),
+    "sp with cp needs seq_len/cp divisible by tp": (
+        {"parallel": {"cp": 2, "tp": 4, "sp": True}, "train": {"seq_len": 20}}, None,
+        r"seq_len/cp divisible by tp: seq_len=20, tp=4, cp=2",
     ),
     "seq_len < 2": ({"train": {"seq_len": 1}}, None, r"train\.seq_len must be >= 2, got 1"),
     "stdlib needs a byte vocabulary": (
@@ -189,7 +204,7 @@ def test_validation_survives_python_O():
         [sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert "world size 2 != dp*fsdp*tp*pp = 3*1*1*1 = 3" in out.stdout
+    assert "world size 2 != dp*fsdp*cp*tp*pp = 3*1*1*1*1 = 3" in out.stdout
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])

@@ -10,8 +10,8 @@ import pytest
 from tetrad.mesh import AXES, GROUP_AXES, Mesh, axis_groups, coords, rank_of
 
 
-def deg(pp=1, dp=1, fsdp=1, tp=1) -> dict[str, int]:
-    return {"pp": pp, "dp": dp, "fsdp": fsdp, "tp": tp}
+def deg(pp=1, dp=1, fsdp=1, tp=1, cp=1) -> dict[str, int]:
+    return {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
 
 
 COMBOS = [
@@ -22,6 +22,9 @@ COMBOS = [
     deg(pp=2, dp=2, fsdp=2),
     deg(pp=3, dp=1, fsdp=2, tp=2),
     deg(pp=2, dp=2, fsdp=2, tp=2),
+    deg(cp=4),
+    deg(cp=2, tp=2, dp=2),
+    deg(pp=2, dp=1, fsdp=2, cp=2, tp=2),
 ]
 IDS = ["x".join(str(d[a]) for a in AXES) for d in COMBOS]
 
@@ -76,10 +79,32 @@ def test_2x2x2x2_groups_explicitly():
     assert axis_groups(d, "world") == [list(range(16))]
 
 
+def test_cp_next_to_tp():
+    """cp varies just slower than tp: a cp group strides by tp, inside one dp x fsdp cell."""
+    d = deg(pp=2, dp=1, fsdp=2, cp=2, tp=2)
+    assert axis_groups(d, "cp")[:2] == [[0, 2], [1, 3]]
+    assert axis_groups(d, "fsdp")[0] == [0, 4]
+    # gradients sum over every rank holding other tokens; sequences are dealt over dp x fsdp
+    assert axis_groups(d, "data")[0] == [0, 2, 4, 6]
+    assert axis_groups(d, "batch")[0] == [0, 4]
+    assert axis_groups(d, "replica")[0] == [0, 2]  # dp x cp: a ZeRO shard's copies
+    mesh = Mesh.plan(d, 14)
+    assert mesh.coord == {"pp": 1, "dp": 0, "fsdp": 1, "cp": 1, "tp": 0}
+    assert mesh["cp"].ranks == [12, 14] and mesh["cp"].rank == 1
+    assert mesh["data"].ranks == [8, 10, 12, 14] and mesh["data"].rank == 3
+    assert mesh["batch"].ranks == [10, 14] and mesh["batch"].rank == 1
+
+
+def test_without_cp_data_is_batch():
+    d = deg(pp=2, dp=2, fsdp=2, tp=2)
+    assert axis_groups(d, "data") == axis_groups(d, "batch")
+    assert axis_groups(d, "replica") == axis_groups(d, "dp")
+
+
 def test_plan_groups_and_indices():
     d = deg(pp=2, dp=2, fsdp=2, tp=2)
     mesh = Mesh.plan(d, 13)  # coords pp=1, dp=1, fsdp=0, tp=1
-    assert mesh.coord == {"pp": 1, "dp": 1, "fsdp": 0, "tp": 1}
+    assert mesh.coord == {"pp": 1, "dp": 1, "fsdp": 0, "cp": 0, "tp": 1}
     assert mesh["tp"].ranks == [12, 13] and mesh["tp"].rank == 1
     assert mesh["dp"].ranks == [9, 13] and mesh["dp"].rank == 1
     assert mesh["fsdp"].ranks == [13, 15] and mesh["fsdp"].rank == 0

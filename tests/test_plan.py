@@ -284,9 +284,9 @@ def test_model_state_is_memory_py_exactly(layout):
     cfg = layout_config(model_preset("llama3-8b"), 64, 8192, **layout)
     planner = Planner(cluster_preset("h100"))
     p = cfg.parallel
-    deg = {"pp": p.pp, "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp}
+    deg = p.degrees
     for r in range(p.pp):
-        rank = rank_of({"pp": r, "dp": 0, "fsdp": 0, "tp": 0}, deg)
+        rank = rank_of({**{a: 0 for a in deg}, "pp": r}, deg)
         assert planner.rank_facts(cfg, r).state == model_state_bytes(cfg, rank)
 
 

@@ -28,6 +28,7 @@ TRAIN_FLAGS = {
     "fsdp": ("parallel", "fsdp", int),
     "tp": ("parallel", "tp", int),
     "pp": ("parallel", "pp", int),
+    "cp": ("parallel", "cp", int),
     "zero_stage": ("parallel", "zero_stage", int),
     "pp_schedule": ("parallel", "pp_schedule", str),
     "microbatches": ("parallel", "microbatches", int),
@@ -57,8 +58,10 @@ TRAIN_FLAGS = {
     "checkpoint_every": ("checkpoint", "every", int),
     "timeout": ("train", "timeout", float),
 }
-DEGREES = ("dp", "fsdp", "tp", "pp")
+DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
 FLAG_HELP = {
+    "cp": "context parallelism: split every sequence over N ranks (2N load-balanced chunks; "
+    "seq-len must be divisible by 2N), attention exchanging keys and values (docs/cp.md)",
     "timeout": "seconds a collective may block before the job ends naming it, and a signalled "
     "rank may take to save and exit (default 600)",
     "data": "synthetic, stdlib (default), a text file or folder, or a prepared .u16/.u32 file",

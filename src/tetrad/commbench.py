@@ -246,7 +246,7 @@ def worker(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=600))
     try:
-        group = Mesh.build({"pp": 1, "dp": world, "fsdp": 1, "tp": 1}, rank)["world"]
+        group = Mesh.build({"pp": 1, "dp": world, "fsdp": 1, "cp": 1, "tp": 1}, rank)["world"]
         report = run_bench(args, group, device or torch.device("cpu"))
         if rank == 0:
             emit(report, args.json)

@@ -88,12 +88,13 @@ def model_preset(name: str) -> ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Degrees of the four axes and how each axis behaves."""
+    """Degrees of the five axes and how each axis behaves."""
 
     dp: int = 1
     fsdp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (docs/cp.md)
     zero_stage: int = 3
     sp: bool = False
     pp_schedule: str = "1f1b"
@@ -107,7 +108,7 @@ class ParallelConfig:
     @property
     def degrees(self) -> dict[str, int]:
         """The mesh's axis sizes, outermost first (the order `Mesh` lays ranks out in)."""
-        return {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "cp": self.cp, "tp": self.tp}
 
     @property
     def world_size(self) -> int:
@@ -115,6 +116,7 @@ class ParallelConfig:
 
     @property
     def data_ranks(self) -> int:
+        """Ranks that read different sequences of the batch (cp ranks share theirs)."""
         return self.dp * self.fsdp
 
 
@@ -254,12 +256,12 @@ def _validate_model(m: ModelConfig) -> None:
 
 
 def _validate_parallel(p: ParallelConfig, world_size: int | None) -> None:
-    for name in ("dp", "fsdp", "tp", "pp", "microbatches", "virtual_stages"):
+    for name in ("dp", "fsdp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     if world_size is not None:
         _require(
             p.world_size == world_size,
-            f"world size {world_size} != dp*fsdp*tp*pp = {p.dp}*{p.fsdp}*{p.tp}*{p.pp}"
+            f"world size {world_size} != dp*fsdp*cp*tp*pp = {p.dp}*{p.fsdp}*{p.cp}*{p.tp}*{p.pp}"
             f" = {p.world_size}",
         )
     _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
@@ -354,10 +356,17 @@ def _validate_layout(cfg: Config) -> None:
             m.hidden_dim % p.tp == 0,
             f"ffn hidden size {m.hidden_dim} is not divisible by tp={p.tp}",
         )
-    if p.sp:
+    if p.cp > 1:  # 2·cp chunks per sequence, rank r holding chunks r and 2·cp-1-r
         _require(
-            t.seq_len % p.tp == 0,
-            f"sp needs seq_len divisible by tp: seq_len={t.seq_len}, tp={p.tp}",
+            t.seq_len % (2 * p.cp) == 0,
+            f"cp={p.cp} splits every sequence into 2*cp={2 * p.cp} equal chunks: seq_len="
+            f"{t.seq_len} is not divisible by {2 * p.cp}",
+        )
+    if p.sp:  # sp splits the sequence share this rank holds (all of it without cp)
+        local = t.seq_len // p.cp
+        _require(
+            local % p.tp == 0,
+            f"sp needs seq_len/cp divisible by tp: seq_len={t.seq_len}, tp={p.tp}, cp={p.cp}",
         )
     stages = p.pp * p.virtual_stages
     _require(

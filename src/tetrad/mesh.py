@@ -1,10 +1,11 @@
-"""The device mesh: four degrees -> each rank's coordinates -> its process groups.
+"""The device mesh: five degrees -> each rank's coordinates -> its process groups.
 
-Axis order, outermost first, is (pp, dp, fsdp, tp). TP is innermost so a TP group is a
-run of adjacent ranks, which torchrun places on one node: TP communicates inside every
-layer and needs the fastest links (NVLink). PP is outermost because it sends the least
-(one activation per microbatch per boundary), so it is the axis that tolerates crossing
-the slowest links between nodes. This is Megatron's and torchtitan's order.
+Axis order, outermost first, is (pp, dp, fsdp, cp, tp). TP is innermost so a TP group is
+a run of adjacent ranks, which torchrun places on one node: TP communicates inside every
+layer and needs the fastest links (NVLink). CP comes next: it exchanges keys and values
+inside every attention layer, so it wants the next-fastest links. PP is outermost because
+it sends the least (one activation per microbatch per boundary), so it is the axis that
+tolerates crossing the slowest links between nodes. This is Megatron's tp-cp-dp-pp order.
 
 The arithmetic (`coords`, `rank_of`, `axis_groups`) is pure and tested without processes;
 `Mesh.build` only turns its answers into `torch.distributed` groups.
@@ -16,15 +17,21 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-AXES = ("pp", "dp", "fsdp", "tp")  # outermost first
-# "data" is the combined dp x fsdp group: every rank that sees a different slice of the batch;
+AXES = ("pp", "dp", "fsdp", "cp", "tp")  # outermost first
+# "batch" (dp x fsdp): the ranks that read different sequences of the batch. "data" (dp x
+# fsdp x cp): the ranks that hold different tokens, so the ones whose gradients (and token
+# counts) are summed: a cp rank holds part of every sequence of its batch rank. "replica"
+# (dp x cp): what a ZeRO shard is replicated over (the fsdp shards' all-reduce).
 # "world" is every rank (the one-scalar agreements: loss, grad norm, skip).
 GROUP_AXES = {
     "pp": ("pp",),
     "dp": ("dp",),
     "fsdp": ("fsdp",),
+    "cp": ("cp",),
     "tp": ("tp",),
-    "data": ("dp", "fsdp"),
+    "batch": ("dp", "fsdp"),
+    "data": ("dp", "fsdp", "cp"),
+    "replica": ("dp", "cp"),
     "world": AXES,
 }
 
@@ -89,7 +96,7 @@ class Group:
 
 @dataclass
 class Mesh:
-    """This rank's place in the 4-D mesh and its named groups. Built once, passed explicitly."""
+    """This rank's place in the 5-D mesh and its named groups. Built once, passed explicitly."""
 
     degrees: dict[str, int]
     rank: int
@@ -137,14 +144,18 @@ class Mesh:
 
         mesh = cls.plan(degrees, rank)
         world = mesh.world_size
+        made: dict[tuple[int, ...], Any] = {}  # groups of equal members share one handle
         for name in GROUP_AXES:
             for ranks in axis_groups(degrees, name):
-                # new_group is collective over the world: every rank creates every group.
+                # new_group is collective over the world: every rank creates every group,
+                # in the same order, so the reuse below happens alike on every rank.
                 if len(ranks) == 1:
                     continue
-                pg = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
+                if tuple(ranks) not in made:
+                    whole = len(ranks) == world
+                    made[tuple(ranks)] = dist.group.WORLD if whole else dist.new_group(ranks)
                 if rank in ranks:
-                    mesh.groups[name].pg = pg
+                    mesh.groups[name].pg = made[tuple(ranks)]
         for ranks in pp_end_groups(degrees):
             pg = dist.new_group(ranks)
             if rank in ranks:
