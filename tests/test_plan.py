@@ -24,7 +24,14 @@ from tetrad.models.flops import param_count
 from tetrad.parallel.memory import model_state_bytes, zero_formula_bytes
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
-from tetrad.plan.cost import ENGINES, MEGATRON, Planner, gpt_as_llama, layout_config
+from tetrad.plan.cost import (
+    ENGINES,
+    MEGATRON,
+    Planner,
+    cp_exchange_bytes,
+    gpt_as_llama,
+    layout_config,
+)
 from tetrad.plan.hardware import GiB, calibrated, cluster_preset
 from tetrad.plan.search import Space, search
 
@@ -512,6 +519,62 @@ def test_deepspeed_zero3_keeps_its_live_parameters():
     assert ds.fits and not wb.fits
     block = 12 * 20480**2  # elements of a GPT block
     assert wb.overhead - ds.overhead > 2 * 2 * block  # at least two bf16 blocks fewer
+
+
+# --- context parallelism ------------------------------------------------------------------
+
+
+def _cp_pair():
+    """llama3-8b at one sequence a microbatch, seq 8192: fsdp 8, and fsdp 4 x cp 2."""
+    m = model_preset("llama3-8b")
+    return layout_config(m, 8, 8192, fsdp=8), layout_config(m, 4, 8192, fsdp=4, cp=2)
+
+
+def test_cp_halves_activations_and_compute():
+    """cp 2 holds half of every sequence: a ring core (Megatron, torchtitan) keeps half
+    the activations of cp 1 and does half the compute (attention too: the chunks are
+    load-balanced); tetrad's all-gather core also keeps the other shard's keys and values
+    and the mask by global position, per layer."""
+    one, two = _cp_pair()
+    ring = Planner(cluster_preset("h100"), MEGATRON)
+    assert ring.rank_activations(two, 0) == pytest.approx(ring.rank_activations(one, 0) / 2)
+    tetrad = Planner(cluster_preset("h100"))
+    m = one.model
+    extra = act.total_bytes(act.cp_gathered_kv(m, 1, "bf16", 2, 8192), 1, 4096)
+    want = tetrad.rank_activations(one, 0) / 2 + m.layers * extra
+    assert tetrad.rank_activations(two, 0) == pytest.approx(want)
+    assert extra == 2 * 2 * 4096 * 4096 + 4096 * 8192  # repeated k, v of 4096 more tokens; mask
+    c1, c2 = (tetrad.predict(c).breakdown["compute"] for c in (one, two))
+    assert c2 == pytest.approx(c1 / 2)
+
+
+def test_cp_exchange_bytes_and_time():
+    """Each attention layer receives the other shards' keys and values, 2·(cp-1)/cp · b·s·
+    kv·hd·c bytes (kv heads on this tp rank), forward, and dk, dv backward; tetrad's
+    all-gather core waits for both, a ring engine hides them behind attention."""
+    m = model_preset("llama3-8b")
+    cfg = layout_config(m, 2, 8192, fsdp=2, tp=2, cp=2, sp=True)  # one sequence a rank
+    kv = m.kv_heads // 2
+    assert cp_exchange_bytes(cfg) == 2 * (2 - 1) / 2 * 1 * 8192 * kv * m.head_dim * 2
+    cluster = cluster_preset("h100")
+    link = cluster.link(2, 2)  # cp ranks tp apart
+    whole = 2 * cp_exchange_bytes(cfg)
+    one = link.time("all_gather", 2, whole) + link.time("reduce_scatter", 2, whole)
+    pred = Planner(cluster).predict(cfg)
+    assert pred.breakdown["cp"] == pytest.approx(m.layers * one)
+    assert Planner(cluster, MEGATRON).predict(cfg).breakdown["cp"] < pred.breakdown["cp"] / 2
+    assert pred.layout["cp"] == 2
+
+
+def test_search_finds_cp_where_nothing_else_fits():
+    """llama3-8b at 131,072 tokens a sequence on 16 H100s (Megatron's kernels, no
+    recompute): no layout without cp fits; the search finds tp 8 x cp 2."""
+    planner = Planner(cluster_preset("h100"), MEGATRON)
+    base = layout_config(model_preset("llama3-8b"), 4, 131072)
+    assert search(planner, base, 16, Space(cp=1)) == []
+    best = search(planner, base, 16, top=3)
+    assert best and all(p.layout["cp"] > 1 and p.memory.fits for p in best)
+    assert all(131072 % (2 * p.layout["cp"]) == 0 for p in best)
 
 
 def test_calibration_from_a_bench_json(tmp_path):

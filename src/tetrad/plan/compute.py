@@ -100,10 +100,12 @@ class ComputeModel:
         return self.device.peak_tflops[dtype] * 1e12 * share
 
     def block_forward(self, m: ModelConfig, t: int, sp: bool, tokens: int, seqs: int,
-                      s: int, dtype: str) -> Parts:  # fmt: skip
-        """One block's forward on one rank for `tokens` = seqs x s tokens."""
+                      s: int, dtype: str, cp: int = 1) -> Parts:  # fmt: skip
+        """One block's forward on one rank for `tokens` local tokens of `seqs` sequences of
+        length `s`; with context parallelism a rank holds s/cp of each sequence and, the
+        chunks load-balanced, 1/cp of the causal attention."""
         gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, dtype) for k, n in _linears(m, t))
-        attention = seqs * 2 * s * s * m.dim / t / self._attention_rate(dtype)  # causal half
+        attention = seqs * 2 * s * s * m.dim / t / cp / self._attention_rate(dtype)
         nbytes = tokens * self.elementwise_bytes(m, t, sp, dtype)
         return Parts(gemm, attention, nbytes / self.device.hbm_Bps)
 

@@ -81,6 +81,11 @@ class Engine:
     max_live_params: elements of gathered ZeRO-3 parameters kept at once (DeepSpeed's
     `stage3_max_live_parameters`; 0: whole units, two blocks and the root); gradients
     awaiting reduction are then two `reduce_bucket`s.
+    cp_overlap: context parallelism's key/value exchange runs beside attention (a ring
+    whose next block's transfer overlaps this block's compute: Megatron through
+    Transformer Engine, torchtitan); tetrad's default all-gather core waits for it.
+    cp_gathers_kv: attention keeps the all-gathered keys and values of the whole
+    sequence for its backward (tetrad's all-gather core); a ring keeps only its own.
     """
 
     name: str
@@ -98,6 +103,8 @@ class Engine:
     chunked_loss: bool = False
     split: str = "balanced"
     max_live_params: float = 0.0
+    cp_overlap: bool = False
+    cp_gathers_kv: bool = True
 
 
 # Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
@@ -108,9 +115,10 @@ TETRAD = Engine("tetrad", chunked_loss=True)
 MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
     "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
     split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),
-    split="uniform",
+    split="uniform", cp_overlap=True, cp_gathers_kv=False,
 )  # fmt: skip
-TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True)
+TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True,
+                    cp_overlap=True, cp_gathers_kv=False)  # fmt: skip
 TORCHTITAN_COMPILE = dataclasses.replace(
     TORCHTITAN, name="torchtitan-compile", kernels=Kernels(fused=True)
 )
@@ -162,9 +170,11 @@ class StageTimes:
     compute: dict[str, list[float]]
     tp: dict[str, list[float]]
     fsdp: dict[str, list[float]]
+    cp: dict[str, list[float]] = field(default_factory=dict)
 
     def total(self, kind: str, stage: int) -> float:
-        return self.compute[kind][stage] + self.tp[kind][stage] + self.fsdp[kind][stage]
+        cp = self.cp[kind][stage] if self.cp else 0.0
+        return self.compute[kind][stage] + self.tp[kind][stage] + self.fsdp[kind][stage] + cp
 
     def costs(self, comm: float) -> Costs:
         n = len(self.compute["F"])
@@ -181,13 +191,13 @@ class Planner:
         if not cluster.overlap:  # nothing runs beside the compute on this machine
             engine = dataclasses.replace(
                 engine, tp_overlap=0.0, grad_overlap=False, param_gather_overlap=False,
-                gather_overlap=False,
+                gather_overlap=False, cp_overlap=False,
             )  # fmt: skip
         self.cluster, self.engine, self.recompute = cluster, engine, recompute
         self.footprint = Footprint(
             cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
             engine.kernels.fused, engine.kernels.gqa_native, engine.chunked_loss,
-            live=(engine.max_live_params, engine.reduce_bucket),
+            live=(engine.max_live_params, engine.reduce_bucket), cp_gathers_kv=engine.cp_gathers_kv,
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
@@ -282,9 +292,10 @@ class Planner:
         if self.engine.reduce_every_microbatch:
             for s, seconds in enumerate(self._per_micro_reduction(cfg, facts, compute)):
                 fsdp["B"][s] += seconds
+        cp = self._cp_times(cfg)
         if p.pp_schedule in SPLIT_BACKWARD and not self._w_deferred(cfg):
-            return _fold_w(compute, tp, fsdp)
-        return StageTimes(compute, tp, fsdp)
+            return _fold_w(compute, tp, fsdp, cp)
+        return StageTimes(compute, tp, fsdp, cp)
 
     def _w_deferred(self, cfg: Config) -> bool:
         """Whether the schedule's W actions hold deferred weight gradients."""
@@ -296,11 +307,12 @@ class Planner:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
         m, p, s, dt = cfg.model, cfg.parallel, cfg.train.seq_len, cfg.train.dtype
         b = cfg.microbatch_size
-        fwd = self.compute.block_forward(m, p.tp, p.sp, b * s, b, s, dt)
+        tokens = b * s // p.cp  # this rank's: cp splits every sequence
+        fwd = self.compute.block_forward(m, p.tp, p.sp, tokens, b, s, dt, p.cp)
         bwd = backward(fwd)
         redo = {"none": 0.0, "selective": 0.0, "full": fwd.total, "op": fwd.gemm / 2}
-        embed = b * s * m.dim * _cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
-        head = self.compute.head(m, p.tp, b * s, dt)
+        embed = tokens * m.dim * _cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
+        head = self.compute.head(m, p.tp, tokens, dt)
         per = {
             "F": [embed] + [fwd.total] * m.layers + [head.total],
             "B": [embed] + [bwd.total + redo[self.recompute]] * m.layers + [backward(head).total],
@@ -317,7 +329,7 @@ class Planner:
         zero = [0.0] * len(split)
         if p.tp == 1:
             return {"F": list(zero), "B": list(zero), "W": list(zero)}
-        nbytes = cfg.microbatch_size * cfg.train.seq_len * cfg.model.dim * _cbytes(cfg)
+        nbytes = _local_tokens(cfg) * cfg.model.dim * _cbytes(cfg)
         one = self.cluster.link(1, p.tp).time("all_reduce", p.tp, nbytes)
         one *= 1.0 - self.engine.tp_overlap
         f = [2 * n * one for n in split]
@@ -327,6 +339,33 @@ class Planner:
         if p.sp:
             f[-1] += one
         return {"F": f, "B": bwd, "W": list(zero)}
+
+    def _cp_times(self, cfg: Config) -> dict[str, list[float]]:
+        """Exposed context-parallel seconds per microbatch per stage: every attention
+        layer receives the keys and values of the other cp - 1 shards (a ring over the
+        cp ranks, or an all-gather: (cp - 1)/cp of 2·b·s·kv·hd·c bytes, kv the rank's
+        kv heads) forward, and the same for dk and dv backward; on the link the cp group
+        spans (cp ranks tp apart). An engine that overlaps (a ring) runs each of its cp - 1
+        hops beside one block's attention (1/cp of the layer's): only what a hop takes
+        beyond that block shows."""
+        p, split = cfg.parallel, self.split(cfg)
+        out = {k: [0.0] * len(split) for k in "FBW"}
+        if p.cp == 1:
+            return out
+        nbytes = cp_exchange_bytes(cfg) * p.cp / (p.cp - 1)  # the gathered buffer
+        link = self.cluster.link(p.tp, p.cp)
+        seconds = {"F": link.time("all_gather", p.cp, nbytes),
+                   "B": link.time("reduce_scatter", p.cp, nbytes)}  # fmt: skip
+        m, s, b = cfg.model, cfg.train.seq_len, cfg.microbatch_size
+        fwd = self.compute.block_forward(m, p.tp, p.sp, b * s // p.cp, b, s, cfg.train.dtype, p.cp)
+        window = {"F": fwd.attention, "B": backward(fwd).attention}
+        for kind in "FB":
+            exposed = seconds[kind]
+            if self.engine.cp_overlap:  # each of the cp - 1 hops beside one block's attention
+                hop, block = exposed / (p.cp - 1), window[kind] / p.cp
+                exposed = (p.cp - 1) * max(0.0, hop - block)
+            out[kind] = [n * exposed for n in split]
+        return out
 
     def _zero3_gathers(
         self, cfg: Config, facts: list[RankFacts], compute: dict[str, list[float]]
@@ -338,7 +377,7 @@ class Planner:
         out = {k: [0.0] * len(split) for k in "FBW"}
         if p.fsdp == 1 or p.zero_stage < 3:
             return out
-        link = self.cluster.link(p.tp, p.fsdp)
+        link = self.cluster.link(p.tp * p.cp, p.fsdp)
         for stage, layers in enumerate(split):
             if layers == 0:
                 continue
@@ -373,9 +412,9 @@ class Planner:
         p = cfg.parallel
         if p.pp == 1:
             return 0.0
-        nbytes = cfg.microbatch_size * cfg.train.seq_len * cfg.model.dim * _cbytes(cfg)
+        nbytes = _local_tokens(cfg) * cfg.model.dim * _cbytes(cfg)
         nbytes /= p.tp if p.sp else 1
-        return self.cluster.p2p_link(p.dp * p.fsdp * p.tp).time("send_recv", 2, nbytes)
+        return self.cluster.p2p_link(p.dp * p.fsdp * p.cp * p.tp).time("send_recv", 2, nbytes)
 
     # --- once per step, after the schedule ------------------------------------------------
 
@@ -384,17 +423,22 @@ class Planner:
         axis: "fsdp" the reduce-scatter over the shard group, "dp" the all-reduce over
         the replicas (plain DP's whole gradients, or HSDP's shard)."""
         p = cfg.parallel
-        if p.dp * p.fsdp == 1:
+        reps = p.dp * p.cp  # the replicas: cp ranks hold different tokens, the same weights
+        if reps * p.fsdp == 1:
             return {"dp": 0.0, "fsdp": 0.0}
         bucket = self.engine.reduce_bucket
-        if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients
+        if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients; dp x cp is contiguous
             n = _calls(fa.psi, 1, bucket)
-            ar = n * self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4 / n)
+            ar = n * self.cluster.link(p.tp, reps).time("all_reduce", reps, fa.psi * 4 / n)
             return {"dp": ar, "fsdp": 0.0}
         rb = DTYPE_BYTES[p.reduce_dtype]
         n = _calls(fa.psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
-        rs = n * self.cluster.link(p.tp, p.fsdp).time("reduce_scatter", p.fsdp, fa.psi * rb / n)
-        hsdp = self.cluster.link(p.tp * p.fsdp, p.dp).time("all_reduce", p.dp, fa.psi / p.fsdp * 4)
+        link = self.cluster.link(p.tp * p.cp, p.fsdp)
+        rs = n * link.time("reduce_scatter", p.fsdp, fa.psi * rb / n)
+        # the replica group dp x cp: cp ranks tp apart, dp ranks tp·cp·fsdp apart; priced
+        # as one group over the span it covers
+        outer = self.cluster.link(p.tp * (p.fsdp if p.dp > 1 else 1), reps)
+        hsdp = outer.time("all_reduce", reps, fa.psi / p.fsdp * 4)
         return {"dp": hsdp, "fsdp": rs}
 
     def after_schedule(self, cfg: Config, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
@@ -415,7 +459,7 @@ class Planner:
             grad = {k: shown * v / seconds for k, v in parts.items()} if seconds else grad
         gather = 0.0
         if p.fsdp > 1:
-            link = self.cluster.link(p.tp, p.fsdp)
+            link = self.cluster.link(p.tp * p.cp, p.fsdp)
             if p.zero_stage < 3:
                 seconds = link.time("all_gather", p.fsdp, fa.psi * _cbytes(cfg))
                 gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
@@ -438,6 +482,7 @@ class Planner:
         return {
             "compute": part(times.compute),
             "tp": part(times.tp),
+            "cp": part(times.cp),
             "fsdp": part(times.fsdp) + tail["fsdp"],
             "pp": pipe["makespan"] - pipe["free"],
             "bubble": pipe["free"] - pipe["busy"],
@@ -478,11 +523,11 @@ def _calls(elems: float, units: int, bucket: float) -> int:
     return max(1, math.ceil(elems / bucket)) if bucket else units
 
 
-def _fold_w(compute, tp, fsdp) -> StageTimes:
+def _fold_w(compute, tp, fsdp, cp) -> StageTimes:
     """A split schedule whose W is not deferred: B does the weight gradients itself."""
     moved = {"F": compute["F"], "W": [0.0] * len(compute["W"])}
     moved["B"] = [b + w for b, w in zip(compute["B"], compute["W"])]
-    return StageTimes(moved, tp, fsdp)
+    return StageTimes(moved, tp, fsdp, cp)
 
 
 def _uniform_split(cfg: Config) -> list[int] | None:
@@ -498,6 +543,21 @@ def _uniform_split(cfg: Config) -> list[int] | None:
     return None
 
 
+def _local_tokens(cfg: Config) -> int:
+    """Tokens of one microbatch on one rank: cp splits every sequence."""
+    return cfg.microbatch_size * cfg.train.seq_len // cfg.parallel.cp
+
+
+def cp_exchange_bytes(cfg: Config) -> float:
+    """Bytes of keys and values one rank receives per attention layer and microbatch
+    under context parallelism (forward; dk and dv the same backward): those of the other
+    cp - 1 shards, 2·(cp - 1)/cp · b·s·kv·hd·c, with kv the rank's kv heads."""
+    p, m = cfg.parallel, cfg.model
+    kv = max(m.kv_heads // p.tp, 1)
+    whole = 2 * cfg.microbatch_size * cfg.train.seq_len * kv * m.head_dim * _cbytes(cfg)
+    return (p.cp - 1) / p.cp * whole
+
+
 def _rank_of_stage(cfg: Config, stage: int) -> int:
     p = cfg.parallel
     return stage_to_rank(stage, p.pp, p.virtual_stages, p.pp_schedule)
@@ -511,7 +571,8 @@ def describe(cfg: Config, recompute: str = "none") -> dict[str, Any]:
     """The layout fields of `cfg` a prediction is about."""
     p = cfg.parallel
     return {
-        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage,
+        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
+        "zero_stage": p.zero_stage,
         "sp": p.sp, "pp_schedule": p.pp_schedule, "microbatches": p.microbatches,
         "virtual_stages": p.virtual_stages, "microbatch_size": cfg.microbatch_size,
         "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,

@@ -75,8 +75,9 @@ class Footprint:
     def __init__(
         self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool,
         fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
-        live: tuple[float, float] = (0.0, 0.0),
+        live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
     ):  # fmt: skip
+        self.cp_gathers_kv = cp_gathers_kv
         self.device, self.recompute, self.fused = device, recompute, fused
         # (most gathered ZeRO-3 elements kept at once, gradient bucket): (0, _) whole units
         self.max_live, self.reduce_bucket = live
@@ -134,12 +135,17 @@ class Footprint:
     # --- activations and the total ----------------------------------------------------------
 
     def stage_activations(self, cfg: Config, split: list[int]) -> list[float]:
-        """Bytes one microbatch leaves on each global stage after its forward."""
+        """Bytes one microbatch leaves on each global stage after its forward. Under
+        context parallelism everything is per local token (s/cp of each sequence), and
+        an all-gather core keeps the gathered keys and values of the whole sequence."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        b, s, shards = cfg.microbatch_size, cfg.train.seq_len, self.sp_saves_shards
+        b, s, shards = cfg.microbatch_size, _local_seq(cfg), self.sp_saves_shards
         layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
                                 gqa_native=self.gqa_native)  # fmt: skip
         layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
+        if p.cp > 1 and self.cp_gathers_kv and self.recompute not in ("full", "op"):
+            gathered = act.cp_gathered_kv(m, p.tp, dt, p.cp, cfg.train.seq_len, self.gqa_native)
+            layer_bytes += act.total_bytes(gathered, b, s, p.tp, p.sp)
         chunked = self.chunked_loss and cfg.train.loss_chunk > 0
         head = act.llama_head(m, p.tp, dt, sp_shards=shards, chunked=chunked)
         head = act.total_bytes(head, b, s, p.tp, p.sp)
@@ -153,7 +159,7 @@ class Footprint:
         """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
         deferred linears, and on the last stage the head's unless a chunked loss computes
         its weight gradient in B."""
-        p, b, s = cfg.parallel, cfg.microbatch_size, cfg.train.seq_len
+        p, b, s = cfg.parallel, cfg.microbatch_size, _local_seq(cfg)
         w = act.llama_pending_w(cfg.model, p.tp, cfg.train.dtype)
         one = act.total_bytes(w, b, s, p.tp, p.sp)
         out = [n * one for n in split]
@@ -171,7 +177,7 @@ class Footprint:
         per_stage = self.stage_activations(cfg, split)
         pending = self.stage_pending_w(cfg, split) if deferred_w else []
         out = act.total_bytes(act.llama_stage_output(cfg.model, cfg.train.dtype),
-                              cfg.microbatch_size, cfg.train.seq_len, p.tp, p.sp)  # fmt: skip
+                              cfg.microbatch_size, _local_seq(cfg), p.tp, p.sp)  # fmt: skip
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
         return act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent)
 
@@ -205,7 +211,7 @@ class Footprint:
         """Workspace + transients (one block's backward, the loss gradient on the last
         stage, ZeRO's buffers) + the allocator's share of transients and activations."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        b, s = cfg.microbatch_size, cfg.train.seq_len
+        b, s = cfg.microbatch_size, _local_seq(cfg)
         transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp, self.fused)
         if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
                                                       p.pp_schedule):  # fmt: skip
@@ -239,6 +245,11 @@ class Footprint:
                 grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(cfg))
             extra += c * grads
         return extra
+
+
+def _local_seq(cfg: Config) -> int:
+    """The positions of each sequence one rank holds: s/cp under context parallelism."""
+    return cfg.train.seq_len // cfg.parallel.cp
 
 
 def _largest_linear(cfg: Config) -> float:

@@ -1,7 +1,8 @@
 """Layout search: the layouts tetrad can run for a world size, ranked by predicted step time.
 
 Enumerated: tp (a divisor of the world, at most one node), pp (a divisor of what is
-left, at most the layer count), the data ranks split into dp x fsdp, the ZeRO stage 2 or
+left, at most the layer count), cp (a divisor of what is left whose 2·cp chunks divide
+the sequence), the data ranks split into dp x fsdp, the ZeRO stage 2 or
 3 (when fsdp > 1), the pipeline schedule with its virtual stages (interleaved: v from 2
 to 8 with even chunks, pp·v dividing the layers), and the microbatch count (a divisor of
 the batch per data rank; at least pp when pp > 1). Each candidate must pass
@@ -38,6 +39,7 @@ class Space:
     fsdp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
     zero_stage: int | None = None
     pp_schedule: str | tuple[str, ...] | None = None
     microbatches: int | None = None
@@ -54,16 +56,22 @@ def _choices(fixed: int | str | None, options: list) -> list:
 
 
 def degrees(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterator[dict]:
-    """(dp, fsdp, tp, pp) whose product is `world`, honouring `space`'s fixed degrees."""
+    """(dp, fsdp, tp, pp, cp) whose product is `world`, honouring `space`'s fixed degrees.
+    cp only where the sequence splits into 2·cp chunks."""
     for tp in _choices(space.tp, [t for t in divisors(world) if t <= gpus_per_node]):
         pps = [p for p in divisors(world // tp) if p <= cfg.model.layers] if world % tp == 0 else []
         for pp in _choices(space.pp, pps):
             if world % (tp * pp):
                 continue
-            data = world // (tp * pp)
-            for fsdp in _choices(space.fsdp, divisors(data)):
-                if data % fsdp == 0 and (space.dp is None or space.dp * fsdp == data):
-                    yield {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp}
+            rest = world // (tp * pp)
+            cps = [c for c in divisors(rest) if cfg.train.seq_len % (2 * c) == 0]
+            for cp in _choices(space.cp, [1] + [c for c in cps if c > 1]):
+                if rest % cp:
+                    continue
+                data = rest // cp
+                for fsdp in _choices(space.fsdp, divisors(data)):
+                    if data % fsdp == 0 and (space.dp is None or space.dp * fsdp == data):
+                        yield {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp}
 
 
 def _schedules(cfg: Config, space: Space) -> list[tuple[str, int]]:
