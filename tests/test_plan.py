@@ -521,6 +521,28 @@ def test_deepspeed_zero3_keeps_its_live_parameters():
     assert wb.overhead - ds.overhead > 2 * 2 * block  # at least two bf16 blocks fewer
 
 
+def test_unfused_attention_of_2021_megatron():
+    """Without a flash kernel (Megatron as PTD-P ran it, `megatron-2021`) attention is two
+    matmuls over the whole s x s square at the GEMM rate and 9 bytes a score element
+    through softmax and dropout at HBM bandwidth; it keeps 5·a·s bytes a token of scores
+    unless recomputed (Korthikanti's 5as/h term)."""
+    from tetrad.plan.compute import ComputeModel, gemm_factor
+
+    engine = ENGINES["megatron-2021"]
+    device = cluster_preset("a100").device
+    cm = ComputeModel(device, engine.kernels)
+    m = gpt_as_llama(24, 2304, 24, 51200, 2048)
+    got = cm.block_forward(m, 1, False, 2048, 1, 2048, "bf16").attention
+    rate = device.flops_per_s("bf16") * gemm_factor(2048) ** 2
+    assert got == pytest.approx(4 * 2048**2 * 2304 / rate + 24 * 2048**2 * 9 / device.hbm_Bps)
+    cfg = layout_config(m, 32, 2048, fsdp=32)
+    new = Planner(cluster_preset("a100"), MEGATRON, "none")
+    old = Planner(cluster_preset("a100"), engine, "none")
+    assert old.predict(cfg).step_time_s > 1.2 * new.predict(cfg).step_time_s
+    scores = 5 * 24 * 2048 * 2048 * m.layers  # one sequence a microbatch
+    assert old.rank_activations(cfg, 0) - new.rank_activations(cfg, 0) >= scores
+
+
 # --- context parallelism ------------------------------------------------------------------
 
 

@@ -156,6 +156,13 @@ def llama_layer(
     return items
 
 
+def attention_scores(m: ModelConfig, seq_len: int) -> list[Saved]:
+    """What attention without a flash kernel keeps per query token (Korthikanti's 5as/h
+    term, 16-bit): the softmax output, the dropout's 1-byte mask and its output, one
+    element per head and key position."""
+    return [Saved("softmax out, dropout mask and out", 5 * m.heads * seq_len, "tp")]
+
+
 def cp_gathered_kv(m: ModelConfig, t: int, dtype: str, cp: int, seq_len: int,
                    gqa_native: bool = False) -> list[Saved]:  # fmt: skip
     """What an all-gather context-parallel core keeps beyond the local layer, per local

@@ -48,7 +48,7 @@ from tetrad.parallel.pipeline.schedules import (
 from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.plan import activations as act
-from tetrad.plan.compute import ComputeModel, Kernels, backward
+from tetrad.plan.compute import ComputeModel, Kernels
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster, at_efficiency
 
@@ -135,10 +135,19 @@ DEEPSPEED = Engine(
     kernels=Kernels(fused=True), gather_bucket=5e7, reduce_bucket=5e8, gather_overlap=False,
     max_live_params=1e9,
 )  # fmt: skip
+# Megatron-LM as Narayanan et al. (2021) ran PTD-P: fused kernels (layer norm, bias-GeLU,
+# scale-mask-softmax) but no flash attention (it came in 2022) and no sequence
+# parallelism, TP and gradient all-reduces not overlapped (the all-reduce after the
+# pipeline flush), the uniform split, the interleaved schedule
+MEGATRON_2021 = Engine(
+    "megatron-2021", grad_overlap=False, kernels=Kernels(True, "unfused"), split="uniform",
+    split_w_with_tp=True,
+)  # fmt: skip
 ENGINES = {
     e.name: e
-    for e in (TETRAD, MEGATRON, TORCHTITAN, TORCHTITAN_COMPILE, TORCHTITAN_ASYNC_TP, DEEPSPEED)
-}
+    for e in (TETRAD, MEGATRON, MEGATRON_2021, TORCHTITAN, TORCHTITAN_COMPILE,
+              TORCHTITAN_ASYNC_TP, DEEPSPEED)
+}  # fmt: skip
 
 
 @dataclass
@@ -198,6 +207,7 @@ class Planner:
             cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
             engine.kernels.fused, engine.kernels.gqa_native, engine.chunked_loss,
             live=(engine.max_live_params, engine.reduce_bucket), cp_gathers_kv=engine.cp_gathers_kv,
+            scores=engine.kernels.attention == "unfused",
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
@@ -309,13 +319,13 @@ class Planner:
         b = cfg.microbatch_size
         tokens = b * s // p.cp  # this rank's: cp splits every sequence
         fwd = self.compute.block_forward(m, p.tp, p.sp, tokens, b, s, dt, p.cp)
-        bwd = backward(fwd)
+        bwd = self.compute.backward(fwd)
         redo = {"none": 0.0, "selective": 0.0, "full": fwd.total, "op": fwd.gemm / 2}
         embed = tokens * m.dim * _cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
         head = self.compute.head(m, p.tp, tokens, dt)
         per = {
             "F": [embed] + [fwd.total] * m.layers + [head.total],
-            "B": [embed] + [bwd.total + redo[self.recompute]] * m.layers + [backward(head).total],
+            "B": [embed] + [bwd.total + redo[self.recompute]] * m.layers + [self.compute.backward(head).total],
             "W": [0.0] + [fwd.gemm] * m.layers + [head.gemm],
         }
         split = self.split(cfg)
@@ -358,7 +368,7 @@ class Planner:
                    "B": link.time("reduce_scatter", p.cp, nbytes)}  # fmt: skip
         m, s, b = cfg.model, cfg.train.seq_len, cfg.microbatch_size
         fwd = self.compute.block_forward(m, p.tp, p.sp, b * s // p.cp, b, s, cfg.train.dtype, p.cp)
-        window = {"F": fwd.attention, "B": backward(fwd).attention}
+        window = {"F": fwd.attention, "B": self.compute.backward(fwd).attention}
         for kind in "FB":
             exposed = seconds[kind]
             if self.engine.cp_overlap:  # each of the cp - 1 hops beside one block's attention

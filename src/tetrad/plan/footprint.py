@@ -76,8 +76,10 @@ class Footprint:
         self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool,
         fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
         live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
+        scores: bool = False,
     ):  # fmt: skip
         self.cp_gathers_kv = cp_gathers_kv
+        self.scores = scores  # attention materialises the s x s scores (no flash kernel)
         self.device, self.recompute, self.fused = device, recompute, fused
         # (most gathered ZeRO-3 elements kept at once, gradient bucket): (0, _) whole units
         self.max_live, self.reduce_bucket = live
@@ -143,6 +145,8 @@ class Footprint:
         layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
                                 gqa_native=self.gqa_native)  # fmt: skip
         layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
+        if self.scores and self.recompute in ("none", "op"):
+            layer_bytes += act.total_bytes(act.attention_scores(m, cfg.train.seq_len), b, s, p.tp)
         if p.cp > 1 and self.cp_gathers_kv and self.recompute not in ("full", "op"):
             gathered = act.cp_gathered_kv(m, p.tp, dt, p.cp, cfg.train.seq_len, self.gqa_native)
             layer_bytes += act.total_bytes(gathered, b, s, p.tp, p.sp)
@@ -213,6 +217,8 @@ class Footprint:
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
         b, s = cfg.microbatch_size, _local_seq(cfg)
         transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp, self.fused)
+        if self.scores:  # the layer in backward (recomputed or kept) holds its scores
+            transient += act.total_bytes(act.attention_scores(m, cfg.train.seq_len), b, s, p.tp)
         if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
                                                       p.pp_schedule):  # fmt: skip
             chunk = cfg.train.loss_chunk if self.chunked_loss else 0
