@@ -543,6 +543,25 @@ def test_unfused_attention_of_2021_megatron():
     assert old.rank_activations(cfg, 0) - new.rank_activations(cfg, 0) >= scores
 
 
+def test_gradient_reduction_is_charged_to_its_axis():
+    """The reduce-scatter over the shard group is `fsdp` time, the all-reduce over the
+    replicas `dp` time: an fsdp-only layout shows no `dp` term (it once showed its
+    reduce-scatter there), HSDP shows both, plain DP only `dp`."""
+    cpu = cluster_preset("cpu")  # nothing overlaps: every second of the reduction shows
+    planner = Planner(cpu)
+    small = model_preset("small")
+    fsdp = planner.predict(layout_config(small, 16, 128, "fp32", fsdp=2))
+    assert fsdp.breakdown["dp"] == 0.0
+    fa = planner.rank_facts(layout_config(small, 16, 128, "fp32", fsdp=2), 0)
+    units = fa.layer_units + 1
+    rs = units * cpu.link(1, 2).time("reduce_scatter", 2, fa.psi * 4 / units)
+    assert fsdp.breakdown["fsdp"] >= rs
+    hsdp = planner.predict(layout_config(small, 16, 128, "fp32", dp=2, fsdp=2))
+    assert hsdp.breakdown["dp"] > 0 and hsdp.breakdown["fsdp"] > 0
+    dp = planner.predict(layout_config(small, 16, 128, "fp32", dp=2))
+    assert dp.breakdown["dp"] > 0 and dp.breakdown["fsdp"] == 0.0
+
+
 # --- context parallelism ------------------------------------------------------------------
 
 

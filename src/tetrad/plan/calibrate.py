@@ -149,9 +149,7 @@ def _trial(planner: Any, runs: list[Run], scale: float, prior: bool) -> _Trial:
     log_eff = sum(w * math.log(e) for w, e in zip(weights, implied)) / sum(weights)
     eff = math.exp(log_eff)
     predicted = [predicted_step(linked, r.cfg, eff) for r in runs]
-    objective = sum(
-        (math.log(p / r.step_time_s) / _sigma(r)) ** 2 for p, r in zip(predicted, runs)
-    )
+    objective = sum((math.log(p / r.step_time_s) / _sigma(r)) ** 2 for p, r in zip(predicted, runs))
     if prior:
         objective += (math.log(scale) / LINK_PRIOR) ** 2
     return _Trial(scale, objective, eff, implied, predicted)

@@ -325,7 +325,9 @@ class Planner:
         head = self.compute.head(m, p.tp, tokens, dt)
         per = {
             "F": [embed] + [fwd.total] * m.layers + [head.total],
-            "B": [embed] + [bwd.total + redo[self.recompute]] * m.layers + [self.compute.backward(head).total],
+            "B": [embed]
+            + [bwd.total + redo[self.recompute]] * m.layers
+            + [self.compute.backward(head).total],
             "W": [0.0] + [fwd.gemm] * m.layers + [head.gemm],
         }
         split = self.split(cfg)
