@@ -154,10 +154,10 @@ GLOO_LOOPBACK = Link("gloo-loopback", 3.5e-4, 0.76e9)
 # (attention and elementwise work are priced apart, plan.compute): the median over the
 # development rows of each kind of the share that reproduces the row (docs/plan.md,
 # "Efficiency"); H200 takes H100's (same die and clocks, no bf16 row to check).
-GEMM_EFFICIENCY = {"h100": 0.61, "h100-hbm2e": 0.50, "a100": 0.72, "h200": 0.61}
+GEMM_EFFICIENCY = {"h100": 0.62, "h100-hbm2e": 0.50, "a100": 0.72, "h200": 0.62}
 # the lowest and highest implied efficiency of those rows over the median (docs/plan.md)
-SPREAD = {"h100": (0.88, 1.19), "h100-hbm2e": (0.91, 1.11), "a100": (0.89, 1.04),
-          "h200": (0.88, 1.19)}  # fmt: skip
+SPREAD = {"h100": (0.87, 1.18), "h100-hbm2e": (0.91, 1.11), "a100": (0.89, 1.04),
+          "h200": (0.87, 1.18)}  # fmt: skip
 
 
 def _gpu(device: Device) -> Device:
