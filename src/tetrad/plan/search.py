@@ -11,7 +11,10 @@ the batch per data rank; at least pp when pp > 1). Each candidate must pass
 
 Pruned, as never better in this model: SP off when tp > 1 (SP moves the same bus bytes
 with less memory and 1/t of the pipeline's p2p); GPipe (1F1B's bubble, more memory);
-ZeRO-1 (ZeRO-2's traffic, more memory). Degrees whose model state alone overflows the
+ZeRO-1 (ZeRO-2's traffic, more memory); cp > 1 for a (tp, pp) that already fits at
+cp = 1 (the same ranks as data parallelism do the same per-rank work and gradient
+traffic without the key/value exchange: cp only buys memory, or a batch too small to
+split). Degrees whose model state alone overflows the
 device are dropped before any schedule is simulated. Within a family (everything fixed but the
 microbatch count) counts are walked upward: activation memory falls as microbatches
 shrink, so counts whose memory floor overflows are skipped unsimulated, and the walk
@@ -152,12 +155,18 @@ def search(
     """The `top` fastest predicted layouts that fit in memory, fastest first."""
     found: list[tuple[float, float, int, Config]] = []
     capacity = planner.cluster.device.hbm_bytes
+    fitted: set[tuple[int, int]] = set()  # (tp, pp) with a layout that fits at cp = 1
     for family in families(cfg, world, planner.cluster.gpus_per_node, space):
         first = family[0]
+        p = first.parallel
+        if p.cp > 1 and space.cp is None and (p.tp, p.pp) in fitted:
+            continue  # those ranks as data parallelism fit, and are faster (no exchange)
         states = [planner.rank_facts(first, r).state.total for r in range(first.parallel.pp)]
         if max(states) >= capacity:
             continue  # the model state alone overflows, whatever the microbatches
         for t, mem, cand in _best_of_family(planner, family):
             found.append((t, mem, len(found), cand))
+            if p.cp == 1:
+                fitted.add((p.tp, p.pp))
     found.sort(key=lambda x: x[:3])
     return [planner.predict(cand) for *_, cand in found[:top]]
