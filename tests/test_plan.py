@@ -24,7 +24,14 @@ from tetrad.models.flops import param_count
 from tetrad.parallel.memory import model_state_bytes, zero_formula_bytes
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
-from tetrad.plan.cost import ENGINES, MEGATRON, Planner, gpt_as_llama, layout_config
+from tetrad.plan.cost import (
+    ENGINES,
+    MEGATRON,
+    Planner,
+    cp_exchange_bytes,
+    gpt_as_llama,
+    layout_config,
+)
 from tetrad.plan.hardware import GiB, calibrated, cluster_preset
 from tetrad.plan.search import Space, search
 
@@ -470,6 +477,145 @@ def test_latency_at_scale():
         want = min(ring_latency + transfer * nbytes, tree + transfer * nbytes / 0.9)
         assert link.time("all_reduce", 1536, nbytes) == pytest.approx(want)
     assert link.time("all_reduce", 1536, 40e9) == pytest.approx(ring_latency + transfer * 40e9)
+
+
+def test_megatron_split_counts_embedding_and_loss():
+    """Megatron splits layers uniformly; 126 layers on 16 stages divide only with the
+    embedding and the loss counted as a layer each (Llama 3 405B's own arrangement: one
+    layer fewer on the first and last stages). tetrad balances on analytic costs."""
+    cfg = layout_config(LLAMA31_405B, 2048, 8192, fsdp=64, tp=8, pp=16, sp=True,
+                        microbatches=32)  # fmt: skip
+    assert Planner(cluster_preset("h100"), MEGATRON).split(cfg) == [7] + [8] * 14 + [7]
+    # the README's 70B (84 layers, pp 2, 7 chunks a rank): 6 layers a chunk, the head on top
+    # of the last; tetrad's balanced split gives that chunk fewer
+    cfg70 = layout_config(gpt_as_llama(84, 8192, 64, 131072, 4096), 384, 4096, fsdp=48, tp=8,
+                          pp=2, sp=True, pp_schedule="interleaved-1f1b", virtual_stages=7,
+                          microbatches=4)  # fmt: skip
+    assert Planner(cluster_preset("h100"), MEGATRON).split(cfg70) == [6] * 14
+    assert Planner(cluster_preset("h100")).split(cfg70) != [6] * 14
+
+
+def test_llama3_405b_production_layout_fits():
+    """Llama 3 405B as it trained (tp 8, pp 16, data-sharded over 64, seq 8192, no
+    recompute, 80 GB H100s), described with Megatron's kernels and sharded state: fits;
+    tetrad's own eager count of the same layout does not."""
+    cfg = layout_config(LLAMA31_405B, 2048, 8192, fsdp=64, tp=8, pp=16, sp=True,
+                        zero_stage=3, microbatches=32)  # fmt: skip
+    mem = Planner(cluster_preset("h100"), MEGATRON).predict(cfg).memory
+    assert mem.fits, mem
+    assert not Planner(cluster_preset("h100")).predict(cfg).memory.fits
+
+
+def test_deepspeed_zero3_keeps_its_live_parameters():
+    """DeepSpeed ZeRO-3 keeps at most `stage3_max_live_parameters` (1e9) gathered elements
+    and two reduce buckets of gradients, not two whole blocks: GPT 530B over 560 A100s
+    (4 sequences a GPU, full recompute) fits in 80 GB, where whole-block buffers (20 GB
+    of gathered bf16 blocks alone) would not."""
+    model = gpt_as_llama(105, 20480, 128, 51200, 2048)
+    cfg = layout_config(model, 2240, 2048, fsdp=560, zero_stage=3)
+    ds = Planner(cluster_preset("a100"), ENGINES["deepspeed"], "full").predict(cfg).memory
+    whole = dataclasses.replace(ENGINES["deepspeed"], max_live_params=0.0)
+    wb = Planner(cluster_preset("a100"), whole, "full").predict(cfg).memory
+    assert ds.fits and not wb.fits
+    block = 12 * 20480**2  # elements of a GPT block
+    assert wb.overhead - ds.overhead > 2 * 2 * block  # at least two bf16 blocks fewer
+
+
+def test_unfused_attention_of_2021_megatron():
+    """Without a flash kernel (Megatron as PTD-P ran it, `megatron-2021`) attention is two
+    matmuls over the whole s x s square at the GEMM rate and 9 bytes a score element
+    through softmax and dropout at HBM bandwidth; it keeps 5·a·s bytes a token of scores
+    unless recomputed (Korthikanti's 5as/h term)."""
+    from tetrad.plan.compute import ComputeModel, gemm_factor
+
+    engine = ENGINES["megatron-2021"]
+    device = cluster_preset("a100").device
+    cm = ComputeModel(device, engine.kernels)
+    m = gpt_as_llama(24, 2304, 24, 51200, 2048)
+    got = cm.block_forward(m, 1, False, 2048, 1, 2048, "bf16").attention
+    rate = device.flops_per_s("bf16") * gemm_factor(2048) ** 2
+    assert got == pytest.approx(4 * 2048**2 * 2304 / rate + 24 * 2048**2 * 9 / device.hbm_Bps)
+    cfg = layout_config(m, 32, 2048, fsdp=32)
+    new = Planner(cluster_preset("a100"), MEGATRON, "none")
+    old = Planner(cluster_preset("a100"), engine, "none")
+    assert old.predict(cfg).step_time_s > 1.2 * new.predict(cfg).step_time_s
+    scores = 5 * 24 * 2048 * 2048 * m.layers  # one sequence a microbatch
+    assert old.rank_activations(cfg, 0) - new.rank_activations(cfg, 0) >= scores
+
+
+def test_gradient_reduction_is_charged_to_its_axis():
+    """The reduce-scatter over the shard group is `fsdp` time, the all-reduce over the
+    replicas `dp` time: an fsdp-only layout shows no `dp` term (it once showed its
+    reduce-scatter there), HSDP shows both, plain DP only `dp`."""
+    cpu = cluster_preset("cpu")  # nothing overlaps: every second of the reduction shows
+    planner = Planner(cpu)
+    small = model_preset("small")
+    fsdp = planner.predict(layout_config(small, 16, 128, "fp32", fsdp=2))
+    assert fsdp.breakdown["dp"] == 0.0
+    fa = planner.rank_facts(layout_config(small, 16, 128, "fp32", fsdp=2), 0)
+    units = fa.layer_units + 1
+    rs = units * cpu.link(1, 2).time("reduce_scatter", 2, fa.psi * 4 / units)
+    assert fsdp.breakdown["fsdp"] >= rs
+    hsdp = planner.predict(layout_config(small, 16, 128, "fp32", dp=2, fsdp=2))
+    assert hsdp.breakdown["dp"] > 0 and hsdp.breakdown["fsdp"] > 0
+    dp = planner.predict(layout_config(small, 16, 128, "fp32", dp=2))
+    assert dp.breakdown["dp"] > 0 and dp.breakdown["fsdp"] == 0.0
+
+
+# --- context parallelism ------------------------------------------------------------------
+
+
+def _cp_pair():
+    """llama3-8b at one sequence a microbatch, seq 8192: fsdp 8, and fsdp 4 x cp 2."""
+    m = model_preset("llama3-8b")
+    return layout_config(m, 8, 8192, fsdp=8), layout_config(m, 4, 8192, fsdp=4, cp=2)
+
+
+def test_cp_halves_activations_and_compute():
+    """cp 2 holds half of every sequence: a ring core (Megatron, torchtitan) keeps half
+    the activations of cp 1 and does half the compute (attention too: the chunks are
+    load-balanced); tetrad's all-gather core also keeps the other shard's keys and values
+    and the mask by global position, per layer."""
+    one, two = _cp_pair()
+    ring = Planner(cluster_preset("h100"), MEGATRON)
+    assert ring.rank_activations(two, 0) == pytest.approx(ring.rank_activations(one, 0) / 2)
+    tetrad = Planner(cluster_preset("h100"))
+    m = one.model
+    extra = act.total_bytes(act.cp_gathered_kv(m, 1, "bf16", 2, 8192), 1, 4096)
+    want = tetrad.rank_activations(one, 0) / 2 + m.layers * extra
+    assert tetrad.rank_activations(two, 0) == pytest.approx(want)
+    assert extra == 2 * 2 * 4096 * 4096 + 4096 * 8192  # repeated k, v of 4096 more tokens; mask
+    c1, c2 = (tetrad.predict(c).breakdown["compute"] for c in (one, two))
+    assert c2 == pytest.approx(c1 / 2)
+
+
+def test_cp_exchange_bytes_and_time():
+    """Each attention layer receives the other shards' keys and values, 2·(cp-1)/cp · b·s·
+    kv·hd·c bytes (kv heads on this tp rank), forward, and dk, dv backward; tetrad's
+    all-gather core waits for both, a ring engine hides them behind attention."""
+    m = model_preset("llama3-8b")
+    cfg = layout_config(m, 2, 8192, fsdp=2, tp=2, cp=2, sp=True)  # one sequence a rank
+    kv = m.kv_heads // 2
+    assert cp_exchange_bytes(cfg) == 2 * (2 - 1) / 2 * 1 * 8192 * kv * m.head_dim * 2
+    cluster = cluster_preset("h100")
+    link = cluster.link(2, 2)  # cp ranks tp apart
+    whole = 2 * cp_exchange_bytes(cfg)
+    one = link.time("all_gather", 2, whole) + link.time("reduce_scatter", 2, whole)
+    pred = Planner(cluster).predict(cfg)
+    assert pred.breakdown["cp"] == pytest.approx(m.layers * one)
+    assert Planner(cluster, MEGATRON).predict(cfg).breakdown["cp"] < pred.breakdown["cp"] / 2
+    assert pred.layout["cp"] == 2
+
+
+def test_search_finds_cp_where_nothing_else_fits():
+    """llama3-8b at 131,072 tokens a sequence on 16 H100s (Megatron's kernels, no
+    recompute): no layout without cp fits; the search finds tp 8 x cp 2."""
+    planner = Planner(cluster_preset("h100"), MEGATRON)
+    base = layout_config(model_preset("llama3-8b"), 4, 131072)
+    assert search(planner, base, 16, Space(cp=1)) == []
+    best = search(planner, base, 16, top=3)
+    assert best and all(p.layout["cp"] > 1 and p.memory.fits for p in best)
+    assert all(131072 % (2 * p.layout["cp"]) == 0 for p in best)
 
 
 def test_calibration_from_a_bench_json(tmp_path):

@@ -156,6 +156,28 @@ def llama_layer(
     return items
 
 
+def attention_scores(m: ModelConfig, seq_len: int) -> list[Saved]:
+    """What attention without a flash kernel keeps per query token (Korthikanti's 5as/h
+    term, 16-bit): the softmax output, the dropout's 1-byte mask and its output, one
+    element per head and key position."""
+    return [Saved("softmax out, dropout mask and out", 5 * m.heads * seq_len, "tp")]
+
+
+def cp_gathered_kv(m: ModelConfig, t: int, dtype: str, cp: int, seq_len: int,
+                   gqa_native: bool = False) -> list[Saved]:  # fmt: skip
+    """What an all-gather context-parallel core keeps beyond the local layer, per local
+    token: the other cp - 1 shards' keys and values (repeated to the query heads unless
+    the kernel reads kv heads natively), which attention saves for its backward; and per
+    local position the boolean causal mask against all `seq_len` global positions."""
+    c, hd = DTYPE_BYTES[dtype], m.head_dim
+    heads, kv = _local_heads(m, t)
+    width = heads * hd if heads > kv and not gqa_native else kv * hd
+    return [
+        Saved("other shards' k, v", 2 * c * width * (cp - 1), "rank"),
+        Saved("mask by global position", per_position=seq_len, split="rank"),
+    ]
+
+
 def _op_policy(m: ModelConfig, t: int, c: int, heads: int) -> list[Saved]:
     """torchtitan's per-op selective checkpointing: the block input, flash attention's
     outputs and every other matmul output are kept; the rest is recomputed."""

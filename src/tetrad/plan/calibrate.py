@@ -1,21 +1,31 @@
 """Calibrate the planner on a machine from tetrad's own runs there (`--from-run`).
 
 A run directory holds `config.json` (the whole Config) and `metrics.jsonl` (one row per
-step, `step_time_s` among them). Its measured step is the fastest of the steps after the
-first quarter (warm-up: allocator, caches, the first collectives' setup): on a machine
-shared with other work, the least disturbed step is the most reproducible estimate.
+step, `step_time_s` among them). Its measured step is the median of the steps after
+warm-up (the first quarter, at least two steps: allocator, caches, the first
+collectives' setup): on a machine shared with other work the median is what a step
+costs at that load, where the fastest step is one lucky sample. The steps' own spread
+(median absolute deviation over the median) says how far that figure can be trusted.
 
-Two things are fitted, the rest of the model is kept:
-- the GEMM efficiency of the device: for each run, the efficiency at which the planner
-  reproduces its measured step (bisection; the step falls monotonically as it rises);
-  the fitted value is the median over the runs;
-- with two runs or more, a scale on the links (bandwidth up, latency down, together):
-  the one, on a grid from 1/32 to 4x, that makes the runs' implied efficiencies
-  agree best, so a run that communicates more than another tells the links apart from
-  the compute. A `tetrad bench comm` JSON, when given, fixes the links instead.
+The planner's model of the machine has two physical unknowns, both fitted, the rest of
+the model kept:
+- `e`, the share of the device's declared peak its GEMMs reach (compute efficiency);
+- `k`, a scale on the links (bandwidth x k, latency / k: gloo over loopback is slower
+  or faster than its preset, or the `tetrad bench comm` fit, by one factor).
 
-The spread of the runs' implied efficiencies around the fitted one is the prediction's
-uncertainty (`Cluster.spread`), as the development rows' spread is for the presets.
+The fit is least squares on log step time, each run weighted by its own noise (its
+steps' spread, at least `MODEL_NOISE`), with a log-normal prior on k around the preset
+(`LINK_PRIOR`: a factor of 2 is one standard deviation): with runs whose communication
+is a small share of the step, their differences say little about the links, and a
+prior keeps one noisy run from moving k to a bound. For each k on a grid from 1/16 to
+16 the best e is found (each run's implied efficiency, the e that reproduces it
+exactly, combined as the weighted geometric mean), then the k with the lowest
+objective is kept. A `tetrad bench comm` JSON, when given, fixes the links (k = 1 on
+the measured ones) and only e is fitted.
+
+The spread of the runs' implied efficiencies around the fitted one (at the fitted k)
+is the prediction's uncertainty (`Cluster.spread`), as the development rows' spread is
+for the presets.
 """
 
 from __future__ import annotations
@@ -29,22 +39,27 @@ from pathlib import Path
 from typing import Any
 
 from tetrad.config import Config, from_dict
-from tetrad.plan.hardware import Cluster, Link
+from tetrad.plan.hardware import Cluster, Link, at_efficiency
 
-LINK_SCALES = tuple(2.0 ** (k / 2) for k in range(-10, 5))  # 1/32 to 4, by sqrt(2)
+LINK_SCALES = tuple(2.0 ** (k / 2) for k in range(-8, 9))  # 1/16 to 16, by sqrt(2)
+LINK_PRIOR = math.log(2.0)  # one standard deviation of log k around the preset's links
+MODEL_NOISE = 0.05  # the least relative error a run is trusted to (the model's own)
+EFFICIENCY_BOUNDS = (1e-3, 1.0)
 
 
 @dataclass
 class Run:
-    """One measured run: its Config and its steady step time (seconds)."""
+    """One measured run: its Config, its steady step time (seconds, the median after
+    warm-up) and that figure's relative noise (the steps' spread over the median)."""
 
     path: str
     cfg: Config
     step_time_s: float
+    noise: float = 0.0
 
 
 def read_run(path: str | Path) -> Run:
-    """A run directory's config and fastest steady step time; ValueError if unusable."""
+    """A run directory's config and median steady step time; ValueError if unusable."""
     path = Path(path)
     cfg_file, metrics = path / "config.json", path / "metrics.jsonl"
     if not cfg_file.is_file() or not metrics.is_file():
@@ -58,13 +73,17 @@ def read_run(path: str | Path) -> Run:
             times.append(float(row["step_time_s"]))
     if len(times) < 2:
         raise ValueError(f"{metrics}: {len(times)} timed steps; need at least 2")
-    steady = times[len(times) // 4 :]
-    return Run(str(path), cfg, min(steady))
+    steady = steady_steps(times)
+    median = statistics.median(steady)
+    mad = statistics.median(abs(t - median) for t in steady)
+    return Run(str(path), cfg, median, mad / median)
 
 
-def with_efficiency(cluster: Cluster, efficiency: float) -> Cluster:
-    """`cluster` with its device's GEMM efficiency replaced."""
-    return replace(cluster, device=replace(cluster.device, efficiency=efficiency))
+def steady_steps(times: list[float]) -> list[float]:
+    """The steps after warm-up: all but the first quarter (at least two dropped while
+    at least two remain)."""
+    skip = max(len(times) // 4, min(2, len(times) - 2))
+    return times[skip:]
 
 
 def with_link_scale(cluster: Cluster, scale: float) -> Cluster:
@@ -73,20 +92,27 @@ def with_link_scale(cluster: Cluster, scale: float) -> Cluster:
     def scaled(link: Link) -> Link:
         measured = {op: (a / scale, bw * scale) for op, (a, bw) in link.measured.items()}
         return replace(link, alpha_s=link.alpha_s / scale, base_s=link.base_s / scale,
-                       bw_Bps=link.bw_Bps * scale, measured=measured)  # fmt: skip
+                       intra_alpha_s=link.intra_alpha_s / scale, bw_Bps=link.bw_Bps * scale,
+                       measured=measured)  # fmt: skip
 
     return replace(cluster, intra=scaled(cluster.intra), inter=scaled(cluster.inter))
 
 
-def implied_efficiency(cluster: Cluster, engine: Any, cfg: Config, step_s: float) -> float:
-    """The GEMM efficiency at which the planner predicts `step_s` for `cfg`."""
-    from tetrad.plan.cost import Planner
+def predicted_step(planner: Any, cfg: Config, efficiency: float) -> float:
+    """`planner`'s step for `cfg` at GEMM efficiency `efficiency`."""
+    return planner.on(at_efficiency(planner.cluster, efficiency)).predict(cfg, False).step_time_s
 
-    lo, hi = 1e-3, 1.0
-    for _ in range(20):
+
+def implied_efficiency(planner: Any, cfg: Config, step_s: float) -> float:
+    """The GEMM efficiency at which `planner` predicts `step_s` for `cfg`, within
+    EFFICIENCY_BOUNDS (a bound where even it cannot reproduce the step)."""
+    lo, hi = EFFICIENCY_BOUNDS
+    for _ in range(16):  # to 0.03% of the bounds' log range
         mid = math.sqrt(lo * hi)
-        got = Planner(with_efficiency(cluster, mid), engine).predict(cfg, detail=False)
-        lo, hi = (mid, hi) if got.step_time_s > step_s else (lo, mid)
+        if predicted_step(planner, cfg, mid) > step_s:
+            lo = mid
+        else:
+            hi = mid
     return math.sqrt(lo * hi)
 
 
@@ -100,31 +126,56 @@ class Calibration:
     runs: list[dict[str, Any]]
 
 
+@dataclass
+class _Trial:
+    """One link scale's best fit."""
+
+    scale: float
+    objective: float
+    efficiency: float
+    implied: list[float]
+    predicted: list[float]
+
+
+def _sigma(run: Run) -> float:
+    return math.hypot(MODEL_NOISE, run.noise)
+
+
+def _trial(planner: Any, runs: list[Run], scale: float, prior: bool) -> _Trial:
+    """The best efficiency at link scale `scale` and the fit's objective there."""
+    linked = planner.on(with_link_scale(planner.cluster, scale))
+    implied = [implied_efficiency(linked, r.cfg, r.step_time_s) for r in runs]
+    weights = [1 / _sigma(r) ** 2 for r in runs]
+    log_eff = sum(w * math.log(e) for w, e in zip(weights, implied)) / sum(weights)
+    eff = math.exp(log_eff)
+    predicted = [predicted_step(linked, r.cfg, eff) for r in runs]
+    objective = sum((math.log(p / r.step_time_s) / _sigma(r)) ** 2 for p, r in zip(predicted, runs))
+    if prior:
+        objective += (math.log(scale) / LINK_PRIOR) ** 2
+    return _Trial(scale, objective, eff, implied, predicted)
+
+
 def calibrate(
     cluster: Cluster, engine: Any, runs: list[Run], fit_links: bool = True
 ) -> tuple[Cluster, Calibration]:
-    """`cluster` fitted to `runs` (efficiency; links too with two runs or more)."""
+    """`cluster` fitted to `runs` (efficiency; links too unless `fit_links` is False)."""
     if not runs:
         raise ValueError("calibrate needs at least one run")
-    scales = LINK_SCALES if fit_links and len(runs) > 1 else (1.0,)
-    best = None
-    for scale in scales:
-        linked = with_link_scale(cluster, scale)
-        implied = [implied_efficiency(linked, engine, r.cfg, r.step_time_s) for r in runs]
-        spread = max(implied) / min(implied)
-        if best is None or spread < best[0] - 1e-9:
-            best = (spread, scale, implied)
-    _, scale, implied = best
-    eff = statistics.median(implied)
-    fitted = with_efficiency(with_link_scale(cluster, scale), eff)
-    ratios = (min(implied) / eff, max(implied) / eff)
-    fitted = replace(fitted, spread=ratios)
+    from tetrad.plan.cost import Planner
+
+    planner = Planner(cluster, engine)
+    scales = LINK_SCALES if fit_links else (1.0,)
+    best = min((_trial(planner, runs, s, fit_links) for s in scales),
+               key=lambda t: t.objective)  # fmt: skip
+    ratios = (min(best.implied) / best.efficiency, max(best.implied) / best.efficiency)
+    fitted = at_efficiency(with_link_scale(cluster, best.scale), best.efficiency)
+    fitted = replace(fitted, spread=(min(ratios[0], 1.0), max(ratios[1], 1.0)))
     table = [
         {"run": r.path, "layout": _layout(r.cfg), "step_time_s": r.step_time_s,
-         "implied_efficiency": e}
-        for r, e in zip(runs, implied)
+         "noise": r.noise, "implied_efficiency": e, "predicted_step_time_s": p}
+        for r, e, p in zip(runs, best.implied, best.predicted)
     ]  # fmt: skip
-    return fitted, Calibration(eff, scale, ratios, table)
+    return fitted, Calibration(best.efficiency, best.scale, fitted.spread, table)
 
 
 def _layout(cfg: Config) -> dict[str, Any]:

@@ -26,12 +26,12 @@ from tetrad.parallel.pipeline.schedules import SCHEDULES
 from tetrad.plan.activations import RECOMPUTE
 from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
 from tetrad.plan.cost import ENGINES, Planner, layout_config
-from tetrad.plan.hardware import CLUSTERS, Cluster, calibrated, cluster_preset
+from tetrad.plan.hardware import CLUSTERS, Cluster, at_efficiency, calibrated, cluster_preset
 from tetrad.plan.search import Space, search
 
 GiB = 2**30
 MODEL_FLAGS = ("layers", "dim", "heads", "kv_heads", "vocab", "ffn_dim")
-LAYOUT_FLAGS = ("dp", "fsdp", "tp", "pp", "zero_stage", "pp_schedule", "microbatches",
+LAYOUT_FLAGS = ("dp", "fsdp", "tp", "pp", "cp", "zero_stage", "pp_schedule", "microbatches",
                 "virtual_stages")  # fmt: skip
 
 
@@ -52,7 +52,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-run", action="append", metavar="RUN", default=[],
                    help="a tetrad run directory (config.json, metrics.jsonl) on this "
                         "machine to fit efficiency and links to; repeatable")  # fmt: skip
-    for flag in ("dp", "fsdp", "tp", "pp", "microbatches", "virtual_stages"):
+    for flag in ("dp", "fsdp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
         p.add_argument("--" + flag.replace("_", "-"), type=int)
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3))
     p.add_argument("--pp-schedule", choices=SCHEDULES)
@@ -107,23 +107,24 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
-        device = dataclasses.replace(cluster.device, efficiency=args.efficiency)
-        cluster = dataclasses.replace(cluster, device=device)
+        cluster = at_efficiency(cluster, args.efficiency)
     return cluster
 
 
 def build_layout(args: argparse.Namespace, model: ModelConfig) -> Config:
     """The full layout to predict: dp fills the world, microbatches default to pp."""
     given = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
-    rest = [given.get(a, 1) for a in ("fsdp", "tp", "pp")]
-    product = rest[0] * rest[1] * rest[2]
+    rest = [given.get(a, 1) for a in ("fsdp", "tp", "pp", "cp")]
+    product = rest[0] * rest[1] * rest[2] * rest[3]
     if "dp" not in given:
         if args.gpus % product:
-            raise ValueError(f"--gpus {args.gpus} is not divisible by fsdp*tp*pp = {product}")
+            raise ValueError(f"--gpus {args.gpus} is not divisible by fsdp*tp*pp*cp = {product}")
         given["dp"] = args.gpus // product
     world = given["dp"] * product
     if world != args.gpus:
-        raise ValueError(f"dp*fsdp*tp*pp = {given['dp']}*{product} = {world} != --gpus {args.gpus}")
+        raise ValueError(
+            f"dp*fsdp*tp*pp*cp = {given['dp']}*{product} = {world} != --gpus {args.gpus}"
+        )
     given.setdefault("microbatches", given.get("pp", 1))
     if given.get("pp_schedule") == "interleaved-1f1b":
         given.setdefault("virtual_stages", 2)
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _config_of(pred: Any, model: ModelConfig, args: argparse.Namespace) -> Config:
     """The Config a prediction's layout describes."""
     lay = pred.layout
-    keys = ("dp", "fsdp", "tp", "pp", "zero_stage", "sp", "pp_schedule", "microbatches",
+    keys = ("dp", "fsdp", "tp", "pp", "cp", "zero_stage", "sp", "pp_schedule", "microbatches",
             "virtual_stages")  # fmt: skip
     return layout_config(model, lay["global_batch"], lay["seq_len"], lay["dtype"],
                          **{k: lay[k] for k in keys})  # fmt: skip
@@ -193,7 +194,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _layout_text(lay: dict[str, Any]) -> str:
-    parts = [f"{a}={lay[a]}" for a in ("dp", "fsdp", "tp", "pp") if lay[a] > 1] or ["single"]
+    parts = [f"{a}={lay[a]}" for a in ("dp", "fsdp", "tp", "pp", "cp") if lay[a] > 1] or ["single"]
     if lay["fsdp"] > 1:
         parts.append(f"zero{lay['zero_stage']}")
     if lay["sp"]:

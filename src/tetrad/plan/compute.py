@@ -42,13 +42,18 @@ ATTENTION = {
     "h200": {"fa2": 0.32, "fa3": 0.55},
 }
 BACKWARD_ATTENTION = 2.5  # flash attention's backward FLOPs over its forward's
+# bytes an s x s score element moves forward without flash attention, in 16-bit units of
+# 2 bytes: the fused scale-mask-softmax reads the scores and writes the probabilities
+# (2 + 2), the dropout reads them and writes its output and a 1-byte mask (2 + 2 + 1)
+UNFUSED_SCORE_BYTES = 9
 BACKWARD_ELEMENTWISE = 2.0  # bytes an elementwise backward moves over its forward's
 
 
 @dataclass(frozen=True)
 class Kernels:
     """How an implementation runs the non-GEMM work: `fused` elementwise kernels (one
-    pass per fused op) or eager ones; `attention` kernel class ("fa2" or "fa3");
+    pass per fused op) or eager ones; `attention` kernel class ("fa2", "fa3", or
+    "unfused": batched matmuls and a softmax over the materialised s x s scores);
     `gqa_native`: the attention kernel reads the kv heads as they are (Transformer
     Engine, flash-attn), where PyTorch's sdpa path repeats them to the query heads first
     and keeps the repeated copies for backward."""
@@ -100,12 +105,29 @@ class ComputeModel:
         return self.device.peak_tflops[dtype] * 1e12 * share
 
     def block_forward(self, m: ModelConfig, t: int, sp: bool, tokens: int, seqs: int,
-                      s: int, dtype: str) -> Parts:  # fmt: skip
-        """One block's forward on one rank for `tokens` = seqs x s tokens."""
+                      s: int, dtype: str, cp: int = 1) -> Parts:  # fmt: skip
+        """One block's forward on one rank for `tokens` local tokens of `seqs` sequences of
+        length `s`; with context parallelism a rank holds s/cp of each sequence and, the
+        chunks load-balanced, 1/cp of the causal attention."""
         gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, dtype) for k, n in _linears(m, t))
-        attention = seqs * 2 * s * s * m.dim / t / self._attention_rate(dtype)  # causal half
         nbytes = tokens * self.elementwise_bytes(m, t, sp, dtype)
+        if self.kernels.attention == "unfused":
+            attention = self._unfused_attention(m, t, seqs, s, dtype) / cp
+        else:
+            attention = seqs * 2 * s * s * m.dim / t / cp / self._attention_rate(dtype)
         return Parts(gemm, attention, nbytes / self.device.hbm_Bps)
+
+    def _unfused_attention(self, m: ModelConfig, t: int, seqs: int, s: int, dtype: str) -> float:
+        """Forward seconds of attention without a flash kernel (Megatron before 2022): two
+        batched matmuls over the whole s x s square (the causal mask is applied to the
+        scores, not skipped: 4·s²·h FLOPs a sequence) at the GEMM rate of an s-wide
+        matmul, and the s x s tensors through the fused scale-mask-softmax and the
+        dropout: `UNFUSED_SCORE_BYTES` bytes an element forward (twice backward, as for
+        every elementwise op), at HBM bandwidth; per tp rank its a/t heads."""
+        c = DTYPE_BYTES[dtype]
+        flops = seqs * 4 * s * s * m.dim / t
+        scores = seqs * (m.heads / t) * s * s * UNFUSED_SCORE_BYTES * c / 2
+        return flops / self._gemm_rate(s, s, dtype) + scores / self.device.hbm_Bps
 
     def elementwise_bytes(self, m: ModelConfig, t: int, sp: bool, dtype: str) -> float:
         """HBM bytes a block's elementwise forward moves per token on one rank."""
@@ -118,6 +140,12 @@ class ComputeModel:
         residual = 2 * 3 * c * h
         return (norms + residual) / (t if sp else 1) + (rotary + gate) / t
 
+    def backward(self, fwd: Parts) -> Parts:
+        """`backward(fwd)` for this kernel set: unfused attention's backward is its two
+        matmuls' four and the score tensors' passes twice over, 2x its forward."""
+        unfused = self.kernels.attention == "unfused"
+        return backward(fwd, BACKWARD_ELEMENTWISE if unfused else BACKWARD_ATTENTION)
+
     def head(self, m: ModelConfig, t: int, tokens: int, dtype: str) -> Parts:
         """The head matmul and the loss's forward on one rank (no attention)."""
         c, v = DTYPE_BYTES[dtype], m.vocab / t
@@ -126,7 +154,8 @@ class ComputeModel:
         return Parts(gemm, 0.0, tokens * v * loss / self.device.hbm_Bps)
 
 
-def backward(fwd: Parts) -> Parts:
-    """The input-gradient part of a block's backward, from its forward."""
-    return Parts(fwd.gemm, BACKWARD_ATTENTION * fwd.attention,
+def backward(fwd: Parts, attention: float = BACKWARD_ATTENTION) -> Parts:
+    """The input-gradient part of a block's backward, from its forward (`attention`: the
+    attention's backward over its forward)."""
+    return Parts(fwd.gemm, attention * fwd.attention,
                  BACKWARD_ELEMENTWISE * fwd.elementwise)  # fmt: skip

@@ -25,8 +25,14 @@ The model, per optimizer step (b microbatch size, s sequence, h hidden, t = tp):
   from `plan.activations` times the microbatches in flight in the simulated timeline;
   and a stated overhead.
 
-`Engine` says what an implementation overlaps: `TETRAD` is tetrad today; `MEGATRON` and
-`TORCHTITAN` describe the published systems the planner is validated against.
+- CP: a rank holds s/cp tokens of each sequence (every per-token term is charged for
+  them, attention for 1/cp of the causal square) and every attention layer receives the
+  keys and values of the other cp - 1 shards forward and their gradients backward
+  (`cp_exchange_bytes`), exposed unless the engine's ring overlaps them.
+
+`Engine` (`plan.engines`) says what an implementation overlaps, runs and keeps: `TETRAD`
+is tetrad today; the others describe the published systems the planner is checked
+against.
 """
 
 from __future__ import annotations
@@ -48,76 +54,23 @@ from tetrad.parallel.pipeline.schedules import (
 from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.plan import activations as act
-from tetrad.plan.compute import ComputeModel, Kernels, backward
+from tetrad.plan.compute import ComputeModel
+from tetrad.plan.engines import (  # noqa: F401  (the engines are part of this module's API)
+    DEEPSPEED,
+    ENGINES,
+    MEGATRON,
+    MEGATRON_2021,
+    TETRAD,
+    TORCHTITAN,
+    TORCHTITAN_ASYNC_TP,
+    TORCHTITAN_COMPILE,
+    TP_OVERLAP,
+    Engine,
+)
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
-from tetrad.plan.hardware import Cluster
+from tetrad.plan.hardware import Cluster, at_efficiency
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
-
-
-@dataclass(frozen=True)
-class Engine:
-    """What an implementation hides or holds, beyond the layout itself.
-
-    tp_overlap: share of TP traffic hidden behind compute. grad_overlap: the gradient
-    reduction overlaps the last microbatch's backward (grad_overlap_pp: also when pp > 1).
-    param_gather_overlap: ZeRO-1/2's post-optimizer all-gather hides behind the next
-    forward. reduce_every_microbatch: gradients are reduced after every microbatch (FSDP2)
-    rather than accumulated unsharded (tetrad: ZeRO-2/3 then hold full gradients).
-    split_w_with_tp: the zero-bubble W is deferred for tp-sharded linears too (tetrad
-    defers plain linears only, so with tp > 1 its B does the weight gradients).
-    sp_saves_shards: under SP the column-parallel linears keep their input's sequence
-    shard and re-gather it for backward (Megatron); tetrad keeps the gathered input.
-    kernels: fused or eager elementwise kernels and the flash-attention class
-    (`plan.compute`); fused kernels also save less (`plan.activations`: a fused norm keeps
-    its bf16 input and no fp32 copy, a fused SwiGLU three f-wide tensors, not four).
-    chunked_loss: the head and the loss run `train.loss_chunk` tokens at a time, never
-    holding full logits (tetrad).
-    """
-
-    name: str
-    tp_overlap: float = 0.0
-    grad_overlap: bool = True
-    grad_overlap_pp: bool = False
-    param_gather_overlap: bool = False
-    reduce_every_microbatch: bool = False
-    split_w_with_tp: bool = False
-    sp_saves_shards: bool = False
-    kernels: Kernels = Kernels()
-    gather_bucket: float = 0.0
-    reduce_bucket: float = 0.0
-    gather_overlap: bool = True
-    chunked_loss: bool = False
-
-
-# Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
-# torchtitan's async TP): a stated fit on the development rows (docs/plan.md).
-TP_OVERLAP = 0.8
-
-TETRAD = Engine("tetrad", chunked_loss=True)
-MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
-    "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
-    split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),
-)  # fmt: skip
-TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True)
-TORCHTITAN_COMPILE = dataclasses.replace(
-    TORCHTITAN, name="torchtitan-compile", kernels=Kernels(fused=True)
-)
-# async TP is a torch.compile pass in torchtitan: compiled kernels as well
-TORCHTITAN_ASYNC_TP = dataclasses.replace(
-    TORCHTITAN_COMPILE, name="torchtitan-async-tp", tp_overlap=TP_OVERLAP
-)
-# DeepSpeed ZeRO-3 (with Megatron's fused kernels, as Megatron-DeepSpeed runs it): gathers
-# in prefetch buckets of 5e7 elements, reduces every micro-step in buckets of 5e8
-# (the defaults of `stage3_prefetch_bucket_size` and `reduce_bucket_size`)
-DEEPSPEED = Engine(
-    "deepspeed", grad_overlap_pp=True, reduce_every_microbatch=True,
-    kernels=Kernels(fused=True), gather_bucket=5e7, reduce_bucket=5e8, gather_overlap=False,
-)  # fmt: skip
-ENGINES = {
-    e.name: e
-    for e in (TETRAD, MEGATRON, TORCHTITAN, TORCHTITAN_COMPILE, TORCHTITAN_ASYNC_TP, DEEPSPEED)
-}
 
 
 @dataclass
@@ -149,9 +102,11 @@ class StageTimes:
     compute: dict[str, list[float]]
     tp: dict[str, list[float]]
     fsdp: dict[str, list[float]]
+    cp: dict[str, list[float]] = field(default_factory=dict)
 
     def total(self, kind: str, stage: int) -> float:
-        return self.compute[kind][stage] + self.tp[kind][stage] + self.fsdp[kind][stage]
+        cp = self.cp[kind][stage] if self.cp else 0.0
+        return self.compute[kind][stage] + self.tp[kind][stage] + self.fsdp[kind][stage] + cp
 
     def costs(self, comm: float) -> Costs:
         n = len(self.compute["F"])
@@ -168,16 +123,27 @@ class Planner:
         if not cluster.overlap:  # nothing runs beside the compute on this machine
             engine = dataclasses.replace(
                 engine, tp_overlap=0.0, grad_overlap=False, param_gather_overlap=False,
-                gather_overlap=False,
+                gather_overlap=False, cp_overlap=False,
             )  # fmt: skip
         self.cluster, self.engine, self.recompute = cluster, engine, recompute
         self.footprint = Footprint(
             cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
             engine.kernels.fused, engine.kernels.gqa_native, engine.chunked_loss,
+            live=(engine.max_live_params, engine.reduce_bucket), cp_gathers_kv=engine.cp_gathers_kv,
+            scores=engine.kernels.attention == "unfused",
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}
+
+    def on(self, cluster: Cluster) -> Planner:
+        """A planner for `cluster` (the same engine and recompute) that shares this one's
+        caches: layer splits, schedules and model facts do not depend on the device's
+        speed, and rebuilding them is most of a small model's prediction."""
+        out = Planner(cluster, self.engine, self.recompute)
+        out._splits, out._schedules = self._splits, self._schedules
+        out.footprint.share_caches(self.footprint)
+        return out
 
     def schedule(self, cfg: Config) -> list:
         """The schedule's action lists (built once per schedule, pp, m and v)."""
@@ -192,7 +158,8 @@ class Planner:
         p = cfg.parallel
         key = (repr(cfg.model), p.pp, p.virtual_stages, p.pp_split, cfg.train.seq_len)
         if key not in self._splits:
-            self._splits[key] = layer_split(cfg)
+            uniform = self.engine.split == "uniform" and not p.pp_split
+            self._splits[key] = (uniform and _uniform_split(cfg)) or layer_split(cfg)
         return self._splits[key]
 
     def predict(self, cfg: Config, detail: bool = True) -> Prediction:
@@ -230,11 +197,8 @@ class Planner:
         lo, hi = self.cluster.spread
         steps = []
         for ratio in (hi, lo):  # the faster end first
-            device = dataclasses.replace(
-                self.cluster.device, efficiency=self.cluster.device.efficiency * ratio
-            )
-            cluster = dataclasses.replace(self.cluster, device=device)
-            steps.append(Planner(cluster, self.engine, self.recompute).predict(cfg, False))
+            cluster = at_efficiency(self.cluster, self.cluster.device.efficiency * ratio)
+            steps.append(self.on(cluster).predict(cfg, False))
         low, high = steps[0].step_time_s, steps[1].step_time_s
         tokens = cfg.train.global_batch * cfg.train.seq_len
         return dataclasses.replace(
@@ -261,9 +225,10 @@ class Planner:
         if self.engine.reduce_every_microbatch:
             for s, seconds in enumerate(self._per_micro_reduction(cfg, facts, compute)):
                 fsdp["B"][s] += seconds
+        cp = self._cp_times(cfg)
         if p.pp_schedule in SPLIT_BACKWARD and not self._w_deferred(cfg):
-            return _fold_w(compute, tp, fsdp)
-        return StageTimes(compute, tp, fsdp)
+            return _fold_w(compute, tp, fsdp, cp)
+        return StageTimes(compute, tp, fsdp, cp)
 
     def _w_deferred(self, cfg: Config) -> bool:
         """Whether the schedule's W actions hold deferred weight gradients."""
@@ -275,14 +240,17 @@ class Planner:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
         m, p, s, dt = cfg.model, cfg.parallel, cfg.train.seq_len, cfg.train.dtype
         b = cfg.microbatch_size
-        fwd = self.compute.block_forward(m, p.tp, p.sp, b * s, b, s, dt)
-        bwd = backward(fwd)
+        tokens = b * s // p.cp  # this rank's: cp splits every sequence
+        fwd = self.compute.block_forward(m, p.tp, p.sp, tokens, b, s, dt, p.cp)
+        bwd = self.compute.backward(fwd)
         redo = {"none": 0.0, "selective": 0.0, "full": fwd.total, "op": fwd.gemm / 2}
-        embed = b * s * m.dim * _cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
-        head = self.compute.head(m, p.tp, b * s, dt)
+        embed = tokens * m.dim * _cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
+        head = self.compute.head(m, p.tp, tokens, dt)
         per = {
             "F": [embed] + [fwd.total] * m.layers + [head.total],
-            "B": [embed] + [bwd.total + redo[self.recompute]] * m.layers + [backward(head).total],
+            "B": [embed]
+            + [bwd.total + redo[self.recompute]] * m.layers
+            + [self.compute.backward(head).total],
             "W": [0.0] + [fwd.gemm] * m.layers + [head.gemm],
         }
         split = self.split(cfg)
@@ -296,7 +264,7 @@ class Planner:
         zero = [0.0] * len(split)
         if p.tp == 1:
             return {"F": list(zero), "B": list(zero), "W": list(zero)}
-        nbytes = cfg.microbatch_size * cfg.train.seq_len * cfg.model.dim * _cbytes(cfg)
+        nbytes = _local_tokens(cfg) * cfg.model.dim * _cbytes(cfg)
         one = self.cluster.link(1, p.tp).time("all_reduce", p.tp, nbytes)
         one *= 1.0 - self.engine.tp_overlap
         f = [2 * n * one for n in split]
@@ -306,6 +274,33 @@ class Planner:
         if p.sp:
             f[-1] += one
         return {"F": f, "B": bwd, "W": list(zero)}
+
+    def _cp_times(self, cfg: Config) -> dict[str, list[float]]:
+        """Exposed context-parallel seconds per microbatch per stage: every attention
+        layer receives the keys and values of the other cp - 1 shards (a ring over the
+        cp ranks, or an all-gather: (cp - 1)/cp of 2·b·s·kv·hd·c bytes, kv the rank's
+        kv heads) forward, and the same for dk and dv backward; on the link the cp group
+        spans (cp ranks tp apart). An engine that overlaps (a ring) runs each of its cp - 1
+        hops beside one block's attention (1/cp of the layer's): only what a hop takes
+        beyond that block shows."""
+        p, split = cfg.parallel, self.split(cfg)
+        out = {k: [0.0] * len(split) for k in "FBW"}
+        if p.cp == 1:
+            return out
+        nbytes = cp_exchange_bytes(cfg) * p.cp / (p.cp - 1)  # the gathered buffer
+        link = self.cluster.link(p.tp, p.cp)
+        seconds = {"F": link.time("all_gather", p.cp, nbytes),
+                   "B": link.time("reduce_scatter", p.cp, nbytes)}  # fmt: skip
+        m, s, b = cfg.model, cfg.train.seq_len, cfg.microbatch_size
+        fwd = self.compute.block_forward(m, p.tp, p.sp, b * s // p.cp, b, s, cfg.train.dtype, p.cp)
+        window = {"F": fwd.attention, "B": self.compute.backward(fwd).attention}
+        for kind in "FB":
+            exposed = seconds[kind]
+            if self.engine.cp_overlap:  # each of the cp - 1 hops beside one block's attention
+                hop, block = exposed / (p.cp - 1), window[kind] / p.cp
+                exposed = (p.cp - 1) * max(0.0, hop - block)
+            out[kind] = [n * exposed for n in split]
+        return out
 
     def _zero3_gathers(
         self, cfg: Config, facts: list[RankFacts], compute: dict[str, list[float]]
@@ -317,7 +312,7 @@ class Planner:
         out = {k: [0.0] * len(split) for k in "FBW"}
         if p.fsdp == 1 or p.zero_stage < 3:
             return out
-        link = self.cluster.link(p.tp, p.fsdp)
+        link = self.cluster.link(p.tp * p.cp, p.fsdp)
         for stage, layers in enumerate(split):
             if layers == 0:
                 continue
@@ -341,7 +336,7 @@ class Planner:
         for stage, layers in enumerate(self.split(cfg)):
             fa = facts[_rank_of_stage(cfg, stage)]
             share = (layers + 1) / (fa.layer_units + 1)  # this chunk's share of the rank
-            seconds = self._grad_reduction(cfg, fa) * share
+            seconds = sum(self._grad_reduction(cfg, fa).values()) * share
             unit = seconds / (layers + 1)
             window = compute["B"][stage] + compute["W"][stage]
             out.append(unit + max(0.0, seconds - unit - window))
@@ -352,26 +347,34 @@ class Planner:
         p = cfg.parallel
         if p.pp == 1:
             return 0.0
-        nbytes = cfg.microbatch_size * cfg.train.seq_len * cfg.model.dim * _cbytes(cfg)
+        nbytes = _local_tokens(cfg) * cfg.model.dim * _cbytes(cfg)
         nbytes /= p.tp if p.sp else 1
-        return self.cluster.p2p_link(p.dp * p.fsdp * p.tp).time("send_recv", 2, nbytes)
+        return self.cluster.p2p_link(p.dp * p.fsdp * p.cp * p.tp).time("send_recv", 2, nbytes)
 
     # --- once per step, after the schedule ------------------------------------------------
 
-    def _grad_reduction(self, cfg: Config, fa: RankFacts) -> float:
-        """Seconds of one rank's gradient reduction over the data axes, unhidden."""
+    def _grad_reduction(self, cfg: Config, fa: RankFacts) -> dict[str, float]:
+        """Seconds of one rank's gradient reduction over the data axes, unhidden, by
+        axis: "fsdp" the reduce-scatter over the shard group, "dp" the all-reduce over
+        the replicas (plain DP's whole gradients, or HSDP's shard)."""
         p = cfg.parallel
-        if p.dp * p.fsdp == 1:
-            return 0.0
+        reps = p.dp * p.cp  # the replicas: cp ranks hold different tokens, the same weights
+        if reps * p.fsdp == 1:
+            return {"dp": 0.0, "fsdp": 0.0}
         bucket = self.engine.reduce_bucket
-        if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients
+        if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients; dp x cp is contiguous
             n = _calls(fa.psi, 1, bucket)
-            return n * self.cluster.link(p.tp, p.dp).time("all_reduce", p.dp, fa.psi * 4 / n)
+            ar = n * self.cluster.link(p.tp, reps).time("all_reduce", reps, fa.psi * 4 / n)
+            return {"dp": ar, "fsdp": 0.0}
         rb = DTYPE_BYTES[p.reduce_dtype]
         n = _calls(fa.psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
-        rs = n * self.cluster.link(p.tp, p.fsdp).time("reduce_scatter", p.fsdp, fa.psi * rb / n)
-        hsdp = self.cluster.link(p.tp * p.fsdp, p.dp).time("all_reduce", p.dp, fa.psi / p.fsdp * 4)
-        return rs + hsdp
+        link = self.cluster.link(p.tp * p.cp, p.fsdp)
+        rs = n * link.time("reduce_scatter", p.fsdp, fa.psi * rb / n)
+        # the replica group dp x cp: cp ranks tp apart, dp ranks tp·cp·fsdp apart; priced
+        # as one group over the span it covers
+        outer = self.cluster.link(p.tp * (p.fsdp if p.dp > 1 else 1), reps)
+        hsdp = outer.time("all_reduce", reps, fa.psi / p.fsdp * 4)
+        return {"dp": hsdp, "fsdp": rs}
 
     def after_schedule(self, cfg: Config, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
         """Exposed seconds of one pp rank after its pipeline work: gradient reduction,
@@ -381,14 +384,17 @@ class Planner:
         stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
         bwd = sum(times.compute["B"][s] + times.compute["W"][s] for s in stages)
         fwd = sum(times.compute["F"][s] for s in stages)
-        grad = 0.0
+        grad = {"dp": 0.0, "fsdp": 0.0}
         if not eng.reduce_every_microbatch:
-            seconds = self._grad_reduction(cfg, fa)
+            parts = self._grad_reduction(cfg, fa)
+            seconds = sum(parts.values())
             hidden = eng.grad_overlap and (p.pp == 1 or eng.grad_overlap_pp)
-            grad = _exposed(seconds, units, bwd if hidden else 0.0)
+            shown = _exposed(seconds, units, bwd if hidden else 0.0)
+            # what shows is shared between the axes as their seconds are
+            grad = {k: shown * v / seconds for k, v in parts.items()} if seconds else grad
         gather = 0.0
         if p.fsdp > 1:
-            link = self.cluster.link(p.tp, p.fsdp)
+            link = self.cluster.link(p.tp * p.cp, p.fsdp)
             if p.zero_stage < 3:
                 seconds = link.time("all_gather", p.fsdp, fa.psi * _cbytes(cfg))
                 gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
@@ -396,7 +402,7 @@ class Planner:
                 gather = link.time("all_gather", p.fsdp, fa.psi_root * _cbytes(cfg))
         shard = fa.psi / p.fsdp
         optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
-        return {"dp": grad, "fsdp": gather, "optimizer": optimizer}
+        return {"dp": grad["dp"], "fsdp": gather + grad["fsdp"], "optimizer": optimizer}
 
     def _breakdown(self, cfg, times, busiest, pipe, tails) -> dict[str, float]:
         """Seconds by cause on the busiest pp rank; the parts sum to the step time."""
@@ -411,6 +417,7 @@ class Planner:
         return {
             "compute": part(times.compute),
             "tp": part(times.tp),
+            "cp": part(times.cp),
             "fsdp": part(times.fsdp) + tail["fsdp"],
             "pp": pipe["makespan"] - pipe["free"],
             "bubble": pipe["free"] - pipe["busy"],
@@ -451,11 +458,39 @@ def _calls(elems: float, units: int, bucket: float) -> int:
     return max(1, math.ceil(elems / bucket)) if bucket else units
 
 
-def _fold_w(compute, tp, fsdp) -> StageTimes:
+def _fold_w(compute, tp, fsdp, cp) -> StageTimes:
     """A split schedule whose W is not deferred: B does the weight gradients itself."""
     moved = {"F": compute["F"], "W": [0.0] * len(compute["W"])}
     moved["B"] = [b + w for b, w in zip(compute["B"], compute["W"])]
-    return StageTimes(moved, tp, fsdp)
+    return StageTimes(moved, tp, fsdp, cp)
+
+
+def _uniform_split(cfg: Config) -> list[int] | None:
+    """Megatron's split: L/S layers a stage, or, where S divides L + 2, the embedding and
+    the loss counted as a layer each (one layer fewer on the first and last stages);
+    None where neither divides."""
+    layers, stages = cfg.model.layers, cfg.parallel.pp * cfg.parallel.virtual_stages
+    if layers % stages == 0:
+        return [layers // stages] * stages
+    if stages > 1 and (layers + 2) % stages == 0 and (layers + 2) // stages > 1:
+        k = (layers + 2) // stages
+        return [k - 1] + [k] * (stages - 2) + [k - 1]
+    return None
+
+
+def _local_tokens(cfg: Config) -> int:
+    """Tokens of one microbatch on one rank: cp splits every sequence."""
+    return cfg.microbatch_size * cfg.train.seq_len // cfg.parallel.cp
+
+
+def cp_exchange_bytes(cfg: Config) -> float:
+    """Bytes of keys and values one rank receives per attention layer and microbatch
+    under context parallelism (forward; dk and dv the same backward): those of the other
+    cp - 1 shards, 2·(cp - 1)/cp · b·s·kv·hd·c, with kv the rank's kv heads."""
+    p, m = cfg.parallel, cfg.model
+    kv = max(m.kv_heads // p.tp, 1)
+    whole = 2 * cfg.microbatch_size * cfg.train.seq_len * kv * m.head_dim * _cbytes(cfg)
+    return (p.cp - 1) / p.cp * whole
 
 
 def _rank_of_stage(cfg: Config, stage: int) -> int:
@@ -471,7 +506,8 @@ def describe(cfg: Config, recompute: str = "none") -> dict[str, Any]:
     """The layout fields of `cfg` a prediction is about."""
     p = cfg.parallel
     return {
-        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage,
+        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
+        "zero_stage": p.zero_stage,
         "sp": p.sp, "pp_schedule": p.pp_schedule, "microbatches": p.microbatches,
         "virtual_stages": p.virtual_stages, "microbatch_size": cfg.microbatch_size,
         "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,

@@ -75,13 +75,23 @@ class Footprint:
     def __init__(
         self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool,
         fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
+        live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
+        scores: bool = False,
     ):  # fmt: skip
+        self.cp_gathers_kv = cp_gathers_kv
+        self.scores = scores  # attention materialises the s x s scores (no flash kernel)
         self.device, self.recompute, self.fused = device, recompute, fused
+        # (most gathered ZeRO-3 elements kept at once, gradient bucket): (0, _) whole units
+        self.max_live, self.reduce_bucket = live
         self.gqa_native = gqa_native
         self.chunked_loss = chunked_loss  # the engine honours train.loss_chunk (tetrad)
         self.sp_saves_shards, self.reduce_every_micro = sp_saves_shards, reduce_every_micro
         self._facts: dict[tuple, RankFacts] = {}
         self._template: dict[tuple, tuple] = {}
+
+    def share_caches(self, other: Footprint) -> None:
+        """Use `other`'s caches of model facts (they depend on the model and layout only)."""
+        self._facts, self._template = other._facts, other._template
 
     # --- model state ------------------------------------------------------------------------
 
@@ -127,12 +137,19 @@ class Footprint:
     # --- activations and the total ----------------------------------------------------------
 
     def stage_activations(self, cfg: Config, split: list[int]) -> list[float]:
-        """Bytes one microbatch leaves on each global stage after its forward."""
+        """Bytes one microbatch leaves on each global stage after its forward. Under
+        context parallelism everything is per local token (s/cp of each sequence), and
+        an all-gather core keeps the gathered keys and values of the whole sequence."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        b, s, shards = cfg.microbatch_size, cfg.train.seq_len, self.sp_saves_shards
+        b, s, shards = cfg.microbatch_size, _local_seq(cfg), self.sp_saves_shards
         layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
                                 gqa_native=self.gqa_native)  # fmt: skip
         layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
+        if self.scores and self.recompute in ("none", "op"):
+            layer_bytes += act.total_bytes(act.attention_scores(m, cfg.train.seq_len), b, s, p.tp)
+        if p.cp > 1 and self.cp_gathers_kv and self.recompute not in ("full", "op"):
+            gathered = act.cp_gathered_kv(m, p.tp, dt, p.cp, cfg.train.seq_len, self.gqa_native)
+            layer_bytes += act.total_bytes(gathered, b, s, p.tp, p.sp)
         chunked = self.chunked_loss and cfg.train.loss_chunk > 0
         head = act.llama_head(m, p.tp, dt, sp_shards=shards, chunked=chunked)
         head = act.total_bytes(head, b, s, p.tp, p.sp)
@@ -146,7 +163,7 @@ class Footprint:
         """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
         deferred linears, and on the last stage the head's unless a chunked loss computes
         its weight gradient in B."""
-        p, b, s = cfg.parallel, cfg.microbatch_size, cfg.train.seq_len
+        p, b, s = cfg.parallel, cfg.microbatch_size, _local_seq(cfg)
         w = act.llama_pending_w(cfg.model, p.tp, cfg.train.dtype)
         one = act.total_bytes(w, b, s, p.tp, p.sp)
         out = [n * one for n in split]
@@ -164,7 +181,7 @@ class Footprint:
         per_stage = self.stage_activations(cfg, split)
         pending = self.stage_pending_w(cfg, split) if deferred_w else []
         out = act.total_bytes(act.llama_stage_output(cfg.model, cfg.train.dtype),
-                              cfg.microbatch_size, cfg.train.seq_len, p.tp, p.sp)  # fmt: skip
+                              cfg.microbatch_size, _local_seq(cfg), p.tp, p.sp)  # fmt: skip
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
         return act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent)
 
@@ -198,8 +215,10 @@ class Footprint:
         """Workspace + transients (one block's backward, the loss gradient on the last
         stage, ZeRO's buffers) + the allocator's share of transients and activations."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        b, s = cfg.microbatch_size, cfg.train.seq_len
+        b, s = cfg.microbatch_size, _local_seq(cfg)
         transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp, self.fused)
+        if self.scores:  # the layer in backward (recomputed or kept) holds its scores
+            transient += act.total_bytes(act.attention_scores(m, cfg.train.seq_len), b, s, p.tp)
         if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
                                                       p.pp_schedule):  # fmt: skip
             chunk = cfg.train.loss_chunk if self.chunked_loss else 0
@@ -208,17 +227,41 @@ class Footprint:
         return self.device.workspace_bytes + transient + ALLOCATOR * (transient + acts)
 
     def _zero_buffers(self, cfg: Config, fa: RankFacts) -> float:
-        """ZeRO-3's gathered compute parameters and ZeRO-2/3's unsharded gradients."""
+        """ZeRO-3's gathered compute parameters and ZeRO-2/3's unsharded gradients.
+
+        Whole units (tetrad, FSDP): two blocks gathered (one prefetched) and the root;
+        gradients of two blocks and the root, or all of them where tetrad accumulates
+        whole over microbatches. An engine that caps its live parameters (DeepSpeed)
+        keeps at most that many gathered, but never less than one module (its largest
+        linear), and two reduce buckets of gradients."""
         p, c = cfg.parallel, DTYPE_BYTES[cfg.train.dtype]
         if p.fsdp == 1:
             return 0.0
+        units = 2 * fa.block + fa.psi_root
         extra = 0.0
-        if p.zero_stage == 3:  # two blocks gathered (one prefetched) and the root
-            extra += c * (2 * fa.block + fa.psi_root)
+        if p.zero_stage == 3:
+            gathered = units
+            if self.max_live:
+                gathered = max(min(units, self.max_live), _largest_linear(cfg))
+            extra += c * gathered
         if p.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
             whole = p.microbatches > 1 and not self.reduce_every_micro
-            extra += c * (fa.psi if whole else 2 * fa.block + fa.psi_root)
+            grads = fa.psi if whole else units
+            if self.max_live and self.reduce_bucket and not whole:
+                grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(cfg))
+            extra += c * grads
         return extra
+
+
+def _local_seq(cfg: Config) -> int:
+    """The positions of each sequence one rank holds: s/cp under context parallelism."""
+    return cfg.train.seq_len // cfg.parallel.cp
+
+
+def _largest_linear(cfg: Config) -> float:
+    """Elements of a block's largest weight on one tp rank (an MLP matrix)."""
+    m = cfg.model
+    return max(m.dim * m.hidden_dim, m.dim * m.dim) / cfg.parallel.tp
 
 
 def _root_names(cfg: Config, first: bool, last: bool) -> set[str]:

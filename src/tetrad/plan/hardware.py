@@ -99,6 +99,10 @@ class Cluster:
     # communication runs beside compute (GPU: copy engines and spare SMs); False on a CPU
     # whose every core computes: gloo's transfers then take turns with the compute
     overlap: bool = True
+    # the cores that run the GEMMs also run the elementwise work (a CPU: small tensors
+    # stay in cache, and the ops are bound by the core, not by DRAM): its bandwidth moves
+    # with the efficiency (`at_efficiency`)
+    core_bound: bool = False
 
     def link(self, stride: int, size: int) -> Link:
         """The link a collective over `size` ranks `stride` apart runs at.
@@ -124,6 +128,14 @@ class Cluster:
         return self.intra if distance < self.gpus_per_node else self.inter
 
 
+def at_efficiency(cluster: Cluster, efficiency: float) -> Cluster:
+    """`cluster` with its device's GEMM efficiency set to `efficiency`; on a core-bound
+    device the elementwise bandwidth scales by the same factor."""
+    dev = cluster.device
+    bw = dev.hbm_Bps * efficiency / dev.efficiency if cluster.core_bound else dev.hbm_Bps
+    return replace(cluster, device=replace(dev, efficiency=efficiency, hbm_Bps=bw))
+
+
 # --- presets ------------------------------------------------------------------------------
 
 # NCCL's tuning model, Simple protocol: 8.4 us a call; a ring step 3.4 us on NVLink, 14 us
@@ -142,10 +154,10 @@ GLOO_LOOPBACK = Link("gloo-loopback", 3.5e-4, 0.76e9)
 # (attention and elementwise work are priced apart, plan.compute): the median over the
 # development rows of each kind of the share that reproduces the row (docs/plan.md,
 # "Efficiency"); H200 takes H100's (same die and clocks, no bf16 row to check).
-GEMM_EFFICIENCY = {"h100": 0.61, "h100-hbm2e": 0.50, "a100": 0.72, "h200": 0.61}
+GEMM_EFFICIENCY = {"h100": 0.62, "h100-hbm2e": 0.50, "a100": 0.72, "h200": 0.62}
 # the lowest and highest implied efficiency of those rows over the median (docs/plan.md)
-SPREAD = {"h100": (0.88, 1.19), "h100-hbm2e": (0.91, 1.11), "a100": (0.89, 1.04),
-          "h200": (0.88, 1.19)}  # fmt: skip
+SPREAD = {"h100": (0.87, 1.18), "h100-hbm2e": (0.91, 1.11), "a100": (0.89, 1.04),
+          "h200": (0.87, 1.18)}  # fmt: skip
 
 
 def _gpu(device: Device) -> Device:
@@ -172,7 +184,7 @@ def cpu_cluster() -> Cluster:
     device = Device("cpu", {"fp32": peak, "bf16": peak}, mem / cores, 10e9, 0.25, 0.25 * GiB)
     # spread: the measured steps of docs/plan.md's table, -25% to +30% of the predicted
     return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK, sized=False, spread=(0.75, 1.3),
-                   overlap=False)  # fmt: skip
+                   overlap=False, core_bound=True)  # fmt: skip
 
 
 def cluster_preset(name: str) -> Cluster:

@@ -1,7 +1,8 @@
 """Layout search: the layouts tetrad can run for a world size, ranked by predicted step time.
 
 Enumerated: tp (a divisor of the world, at most one node), pp (a divisor of what is
-left, at most the layer count), the data ranks split into dp x fsdp, the ZeRO stage 2 or
+left, at most the layer count), cp (a divisor of what is left whose 2·cp chunks divide
+the sequence), the data ranks split into dp x fsdp, the ZeRO stage 2 or
 3 (when fsdp > 1), the pipeline schedule with its virtual stages (interleaved: v from 2
 to 8 with even chunks, pp·v dividing the layers), and the microbatch count (a divisor of
 the batch per data rank; at least pp when pp > 1). Each candidate must pass
@@ -10,7 +11,10 @@ the batch per data rank; at least pp when pp > 1). Each candidate must pass
 
 Pruned, as never better in this model: SP off when tp > 1 (SP moves the same bus bytes
 with less memory and 1/t of the pipeline's p2p); GPipe (1F1B's bubble, more memory);
-ZeRO-1 (ZeRO-2's traffic, more memory). Degrees whose model state alone overflows the
+ZeRO-1 (ZeRO-2's traffic, more memory); cp > 1 for a (tp, pp) that already fits at
+cp = 1 (the same ranks as data parallelism do the same per-rank work and gradient
+traffic without the key/value exchange: cp only buys memory, or a batch too small to
+split). Degrees whose model state alone overflows the
 device are dropped before any schedule is simulated. Within a family (everything fixed but the
 microbatch count) counts are walked upward: activation memory falls as microbatches
 shrink, so counts whose memory floor overflows are skipped unsimulated, and the walk
@@ -38,6 +42,7 @@ class Space:
     fsdp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
     zero_stage: int | None = None
     pp_schedule: str | tuple[str, ...] | None = None
     microbatches: int | None = None
@@ -54,16 +59,22 @@ def _choices(fixed: int | str | None, options: list) -> list:
 
 
 def degrees(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterator[dict]:
-    """(dp, fsdp, tp, pp) whose product is `world`, honouring `space`'s fixed degrees."""
+    """(dp, fsdp, tp, pp, cp) whose product is `world`, honouring `space`'s fixed degrees.
+    cp only where the sequence splits into 2·cp chunks."""
     for tp in _choices(space.tp, [t for t in divisors(world) if t <= gpus_per_node]):
         pps = [p for p in divisors(world // tp) if p <= cfg.model.layers] if world % tp == 0 else []
         for pp in _choices(space.pp, pps):
             if world % (tp * pp):
                 continue
-            data = world // (tp * pp)
-            for fsdp in _choices(space.fsdp, divisors(data)):
-                if data % fsdp == 0 and (space.dp is None or space.dp * fsdp == data):
-                    yield {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp}
+            rest = world // (tp * pp)
+            cps = [c for c in divisors(rest) if cfg.train.seq_len % (2 * c) == 0]
+            for cp in _choices(space.cp, [1] + [c for c in cps if c > 1]):
+                if rest % cp:
+                    continue
+                data = rest // cp
+                for fsdp in _choices(space.fsdp, divisors(data)):
+                    if data % fsdp == 0 and (space.dp is None or space.dp * fsdp == data):
+                        yield {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp}
 
 
 def _schedules(cfg: Config, space: Space) -> list[tuple[str, int]]:
@@ -144,12 +155,18 @@ def search(
     """The `top` fastest predicted layouts that fit in memory, fastest first."""
     found: list[tuple[float, float, int, Config]] = []
     capacity = planner.cluster.device.hbm_bytes
+    fitted: set[tuple[int, int]] = set()  # (tp, pp) with a layout that fits at cp = 1
     for family in families(cfg, world, planner.cluster.gpus_per_node, space):
         first = family[0]
+        p = first.parallel
+        if p.cp > 1 and space.cp is None and (p.tp, p.pp) in fitted:
+            continue  # those ranks as data parallelism fit, and are faster (no exchange)
         states = [planner.rank_facts(first, r).state.total for r in range(first.parallel.pp)]
         if max(states) >= capacity:
             continue  # the model state alone overflows, whatever the microbatches
         for t, mem, cand in _best_of_family(planner, family):
             found.append((t, mem, len(found), cand))
+            if p.cp == 1:
+                fitted.add((p.tp, p.pp))
     found.sort(key=lambda x: x[:3])
     return [planner.predict(cand) for *_, cand in found[:top]]

@@ -1,0 +1,105 @@
+"""What an implementation overlaps, runs and keeps, beyond the layout itself: `Engine`,
+and the engines the planner describes (tetrad, and the published systems it is checked
+against). docs/plan.md, "Engines", gives the table and the sources."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tetrad.plan.compute import Kernels
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What an implementation hides or holds, beyond the layout itself.
+
+    tp_overlap: share of TP traffic hidden behind compute. grad_overlap: the gradient
+    reduction overlaps the last microbatch's backward (grad_overlap_pp: also when pp > 1).
+    param_gather_overlap: ZeRO-1/2's post-optimizer all-gather hides behind the next
+    forward. reduce_every_microbatch: gradients are reduced after every microbatch (FSDP2)
+    rather than accumulated unsharded (tetrad: ZeRO-2/3 then hold full gradients).
+    split_w_with_tp: the zero-bubble W is deferred for tp-sharded linears too (tetrad
+    defers plain linears only, so with tp > 1 its B does the weight gradients).
+    sp_saves_shards: under SP the column-parallel linears keep their input's sequence
+    shard and re-gather it for backward (Megatron); tetrad keeps the gathered input.
+    kernels: fused or eager elementwise kernels and the flash-attention class
+    (`plan.compute`); fused kernels also save less (`plan.activations`: a fused norm keeps
+    its bf16 input and no fp32 copy, a fused SwiGLU three f-wide tensors, not four).
+    chunked_loss: the head and the loss run `train.loss_chunk` tokens at a time, never
+    holding full logits (tetrad).
+    split: how layers go to pipeline stages: "balanced" (tetrad's `layer_split`, on
+    analytic costs) or "uniform" (Megatron: L/S layers a stage; where S does not divide L
+    but divides L + 2, `--account-for-embedding-in-pipeline-split` and
+    `--account-for-loss-in-pipeline-split` count the embedding and the loss as a layer
+    each, so the first and last stages hold one layer fewer; otherwise balanced).
+    max_live_params: elements of gathered ZeRO-3 parameters kept at once (DeepSpeed's
+    `stage3_max_live_parameters`; 0: whole units, two blocks and the root); gradients
+    awaiting reduction are then two `reduce_bucket`s.
+    cp_overlap: context parallelism's key/value exchange runs beside attention (a ring
+    whose next block's transfer overlaps this block's compute: Megatron through
+    Transformer Engine, torchtitan); tetrad's default all-gather core waits for it.
+    cp_gathers_kv: attention keeps the all-gathered keys and values of the whole
+    sequence for its backward (tetrad's all-gather core); a ring keeps only its own.
+    """
+
+    name: str
+    tp_overlap: float = 0.0
+    grad_overlap: bool = True
+    grad_overlap_pp: bool = False
+    param_gather_overlap: bool = False
+    reduce_every_microbatch: bool = False
+    split_w_with_tp: bool = False
+    sp_saves_shards: bool = False
+    kernels: Kernels = Kernels()
+    gather_bucket: float = 0.0
+    reduce_bucket: float = 0.0
+    gather_overlap: bool = True
+    chunked_loss: bool = False
+    split: str = "balanced"
+    max_live_params: float = 0.0
+    cp_overlap: bool = False
+    cp_gathers_kv: bool = True
+
+
+# Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
+# torchtitan's async TP): a stated fit on the development rows (docs/plan.md).
+TP_OVERLAP = 0.8
+
+TETRAD = Engine("tetrad", chunked_loss=True)
+MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
+    "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
+    split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),
+    split="uniform", cp_overlap=True, cp_gathers_kv=False,
+)  # fmt: skip
+TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True,
+                    cp_overlap=True, cp_gathers_kv=False)  # fmt: skip
+TORCHTITAN_COMPILE = dataclasses.replace(
+    TORCHTITAN, name="torchtitan-compile", kernels=Kernels(fused=True)
+)
+# async TP is a torch.compile pass in torchtitan: compiled kernels as well
+TORCHTITAN_ASYNC_TP = dataclasses.replace(
+    TORCHTITAN_COMPILE, name="torchtitan-async-tp", tp_overlap=TP_OVERLAP
+)
+# DeepSpeed ZeRO-3 (with Megatron's fused kernels, as Megatron-DeepSpeed runs it): gathers
+# in prefetch buckets of 5e7 elements, reduces every micro-step in buckets of 5e8
+# (the defaults of `stage3_prefetch_bucket_size` and `reduce_bucket_size`), and keeps at
+# most 1e9 gathered elements (`stage3_max_live_parameters`)
+DEEPSPEED = Engine(
+    "deepspeed", grad_overlap_pp=True, reduce_every_microbatch=True,
+    kernels=Kernels(fused=True), gather_bucket=5e7, reduce_bucket=5e8, gather_overlap=False,
+    max_live_params=1e9,
+)  # fmt: skip
+# Megatron-LM as Narayanan et al. (2021) ran PTD-P: fused kernels (layer norm, bias-GeLU,
+# scale-mask-softmax) but no flash attention (it came in 2022) and no sequence
+# parallelism, TP and gradient all-reduces not overlapped (the all-reduce after the
+# pipeline flush), the uniform split, the interleaved schedule
+MEGATRON_2021 = Engine(
+    "megatron-2021", grad_overlap=False, kernels=Kernels(True, "unfused"), split="uniform",
+    split_w_with_tp=True,
+)  # fmt: skip
+ENGINES = {
+    e.name: e
+    for e in (TETRAD, MEGATRON, MEGATRON_2021, TORCHTITAN, TORCHTITAN_COMPILE,
+              TORCHTITAN_ASYNC_TP, DEEPSPEED)
+}  # fmt: skip
