@@ -18,6 +18,7 @@ called (tests/test_torch_floor.py holds the code to that).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,17 @@ class OpStats:
         return self._seconds
 
 
+@dataclass
+class Flight:
+    """An async collective's time in flight, in host seconds: launched at `start`, done at
+    `end` (set by the work's future when it completes; None until then)."""
+
+    op: str
+    group: str
+    start: float
+    end: float | None = None
+
+
 class Work:
     """An in-flight async collective; `wait()` charges its blocking time to the stats."""
 
@@ -89,6 +101,11 @@ class Work:
             self._stats.blocked(t0, clock.mark())
             self._handle = None
 
+    def is_completed(self) -> bool:
+        """Whether it is done (never blocks; a gloo point-to-point work says no until
+        waited for, so only collectives are polled)."""
+        return self._handle is None or self._handle.is_completed()
+
 
 class Comm:
     """The collectives, with accounting. One per process, passed explicitly.
@@ -107,6 +124,9 @@ class Comm:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.clock = device, Clock(device)
         self.stats: dict[tuple[str, str], OpStats] = defaultdict(lambda: OpStats(clock=self.clock))
+        # when a list: every async collective's `Flight` is appended (a pipeline step's
+        # communication lane)
+        self.trace: list[Flight] | None = None
 
     def check_device(self, t: torch.Tensor, group: Group, op: str) -> None:
         """Refuse a tensor that is not on the compute device (NCCL would, less clearly)."""
@@ -144,7 +164,10 @@ class Comm:
     def _run(self, stats: OpStats, fn, async_op: bool, what=None) -> Work | None:
         t0 = self.clock.mark()
         if async_op:
-            return Work(fn(True), stats, self.watchdog, what)
+            handle = fn(True)
+            if self.trace is not None and handle is not None and what is not None:
+                self.trace.append(_flight(handle, what))
+            return Work(handle, stats, self.watchdog, what)
         if self.watchdog:
             self.watchdog.arm(what)
         fn(False)
@@ -244,6 +267,17 @@ class Comm:
         if group.size > 1:
             barrier = lambda a: dist.barrier(group=group.pg)  # noqa: E731
             self._run(OpStats(), barrier, False, _what("barrier", group))
+
+
+def _flight(handle, what: tuple[str, Group]) -> Flight:
+    """A Flight for `handle`, its end stamped by the work's future on completion."""
+    flight = Flight(what[0], what[1].name, time.time())
+
+    def land(_) -> None:
+        flight.end = time.time()
+
+    handle.get_future().then(land)
+    return flight
 
 
 def _what(op: str, group: Group) -> tuple[str, Group]:
