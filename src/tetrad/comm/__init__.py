@@ -18,6 +18,7 @@ called (tests/test_torch_floor.py holds the code to that).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -74,7 +75,8 @@ class OpStats:
 @dataclass
 class Flight:
     """An async collective's time in flight, in host seconds: launched at `start`, done at
-    `end` (set by the work's future when it completes; None until then)."""
+    `end` (set by the work's future when it completes, or, for works without one, such as
+    gloo's reduce-scatter, when a wait returns; None until then)."""
 
     op: str
     group: str
@@ -88,6 +90,7 @@ class Work:
     def __init__(self, handle, stats: OpStats, watch: Watchdog | None = None, what=None):
         self._handle, self._stats = handle, stats
         self._watch, self._what = watch, what
+        self.flight: Flight | None = None  # when traced
 
     def wait(self) -> None:
         if self._handle is not None:
@@ -100,6 +103,8 @@ class Work:
                 self._watch.disarm()
             self._stats.blocked(t0, clock.mark())
             self._handle = None
+            if self.flight is not None and self.flight.end is None:
+                self.flight.end = time.time()
 
     def is_completed(self) -> bool:
         """Whether it is done (never blocks; a gloo point-to-point work says no until
@@ -164,10 +169,11 @@ class Comm:
     def _run(self, stats: OpStats, fn, async_op: bool, what=None) -> Work | None:
         t0 = self.clock.mark()
         if async_op:
-            handle = fn(True)
-            if self.trace is not None and handle is not None and what is not None:
-                self.trace.append(_flight(handle, what))
-            return Work(handle, stats, self.watchdog, what)
+            work = Work(fn(True), stats, self.watchdog, what)
+            if self.trace is not None and work._handle is not None and what is not None:
+                work.flight = _flight(work._handle, what)
+                self.trace.append(work.flight)
+            return work
         if self.watchdog:
             self.watchdog.arm(what)
         fn(False)
@@ -276,7 +282,8 @@ def _flight(handle, what: tuple[str, Group]) -> Flight:
     def land(_) -> None:
         flight.end = time.time()
 
-    handle.get_future().then(land)
+    with contextlib.suppress(RuntimeError):  # no future on this work: its wait stamps the end
+        handle.get_future().then(land)
     return flight
 
 
