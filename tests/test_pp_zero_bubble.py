@@ -71,8 +71,9 @@ def test_hsdp_fsdp_tp_with_zero_bubble(reference):
         [
             (MODEL, {"schedule": "zb-h1", "fsdp": 2, "tp": 2, "zero_stage": 3, "sp": True}),
             (MODEL, {"schedule": "zb-v", "fsdp": 2, "tp": 2, "zero_stage": 3}),
-            (MODEL, {"schedule": "zb-v", "dp": 2, "fsdp": 2, "zero_stage": 3}),
-            (TIED, {"schedule": "zb-h1", "dp": 2, "fsdp": 2, "zero_stage": 1}),
+            # 4 data ranks: 3 microbatches of 2 sequences each
+            (MODEL, {"schedule": "zb-v", "dp": 2, "fsdp": 2, "zero_stage": 3, "microbatches": 3}),
+            (TIED, {"schedule": "zb-h1", "dp": 2, "fsdp": 2, "zero_stage": 1, "microbatches": 3}),
         ],
     )
 

@@ -134,8 +134,12 @@ class PipelineRuntime:
                 self._wait(st, item.ops)
             else:
                 t0 = self.clock.mark()
-                with grads.final(self.finals.get((item.kind, item.stage, item.microbatch), ())):
+                names = self.finals.get((item.kind, item.stage, item.microbatch))
+                if names is None:
                     self._compute(st, item)
+                else:  # a stage's last backward work: its reductions start now
+                    with grads.final(names):
+                        self._compute(st, item)
                 st.marks.append((item.kind, item.stage, item.microbatch, t0, self.clock.mark()))
         st.peak_activation_bytes = self.meter.peak
         return st
