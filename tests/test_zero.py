@@ -172,8 +172,9 @@ def test_hsdp_and_fsdp_with_tp_and_pp(reference):
 
 def test_4d_dp_fsdp_tp_pp(reference):
     """dp × fsdp × tp × pp = 2×2×2×2 on 16 ranks, ZeRO-3 under the 1F1B schedule and
-    under zb-h1 with SP: fp32 equal to the single process; bf16 (the same 16 ranks: they take a minute to start)
-    within the stated tolerance of the bf16 single process (memory_helpers.py)."""
+    under zb-h1 with SP: fp32 equal to the single process; bf16 (the same 16 ranks: they
+    take a minute to start) within the stated tolerance of the bf16 single process
+    (memory_helpers.py)."""
     par = {"dp": 2, "fsdp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2}
     zb = {**par, "pp_schedule": "zb-h1", "sp": True}  # the split backward, every layer type
     cfgs = [tiny_config(parallel=par), tiny_config(parallel=par, train={"dtype": "bf16"})]
