@@ -64,3 +64,21 @@ def test_plot_png(tmp_path):
     plot_timeline({"measured": _measured(), "simulated": simulated}, str(path))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_communication_lane(tmp_path):
+    """Collectives form their own lane: in the trace as a "communication" thread of the
+    rank, in the picture as a strip; the bubble counts compute only."""
+    t = _measured()
+    t0 = 1000.0
+    t.comm = [[Event("RS", -1, -1, t0 + 5, t0 + 7)], [Event("AR", -1, -1, t0 + 3.5, t0 + 4.5)]]
+    assert t.bubble_fraction == pytest.approx(0.5) and t.makespan == 6
+    trace = to_chrome_trace(t)["traceEvents"]
+    lane = [e for e in trace if e.get("cat") == "comm"]
+    assert [(e["pid"], e["tid"], e["name"]) for e in lane] == [(0, 1, "RS"), (1, 1, "AR")]
+    assert lane[0]["ts"] == pytest.approx(5e6) and lane[0]["dur"] == pytest.approx(2e6)
+    names = [e for e in trace if e.get("name") == "thread_name"]
+    assert {e["pid"] for e in names} == {0, 1}
+    path = tmp_path / "lane.png"
+    plot_timeline({"with comm": t}, str(path))
+    assert path.stat().st_size > 0

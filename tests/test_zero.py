@@ -171,12 +171,16 @@ def test_hsdp_and_fsdp_with_tp_and_pp(reference):
 
 
 def test_4d_dp_fsdp_tp_pp(reference):
-    """dp × fsdp × tp × pp = 2×2×2×2 on 16 ranks, ZeRO-3 under the 1F1B schedule: fp32
-    equal to the single process; bf16 (the same 16 ranks: they take a minute to start)
-    within the stated tolerance of the bf16 single process (memory_helpers.py)."""
+    """dp × fsdp × tp × pp = 2×2×2×2 on 16 ranks, ZeRO-3 under the 1F1B schedule and
+    under zb-h1 with SP: fp32 equal to the single process; bf16 (the same 16 ranks: they
+    take a minute to start) within the stated tolerance of the bf16 single process
+    (memory_helpers.py)."""
     par = {"dp": 2, "fsdp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2}
+    zb = {**par, "pp_schedule": "zb-h1", "sp": True}  # the split backward, every layer type
     cfgs = [tiny_config(parallel=par), tiny_config(parallel=par, train={"dtype": "bf16"})]
-    per_rank = spawn(_run, 16, [c.to_dict() for c in cfgs], timeout=600)
-    fp32, bf16 = ([per_rank[r][i] for r in range(16)] for i in range(2))
+    cfgs.append(tiny_config(parallel=zb))
+    per_rank = spawn(_run, 16, [c.to_dict() for c in cfgs], timeout=900)
+    fp32, bf16, fp32_zb = ([per_rank[r][i] for r in range(16)] for i in range(3))
     _check(cfgs[0], fp32, reference(parallel={"microbatches": 2}))
     check_bf16(par, bf16, reference(train={"dtype": "bf16"}), reference())
+    _check(cfgs[2], fp32_zb, reference(parallel={"microbatches": 2}))

@@ -380,20 +380,6 @@ def _validate_layout(cfg: Config) -> None:
         m.layers >= stages,
         f"model.layers={m.layers} < pp*virtual_stages={p.pp}*{p.virtual_stages} = {stages}",
     )
-    if p.pp > 1 and p.fsdp > 1:  # what ZeRO composes with: checked here only
-        from tetrad.parallel.pipeline.schedules import SPLIT_BACKWARD
-
-        # ZeRO's gradient hooks see autograd only: the split backward's W runs outside it
-        _require(
-            p.pp_schedule not in SPLIT_BACKWARD,
-            f"fsdp={p.fsdp} (ZeRO) cannot run pp_schedule={p.pp_schedule!r}; use 1f1b,"
-            " gpipe or interleaved-1f1b",
-        )
-        _require(
-            not m.tie_embeddings,
-            f"fsdp={p.fsdp} (ZeRO) with tie_embeddings=True across pp={p.pp} stages is not"
-            " supported",
-        )
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:

@@ -18,6 +18,8 @@ called (tests/test_torch_floor.py holds the code to that).
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,12 +72,25 @@ class OpStats:
         return self._seconds
 
 
+@dataclass
+class Flight:
+    """An async collective's time in flight, in host seconds: launched at `start`, done at
+    `end` (set by the work's future when it completes, or, for works without one, such as
+    gloo's reduce-scatter, when a wait returns; None until then)."""
+
+    op: str
+    group: str
+    start: float
+    end: float | None = None
+
+
 class Work:
     """An in-flight async collective; `wait()` charges its blocking time to the stats."""
 
     def __init__(self, handle, stats: OpStats, watch: Watchdog | None = None, what=None):
         self._handle, self._stats = handle, stats
         self._watch, self._what = watch, what
+        self.flight: Flight | None = None  # when traced
 
     def wait(self) -> None:
         if self._handle is not None:
@@ -88,6 +103,13 @@ class Work:
                 self._watch.disarm()
             self._stats.blocked(t0, clock.mark())
             self._handle = None
+            if self.flight is not None and self.flight.end is None:
+                self.flight.end = time.time()
+
+    def is_completed(self) -> bool:
+        """Whether it is done (never blocks; a gloo point-to-point work says no until
+        waited for, so only collectives are polled)."""
+        return self._handle is None or self._handle.is_completed()
 
 
 class Comm:
@@ -107,6 +129,9 @@ class Comm:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.clock = device, Clock(device)
         self.stats: dict[tuple[str, str], OpStats] = defaultdict(lambda: OpStats(clock=self.clock))
+        # when a list: every async collective's `Flight` is appended (a pipeline step's
+        # communication lane)
+        self.trace: list[Flight] | None = None
 
     def check_device(self, t: torch.Tensor, group: Group, op: str) -> None:
         """Refuse a tensor that is not on the compute device (NCCL would, less clearly)."""
@@ -144,7 +169,11 @@ class Comm:
     def _run(self, stats: OpStats, fn, async_op: bool, what=None) -> Work | None:
         t0 = self.clock.mark()
         if async_op:
-            return Work(fn(True), stats, self.watchdog, what)
+            work = Work(fn(True), stats, self.watchdog, what)
+            if self.trace is not None and work._handle is not None and what is not None:
+                work.flight = _flight(work._handle, what)
+                self.trace.append(work.flight)
+            return work
         if self.watchdog:
             self.watchdog.arm(what)
         fn(False)
@@ -244,6 +273,18 @@ class Comm:
         if group.size > 1:
             barrier = lambda a: dist.barrier(group=group.pg)  # noqa: E731
             self._run(OpStats(), barrier, False, _what("barrier", group))
+
+
+def _flight(handle, what: tuple[str, Group]) -> Flight:
+    """A Flight for `handle`, its end stamped by the work's future on completion."""
+    flight = Flight(what[0], what[1].name, time.time())
+
+    def land(_) -> None:
+        flight.end = time.time()
+
+    with contextlib.suppress(RuntimeError):  # no future on this work: its wait stamps the end
+        handle.get_future().then(land)
+    return flight
 
 
 def _what(op: str, group: Group) -> tuple[str, Group]:

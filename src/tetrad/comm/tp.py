@@ -106,6 +106,12 @@ def gather_from_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> t
     return _GatherFromTP.apply(x, dim, comm, group) if group.size > 1 else x
 
 
+def reduce_scatter_along(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torch.Tensor:
+    """Sum `x` over the group and keep this rank's slice along `dim` (no autograd: the
+    split backward's W uses it to place a gathered weight's gradient)."""
+    return _reduce_scatter(x, dim, comm, group) if group.size > 1 else x
+
+
 def scatter_to_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter along `dim` (partial [b, s, h] -> summed [b, s/tp, h]); all-gather back."""
     return _ScatterToTP.apply(x, dim, comm, group) if group.size > 1 else x

@@ -52,16 +52,18 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
             replicated[TIED] = (*replicated[TIED], "pp")  # counted once: on pp rank 0
     unshard, slicer = (tp.unshard, tp.slicer) if tp else (None, None)
     grads: GradSync
+    # first and last stage each hold the tied embedding: their gradients are summed
+    tied = (TIED, mesh["pp_ends"]) if tied_across_stages(cfg, mesh) else None
     if mesh.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
-        shards = ZeroShards(model, mesh, comm, cfg, replicated)
+        shards = ZeroShards(model, mesh, comm, cfg, replicated, tied)  # tied: full grads
         grads, replicated = shards, {**replicated, **shards.view_replicated()}
         state = ZeroState(shards, model, cfg, mesh, comm, unshard, slicer)
         runner.meter.exclude(u.flat for u in shards.units)  # parameters, not activations
     else:
         grads = _replicated_grads(model, cfg, mesh, comm)
         state = PlainState(model, cfg, mesh, comm, unshard, slicer, grads.params())
-    if tied_across_stages(cfg, mesh):  # first and last stage each hold it: sum their grads
-        grads = TiedGrads(grads, TIED, mesh["pp_ends"], comm)
+        if tied is not None:
+            grads = TiedGrads(grads, *tied, comm)
     return Engine(model, mesh, comm, runner, grads, state, replicated)
 
 

@@ -20,6 +20,9 @@ masters into the bf16 parameters.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -89,6 +92,11 @@ class LocalGrads:
         """The optimizer's tensors: the parameters, or their fp32 masters."""
         return self.masters.named if self.masters else self.named
 
+    @contextmanager
+    def final(self, names: Collection[str]) -> Iterator[None]:
+        """Nothing to reduce: the backward inside simply runs."""
+        yield
+
     def finish(self) -> None:
         if self.masters:
             self.masters.take_grads()
@@ -124,6 +132,9 @@ class GradBuckets(LocalGrads):
         self.buckets = self._make_buckets(params, bucket_bytes)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.launched = 0  # buckets [0, launched) have their all-reduce in flight
+        self.by_name = {n: p for n, p in named}
+        self.armed: set[int] = set()  # parameters whose next accumulation is their last
+        self.counted: set[int] = set()  # parameters marked ready this step
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -142,9 +153,30 @@ class GradBuckets(LocalGrads):
             buckets.append(current)
         return [Bucket(b, b[0].dtype, b[0].device) for b in buckets]
 
+    @contextmanager
+    def final(self, names: Collection[str]) -> Iterator[None]:
+        """The backward work inside is the last of the step for the parameters `names`
+        (a pipeline stage's last B, BW or W): a bucket launches as soon as autograd has
+        accumulated its last parameter, or, for what autograd did not touch (W's
+        weight gradients, unused parameters), when the work is done."""
+        params = [self.by_name[n] for n in names if n in self.by_name]
+        self.armed.update(id(p) for p in params)
+        try:
+            yield
+        finally:
+            self.armed.difference_update(id(p) for p in params)
+        for p in params:
+            self._count(p)
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self.sync or self.group.size == 1:
+        if self.sync or id(p) in self.armed:
+            self._count(p)
+
+    def _count(self, p: nn.Parameter) -> None:
+        """`p`'s gradient is final: launch the buckets now complete, in index order."""
+        if self.group.size == 1 or id(p) in self.counted or id(p) not in self.bucket_of:
             return
+        self.counted.add(id(p))
         bucket = self.buckets[self.bucket_of[id(p)]]
         bucket.pending -= 1
         while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
@@ -167,6 +199,7 @@ class GradBuckets(LocalGrads):
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
         self.launched = 0
+        self.counted.clear()
 
     def _land(self, bucket: Bucket) -> None:
         """Put a reduced bucket where the optimizer reads it: the masters' fp32 gradients
@@ -205,6 +238,10 @@ class TiedGrads:
     @sync.setter
     def sync(self, value: bool) -> None:
         self.inner.sync = value
+
+    def final(self, names: Collection[str]):
+        """The inner sync's (the sum over `group` waits for `finish`)."""
+        return self.inner.final(names)
 
     def params(self) -> list[tuple[str, nn.Parameter]]:
         return self.inner.params()

@@ -9,7 +9,8 @@ which backward may launch reductions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +35,11 @@ class RunResult:
         """Timed computes (a pipeline's timeline); none here."""
         return []
 
+    @property
+    def comm_events(self) -> list:
+        """The async collectives of a pipeline's step (its communication lane); none here."""
+        return []
+
 
 class GradSync(Protocol):
     """Makes this rank's gradients those of the global batch, and owns the tensors the
@@ -42,6 +48,10 @@ class GradSync(Protocol):
     sync: bool  # False: this backward only accumulates (no_sync); set by the runner
 
     def params(self) -> list[tuple[str, nn.Parameter]]: ...
+
+    def final(self, names: Collection[str]) -> AbstractContextManager[None]:
+        """A context for backward work that is the step's last for the parameters
+        `names`: their reductions launch during it or as it ends (a pipeline's runtime)."""
 
     def finish(self) -> None:
         """Launch what backward did not, and wait for every reduction of the step."""

@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.comm import Comm
-from tetrad.comm.tp import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from tetrad.comm.tp import (
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_along,
+    scatter_to_tp,
+)
 from tetrad.config import Config
 from tetrad.mesh import Group, Mesh
 from tetrad.models.batch import IGNORE
@@ -43,6 +49,7 @@ from tetrad.models.init import Slicer, full_shape
 from tetrad.models.llama import RMSNorm
 from tetrad.models.loss import linear_cross_entropy
 from tetrad.models.plans import assign
+from tetrad.parallel.pipeline.weightgrad import Deferrable, SplitLinear, accumulate, split_matmul
 
 SHARDED = ("dp", "fsdp", "cp")  # a tp-sharded parameter is still replicated over these
 
@@ -77,14 +84,16 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
     return min(rank * block, vocab), min((rank + 1) * block, vocab)
 
 
-class ColumnParallelLinear(nn.Linear):
-    """Output features split over tp; its input is already in the tp region."""
+class ColumnParallelLinear(SplitLinear):
+    """Output features split over tp; its input is already in the tp region. (Each tp
+    linear is a `SplitLinear`: zero-bubble schedules defer its weight gradient to W, its
+    collectives staying in B.)"""
 
     def __init__(self, in_features: int, out_features: int, tp: int, device=None):
         super().__init__(in_features, out_features // tp, bias=False, device=device)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(SplitLinear):
     """Input features split over tp; the partial products are summed across tp."""
 
     def __init__(self, in_features: int, out_features: int, tp: TP, device=None):
@@ -92,10 +101,10 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.leave(F.linear(x, self.weight))  # [b, s, h] or [b, s/t, h]
+        return self.tp.leave(self.matmul(x))  # [b, s, h] or [b, s/t, h]
 
 
-class ReplicatedKVLinear(nn.Module):
+class ReplicatedKVLinear(nn.Module, Deferrable):
     """A k or v projection when kv_heads < tp: this rank computes the one kv head it needs.
 
     The weight [kv_heads·hd, h] is stored split by input features across tp ([.., h/t])
@@ -114,8 +123,24 @@ class ReplicatedKVLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         full = gather_from_tp(self.weight, self.tp.comm, self.tp.group, dim=1)  # [kv·hd, h]
-        rows = full[self.head * self.head_dim : (self.head + 1) * self.head_dim]
-        return F.linear(x, rows)  # [b, s, hd]
+        rows = full[self._rows()]
+        sink = self._sink(self.weight) if self.store is not None else None
+        return split_matmul(x, rows, self.store, sink)  # [b, s, hd]
+
+    def _rows(self) -> slice:
+        return slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
+
+    def _sink(self, weight: torch.Tensor):
+        """W's destination: the gradient of this rank's head rows [hd, h], placed in the
+        full [kv·hd, h] and reduce-scattered over tp (what the gather's backward does in
+        an ordinary backward), into the shard `weight` used in this forward."""
+
+        def sink(g: torch.Tensor) -> None:
+            full = g.new_zeros((weight.shape[0], g.shape[1]))
+            full[self._rows()] = g
+            accumulate(weight, reduce_scatter_along(full, 1, self.tp.comm, self.tp.group))
+
+        return sink
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -139,7 +164,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.leave(partial)  # [b, s, h] or [b, s/t, h]
 
 
-class VocabParallelHead(nn.Linear):
+class VocabParallelHead(SplitLinear):
     """The output head, split over the vocabulary: [b, s, h] -> local logits [b, s, V_r]."""
 
     def __init__(self, dim: int, vocab: int, tp: TP, device=None):
@@ -148,7 +173,7 @@ class VocabParallelHead(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.tp.enter(x), self.weight)
+        return self.matmul(self.tp.enter(x))
 
 
 class SequenceParallelRMSNorm(RMSNorm):

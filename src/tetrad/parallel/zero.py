@@ -40,6 +40,8 @@ and kept as fp32 shards for the optimizer.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -48,7 +50,7 @@ from torch import nn
 
 from tetrad.comm import Comm, Work
 from tetrad.config import DTYPES, Config
-from tetrad.mesh import Mesh
+from tetrad.mesh import Group, Mesh
 from tetrad.models.plans import decays
 
 ROOT = "root"
@@ -254,8 +256,19 @@ class ZeroShards:
     pipeline schedule drives it exactly as it drives data parallelism's buckets.
     """
 
-    def __init__(self, model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, replicated):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        comm: Comm,
+        cfg: Config,
+        replicated,
+        tied: tuple[str, Group] | None = None,
+    ):
         self.mesh, self.comm, self.cfg = mesh, comm, cfg
+        # (name, group): a parameter another rank also holds (the embedding tied across
+        # the pipeline's ends), its full gradient summed over `group` before the scatter
+        self.tied = tied
         # a shard's copies: one per dp replica and per cp rank (cp ranks hold other tokens
         # of the same sequences, so their gradients are summed like dp's)
         self.group, self.dp = mesh["fsdp"], mesh["replica"]
@@ -271,6 +284,9 @@ class ZeroShards:
         # reduce-scatters in flight (unit, work, full gradient, shard), then dp all-reduces
         self.scattering: list[tuple[FlatUnit, Work, torch.Tensor, torch.Tensor]] = []
         self.replicating: list[tuple[FlatUnit, torch.Tensor, Work]] = []
+        self.tying: list[tuple[FlatUnit, Work, torch.Tensor]] = []  # tied sums in flight
+        self.armed: set[int] = set()  # units whose next accumulation is their last
+        self.done: set[str] = set()  # parameters whose last backward work has run
         self._register_hooks(model)
 
     def _build(self, layout: UnitLayout, model: nn.Module) -> FlatUnit:
@@ -325,10 +341,31 @@ class ZeroShards:
         self.prefetch(self._neighbour(unit, -1))
 
     def _post_backward(self, unit: FlatUnit) -> None:
-        if self.sync:
-            self._reduce(unit)
-        if self._resharding(unit) and (self.sync or self.reshard_after_forward):
+        final = self.sync or id(unit) in self.armed
+        if final and not unit.reduced:
+            self._reduce(unit, bounded=self.sync)
+        if self._resharding(unit) and (final or self.reshard_after_forward):
             unit.free()
+
+    @contextmanager
+    def final(self, names: Collection[str]) -> Iterator[None]:
+        """The backward work inside is the step's last for the parameters `names` (a
+        pipeline stage's last B, BW or W): a unit all of whose parameters are then done
+        reduces as soon as autograd accumulates into it, or when the work ends (W's
+        weight gradients arrive outside autograd). Waits for nothing."""
+        done = self.done | set(names)
+        armed = [u for u in self.units if not u.reduced and done.issuperset(u.layout.names)]
+        self.armed.update(id(u) for u in armed)
+        try:
+            yield
+        finally:
+            self.armed.difference_update(id(u) for u in armed)
+        self.done = done
+        for u in armed:
+            if not u.reduced:
+                self._reduce(u, bounded=False)
+            if self._resharding(u) and u.gathered and u.pending is None:
+                u.free()  # a block kept gathered (no reshard after forward) is done
 
     def _resharding(self, unit: FlatUnit) -> bool:
         """Stage 3 frees blocks between uses; the root waits for the step's end."""
@@ -371,37 +408,74 @@ class ZeroShards:
                 self.ensure(u)
 
     # --- gradient reduction --------------------------------------------------------------
-    def _reduce(self, unit: FlatUnit) -> None:
-        """Launch the reduce-scatter of `unit`'s full gradient into its shard."""
-        self._settle(keep=1)  # bounds the full gradients alive at once, as FSDP does
+    def _reduce(self, unit: FlatUnit, bounded: bool = True) -> None:
+        """Launch the reduction of `unit`'s full gradient into its shard. `bounded` (a
+        backward's hooks) first waits for all but the latest reduce-scatter, which bounds
+        the full gradients alive at once, as FSDP does; a pipeline, whose accumulation
+        keeps them all anyway, only collects the finished ones."""
+        if bounded:
+            self._settle(keep=1)
+        else:
+            self._collect()
         full = unit.flat.grad
         if full is None:  # the unit took no part in this step's backward
             full = torch.zeros_like(unit.data)
         send = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)
+        unit.reduced = True
+        if self.stage > 1:
+            unit.flat.grad = None  # `send` keeps it alive until the reduction is done
+        tied = self._tied_range(unit)
+        if tied is None:
+            self._scatter(unit, send)
+        else:  # the other end of the pipeline gets there in its own time: the scatter
+            # waits for `finish`, where every fsdp rank issues it at the same point
+            work = self.comm.all_reduce(send[tied], self.tied[1], async_op=True)
+            self.tying.append((unit, work, send))
+
+    def _tied_range(self, unit: FlatUnit) -> slice | None:
+        """Where the tied parameter lies in `unit`'s flat buffer, if it is there."""
+        if self.tied is None or self.tied[0] not in unit.layout.names:
+            return None
+        i = unit.layout.names.index(self.tied[0])
+        start = unit.layout.offsets[i]
+        return slice(start, start + math.prod(unit.layout.shapes[i]))
+
+    def _scatter(self, unit: FlatUnit, send: torch.Tensor) -> None:
         if self.stage == 1 and self.reduce_dtype == unit.grad.dtype:
             out = unit.grad  # straight into the kept shard (in place in an fp32 gradient)
         else:
             out = torch.empty(unit.layout.shard, dtype=self.reduce_dtype, device=send.device)
         work = self.comm.reduce_scatter(out, send, self.group, async_op=True)
         self.scattering.append((unit, work, send, out))
-        unit.reduced = True
-        if self.stage > 1:
-            unit.flat.grad = None  # `send` keeps it alive until the reduction is done
 
     def _settle(self, keep: int) -> None:
         """Wait for all but the `keep` latest reduce-scatters, drop their full gradients,
         and start all-reducing their shards over the dp replicas (HSDP)."""
         while len(self.scattering) > keep:
-            unit, work, _, out = self.scattering.pop(0)
-            work.wait()
-            work = self.comm.all_reduce(out, self.dp, async_op=True)
-            self.replicating.append((unit, out, work))
+            self._replicate(self.scattering.pop(0))
+
+    def _collect(self) -> None:
+        """`_settle` for the reduce-scatters already done, oldest first, waiting for none
+        (so the dp all-reduces start in the same order on every replica)."""
+        while self.scattering and self.scattering[0][1].is_completed():
+            self._replicate(self.scattering.pop(0))
+
+    def _replicate(self, scattered: tuple[FlatUnit, Work, torch.Tensor, torch.Tensor]) -> None:
+        unit, work, _, out = scattered
+        work.wait()
+        work = self.comm.all_reduce(out, self.dp, async_op=True)
+        self.replicating.append((unit, out, work))
 
     def finish(self) -> None:
         """Reduce what backward did not, and wait for every reduction of the step."""
         for u in self.units:  # a fixed order, the same on every rank
             if not u.reduced:
                 self._reduce(u)
+        for unit, work, send in self.tying:
+            work.wait()
+            self._scatter(unit, send)
+        self.tying.clear()
+        self.done.clear()
         self._settle(keep=0)
         for unit, out, work in self.replicating:
             work.wait()

@@ -99,7 +99,8 @@ def write_step_timeline(trainer: Trainer, out_dir: str) -> None:
     from tetrad.parallel.pipeline.measure import measure_step, write_timeline
 
     p = trainer.cfg.parallel
-    events = trainer.engine.last_run.events
+    run = trainer.engine.last_run
+    events = run.events + run.comm_events  # computes, and the communication lane
     measured, simulated = measure_step(
         events, trainer.comm, trainer.mesh["pp"], p.pp_schedule, p.microbatches, p.virtual_stages
     )

@@ -21,9 +21,15 @@ from tetrad.comm import Comm
 from tetrad.mesh import Group
 from tetrad.parallel.meter import ActivationMeter  # noqa: F401  (re-exported)
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
-from tetrad.parallel.pipeline.timeline import Event, Timeline, plot_timeline, save_chrome_trace
+from tetrad.parallel.pipeline.timeline import (
+    COMM_KINDS,
+    Event,
+    Timeline,
+    plot_timeline,
+    save_chrome_trace,
+)
 
-KINDS = ("F", "B", "W", "BW")
+KINDS = ("F", "B", "W", "BW", *COMM_KINDS)  # compute, then the communication lane's
 
 
 # --- the measured timeline ------------------------------------------------------------
@@ -34,6 +40,7 @@ def gather_timeline(events: list[Event], comm: Comm, group: Group, **meta) -> Ti
 
     Clocks are compared directly (one host: one clock), so times are seconds from the
     earliest start on any rank. Ranks may hold different numbers of events: each pads.
+    Events of a COMM_KINDS kind (a runtime's `comm_events`) form the communication lane.
     """
     f64 = dict(dtype=torch.float64, device=comm.device)  # NCCL gathers device tensors only
     count = torch.tensor([float(len(events))], **f64)
@@ -51,14 +58,17 @@ def gather_timeline(events: list[Event], comm: Comm, group: Group, **meta) -> Ti
     table = table.view(group.size, n, 5).cpu()
     valid = table[..., 0] >= 0
     t0 = float(table[..., 3][valid].min()) if bool(valid.any()) else 0.0
-    ranks = [
+    every = [
         [
             Event(KINDS[int(k)], int(s), int(mb), float(a) - t0, float(b) - t0)
             for k, s, mb, a, b in table[r][valid[r]].tolist()
         ]
         for r in range(group.size)
     ]
-    return Timeline(ranks, unit="s", schedule=meta.pop("schedule", ""), meta=meta)
+    ranks = [[e for e in ev if e.kind not in COMM_KINDS] for ev in every]
+    lane = [[e for e in ev if e.kind in COMM_KINDS] for ev in every]
+    schedule = meta.pop("schedule", "")
+    return Timeline(ranks, comm=lane, unit="s", schedule=schedule, meta=meta)
 
 
 # --- costs read off a measured timeline ----------------------------------------------

@@ -10,6 +10,14 @@ simulator's prediction for the same lists.
 A stage output is freed as soon as its send is done (Megatron's trick): the autograd node
 stays, the tensor's storage is swapped for an empty one, and backward starts from the
 node's gradient edge, which needs no shape check against the freed data.
+
+Gradient reductions overlap the rest of the schedule: the last B, BW or W of each stage
+(its last microbatch's backward work) runs inside `grads.final(names)`, naming the
+parameters whose gradients it completes, so DP buckets and ZeRO units launch their
+reductions during it or right after it, not after the schedule; `grads.finish` then only
+waits (and launches what no action completed: a parameter the schedule never touched).
+Every async collective of the step is recorded (`Comm.trace`): the timeline's
+communication lane.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tetrad.comm import Comm, Work
+from tetrad.comm import Comm, Flight, Work
 from tetrad.config import DTYPES, Config
 from tetrad.devices import Clock
 from tetrad.mesh import Mesh
@@ -55,6 +63,7 @@ class StepState(RunResult):
     # timed computes: (kind, stage, microbatch, start mark, end mark) of `clock`
     marks: list = field(default_factory=list)
     clock: Clock | None = None
+    flights: list[Flight] = field(default_factory=list)  # the step's async collectives
 
     @property
     def events(self) -> list[Event]:
@@ -62,6 +71,17 @@ class StepState(RunResult):
         waits for them (the step's own host sync has usually done so already)."""
         read = self.clock.seconds
         return [Event(k, s, mb, read(t0), read(t1)) for k, s, mb, t0, t1 in self.marks]
+
+    @property
+    def comm_events(self) -> list[Event]:
+        """The step's async collectives as timeline events (kind AR, RS or AG, on the
+        host's clock; stage and microbatch -1), launched to completed."""
+        kinds = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
+        return [
+            Event(kinds[f.op], -1, -1, f.start, f.end if f.end is not None else f.start)
+            for f in self.flights
+            if f.op in kinds
+        ]
 
     @property
     def peak_act_bytes(self) -> int:
@@ -83,6 +103,7 @@ class PipelineRuntime:
         loss_fn,
         store: WeightGradStore | None,
         dtype: torch.dtype | None = None,
+        finals: dict[tuple[str, int, int], frozenset[str]] | None = None,
     ):
         self.model, self.mesh, self.comm, self.loss_fn = model, mesh, comm, loss_fn
         self.chunks = {c.stage: c for c in chunks}
@@ -93,13 +114,16 @@ class PipelineRuntime:
         self.dtype = dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.clock = Clock(self.device)
+        # (kind, stage, microbatch) -> the parameters whose gradients that action completes
+        self.finals = finals or {}
 
     def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> StepState:
-        """Execute the whole schedule for one optimizer step. Gradient reductions wait
-        for its end (`grads.finish`): a stage's last backward is not the step's."""
-        grads.sync = False
+        """Execute the whole schedule for one optimizer step. A stage's reductions start
+        with its last backward work (`grads.final`); `grads.finish` waits for them."""
+        grads.sync = False  # only `final` launches: a stage's last backward is not the step's
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         st = StepState(loss=loss, micro=micro, denom=denom)
+        self.comm.trace = st.flights  # until the next step: finish's waits land in it too
         self.meter.reset(self.model.parameters())
         self.clock.anchor()
         st.clock = self.clock
@@ -110,7 +134,12 @@ class PipelineRuntime:
                 self._wait(st, item.ops)
             else:
                 t0 = self.clock.mark()
-                self._compute(st, item)
+                names = self.finals.get((item.kind, item.stage, item.microbatch))
+                if names is None:
+                    self._compute(st, item)
+                else:  # a stage's last backward work: its reductions start now
+                    with grads.final(names):
+                        self._compute(st, item)
                 st.marks.append((item.kind, item.stage, item.microbatch, t0, self.clock.mark()))
         st.peak_activation_bytes = self.meter.peak
         return st
@@ -224,7 +253,8 @@ def build_pipeline(
     p = cfg.parallel
     actions = build_schedule(p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
     store = None
-    if any(a.kind == "W" for a in actions[mesh["pp"].rank]):
+    mine = actions[mesh["pp"].rank]
+    if any(a.kind == "W" for a in mine):
         store = WeightGradStore()
         defer_weight_grads(model, store)
     seq = cfg.train.seq_len // p.cp // (p.tp if p.sp else 1)  # this rank's share
@@ -242,7 +272,43 @@ def build_pipeline(
         loss_fn,
         store,
         DTYPES[cfg.train.dtype],
+        final_actions(mine, chunks, [n for n, _ in model.named_parameters()]),
     )
+
+
+def chunk_parameters(chunk: Chunk, names: list[str]) -> set[str]:
+    """The parameters (of `names`, this rank's) whose gradients `chunk`'s backward makes:
+    its blocks, the embedding on the first stage, the final norm and the head (or the
+    embedding it is tied to) on the last."""
+    prefixes = [f"layers.{layer}." for layer in chunk.layers]
+    if chunk.first:
+        prefixes.append("tok_embeddings.")
+    if chunk.last:
+        prefixes += ["norm.", "output."]
+        if not any(n.startswith("output.") for n in names):  # tied head
+            prefixes.append("tok_embeddings.")
+    return {n for n in names if n.startswith(tuple(prefixes))}
+
+
+def final_actions(
+    actions: list[Action], chunks: list[Chunk], names: list[str]
+) -> dict[tuple[str, int, int], frozenset[str]]:
+    """For each compute action, the parameters whose gradients are complete once it has
+    run: those of the stages whose last backward work (B, BW or W) it is, less any a
+    later action still adds to (a parameter two of the rank's stages share)."""
+    last: dict[str, tuple[str, int, int]] = {}
+    for a in actions:
+        if a.kind in ("B", "BW", "W"):
+            for name in chunk_parameters(_chunk(chunks, a.stage), names):
+                last[name] = (a.kind, a.stage, a.microbatch)
+    out: dict[tuple[str, int, int], set[str]] = {}
+    for name, key in last.items():
+        out.setdefault(key, set()).add(name)
+    return {key: frozenset(v) for key, v in out.items()}
+
+
+def _chunk(chunks: list[Chunk], stage: int) -> Chunk:
+    return next(c for c in chunks if c.stage == stage)
 
 
 def tied_across_stages(cfg: Config, mesh: Mesh) -> bool:

@@ -10,6 +10,9 @@ import json
 from dataclasses import dataclass, field
 
 _COLOURS = {"F": "#4c78c8", "B": "#7fc9d9", "W": "#8cc97e", "BW": "#e8a05c"}
+# the communication lane: async collectives (all-reduce, reduce-scatter, all-gather)
+COMM_KINDS = ("AR", "RS", "AG")
+_COMM_COLOURS = {"AR": "#c0392b", "RS": "#8e44ad", "AG": "#7f8c8d"}
 
 
 @dataclass(frozen=True)
@@ -30,15 +33,19 @@ class Event:
 
 @dataclass
 class Timeline:
-    """Per-rank compute events of one pipeline step.
+    """Per-rank compute events of one pipeline step, and its communication lane.
 
     ranks: ranks[r] holds rank r's events in execution order.
+    comm: comm[r] holds rank r's async collectives (kinds in COMM_KINDS, launched to
+      completed; stage and microbatch -1), drawn in a lane of their own; idle time and
+      the bubble count compute only. Empty for the simulator.
     unit: "s" for measured seconds; "cost" for the simulator's cost units.
     schedule: the schedule's name, for titles.
     meta: free-form extras a recorder wants to keep (step, microbatches, ...).
     """
 
     ranks: list[list[Event]]
+    comm: list[list[Event]] = field(default_factory=list)
     unit: str = "s"
     schedule: str = ""
     meta: dict = field(default_factory=dict)
@@ -120,6 +127,17 @@ def to_chrome_trace(timeline: Timeline, us_per_unit: float = 1e6) -> dict:
                     "args": {"stage": e.stage, "microbatch": e.microbatch},
                 }
             )
+    for rank, rank_events in enumerate(timeline.comm):  # its own thread row per rank
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1,
+                       "args": {"name": "communication"}})  # fmt: skip
+        for e in rank_events:
+            events.append(
+                {
+                    "name": e.kind, "cat": "comm", "ph": "X", "pid": rank, "tid": 1,
+                    "ts": (e.start - timeline.start) * us_per_unit,
+                    "dur": e.duration * us_per_unit,
+                }
+            )  # fmt: skip
     meta = {"schedule": timeline.schedule, "bubble_fraction": timeline.bubble_fraction}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
@@ -160,17 +178,25 @@ def _draw(ax, title: str, tl: Timeline) -> None:
 
     t0, span = tl.start, tl.makespan or 1.0
     first_stage = [min((e.stage for e in ev), default=0) for ev in tl.ranks]
+    lane = any(tl.comm)  # compute on top of each row, communication in a strip below
+    height = 0.55 if lane else 0.8
+    for rank, events in enumerate(tl.comm):
+        for e in events:
+            ax.broken_barh(
+                [(e.start - t0, max(e.duration, span / 500))], (rank + 0.2, 0.2),
+                facecolors=_COMM_COLOURS[e.kind], edgecolor="none", alpha=0.6,
+            )  # fmt: skip
     for rank, events in enumerate(tl.ranks):
         for e in events:
             # a rank's later chunks (interleaved, zb-v) are drawn hatched
             hatch = "//" if e.stage != first_stage[rank] else None
             ax.broken_barh(
-                [(e.start - t0, e.duration)], (rank - 0.4, 0.8),
+                [(e.start - t0, e.duration)], (rank - 0.4, height),
                 facecolors=_COLOURS.get(e.kind, "grey"), edgecolor="black",
                 linewidth=0.4, hatch=hatch,
             )  # fmt: skip
             if e.duration > span / 150:
-                ax.text(e.start - t0 + e.duration / 2, rank, str(e.microbatch),
+                ax.text(e.start - t0 + e.duration / 2, rank - 0.4 + height / 2, str(e.microbatch),
                         ha="center", va="center", fontsize=7)  # fmt: skip
     ax.set_ylim(tl.pp - 0.5, -0.5)
     ax.set_xlim(0, span)
@@ -181,6 +207,8 @@ def _draw(ax, title: str, tl: Timeline) -> None:
     handles = [Patch(facecolor=_COLOURS[k], edgecolor="black", label=k) for k in kinds]
     if any(e.stage != first_stage[r] for r, ev in enumerate(tl.ranks) for e in ev):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="later chunk"))
+    kinds = sorted({e.kind for ev in tl.comm for e in ev}, key=COMM_KINDS.index)
+    handles += [Patch(facecolor=_COMM_COLOURS[k], alpha=0.6, label=f"comm {k}") for k in kinds]
     ax.legend(
         handles=handles,
         loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False,

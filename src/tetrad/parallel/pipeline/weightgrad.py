@@ -1,21 +1,51 @@
 """Split backward for zero-bubble schedules: B computes input gradients, W the weights'.
 
-Linear layers are swapped for `DeferredLinear`, whose backward returns the input gradient
-at once and files (input, output gradient) under the running (stage, microbatch); the W
-action later turns them into weight gradients. The matmuls of W are the same as in a plain
-backward, so the split costs nothing but memory: B ≈ W ≈ F in FLOPs, which is what lets
-ZB-H1 fill the cool-down bubble. Norm gains and the embedding (cheap) keep their gradient in B.
+Every bias-free linear gets a deferrable matmul: plain `nn.Linear`s are swapped for
+`DeferredLinear`, and the tensor-parallel layers (column, row, vocabulary head and the
+gathered kv projection of `parallel/tensor.py`) are `SplitLinear`s already, armed in
+place. Under a B action the matmul's backward returns the input gradient at once (the
+layer's tp collectives, around the matmul, run in B as they would) and files (input,
+output gradient) under the running (stage, microbatch); the W action later turns them into
+weight gradients. The matmuls of W are those of a plain backward, so the split costs
+nothing but memory: B ≈ W ≈ F in FLOPs, which is what lets ZB-H1 fill the cool-down
+bubble. Norm gains and the embedding (cheap) keep their gradient in B.
+
+W needs no weight values, only where the gradient goes (`accumulate`): a parameter's
+`.grad`, or, for a view of a flat parameter (ZeRO's units), the matching slice of the flat
+gradient. So ZeRO-3 neither holds nor re-gathers a unit for W; the unit's full gradient,
+which ZeRO keeps through the step's accumulation anyway, receives it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 Key = tuple[int, int]  # (stage, microbatch)
+Sink = Callable[[torch.Tensor], None]  # takes one weight gradient and accumulates it
+
+
+def accumulate(weight: torch.Tensor, g: torch.Tensor) -> None:
+    """Add `g` to the gradient of `weight`: a leaf's `.grad`, or, for a view of a leaf (a
+    ZeRO unit's flat buffer, whose storage may be freed by now), the same range of that
+    leaf's `.grad`, created as zeros if backward has not made it yet."""
+    if weight.is_leaf:
+        if weight.grad is None:
+            weight.grad = g.to(weight.dtype)
+        else:
+            weight.grad.add_(g)
+        return
+    base = weight._base
+    if base is None or not base.is_leaf or not weight.is_contiguous():
+        raise RuntimeError("a deferred weight must be a parameter or a contiguous view of one")
+    if base.grad is None:
+        base.grad = torch.zeros(base.shape, dtype=base.dtype, device=g.device)
+    start = weight.storage_offset() - base.storage_offset()
+    base.grad.view(-1)[start : start + weight.numel()].view_as(g).add_(g)
 
 
 class WeightGradStore:
@@ -23,44 +53,68 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.key: Key | None = None
-        self.pending: dict[Key, list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = (
-            defaultdict(list)
-        )
+        self.pending: dict[Key, list[tuple[Sink, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self.flops = 0  # the matmul FLOPs W has run (tests assert W does the work)
 
-    def defer(self, weight: nn.Parameter, x: torch.Tensor, grad: torch.Tensor) -> None:
+    def defer(self, sink: Sink, x: torch.Tensor, grad: torch.Tensor) -> None:
         if self.key is None:
             raise RuntimeError("a deferred linear ran backward outside a B action")
-        self.pending[self.key].append((weight, x, grad))
+        self.pending[self.key].append((sink, x, grad))
 
     def flush(self, key: Key) -> None:
         """Run W for (stage, microbatch): accumulate every filed weight gradient."""
-        for weight, x, grad in self.pending.pop(key, []):
-            g = grad.flatten(0, -2).t() @ x.flatten(0, -2)  # [out, in]
-            if weight.grad is None:
-                weight.grad = g.to(weight.dtype)
-            else:
-                weight.grad.add_(g)
+        for sink, x, grad in self.pending.pop(key, []):
+            g2, x2 = grad.flatten(0, -2), x.flatten(0, -2)
+            sink(g2.t() @ x2)  # [out, in]
+            self.flops += 2 * g2.shape[0] * g2.shape[1] * x2.shape[1]
 
 
 class _DeferredMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, store):
+    def forward(ctx, x, weight, store, sink):
         ctx.save_for_backward(x)
-        # the Parameter itself, not a saved tensor: under saved-tensor hooks (activation
-        # meters, checkpointing) autograd unpacks an alias, and W files by identity
+        # the weight itself, not a saved tensor: under saved-tensor hooks (activation
+        # meters, checkpointing) autograd unpacks an alias, and W accumulates by identity
         ctx.weight, ctx.store = weight, store
+        ctx.sink = sink or (lambda g: accumulate(weight, g))
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        weight = ctx.weight
-        ctx.store.defer(weight, x, grad)
-        return grad @ weight, None, None
+        ctx.store.defer(ctx.sink, x, grad)
+        return grad @ ctx.weight, None, None, None
+
+
+def split_matmul(
+    x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None, sink: Sink | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight)`, whose weight gradient waits for W when a store is given
+    (`sink` says where it goes; by default into `weight`'s gradient)."""
+    if store is None or not torch.is_grad_enabled():
+        return F.linear(x, weight)
+    return _DeferredMatmul.apply(x, weight, store, sink)
+
+
+class Deferrable:
+    """A layer whose weight gradient can wait for the W action: its `store` is None (an
+    ordinary backward) until `defer_weight_grads` arms it."""
+
+    store: WeightGradStore | None = None
+
+
+class SplitLinear(nn.Linear, Deferrable):
+    """A bias-free linear with a deferrable weight gradient."""
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return split_matmul(x, self.weight, self.store)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
 
 
 class DeferredLinear(nn.Module):
-    """A bias-free linear whose weight gradient waits for the W action."""
+    """A plain bias-free linear, its weight gradient waiting for the W action."""
 
     def __init__(self, linear: nn.Linear, store: WeightGradStore):
         super().__init__()
@@ -68,15 +122,22 @@ class DeferredLinear(nn.Module):
         self.store = store
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DeferredMatmul.apply(x, self.weight, self.store)
+        return split_matmul(x, self.weight, self.store)
 
 
-def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> int:
-    """Swap every plain bias-free nn.Linear under `model` for a DeferredLinear; count them."""
-    swapped = 0
-    for parent in list(model.modules()):
+def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> list[str]:
+    """Swap every plain bias-free nn.Linear under `model` for a DeferredLinear and arm
+    every `Deferrable` layer (the tp layers); return
+    the names of the weights whose gradient W now computes."""
+    deferred = []
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
+            path = f"{parent_name}.{name}" if parent_name else name
             if type(child) is nn.Linear and child.bias is None:
                 setattr(parent, name, DeferredLinear(child, store))
-                swapped += 1
-    return swapped
+            elif isinstance(child, Deferrable):
+                child.store = store
+            else:
+                continue
+            deferred.append(f"{path}.weight")
+    return deferred
