@@ -199,3 +199,51 @@ def test_learned_overhead_is_consistent(name):
         assert again.bubble_fraction == pytest.approx(tl.bubble_fraction, abs=1e-9)
         bare = _run(name, p, 2 * p, Costs(got.f, got.b, got.w, got.comm), v)
         assert bare.bubble_fraction < tl.bubble_fraction - 0.005
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+def test_transfer_programs_cost_what_the_schedule_does(name):
+    """The runtime's transfer programs, timed with rendezvous sends, lose nothing to the
+    action-level simulation: gloo's (receives posted one compute early) at uniform and
+    skewed stage costs (a heavy first and last stage), NCCL's (in order) at uniform costs
+    and never beat it; a program that posts its receives late loses (so the comparison
+    can fail)."""
+    from tetrad.parallel.pipeline.p2p import program
+    from tetrad.parallel.pipeline.program_sim import simulate_program
+
+    for p in (2, 4):
+        v = 2 if name in ("interleaved-1f1b", "zb-v") else 1
+        n, acts = p * v, build_schedule(name, p, 2 * p, v)
+        skew = Costs([3] + [2] * (n - 2) + [4], [4] + [3] * (n - 2) + [5], 1.5, comm=0.3)
+        for costs in (UNIT, skew):
+            want = simulate(acts, costs).makespan
+            gloo = simulate_program(program(acts, early=1), costs).makespan
+            nccl = simulate_program(program(acts, early=0), costs).makespan
+            assert gloo == pytest.approx(want)
+            assert nccl >= want - 1e-9
+            if costs is UNIT:
+                assert nccl == pytest.approx(want)
+        late = [_late_receives(items) for items in program(acts, early=1)]
+        try:  # late receives stall the senders' waits, or even deadlock them
+            assert simulate_program(late, skew).makespan > simulate(acts, skew).makespan + 0.1
+        except ValueError as e:
+            assert "deadlock" in str(e)
+
+
+def _late_receives(items):
+    """A program whose receives are posted only right before the wait that needs them."""
+    from tetrad.parallel.pipeline.p2p import Post, Wait
+
+    recvs = {a for i in items if isinstance(i, Post) for a in i.ops if a.kind.startswith("RECV")}
+    out = []
+    for item in items:
+        if isinstance(item, Post):
+            sends = tuple(a for a in item.ops if a not in recvs)
+            out += [Post(sends)] if sends else []
+        elif isinstance(item, Wait):
+            mine = tuple(a for a in item.ops if a in recvs)
+            out += [Post(mine)] if mine else []
+            out.append(item)
+        else:
+            out.append(item)
+    return out

@@ -10,6 +10,13 @@ simulator's prediction for the same lists.
 A stage output is freed as soon as its send is done (Megatron's trick): the autograd node
 stays, the tensor's storage is swapped for an empty one, and backward starts from the
 node's gradient edge, which needs no shape check against the freed data.
+
+Per-action overhead is kept off the schedule's path: the loop never waits for the device
+(on a GPU, computes and transfers are only enqueued; the step's one host sync is the
+trainer's, after the schedule), the step's inputs and targets go to the device once,
+before the loop, and receive buffers are reused across microbatches: a buffer returns to
+the pool once nothing the meter counts (autograd's saved tensors, deferred-W inputs)
+still refers to it, which is after the backward that consumed it.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ class StepState(RunResult):
     sends: dict[Wire, tuple[Work, torch.Tensor]] = field(default_factory=dict)  # in flight
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    # this step's microbatch inputs and targets, on the device (moved once, before the loop)
+    inputs_of: list = field(default_factory=list)
+    targets_of: list = field(default_factory=list)
     in_flight: int = 0
     peak_in_flight: int = 0
     # timed computes: (kind, stage, microbatch, start mark, end mark) of `clock`
@@ -93,6 +103,8 @@ class PipelineRuntime:
         self.dtype = dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.clock = Clock(self.device)
+        self.pool: list[torch.Tensor] = []  # free receive buffers, reused across microbatches
+        self.allocated = 0  # receive buffers ever allocated (the pool's size, at most)
 
     def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> StepState:
         """Execute the whole schedule for one optimizer step. Gradient reductions wait
@@ -100,6 +112,10 @@ class PipelineRuntime:
         grads.sync = False
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         st = StepState(loss=loss, micro=micro, denom=denom)
+        first = any(c.first for c in self.chunks.values())
+        move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        st.inputs_of = [move(mb.inputs) for mb in micro] if first else []
+        st.targets_of = [move(mb.targets) for mb in micro] if self.holds_loss else []
         self.meter.reset(self.model.parameters())
         self.clock.anchor()
         st.clock = self.clock
@@ -126,8 +142,7 @@ class PipelineRuntime:
             if a.kind.startswith("SEND"):
                 batch.append(("send", st.box.pop(wire(a)), self._peer(a)))
             else:
-                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-                batch.append(("recv", buf, self._peer(a)))
+                batch.append(("recv", self._buffer(), self._peer(a)))
         works = self.comm.batch_p2p(batch, self.mesh["pp"])
         for a, work, (_, t, _) in zip(ops, works, batch, strict=True):
             if a.kind.startswith("RECV"):
@@ -138,6 +153,21 @@ class PipelineRuntime:
             if out is not None and self.meter.references(out) == 1:  # only our own hold:
                 # autograd did not save the output, so the send buffer may own its storage
                 out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+
+    def _buffer(self) -> torch.Tensor:
+        """A receive buffer: a free one from the pool, or a new one."""
+        if self.pool:
+            return self.pool.pop()
+        self.allocated += 1
+        return torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+
+    def _release(self, buf: torch.Tensor) -> None:
+        """Back to the pool, unless something still refers to it (autograd saved it for a
+        later pass, or a deferred W holds it): then it is left to the allocator."""
+        if self.meter.references(buf) == 0:
+            buf.requires_grad_(False)
+            buf.grad = None
+            self.pool.append(buf)
 
     def _wait(self, st: StepState, ops: tuple[Action, ...]) -> None:
         """Receives land in the mailbox; finished sends drop their buffers (and the sent
@@ -165,16 +195,16 @@ class PipelineRuntime:
             raise ValueError(f"unknown compute action {a}")
 
     def _forward(self, st: StepState, s: int, i: int) -> None:
-        chunk, mb = self.chunks[s], st.micro[i]
+        chunk = self.chunks[s]
         if chunk.first:
-            x = mb.inputs.to(self.device)
+            x = st.inputs_of[i]
         else:
             x = st.box.pop(("F", s, i)).requires_grad_(True)
             st.inputs[(s, i)] = x
         with self.meter.saving():
             out = self.model.forward_span(x, list(chunk.layers), chunk.first, chunk.last)
             if chunk.last:
-                loss = self.loss_fn(out, mb.targets.to(self.device)) / st.denom
+                loss = self.loss_fn(out, st.targets_of[i]) / st.denom
         if chunk.last:
             st.loss += loss.detach().double()
             st.outputs[(s, i)] = loss
@@ -190,6 +220,7 @@ class PipelineRuntime:
         out = st.outputs.pop((s, i))
         if self.store is not None:
             self.store.key = (s, i)
+        grad = None
         if chunk.last:
             torch.autograd.backward(out)
         else:  # from the gradient edge: `out`'s storage may already be freed
@@ -207,6 +238,10 @@ class PipelineRuntime:
         if not chunk.first:
             x = st.inputs.pop((s, i))
             st.box[("B", s - 1, i)] = x.grad  # gradient of stage s-1's output
+            if (s - 1) not in self.chunks:  # received, not handed over by a local stage
+                self._release(x)
+        if grad is not None and (s + 1) not in self.chunks:
+            self._release(grad)
         st.in_flight -= 1
 
     def _weight_grads(self, key: Key) -> None:
