@@ -60,6 +60,7 @@ class StepState(RunResult):
     # this step's microbatch inputs and targets, on the device (moved once, before the loop)
     inputs_of: list = field(default_factory=list)
     targets_of: list = field(default_factory=list)
+    parked: dict[Key, list[torch.Tensor]] = field(default_factory=dict)  # until their W
     in_flight: int = 0
     peak_in_flight: int = 0
     # timed computes: (kind, stage, microbatch, start mark, end mark) of `clock`
@@ -161,13 +162,16 @@ class PipelineRuntime:
         self.allocated += 1
         return torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
 
-    def _release(self, buf: torch.Tensor) -> None:
-        """Back to the pool, unless something still refers to it (autograd saved it for a
-        later pass, or a deferred W holds it): then it is left to the allocator."""
+    def _release(self, buf: torch.Tensor, st: StepState | None = None, key: Key = (0, 0)) -> None:
+        """Back to the pool, unless something still refers to it: a deferred W holding
+        it (an output gradient that passed through a residual unchanged) parks it until
+        that W has run (`st`, `key`); anything else leaves it to the allocator."""
         if self.meter.references(buf) == 0:
             buf.requires_grad_(False)
             buf.grad = None
             self.pool.append(buf)
+        elif st is not None:
+            st.parked.setdefault(key, []).append(buf)
 
     def _wait(self, st: StepState, ops: tuple[Action, ...]) -> None:
         """Receives land in the mailbox; finished sends drop their buffers (and the sent
@@ -191,6 +195,8 @@ class PipelineRuntime:
         elif a.kind == "W":
             self._weight_grads((a.stage, a.microbatch))
             self.meter.drop(("W", a.stage, a.microbatch))
+            for buf in st.parked.pop((a.stage, a.microbatch), []):
+                self._release(buf)
         else:
             raise ValueError(f"unknown compute action {a}")
 
@@ -239,9 +245,9 @@ class PipelineRuntime:
             x = st.inputs.pop((s, i))
             st.box[("B", s - 1, i)] = x.grad  # gradient of stage s-1's output
             if (s - 1) not in self.chunks:  # received, not handed over by a local stage
-                self._release(x)
+                self._release(x, st, (s, i))
         if grad is not None and (s + 1) not in self.chunks:
-            self._release(grad)
+            self._release(grad, st, (s, i))
         st.in_flight -= 1
 
     def _weight_grads(self, key: Key) -> None:
