@@ -61,6 +61,7 @@ class StepState(RunResult):
     inputs_of: list = field(default_factory=list)
     targets_of: list = field(default_factory=list)
     parked: dict[Key, list[torch.Tensor]] = field(default_factory=dict)  # until their W
+    late: list[Wire] = field(default_factory=list)  # gradient sends past their wait, in flight
     in_flight: int = 0
     peak_in_flight: int = 0
     # timed computes: (kind, stage, microbatch, start mark, end mark) of `clock`
@@ -129,6 +130,7 @@ class PipelineRuntime:
                 t0 = self.clock.mark()
                 self._compute(st, item)
                 st.marks.append((item.kind, item.stage, item.microbatch, t0, self.clock.mark()))
+        self._reap(st, block=True)
         st.peak_activation_bytes = self.meter.peak
         return st
 
@@ -174,17 +176,39 @@ class PipelineRuntime:
             st.parked.setdefault(key, []).append(buf)
 
     def _wait(self, st: StepState, ops: tuple[Action, ...]) -> None:
-        """Receives land in the mailbox; finished sends drop their buffers (and the sent
-        tensors with them)."""
+        """Receives land in the mailbox (waited for: a compute needs them). A stage
+        output's send is waited for here, then freed, as the planner's activation model
+        has it (`plan.activations.peak_in_flight`). A gradient's send is only reaped: if
+        done, dropped; if not, it stays in flight, is looked at again at every later
+        wait, and is waited for at the step's end. Blocking on it would idle this rank
+        until its peer posts the matching receive (sends are rendezvous on gloo and
+        NCCL), time the schedule does not ask for; a later host wait cannot deadlock
+        anything, since every transfer is already posted in the proven order."""
         for a in ops:
             if a.kind.startswith("RECV"):
                 work, buf = st.recvs.pop(wire(a))
                 work.wait()
                 st.box[wire(a)] = buf
-            else:
+            elif a.kind == "SEND_F":
                 work, _ = st.sends.pop(wire(a))
                 work.wait()
                 self.meter.drop(wire(a))
+            else:
+                st.late.append(wire(a))
+        self._reap(st)
+
+    def _reap(self, st: StepState, block: bool = False) -> None:
+        """Finish the sends that are done (all of them if `block`), freeing their buffers."""
+        pending = []
+        for key in st.late:
+            work, _ = st.sends[key]
+            if block or work.done():
+                work.wait()
+                del st.sends[key]
+                self.meter.drop(key)
+            else:
+                pending.append(key)
+        st.late = pending
 
     # --- compute ------------------------------------------------------------------------
     def _compute(self, st: StepState, a: Action) -> None:
