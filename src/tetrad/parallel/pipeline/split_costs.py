@@ -11,8 +11,10 @@ split replaces "measured" in the configuration the engine is built from, so chec
 the memory accounting and a resumed job see the layer counts actually used.
 
 Memory stays small: a one-layer copy of the model is built (embedding, one block, head),
-and its block is timed once per layer index (Llama's blocks all have one shape). With tp
-the full, unsharded items are timed: their slices cost in the same proportions.
+and its block is timed once per layer index (Llama's blocks all have one shape, so every
+layer is given the median of those timings: differences between them are noise, which on
+a loaded machine could otherwise move a stage boundary). With tp the full, unsharded
+items are timed: their slices cost in the same proportions.
 """
 
 from __future__ import annotations
@@ -98,4 +100,7 @@ def _time_items(cfg: Config, device: torch.device, repeats: int) -> list[float]:
         fn()
     model.zero_grad(set_to_none=True)
     hidden.grad = None
-    return [timed(embedding)] + [timed(layer) for _ in range(m.layers)] + [timed(head)]
+    layers = [timed(layer) for _ in range(m.layers)]
+    # the blocks have one shape, so their timings differ only by noise; on a loaded
+    # machine that noise alone could move a stage boundary, so each gets their median
+    return [timed(embedding)] + [statistics.median(layers)] * m.layers + [timed(head)]
