@@ -44,6 +44,9 @@ Key = tuple[int, int]  # (stage, microbatch)
 # (CPU) posts each on its own; on NCCL's in-order stream only 0 is safe (see p2p.py)
 EARLY = {"cpu": 1, "cuda": 0}
 Wire = tuple[str, int, int]  # (direction, stage, microbatch): a tensor on the wire
+# gradient sends left in flight past their program's wait, at most (their buffers: one
+# activation gradient each, on top of what the planner counts)
+LATE_SENDS = 2
 
 
 @dataclass(kw_only=True)
@@ -139,7 +142,7 @@ class PipelineRuntime:
         return self.mesh["pp"].ranks[a.peer]
 
     def _post(self, st: StepState, ops: tuple[Action, ...]) -> None:
-        """One batch: each send's tensor from the mailbox, a fresh buffer for each receive."""
+        """One batch: each send's tensor from the mailbox, a pooled buffer for each receive."""
         batch = []
         for a in ops:
             if a.kind.startswith("SEND"):
@@ -183,7 +186,8 @@ class PipelineRuntime:
         wait, and is waited for at the step's end. Blocking on it would idle this rank
         until its peer posts the matching receive (sends are rendezvous on gloo and
         NCCL), time the schedule does not ask for; a later host wait cannot deadlock
-        anything, since every transfer is already posted in the proven order."""
+        anything, since every transfer is already posted in the proven order. At most
+        `LATE_SENDS` stay in flight."""
         for a in ops:
             if a.kind.startswith("RECV"):
                 work, buf = st.recvs.pop(wire(a))
@@ -198,11 +202,13 @@ class PipelineRuntime:
         self._reap(st)
 
     def _reap(self, st: StepState, block: bool = False) -> None:
-        """Finish the sends that are done (all of them if `block`), freeing their buffers."""
+        """Finish the late sends that are done, and the oldest beyond `LATE_SENDS` (all
+        of them if `block`), freeing their buffers. gloo reports a p2p work done only
+        once waited for, so there the bound is what frees them during the step."""
         pending = []
-        for key in st.late:
+        for k, key in enumerate(st.late):
             work, _ = st.sends[key]
-            if block or work.done():
+            if block or len(st.late) - k > LATE_SENDS or work.done():
                 work.wait()
                 del st.sends[key]
                 self.meter.drop(key)
