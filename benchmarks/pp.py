@@ -1,18 +1,31 @@
 """tetrad's pipeline schedules against torch.distributed.pipelining, side by side.
 
-Phase 1, the schedules. Same model (tetrad's Llama: 8 layers, dim 256, 8 heads, 4 kv
-heads, vocab 8192), same stages (tetrad's balanced split; the peer's `PipelineStage`
-wraps each rank's span of the same module, from the same initial weights), same batches
-(8 sequences of 128 tokens per step in 8 microbatches), same loss semantics, AdamW and
+Phase 1, the schedules, at two shapes. Same model (tetrad's Llama), same stages (tetrad's
+balanced split; the peer's `PipelineStage` wraps each rank's span of the same module,
+from the same initial weights), same batches, same loss (full logits and cross-entropy on
+both sides: tetrad runs with loss_chunk=0, so both compute the same thing), AdamW and
 clipping, same world (gloo, 1 thread per rank), in the same processes:
+
+  base    8 layers, dim 256, 8 heads, 4 kv heads, vocab 8192; 8 x 128 tokens per step in
+          8 microbatches (one sequence each)
+  small   8 layers, dim 128, 4 heads, 2 kv heads, vocab 2048; 16 x 128 tokens in 8
+          microbatches (two sequences each): short actions, where per-action overhead
+          shows
 
   tetrad-1f1b, tetrad-zb-h1   tetrad's runtime
   torch-1f1b, torch-zb        Schedule1F1B, ScheduleInterleavedZeroBubble (one stage per
                               rank: its ZB-H1 equivalent)
 
-Phase 2, the split. The same model with a 32000-token vocabulary (the head then costs
-several layers): tetrad 1F1B on its balanced split against the cost-blind even split,
-and the simulator's prediction for both.
+Phase 2, the bubbles (base shape, tetrad): every schedule (gpipe, 1f1b, interleaved-1f1b
+and zb-v with 2 stages per rank, zb-h1), each step's measured bubble against the
+simulator's at the costs measured in that step: from compute and transfer costs alone,
+and with the runtime's own overhead per compute and per transfer, learned from the same
+step (measure.estimate_overhead).
+
+Phase 3, the split. The base model with a 32000-token vocabulary (the head then costs
+several layers): tetrad 1F1B on its FLOP-balanced split, on the split balanced on costs
+timed in a warm-up (`--pp-split measured`) and on the cost-blind even split, and the
+simulator's prediction for the first and the last.
 
 Every round runs one step of each runner, in an order that rotates between rounds;
 tokens/s is the median over rounds and each ratio the median of the rounds' ratios, with
@@ -30,7 +43,7 @@ outputs awaiting their send and inputs of deferred weight gradients.
 With pp=4 on a 2-core machine the ranks share cores: wall times and the cpu bubble
 (>= 0.5 by construction) then measure contention as much as the schedule.
 
-    .venv/bin/python benchmarks/pp.py            # pp 2 and 4, prints JSON (2-3 minutes)
+    .venv/bin/python benchmarks/pp.py            # pp 2 and 4, prints JSON (5-8 minutes)
     .venv/bin/python benchmarks/pp.py --timelines docs/img   # + docs/img/pp4-{1f1b,zb-h1}.png
 """
 
@@ -53,20 +66,34 @@ from tetrad.models.llama import Llama, cross_entropy_sum
 from tetrad.parallel.pipeline.measure import ActivationMeter, measure_step, plot_pair
 from tetrad.parallel.pipeline.partition import even_split, llama_layer_costs, stage_costs
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
+from tetrad.parallel.pipeline.split_costs import measure_item_costs
 from tetrad.parallel.pipeline.stage import layer_split, prune, rank_chunks
 from tetrad.testing import spawn
 
 MODEL = {"layers": 8, "dim": 256, "heads": 8, "kv_heads": 4, "vocab": 8192}
+SMALL = {"layers": 8, "dim": 128, "heads": 4, "kv_heads": 2, "vocab": 2048}
+SHAPES = {"base": (MODEL, 8), "small": (SMALL, 16)}  # (model, sequences of 128 per step)
 BIG_VOCAB = 32000  # the split phase: the head then costs several layers
 MICROBATCHES = 8
+BUBBLE_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zb-v": 2}
+TOLERANCE = 0.15  # relative: measured bubble against the simulated one
 
 
 def bench_config(
-    pp: int, schedule: str = "1f1b", split: str = "", vocab: int = MODEL["vocab"]
+    pp: int,
+    schedule: str = "1f1b",
+    split: str = "",
+    vocab: int | None = None,
+    shape: str = "base",
+    v: int = 1,
 ) -> Config:
-    """The benchmark job: 8 x 128 tokens per step, synthetic data, pp = world."""
+    """The benchmark job: synthetic data, pp = world, full logits (the peer's loss)."""
+    model, batch = SHAPES[shape]
     p = {"pp": pp, "pp_schedule": schedule, "microbatches": MICROBATCHES, "pp_split": split}
-    return harness.job(MODEL | {"vocab": vocab}, p, 10**6, batch=8, data="synthetic")
+    p["virtual_stages"] = v
+    cfg = harness.job(model | {"vocab": vocab or model["vocab"]}, p, 10**6, batch, "synthetic")
+    cfg.train.loss_chunk = 0
+    return cfg
 
 
 class TetradRunner:
@@ -82,12 +109,16 @@ class TetradRunner:
         state = self.trainer.engine.last_run  # the runtime's record of its last step
         p, t = self.cfg.parallel, self.trainer
         measured, simulated = measure_step(
-            state.events, t.comm, t.mesh["pp"], p.pp_schedule, p.microbatches
+            state.events, t.comm, t.mesh["pp"], p.pp_schedule, p.microbatches, p.virtual_stages
         )
         self.timeline = (measured, simulated)
+        costs = simulated.meta["costs"]
         return {
             "bubble_timeline": measured.bubble_fraction,
-            "bubble_simulated": simulated.bubble_fraction,
+            "bubble_simulated": simulated.meta["bubble_without_overhead"],
+            "bubble_simulated_overhead": simulated.bubble_fraction,
+            "overhead_s": costs["overhead"],
+            "p2p_s": costs["p2p"],
             "act_bytes": float(state.peak_act_bytes),
         }
 
@@ -181,28 +212,44 @@ def _timed_step(runner) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, rounds: int, timelines: str) -> dict:
-    """Both phases on this rank: the schedules (vocab 8192), then the splits (vocab 32000)."""
-    schedules = {
-        "tetrad-1f1b": TetradRunner(bench_config(world, "1f1b"), rank),
-        "tetrad-zb-h1": TetradRunner(bench_config(world, "zb-h1"), rank),
-        "torch-1f1b": PeerRunner(bench_config(world), rank, world, zero_bubble=False),
-        "torch-zb": PeerRunner(bench_config(world), rank, world, zero_bubble=True),
+    """The three phases on this rank: schedules at both shapes, bubbles, splits."""
+    out: dict[str, Any] = {"shapes": {}, "zb_costs": {}}
+    for shape in SHAPES:
+        cfg = partial(bench_config, world, shape=shape)
+        schedules = {
+            "tetrad-1f1b": TetradRunner(cfg("1f1b"), rank),
+            "tetrad-zb-h1": TetradRunner(cfg("zb-h1"), rank),
+            "torch-1f1b": PeerRunner(cfg(), rank, world, zero_bubble=False),
+            "torch-zb": PeerRunner(cfg(), rank, world, zero_bubble=True),
+        }
+        out["shapes"][shape] = _timed_rounds(schedules, rounds)
+        if timelines and rank == 0 and shape == "base":  # the last round's tetrad steps
+            Path(timelines).mkdir(parents=True, exist_ok=True)
+            for name in ("tetrad-1f1b", "tetrad-zb-h1"):
+                measured, simulated = schedules[name].timeline
+                plot_pair(measured, simulated, f"{timelines}/pp{world}-{name[7:]}.png")
+        out["zb_costs"][shape] = schedules["tetrad-zb-h1"].timeline[0].meta["costs"]
+        del schedules
+    others = {k: v for k, v in BUBBLE_SCHEDULES.items() if k not in ("1f1b", "zb-h1")}
+    bubbles = {
+        name: TetradRunner(bench_config(world, name, v=v), rank) for name, v in others.items()
     }
-    out = {"schedules": _timed_rounds(schedules, rounds)}
-    if timelines and rank == 0:  # the last round's step of each tetrad schedule
-        Path(timelines).mkdir(parents=True, exist_ok=True)
-        for name in ("tetrad-1f1b", "tetrad-zb-h1"):
-            measured, simulated = schedules[name].timeline
-            plot_pair(measured, simulated, f"{timelines}/pp{world}-{name[7:]}.png")
-    out["zb_costs"] = schedules["tetrad-zb-h1"].timeline[0].meta["costs"]
-    del schedules
+    out["bubbles"] = _timed_rounds(bubbles, rounds)
+    del bubbles
     even = ",".join(map(str, even_split(MODEL["layers"], world)))
     splits = {
         "balanced": TetradRunner(bench_config(world, vocab=BIG_VOCAB), rank),
+        "measured": TetradRunner(bench_config(world, split="measured", vocab=BIG_VOCAB), rank),
         "even": TetradRunner(bench_config(world, split=even, vocab=BIG_VOCAB), rank),
     }
     out["splits"] = _timed_rounds(splits, rounds)
     out["split_costs"] = {name: r.timeline[0].meta["costs"] for name, r in splits.items()}
+    t = splits["measured"].trainer
+    out["measured_split"] = t.cfg.parallel.pp_split
+    # the warm-up's timings once more, to report them (in layers: the median layer's cost)
+    costs = measure_item_costs(splits["measured"].cfg, t.comm, t.mesh["world"], t.device)
+    layer = statistics.median(costs[1:-1])
+    out["item_costs_in_layers"] = {"embedding": costs[0] / layer, "head+loss": costs[-1] / layer}
     return out
 
 
@@ -215,9 +262,8 @@ def _timed_rounds(runners: dict, rounds: int) -> dict[str, list[dict]]:
     )
 
 
-def _entry(steps: list[dict], pp: int) -> dict[str, Any]:
+def _entry(steps: list[dict], pp: int, tokens: int = 8 * 128) -> dict[str, Any]:
     """Medians over the timed steps of one runner."""
-    tokens = 8 * 128
     entry = {
         "tokens_per_s": round(statistics.median(tokens / s["wall"] for s in steps), 1),
         "bubble_cpu": round(statistics.median(s["bubble_cpu"] for s in steps), 3),
@@ -225,7 +271,7 @@ def _entry(steps: list[dict], pp: int) -> dict[str, Any]:
             round(max(s["act_bytes"][r] for s in steps) / 2**20, 2) for r in range(pp)
         ],
     }
-    for key in ("bubble_timeline", "bubble_simulated"):
+    for key in ("bubble_timeline", "bubble_simulated", "bubble_simulated_overhead"):
         if key in steps[0]:
             entry[key] = round(statistics.median(s[key] for s in steps), 3)
     return entry
@@ -233,15 +279,30 @@ def _entry(steps: list[dict], pp: int) -> dict[str, Any]:
 
 def summarize(pp: int, ranks: list[dict]) -> dict[str, Any]:
     """One result row per pp: medians over rounds and ratios of paired rounds."""
-    rows = ranks[0]["schedules"]
     out: dict[str, Any] = {"pp": pp, "split": layer_split(bench_config(pp))}
-    # the loss of step 0 (same weights, same batch)
-    out["step0_loss"] = {
+    out["shapes"] = {
+        shape: _shape_row(pp, shape, ranks[0]["shapes"][shape], ranks[0]["zb_costs"][shape])
+        for shape in SHAPES
+    }
+    base = {n: steps[1:] for n, steps in ranks[0]["shapes"]["base"].items()}
+    rows = {"1f1b": base["tetrad-1f1b"], "zb-h1": base["tetrad-zb-h1"]}
+    rows |= {n: steps[1:] for n, steps in ranks[0]["bubbles"].items()}
+    out["bubbles"] = {name: _bubble_row(rows[name]) for name in BUBBLE_SCHEDULES}
+    out["split_vocab_32000"] = _split_row(pp, ranks[0])
+    return out
+
+
+def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict) -> dict:
+    """One shape's runners: medians, step-0 losses, paired ratios with their spread."""
+    model, batch = SHAPES[shape]
+    out: dict[str, Any] = {"model": model, "tokens_per_step": batch * 128}
+    out["split"] = layer_split(bench_config(pp, shape=shape))
+    out["step0_loss"] = {  # same weights, same batch
         "tetrad": rows["tetrad-1f1b"][0]["loss"],
         "torch": rows["torch-1f1b"][0]["loss"],
     }
     rows = {name: steps[1:] for name, steps in rows.items()}
-    out |= {name: _entry(steps, pp) for name, steps in rows.items()}
+    out |= {name: _entry(steps, pp, batch * 128) for name, steps in rows.items()}
     ratios = {
         "tetrad-1f1b / torch-1f1b tokens/s": _paired(rows, "torch-1f1b", "tetrad-1f1b", "wall"),
         "tetrad-zb-h1 / torch-zb tokens/s": _paired(rows, "torch-zb", "tetrad-zb-h1", "wall"),
@@ -252,22 +313,57 @@ def summarize(pp: int, ranks: list[dict]) -> dict[str, Any]:
         "zb-h1 / 1f1b bubble, simulated at measured costs": _paired(
             rows, "tetrad-zb-h1", "tetrad-1f1b", "bubble_simulated"
         ),
+        "zb-h1 / 1f1b bubble, simulated with the learned overhead": _paired(
+            rows, "tetrad-zb-h1", "tetrad-1f1b", "bubble_simulated_overhead"
+        ),
     }
     out["ratios"] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
     out["ratio_spreads"] = {k: harness.spread(v) for k, v in ratios.items()}
-    out["zb-h1 measured costs (s)"] = _round_costs(ranks[0]["zb_costs"])
-    splits = {name: steps[1:] for name, steps in ranks[0]["splits"].items()}
-    gain = _paired(splits, "even", "balanced", "wall")
-    out["split_vocab_32000"] = {
-        "balanced": {"split": layer_split(bench_config(pp, vocab=BIG_VOCAB))}
-        | _entry(splits["balanced"], pp)
-        | {"measured costs (s)": _round_costs(ranks[0]["split_costs"]["balanced"])},
-        "even": {"split": even_split(MODEL["layers"], pp)}
-        | _entry(splits["even"], pp)
-        | {"measured costs (s)": _round_costs(ranks[0]["split_costs"]["even"])},
-        "balanced / even tokens/s": round(statistics.median(gain), 3),
-        "balanced / even tokens/s, spread": harness.spread(gain),
-        "simulated": simulate_split(pp),
+    out["zb-h1 measured costs (s)"] = _round_costs(zb_costs)
+    return out
+
+
+def _bubble_row(steps: list[dict]) -> dict[str, Any]:
+    """A schedule's measured bubble against the simulator's, per step, then medians."""
+    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+    plain = [s["bubble_timeline"] / s["bubble_simulated"] for s in steps]
+    learned = [s["bubble_timeline"] / s["bubble_simulated_overhead"] for s in steps]
+    ratio = statistics.median(learned)
+    return {
+        "measured": round(med("bubble_timeline"), 4),
+        "simulated": round(med("bubble_simulated"), 4),
+        "simulated_with_overhead": round(med("bubble_simulated_overhead"), 4),
+        "measured / simulated": round(statistics.median(plain), 3),
+        "measured / simulated, spread": harness.spread(plain),
+        "measured / simulated with overhead": round(ratio, 3),
+        "measured / simulated with overhead, spread": harness.spread(learned),
+        f"within {TOLERANCE:.0%}": abs(ratio - 1) <= TOLERANCE,
+        "overhead per compute (ms)": round(1e3 * med("overhead_s"), 3),
+        "overhead per transfer (ms)": round(1e3 * med("p2p_s"), 3),
+    }
+
+
+def _split_row(pp: int, rank0: dict) -> dict[str, Any]:
+    """Phase 3: the FLOP-balanced, measured and even splits at vocab 32000."""
+    splits = {name: steps[1:] for name, steps in rank0["splits"].items()}
+    layers = {
+        "balanced": layer_split(bench_config(pp, vocab=BIG_VOCAB)),
+        "measured": [int(x) for x in rank0["measured_split"].split(",")],
+        "even": even_split(MODEL["layers"], pp),
+    }
+    out: dict[str, Any] = {
+        name: {"split": layers[name]}
+        | _entry(splits[name], pp)
+        | {"measured costs (s)": _round_costs(rank0["split_costs"][name])}
+        for name in layers
+    }
+    for a in ("balanced", "measured"):
+        gain = _paired(splits, "even", a, "wall")
+        out[f"{a} / even tokens/s"] = round(statistics.median(gain), 3)
+        out[f"{a} / even tokens/s, spread"] = harness.spread(gain)
+    out["simulated"] = simulate_split(pp)
+    out["warm-up costs, in layers"] = {
+        k: round(v, 2) for k, v in rank0["item_costs_in_layers"].items()
     }
     return out
 
@@ -313,11 +409,11 @@ def main() -> None:
     t0 = time.perf_counter()
     for pp in args.pp:
         timelines = args.timelines if pp == max(args.pp) else ""
-        ranks = spawn(worker, pp, args.rounds, timelines, timeout=900)
+        ranks = spawn(worker, pp, args.rounds, timelines, timeout=1800)
         results.append(summarize(pp, ranks))
-    harness.report("pp", bench_config(2), results, tokens_per_step=8 * 128,
-                   microbatches=MICROBATCHES, rounds=args.rounds,
-                   seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
+    harness.report("pp", bench_config(2), results, microbatches=MICROBATCHES,
+                   rounds=args.rounds, loss="full logits on both sides (tetrad loss_chunk=0)",
+                   tolerance=TOLERANCE, seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -154,3 +154,96 @@ def test_simulator_reports_deadlock():
     ]
     with pytest.raises(ValueError, match="deadlock"):
         simulate(bad, UNIT)
+
+
+def test_overhead_per_compute_on_one_rank():
+    """pp=1: every compute but the first waits `overhead` after the one before."""
+    for m, o in itertools.product((1, 3, 8), (0.0, 0.25)):
+        t = _run("1f1b", 1, m, Costs(1, 2, 1, overhead=o))
+        assert t.makespan == pytest.approx(4 * m + (2 * m - 1) * o)
+
+
+def test_overhead_hides_behind_a_wait():
+    """A rank that waits for a transfer does its bookkeeping meanwhile: with overhead and
+    p2p below comm, one microbatch's 2(p-1) hops cost comm each, not more; only the last
+    rank's F -> B, back to back without a transfer, pays the overhead."""
+    for p in (2, 3, 4):
+        bare = _run("gpipe", p, 1, Costs(1, 1, 1, comm=0.5))
+        busy = _run("gpipe", p, 1, Costs(1, 1, 1, comm=0.5, overhead=0.1, p2p=0.1))
+        assert busy.makespan == pytest.approx(bare.makespan + 0.1)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+def test_learned_overhead_is_consistent(name):
+    """The estimator reads the overhead back off a timeline the simulator made with it,
+    exactly, and the simulator given the estimate predicts the same bubble; the same
+    schedule without the overhead term predicts less (so the term is not a no-op)."""
+    from tetrad.parallel.pipeline.measure import estimate_costs
+
+    for p in (2, 4):
+        v = 2 if name in ("interleaved-1f1b", "zb-v") else 1
+        stages = p * v
+        true = Costs(
+            f=[1.0 + 0.1 * s for s in range(stages)],
+            b=[1.5 + 0.05 * s for s in range(stages)],
+            w=[0.8] * stages,
+            comm=0.3,
+            overhead=0.05,
+            p2p=0.02,
+        )
+        tl = _run(name, p, 2 * p, true, v)
+        actions = build_schedule(name, p, 2 * p, v)
+        got = estimate_costs(tl, stages, actions)
+        assert (got.comm, got.overhead, got.p2p) == pytest.approx((0.3, 0.05, 0.02), abs=1e-9)
+        again = _run(name, p, 2 * p, got, v)
+        assert again.bubble_fraction == pytest.approx(tl.bubble_fraction, abs=1e-9)
+        bare = _run(name, p, 2 * p, Costs(got.f, got.b, got.w, got.comm), v)
+        assert bare.bubble_fraction < tl.bubble_fraction - 0.005
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+def test_transfer_programs_cost_what_the_schedule_does(name):
+    """The runtime's transfer programs, timed with rendezvous sends, lose nothing to the
+    action-level simulation: gloo's (receives posted one compute early) at uniform and
+    skewed stage costs (a heavy first and last stage), NCCL's (in order) at uniform costs
+    and never beat it; a program that posts its receives late loses (so the comparison
+    can fail)."""
+    from tetrad.parallel.pipeline.p2p import program
+    from tetrad.parallel.pipeline.program_sim import simulate_program
+
+    for p in (2, 4):
+        v = 2 if name in ("interleaved-1f1b", "zb-v") else 1
+        n, acts = p * v, build_schedule(name, p, 2 * p, v)
+        skew = Costs([3] + [2] * (n - 2) + [4], [4] + [3] * (n - 2) + [5], 1.5, comm=0.3)
+        for costs in (UNIT, skew):
+            want = simulate(acts, costs).makespan
+            gloo = simulate_program(program(acts, early=1), costs).makespan
+            nccl = simulate_program(program(acts, early=0), costs).makespan
+            assert gloo == pytest.approx(want)
+            assert nccl >= want - 1e-9
+            if costs is UNIT:
+                assert nccl == pytest.approx(want)
+        late = [_late_receives(items) for items in program(acts, early=1)]
+        try:  # late receives stall the senders' waits, or even deadlock them
+            assert simulate_program(late, skew).makespan > simulate(acts, skew).makespan + 0.1
+        except ValueError as e:
+            assert "deadlock" in str(e)
+
+
+def _late_receives(items):
+    """A program whose receives are posted only right before the wait that needs them."""
+    from tetrad.parallel.pipeline.p2p import Post, Wait
+
+    recvs = {a for i in items if isinstance(i, Post) for a in i.ops if a.kind.startswith("RECV")}
+    out = []
+    for item in items:
+        if isinstance(item, Post):
+            sends = tuple(a for a in item.ops if a not in recvs)
+            out += [Post(sends)] if sends else []
+        elif isinstance(item, Wait):
+            mine = tuple(a for a in item.ops if a in recvs)
+            out += [Post(mine)] if mine else []
+            out.append(item)
+        else:
+            out.append(item)
+    return out

@@ -236,6 +236,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Raise ValueError naming the offending values; called on every rank before any collective."""
     _validate_model(cfg.model)
     _validate_parallel(cfg.parallel, world_size)
+    _validate_split(cfg)
     _validate_train(cfg)
     _validate_layout(cfg)
     _validate_checkpoint(cfg.checkpoint)
@@ -285,6 +286,26 @@ def _validate_parallel(p: ParallelConfig, world_size: int | None) -> None:
     )
     if p.pp > 1 or p.virtual_stages > 1:
         schedules.validate(p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
+
+
+def _validate_split(cfg: Config) -> None:
+    """pp_split: "" (balanced on analytic FLOPs), "measured" (balanced on costs timed in a
+    warm-up) or layer counts per stage such as "5,3" (checked against layers and stages)."""
+    p = cfg.parallel
+    if p.pp_split in ("", "measured"):
+        return
+    from tetrad.parallel.pipeline import partition
+
+    stages = p.pp * p.virtual_stages
+    try:
+        partition.parse_split(p.pp_split, cfg.model.layers if stages > 1 else None)
+        if stages > 1:
+            partition.parse_split(p.pp_split, cfg.model.layers, stages)
+    except ValueError as e:
+        raise ValueError(
+            f"pp_split={p.pp_split!r} is not '', 'measured' or layer counts per stage "
+            f"(model.layers={cfg.model.layers}, pp*virtual_stages={stages}): {e}"
+        ) from None
 
 
 def _validate_train(cfg: Config) -> None:

@@ -92,6 +92,10 @@ class Work:
         self._watch, self._what = watch, what
         self.flight: Flight | None = None  # when traced
 
+    def done(self) -> bool:
+        """Whether it has completed (never blocks; a completed one still needs `wait`)."""
+        return self._handle is None or self._handle.is_completed()
+
     def wait(self) -> None:
         if self._handle is not None:
             clock = self._stats.clock or Clock(torch.device("cpu"))

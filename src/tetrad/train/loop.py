@@ -21,6 +21,7 @@ from tetrad.mesh import Mesh
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
 from tetrad.parallel.memory import measure_at_each_step, model_state_bytes
+from tetrad.parallel.pipeline.split_costs import resolve_split
 from tetrad.train import checkpoint
 from tetrad.train.data import Loader, source_of
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
@@ -106,6 +107,8 @@ class Trainer:
         heldout = t.eval_batches * t.global_batch if t.eval_every else 0
         source = source_of(cfg, heldout)
         hf = hf_weights(cfg)
+        # --pp-split measured: timed and agreed here, the resolved split used from now on
+        cfg = self.cfg = resolve_split(cfg, self.comm, mesh["world"], device)
         self.engine = parallelize(cfg, mesh, self.comm, device)
         if hf is not None:
             self.engine.load_full(hf)  # each rank reads only its slices

@@ -13,6 +13,7 @@ benchmarks/pp.py alike.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from tetrad.comm import Comm
 from tetrad.mesh import Group
 from tetrad.parallel.meter import ActivationMeter  # noqa: F401  (re-exported)
+from tetrad.parallel.pipeline.schedules import Action, build_schedule
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.timeline import (
     COMM_KINDS,
@@ -74,12 +76,14 @@ def gather_timeline(events: list[Event], comm: Comm, group: Group, **meta) -> Ti
 # --- costs read off a measured timeline ----------------------------------------------
 
 
-def estimate_costs(tl: Timeline, n_stages: int) -> Costs:
-    """Per-stage median F, B and W times, and the median transfer latency.
+def estimate_costs(tl: Timeline, n_stages: int, actions: list[list[Action]] | None = None) -> Costs:
+    """Per-stage median F, B and W times, the median transfer latency and, given the
+    schedule's `actions`, the runtime's fixed overhead per compute and per transfer.
 
     A full backward (BW) splits evenly into B and W: the simulator only ever adds them.
     Latency samples: a consumer that sat idle until its producer finished, from the
     producer's end to the consumer's start (transfer plus the runtime's bookkeeping).
+    Overhead samples: see `estimate_overhead`.
     """
     times: dict[tuple[str, int], list[float]] = {}
     for events in tl.ranks:
@@ -93,7 +97,59 @@ def estimate_costs(tl: Timeline, n_stages: int) -> Costs:
         kind: [_median(times.get((kind, s), [])) for s in range(n_stages)]
         for kind in ("F", "B", "W")
     }
-    return Costs(per_stage["F"], per_stage["B"], per_stage["W"], _median(transfer_gaps(tl)))
+    comm = _median(transfer_gaps(tl))
+    overhead, p2p = estimate_overhead(tl, actions, comm) if actions else (0.0, 0.0)
+    return Costs(per_stage["F"], per_stage["B"], per_stage["W"], comm, overhead, p2p)
+
+
+def estimate_overhead(
+    tl: Timeline, actions: list[list[Action]], comm: float
+) -> tuple[float, float]:
+    """(per compute, per transfer) host time of the runtime, as the simulator models it.
+
+    Samples: the idle gap before a compute whose input was there in time (made on this
+    rank, or its producer ended at least `comm` before this rank's previous compute did),
+    so the gap is the runtime's own time: overhead + p2p x (transfers since that compute).
+    Fitted robustly: the median gap for each count of transfers, then a weighted
+    least-squares line through those medians (slope clamped at 0, then intercept too).
+    """
+    where = {(e.kind, e.stage, e.microbatch): (r, e) for r, ev in enumerate(tl.ranks) for e in ev}
+    samples: dict[int, list[float]] = {}
+    for r, events in enumerate(tl.ranks):
+        counts = _transfers_before_computes(actions[r])
+        for k in range(1, min(len(events), len(counts))):
+            prev, e = events[k - 1], events[k]
+            src = _producer(e, where)
+            if src is None or src[0] == r or src[1].end + comm <= prev.end:
+                samples.setdefault(counts[k], []).append(max(e.start - prev.end, 0.0))
+    if not samples:
+        return 0.0, 0.0
+    points = [(n, statistics.median(g), len(g)) for n, g in samples.items()]
+    return _fit_line(points)
+
+
+def _transfers_before_computes(acts: list[Action]) -> list[int]:
+    """For each compute of a rank's list, the sends and receives since the one before."""
+    counts, n = [], 0
+    for a in acts:
+        if a.is_compute:
+            counts.append(n)
+            n = 0
+        else:
+            n += 1
+    return counts
+
+
+def _fit_line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """Weighted least squares y = a + b x over (x, y, weight); b >= 0, then a >= 0."""
+    total = sum(w for _, _, w in points)
+    mx = sum(x * w for x, _, w in points) / total
+    my = sum(y * w for _, y, w in points) / total
+    var = sum(w * (x - mx) ** 2 for x, _, w in points)
+    slope = sum(w * (x - mx) * (y - my) for x, y, w in points) / var if var > 0 else 0.0
+    if slope < 0:
+        slope = 0.0
+    return max(my - slope * mx, 0.0), slope
 
 
 def transfer_gaps(tl: Timeline) -> list[float]:
@@ -137,18 +193,29 @@ def simulated_timeline(
 def measure_step(
     events: list[Event], comm: Comm, group: Group, schedule: str, microbatches: int, v: int = 1
 ) -> tuple[Timeline, Timeline]:
-    """(measured, simulated) timelines of one step; a collective over the pp `group`."""
+    """(measured, simulated) timelines of one step; a collective over the pp `group`.
+
+    The simulation includes the runtime's overhead learned from this very step; its
+    meta["bubble_without_overhead"] is the prediction from compute and transfer costs
+    alone (what the schedule itself explains)."""
     measured = gather_timeline(
         events, comm, group, schedule=schedule, microbatches=microbatches, virtual_stages=v
     )
-    costs = estimate_costs(measured, group.size * v)
+    actions = build_schedule(schedule, group.size, microbatches, v)
+    costs = estimate_costs(measured, group.size * v, actions)
     simulated = simulated_timeline(schedule, group.size, microbatches, costs, v)
+    plain = replace(costs, overhead=0.0, p2p=0.0)
+    bare = simulated_timeline(schedule, group.size, microbatches, plain, v)
+    simulated.meta["bubble_without_overhead"] = bare.bubble_fraction
     measured.meta["costs"] = simulated.meta["costs"] = _costs_dict(costs)
     return measured, simulated
 
 
 def _costs_dict(c: Costs) -> dict:
-    return {"f": list(c.f), "b": list(c.b), "w": list(c.w), "comm": c.comm}
+    return {
+        "f": list(c.f), "b": list(c.b), "w": list(c.w), "comm": c.comm,
+        "overhead": c.overhead, "p2p": c.p2p,
+    }  # fmt: skip
 
 
 def write_timeline(measured: Timeline, simulated: Timeline, out_dir: str | Path) -> list[Path]:

@@ -27,7 +27,9 @@ it; the same program is safe there (check.check_program proves both). There a re
 may also be posted earlier, `early` computes before the one that needs it, so that its
 transfer overlaps that compute: posting blocks nothing on gloo, while on NCCL it would
 block the stream (so `early` is 0 for NCCL; the checker shows why). A send is waited for
-(and its buffer freed) `slack` computes after it was posted.
+(and its buffer freed) `slack` computes after it was posted; the runtime does so for a
+stage output, and only reaps a gradient's send there (waiting for it at the step's end
+if not done): a host wait done later removes a blocking point and adds none.
 """
 
 from __future__ import annotations

@@ -18,6 +18,13 @@ reductions during it or right after it, not after the schedule; `grads.finish` t
 waits (and launches what no action completed: a parameter the schedule never touched).
 Every async collective of the step is recorded (`Comm.trace`): the timeline's
 communication lane.
+
+Per-action overhead is kept off the schedule's path: the loop never waits for the device
+(on a GPU, computes and transfers are only enqueued; the step's one host sync is the
+trainer's, after the schedule), the step's inputs and targets go to the device once,
+before the loop, and receive buffers are reused across microbatches: a buffer returns to
+the pool once nothing the meter counts (autograd's saved tensors, deferred-W inputs)
+still refers to it, which is after the backward that consumed it.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ Key = tuple[int, int]  # (stage, microbatch)
 # (CPU) posts each on its own; on NCCL's in-order stream only 0 is safe (see p2p.py)
 EARLY = {"cpu": 1, "cuda": 0}
 Wire = tuple[str, int, int]  # (direction, stage, microbatch): a tensor on the wire
+# gradient sends left in flight past their program's wait, at most (their buffers: one
+# activation gradient each, on top of what the planner counts)
+LATE_SENDS = 2
 
 
 @dataclass(kw_only=True)
@@ -58,6 +68,11 @@ class StepState(RunResult):
     sends: dict[Wire, tuple[Work, torch.Tensor]] = field(default_factory=dict)  # in flight
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    # this step's microbatch inputs and targets, on the device (moved once, before the loop)
+    inputs_of: list = field(default_factory=list)
+    targets_of: list = field(default_factory=list)
+    parked: dict[Key, list[torch.Tensor]] = field(default_factory=dict)  # until their W
+    late: list[Wire] = field(default_factory=list)  # gradient sends past their wait, in flight
     in_flight: int = 0
     peak_in_flight: int = 0
     # timed computes: (kind, stage, microbatch, start mark, end mark) of `clock`
@@ -116,6 +131,8 @@ class PipelineRuntime:
         self.clock = Clock(self.device)
         # (kind, stage, microbatch) -> the parameters whose gradients that action completes
         self.finals = finals or {}
+        self.pool: list[torch.Tensor] = []  # free receive buffers, reused across microbatches
+        self.allocated = 0  # receive buffers ever allocated (the pool's size, at most)
 
     def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> StepState:
         """Execute the whole schedule for one optimizer step. A stage's reductions start
@@ -124,6 +141,10 @@ class PipelineRuntime:
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         st = StepState(loss=loss, micro=micro, denom=denom)
         self.comm.trace = st.flights  # until the next step: finish's waits land in it too
+        first = any(c.first for c in self.chunks.values())
+        move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        st.inputs_of = [move(mb.inputs) for mb in micro] if first else []
+        st.targets_of = [move(mb.targets) for mb in micro] if self.holds_loss else []
         self.meter.reset(self.model.parameters())
         self.clock.anchor()
         st.clock = self.clock
@@ -141,6 +162,7 @@ class PipelineRuntime:
                     with grads.final(names):
                         self._compute(st, item)
                 st.marks.append((item.kind, item.stage, item.microbatch, t0, self.clock.mark()))
+        self._reap(st, block=True)
         st.peak_activation_bytes = self.meter.peak
         return st
 
@@ -149,14 +171,13 @@ class PipelineRuntime:
         return self.mesh["pp"].ranks[a.peer]
 
     def _post(self, st: StepState, ops: tuple[Action, ...]) -> None:
-        """One batch: each send's tensor from the mailbox, a fresh buffer for each receive."""
+        """One batch: each send's tensor from the mailbox, a pooled buffer for each receive."""
         batch = []
         for a in ops:
             if a.kind.startswith("SEND"):
                 batch.append(("send", st.box.pop(wire(a)), self._peer(a)))
             else:
-                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-                batch.append(("recv", buf, self._peer(a)))
+                batch.append(("recv", self._buffer(), self._peer(a)))
         works = self.comm.batch_p2p(batch, self.mesh["pp"])
         for a, work, (_, t, _) in zip(ops, works, batch, strict=True):
             if a.kind.startswith("RECV"):
@@ -168,18 +189,61 @@ class PipelineRuntime:
                 # autograd did not save the output, so the send buffer may own its storage
                 out.data = torch.empty(0, dtype=out.dtype, device=out.device)
 
+    def _buffer(self) -> torch.Tensor:
+        """A receive buffer: a free one from the pool, or a new one."""
+        if self.pool:
+            return self.pool.pop()
+        self.allocated += 1
+        return torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+
+    def _release(self, buf: torch.Tensor, st: StepState | None = None, key: Key = (0, 0)) -> None:
+        """Back to the pool, unless something still refers to it: a deferred W holding
+        it (an output gradient that passed through a residual unchanged) parks it until
+        that W has run (`st`, `key`); anything else leaves it to the allocator."""
+        if self.meter.references(buf) == 0:
+            buf.requires_grad_(False)
+            buf.grad = None
+            self.pool.append(buf)
+        elif st is not None:
+            st.parked.setdefault(key, []).append(buf)
+
     def _wait(self, st: StepState, ops: tuple[Action, ...]) -> None:
-        """Receives land in the mailbox; finished sends drop their buffers (and the sent
-        tensors with them)."""
+        """Receives land in the mailbox (waited for: a compute needs them). A stage
+        output's send is waited for here, then freed, as the planner's activation model
+        has it (`plan.activations.peak_in_flight`). A gradient's send is only reaped: if
+        done, dropped; if not, it stays in flight, is looked at again at every later
+        wait, and is waited for at the step's end. Blocking on it would idle this rank
+        until its peer posts the matching receive (sends are rendezvous on gloo and
+        NCCL), time the schedule does not ask for; a later host wait cannot deadlock
+        anything, since every transfer is already posted in the proven order. At most
+        `LATE_SENDS` stay in flight."""
         for a in ops:
             if a.kind.startswith("RECV"):
                 work, buf = st.recvs.pop(wire(a))
                 work.wait()
                 st.box[wire(a)] = buf
-            else:
+            elif a.kind == "SEND_F":
                 work, _ = st.sends.pop(wire(a))
                 work.wait()
                 self.meter.drop(wire(a))
+            else:
+                st.late.append(wire(a))
+        self._reap(st)
+
+    def _reap(self, st: StepState, block: bool = False) -> None:
+        """Finish the late sends that are done, and the oldest beyond `LATE_SENDS` (all
+        of them if `block`), freeing their buffers. gloo reports a p2p work done only
+        once waited for, so there the bound is what frees them during the step."""
+        pending = []
+        for k, key in enumerate(st.late):
+            work, _ = st.sends[key]
+            if block or len(st.late) - k > LATE_SENDS or work.done():
+                work.wait()
+                del st.sends[key]
+                self.meter.drop(key)
+            else:
+                pending.append(key)
+        st.late = pending
 
     # --- compute ------------------------------------------------------------------------
     def _compute(self, st: StepState, a: Action) -> None:
@@ -190,20 +254,22 @@ class PipelineRuntime:
         elif a.kind == "W":
             self._weight_grads((a.stage, a.microbatch))
             self.meter.drop(("W", a.stage, a.microbatch))
+            for buf in st.parked.pop((a.stage, a.microbatch), []):
+                self._release(buf)
         else:
             raise ValueError(f"unknown compute action {a}")
 
     def _forward(self, st: StepState, s: int, i: int) -> None:
-        chunk, mb = self.chunks[s], st.micro[i]
+        chunk = self.chunks[s]
         if chunk.first:
-            x = mb.inputs.to(self.device)
+            x = st.inputs_of[i]
         else:
             x = st.box.pop(("F", s, i)).requires_grad_(True)
             st.inputs[(s, i)] = x
         with self.meter.saving():
             out = self.model.forward_span(x, list(chunk.layers), chunk.first, chunk.last)
             if chunk.last:
-                loss = self.loss_fn(out, mb.targets.to(self.device)) / st.denom
+                loss = self.loss_fn(out, st.targets_of[i]) / st.denom
         if chunk.last:
             st.loss += loss.detach().double()
             st.outputs[(s, i)] = loss
@@ -219,6 +285,7 @@ class PipelineRuntime:
         out = st.outputs.pop((s, i))
         if self.store is not None:
             self.store.key = (s, i)
+        grad = None
         if chunk.last:
             torch.autograd.backward(out)
         else:  # from the gradient edge: `out`'s storage may already be freed
@@ -236,6 +303,10 @@ class PipelineRuntime:
         if not chunk.first:
             x = st.inputs.pop((s, i))
             st.box[("B", s - 1, i)] = x.grad  # gradient of stage s-1's output
+            if (s - 1) not in self.chunks:  # received, not handed over by a local stage
+                self._release(x, st, (s, i))
+        if grad is not None and (s + 1) not in self.chunks:
+            self._release(grad, st, (s, i))
         st.in_flight -= 1
 
     def _weight_grads(self, key: Key) -> None:

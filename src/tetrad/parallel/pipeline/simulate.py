@@ -1,9 +1,17 @@
 """An event simulator for pipeline schedules: the same action lists the runtime executes.
 
-Each rank runs its list in order, one compute at a time. A send is non-blocking and
-costs its rank nothing; a receive waits until the matching send has run plus `comm`.
-With uniform costs and comm = 0 this reproduces the textbook bubbles exactly (see
+Each rank runs its list in order, one compute at a time. A send is non-blocking; a
+receive waits until the matching send has run plus `comm`. With uniform costs, comm = 0
+and no overhead this reproduces the textbook bubbles exactly (see
 tests/test_pipeline_simulate.py for the closed forms it is held to).
+
+A real runtime also spends host time between computes that no compute accounts for:
+posting and waiting for its transfers, its own bookkeeping. `Costs.overhead` (per
+compute) and `Costs.p2p` (per send or receive the rank handles since its last compute)
+model it: a compute starts once its inputs have arrived *and* that time has passed since
+the rank's previous compute ended (whichever is later: the bookkeeping of a rank that
+waits for a transfer is done while it waits). `measure.estimate_costs` reads both off a
+measured step, so the simulator learns the runtime's own overhead.
 """
 
 from __future__ import annotations
@@ -21,12 +29,16 @@ class Costs:
 
     f: forward; b: backward w.r.t. the input; w: weight gradient; a full backward (BW)
     costs b + w. comm: time from a send to the matching receive's completion.
+    overhead: the runtime's fixed host time per compute (idle on the timeline).
+    p2p: the runtime's fixed host time per send or receive it posts and waits for.
     """
 
     f: float | Sequence[float] = 1.0
     b: float | Sequence[float] = 1.0
     w: float | Sequence[float] = 1.0
     comm: float = 0.0
+    overhead: float = 0.0
+    p2p: float = 0.0
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of compute `kind` on `stage`."""
@@ -41,7 +53,9 @@ def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> T
     _check_costs(costs, 1 + max((a.stage for acts in actions for a in acts), default=0))
     pp = len(actions)
     pc = [0] * pp
-    clock = [0.0] * pp
+    clock = [0.0] * pp  # end of the rank's last compute
+    # since the last compute: [host time spent on transfers, time the inputs arrived]
+    since = [[0.0, 0.0] for _ in range(pp)]
     sent: dict[tuple[str, int, int], float] = {}
     ranks: list[list[Event]] = [[] for _ in range(pp)]
     moved = True
@@ -50,7 +64,7 @@ def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> T
         for r in range(pp):
             while pc[r] < len(actions[r]):
                 a = actions[r][pc[r]]
-                if not _step(a, r, clock, sent, ranks, costs):
+                if not _step(a, r, clock, since, sent, ranks, costs):
                     break  # a receive whose send has not run yet
                 pc[r] += 1
                 moved = True
@@ -71,21 +85,27 @@ def _step(
     a: Action,
     rank: int,
     clock: list[float],
+    since: list[list[float]],
     sent: dict[tuple[str, int, int], float],
     ranks: list[list[Event]],
     costs: Costs,
 ) -> bool:
     """Advance `rank` past action `a` if it can run now; return whether it did."""
+    host = since[rank]
     if a.kind.startswith("SEND"):
-        sent[wire(a)] = clock[rank]
+        sent[wire(a)] = clock[rank]  # made when its compute ended
+        host[0] += costs.p2p
     elif a.kind.startswith("RECV"):
         if wire(a) not in sent:
             return False
-        clock[rank] = max(clock[rank], sent[wire(a)] + costs.comm)
+        host[0] += costs.p2p
+        host[1] = max(host[1], sent[wire(a)] + costs.comm)
     else:
-        end = clock[rank] + costs.of(a.kind, a.stage)
-        ranks[rank].append(Event(a.kind, a.stage, a.microbatch, clock[rank], end))
+        start = max(clock[rank] + costs.overhead + host[0], host[1])
+        end = start + costs.of(a.kind, a.stage)
+        ranks[rank].append(Event(a.kind, a.stage, a.microbatch, start, end))
         clock[rank] = end
+        since[rank] = [0.0, 0.0]
     return True
 
 

@@ -30,10 +30,14 @@ class Chunk:
 
 def layer_split(cfg: Config) -> list[int]:
     """Layers per global stage: the user's `pp_split`, or balanced on analytic FLOPs
-    (embedding on the first stage, head and loss on the last)."""
+    (embedding on the first stage, head and loss on the last).
+
+    "measured" is resolved into layer counts before the engine is built (split_costs.py,
+    a collective warm-up); met here unresolved, by the planner, which runs nothing, it
+    is predicted by the analytic split."""
     p, m = cfg.parallel, cfg.model
     stages = p.pp * p.virtual_stages
-    if p.pp_split:
+    if p.pp_split and p.pp_split != "measured":
         return parse_split(p.pp_split, m.layers, stages)
     costs = llama_layer_costs(
         m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads, m.vocab, cfg.train.seq_len

@@ -1,0 +1,106 @@
+"""`--pp-split measured`: a stage split balanced on costs timed on this machine.
+
+Analytic FLOPs misjudge a CPU (the head runs closer to peak than a layer's small matmuls;
+the embedding's backward writes a dense vocab x dim gradient that FLOPs call free), so
+before the model is built every rank times, on one microbatch of the job's shape
+(forward and backward, the job's dtype, recomputation and loss path): the embedding, each
+layer, and the final norm with the head and the loss. The work is the same on every rank;
+the timings are agreed by one all-reduce (max) over the whole world, so every rank
+balances the same costs (`partition.balance`) and computes the same split. The resolved
+split replaces "measured" in the configuration the engine is built from, so checkpoints,
+the memory accounting and a resumed job see the layer counts actually used.
+
+Memory stays small: a one-layer copy of the model is built (embedding, one block, head),
+and its block is timed once per layer index (Llama's blocks all have one shape, so every
+layer is given the median of those timings: differences between them are noise, which on
+a loaded machine could otherwise move a stage boundary). With tp the full, unsharded
+items are timed: their slices cost in the same proportions.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+import torch
+
+from tetrad.comm import Comm
+from tetrad.config import DTYPES, Config
+from tetrad.devices import Clock
+from tetrad.mesh import Group
+from tetrad.models.init import materialize
+from tetrad.models.llama import cross_entropy_sum, meta_llama, set_recompute
+from tetrad.models.loss import ChunkedCrossEntropy
+from tetrad.parallel.pipeline.partition import balance
+
+REPEATS = 3  # timed runs per item, after one untimed warm-up run of each kind
+
+
+def resolve_split(cfg: Config, comm: Comm, world: Group, device: torch.device) -> Config:
+    """`cfg` with "measured" replaced by the split balanced on timed costs (a collective
+    over `world`); any other configuration unchanged, without communication."""
+    p = cfg.parallel
+    if p.pp_split != "measured" or p.pp * p.virtual_stages == 1:
+        return cfg
+    costs = measure_item_costs(cfg, comm, world, device)
+    split = balance(costs, p.pp * p.virtual_stages)
+    return replace(cfg, parallel=replace(p, pp_split=",".join(map(str, split))))
+
+
+def measure_item_costs(
+    cfg: Config, comm: Comm, world: Group, device: torch.device, repeats: int = REPEATS
+) -> list[float]:
+    """Seconds of one microbatch's forward + backward per item, [embedding, layer_0, ...,
+    layer_{L-1}, head + loss], the max over `world` (identical on every rank)."""
+    own = _time_items(cfg, device, repeats)
+    agreed = torch.tensor(own, dtype=torch.float64, device=comm.device)
+    comm.all_reduce(agreed, world, op="max")
+    return agreed.tolist()
+
+
+def _time_items(cfg: Config, device: torch.device, repeats: int) -> list[float]:
+    m, t = cfg.model, cfg.train
+    device = torch.device(device)
+    one = replace(m, layers=1)
+    model = materialize(meta_llama(one), one, t.seed, device).to(DTYPES[t.dtype])
+    set_recompute(model, t.recompute)
+    loss_fn = cross_entropy_sum
+    if t.loss_chunk:  # the runtime's fused head and loss (see parallel._loss_fn)
+        model.logits = False
+        loss_fn = ChunkedCrossEntropy(model, t.loss_chunk)
+    gen = torch.Generator().manual_seed(t.seed)
+    shape = (cfg.microbatch_size, t.seq_len)
+    tokens = torch.randint(0, m.vocab, shape, generator=gen).to(device)
+    hidden = torch.randn(*shape, m.dim, generator=gen).to(device, DTYPES[t.dtype])
+    clock = Clock(device)
+
+    def embedding() -> None:
+        out = model.forward_span(tokens, [], True, False)
+        out.backward(torch.ones_like(out))
+
+    def layer() -> None:
+        out = model.forward_span(hidden.requires_grad_(True), ["0"], False, False)
+        out.backward(torch.ones_like(out))
+
+    def head() -> None:
+        out = model.forward_span(hidden.requires_grad_(True), [], False, True)
+        loss_fn(out, tokens).backward()
+
+    def timed(fn) -> float:
+        samples = []
+        for _ in range(repeats):
+            t0 = clock.mark()
+            fn()
+            samples.append(clock.interval(t0, clock.mark()))
+            model.zero_grad(set_to_none=True)
+            hidden.grad = None
+        return statistics.median(samples)
+
+    for fn in (embedding, layer, head):  # warm-up: allocator, kernels, first-call paths
+        fn()
+    model.zero_grad(set_to_none=True)
+    hidden.grad = None
+    layers = [timed(layer) for _ in range(m.layers)]
+    # the blocks have one shape, so their timings differ only by noise; on a loaded
+    # machine that noise alone could move a stage boundary, so each gets their median
+    return [timed(embedding)] + [statistics.median(layers)] * m.layers + [timed(head)]
