@@ -16,10 +16,9 @@ from tetrad.config import ModelConfig
 from tetrad.models.batch import IGNORE
 from tetrad.models.recompute import Keep, recompute
 
-# What selective recomputation does not redo in each half block (models/recompute.py):
-# the attention half's matmuls run wq, wk, wv, wo (calls 0-3), the FFN half's w1, w3, w2.
-KEEP_ATTENTION = Keep(keep={"mm": (1, 2), "attention": (0,)}, drop={"mm": (3,)})
-KEEP_FFN = Keep(keep={"mm": (0,)}, drop={"mm": (2,)})
+# What selective recomputation does not redo in a block (models/recompute.py), by call
+# index: the block's matmuls run wq, wk, wv, wo, w1, w3, w2 (0-6), then one attention kernel.
+KEEP_SELECTIVE = Keep(keep={"mm": (1, 2, 3, 4), "attention": (0,)}, drop={"mm": (6,)})
 
 
 class RMSNorm(nn.Module):
@@ -111,25 +110,19 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
-        # "full": only the block's input is kept for backward; "selective": each half
-        # block's input and the kernel outputs KEEP_* name
+        # "full": only the block's input is kept for backward; "selective": also the
+        # kernel outputs KEEP_SELECTIVE names
         self.recompute = "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full":
             return recompute(self.body, x)
         if self.recompute == "selective":
-            x = recompute(self.attention_half, x, keep=KEEP_ATTENTION)
-            return recompute(self.ffn_half, x, keep=KEEP_FFN)
+            return recompute(self.body, x, keep=KEEP_SELECTIVE)
         return self.body(x)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn_half(self.attention_half(x))
-
-    def attention_half(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attention(self.attention_norm(x))
-
-    def ffn_half(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -177,8 +170,8 @@ class Llama(nn.Module):
 
 
 def set_recompute(model: nn.Module, mode: str) -> None:
-    """Activation recomputation for every block of `model`: "none", "selective" (half
-    blocks, keeping the costly kernel outputs) or "full" (whole blocks); see
+    """Activation recomputation for every block of `model`: "none", "selective" (keeping
+    the costly kernel outputs) or "full" (keeping only the block inputs); see
     models/recompute.py."""
     for block in model.modules():
         if isinstance(block, Block):

@@ -17,16 +17,18 @@ kernel listed in `drop` (the region's last matmul, whose output no backward read
 feeds the residual sum) is not recomputed either: the rerun gives an uninitialised tensor
 of its shape.
 
-Modes (`Llama.recompute`): "full" wraps each transformer block (it keeps its input, one
-[b, s, d] tensor). "selective" wraps each half block (norm, sublayer, residual) and keeps
-what is costly to redo for its size: attention's k and v projections and the attention
-kernel's output and log-sum-exp, and the SwiGLU gate projection (w1); it recomputes the
-norms, the q projection, rotary, the repeated k/v heads, the up projection (w3) and the
-SwiGLU product, and never recomputes wo or w2. Per token and layer that is 2·h (the two
-half-block inputs) + 2·kv·hd + h + heads (fp32 log-sum-exp) + f elements, and one q and
-one w3 matmul redone: less memory and fewer recomputed FLOPs than torchtitan's per-op
-policy (every other matmul output kept). Inside a tensor-parallel block the rerun repeats
-the half block's forward collectives (as a full recomputation, and Megatron's, do).
+Modes (`Llama.recompute`), each wrapping every transformer block: "full" keeps the block's
+input, one [b, s, d] tensor. "selective" also keeps what is costly to redo for its size:
+the k and v projections, the attention kernel's output and log-sum-exp, the wo projection
+(before any tp reduction) and the SwiGLU gate projection (w1); it recomputes the norms,
+the q projection, rotary, the repeated k/v heads, the residual sums, the up projection
+(w3) and the SwiGLU product, and never w2 (its output only feeds the block's residual
+sum). Per token and layer that is 2·h (the input, wo's output) + 2·kv·hd + h + heads
+(fp32 log-sum-exp) + f elements, with one q and one w3 matmul redone: less memory and
+fewer recomputed FLOPs than torchtitan's per-op policy (every other matmul output kept,
+the first of them q, the last w2). Inside a tensor-parallel block the rerun repeats the
+block's forward collectives (as a full recomputation, and Megatron's, do). One region per
+block, never two: ZeRO takes a unit's gradient accumulation as the end of its backward.
 """
 
 from __future__ import annotations

@@ -152,16 +152,17 @@ def llama_layer(
 
 
 def _selective(m: ModelConfig, c: int, heads: int, kv: int) -> list[Saved]:
-    """tetrad's selective recomputation (models/recompute.py): each half block keeps its
-    input, the attention half its k and v projections and the attention kernel's output and
-    log-sum-exp, the FFN half its gate projection (w1); nothing else."""
+    """tetrad's selective recomputation (models/recompute.py): the block input, the kept
+    kernel outputs (k and v, the attention output and log-sum-exp, wo's output before the
+    tp reduction, over the whole sequence, and w1's); nothing else."""
     hd = m.head_dim
     return [
-        Saved("half-block inputs", 2 * c * m.dim, "seq"),
-        Saved("k, v (kept matmul outputs)", 2 * c * kv * hd, "rank"),
+        Saved("block input", c * m.dim, "seq"),
+        Saved("k, v", 2 * c * kv * hd, "rank"),
         Saved("attention out", c * heads * hd, "rank"),
         Saved("attention log-sum-exp", 4 * heads, "rank"),
-        Saved("w1 out (kept gate)", c * m.hidden_dim, "tp"),
+        Saved("wo out (partial sum under tp)", c * m.dim, "rank"),
+        Saved("w1 out (gate)", c * m.hidden_dim, "tp"),
     ]
 
 
