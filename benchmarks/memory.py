@@ -27,8 +27,8 @@ reported beside.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from collections import defaultdict
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from tetrad.mesh import Mesh
 from tetrad.plan.cost import TETRAD, Planner
 from tetrad.plan.hardware import cluster_preset
 from tetrad.testing import spawn
+
 
 def _op_sac_policy(every_matmul: bool = False):
     """torchtitan's per-op selective checkpointing policy for one block's checkpoint: keep
@@ -138,7 +139,7 @@ def summarize(cfg: Config, row: tuple[str, str], out: dict, steps: int) -> dict[
 
 
 def main() -> None:
-    args = harness.arguments(__doc__, "--worlds", steps=2, rounds=4, warmup=2).parse_args()
+    args = harness.arguments(__doc__, "--worlds", steps=2, rounds=8, warmup=2).parse_args()
     model = asdict(model_preset("small")) | {"layers": 8}
     rows = []
     for world in args.worlds[:1] if args.worlds == [2, 4] else args.worlds:
@@ -146,9 +147,7 @@ def main() -> None:
         cfg = harness.job(model, {"fsdp": world, "zero_stage": 3}, total)
         per_mode = spawn(worker, world, cfg.to_dict(), args.steps, args.warmup, args.rounds,
                          timeout=1800)[0]  # fmt: skip
-        rows += [
-            {"fsdp": world} | summarize(cfg, r, o, args.steps) for r, o in zip(ROWS, per_mode)
-        ]
+        rows += [{"fsdp": world} | summarize(cfg, r, o, args.steps) for r, o in zip(ROWS, per_mode)]
     harness.report("memory", cfg, rows, zero_stage=3, dtype="fp32", loss_chunk=cfg.train.loss_chunk,
                    steps_per_round=args.steps, rounds=args.rounds, memory_measure="peak live "
                    "tensor bytes, c10 CPU allocator via torch.profiler")  # fmt: skip

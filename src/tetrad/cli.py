@@ -68,8 +68,9 @@ FLAG_HELP = {
     "device": "auto (default: CUDA if available, else CPU), cpu or cuda",
     "peak_tflops": "declared dense peak of one device in TFLOP/s, for MFU (default: the "
     "table in devices.py; needed for a GPU not in it)",
-    "recompute": "activation recomputation (default none): selective recomputes attention's "
-    "core and the SwiGLU product in backward, full whole blocks from their inputs",
+    "recompute": "activation recomputation (default none): selective keeps k/v, attention's "
+    "output, wo's and w1's outputs and redoes the rest of each block in backward, full "
+    "redoes whole blocks from their inputs",
     "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
     "full logits (default 1024; 0: full logits)",
 }

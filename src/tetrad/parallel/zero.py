@@ -22,7 +22,8 @@ Stages (fp32 master shard and AdamW state: S elements each per unit on every sta
      lives from the reduction to the end of the step (stage 3 too).
   3: compute params exist only while used: all-gathered before a block's forward (the
      next block's gather is prefetched while this one computes) and again before its
-     backward (the previous block prefetched), freed after each (`reshard_after_forward`
+     backward (the previous block prefetched from the middle of this one's backward, once
+     its FFN half is done: off the step's peak), freed after each (`reshard_after_forward`
      =False keeps a block gathered from its first forward to the step's last backward).
      The root unit stays gathered from its first use to the end of the step's backward:
      backward starts with the head, so freeing it in between would save nothing.
