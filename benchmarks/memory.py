@@ -104,6 +104,7 @@ def worker(rank: int, world: int, raw: dict, steps: int, warmup: int, rounds: in
     """Per recompute mode: both sides measured through warm-up, then timed rounds."""
     out = []
     for mode, peer in ROWS:
+        sides = None  # the last row's objects go before this row is measured (harness.start)
         cfg = from_dict(raw)
         cfg.train.recompute = mode
         makers = {

@@ -146,8 +146,21 @@ class _Recompute(torch.autograd.Function):
             else:
                 with _Tape(ctx.policy, ctx.trees, list(saved[n:])):
                     out = ctx.fn(*inputs)
+        _release(out, inputs)
         torch.autograd.backward(out, grad)
         return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
+
+
+def _release(out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """Free the rerun's output values before its backward: only its graph is needed (a
+    block ends in a residual sum, whose backward reads no values), and the outer backward
+    already holds the incoming gradient of that size. Only a fresh tensor from an op
+    that saves nothing of its output is released."""
+    if out._base is not None or type(out.grad_fn).__name__ != "AddBackward0":
+        return
+    storage = out.untyped_storage()
+    if all(storage.data_ptr() != x.untyped_storage().data_ptr() for x in inputs):
+        storage.resize_(0)
 
 
 def recompute(
