@@ -11,6 +11,7 @@ on a shared machine hits both of its sides alike), reported with its spread over
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -237,9 +238,12 @@ def start(
     counted from the start of construction (so model state is included). Returns the
     object, its step, and the peaks over construction and steps ("build") and over the
     steps ("step"), max over ranks. Not RSS: libtorch's code, Python objects and gloo's
-    non-tensor buffers are out."""
+    non-tensor buffers are out. The instrument sums the allocations and frees it sees, so
+    garbage made earlier is collected first: freed inside the window, it would count
+    negative and hide part of the peak."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         obj, step = make()
         with record_function("steps"):

@@ -6,10 +6,12 @@ batches (16 x 128 tokens of the standard-library corpus per step), same optimize
 and loss semantics (harness.py), in the same processes, for each recompute mode:
 
 - none: neither recomputes;
-- selective: tetrad recomputes attention's core and the SwiGLU product (`--recompute
-  selective`); FSDP2's blocks run under torch's selective checkpointing with a policy
-  that keeps every matmul and attention output and recomputes the rest (torchtitan's
-  per-op policy, without its every-other-matmul thinning);
+- selective: tetrad's `--recompute selective` (it keeps k, v, the attention output, wo's
+  and w1's outputs; models/recompute.py) against FSDP2's blocks under torch's selective
+  checkpointing with torchtitan's per-op policy (`selective_ac_option = "op"`: the outputs
+  of matmuls, attention kernels, reduce-scatters and max are kept except every second
+  matmul), and, a second row, against the same policy keeping every matmul (less
+  recomputation, more memory: the fastest selective peer);
 - full: tetrad checkpoints every block (`--recompute full`); FSDP2 wraps every block in
   `checkpoint_wrapper` before `fully_shard` (torchtitan's full activation checkpointing).
 
@@ -25,8 +27,8 @@ reported beside.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict
-from functools import partial
 from typing import Any
 
 import torch
@@ -38,38 +40,62 @@ from tetrad.plan.cost import TETRAD, Planner
 from tetrad.plan.hardware import cluster_preset
 from tetrad.testing import spawn
 
-MODES = ("none", "selective", "full")
 
-
-def _keep_matmuls(ctx, op, *args, **kwargs):
-    """Selective checkpointing policy: keep matmul and attention outputs, recompute the
-    rest (norms, rotary, SwiGLU's activation and product)."""
+def _op_sac_policy(every_matmul: bool = False):
+    """torchtitan's per-op selective checkpointing policy for one block's checkpoint: keep
+    the outputs of the compute-intensive ops (matmuls, the attention kernels, reduce-scatters,
+    max) except every second matmul (all of them if `every_matmul`), counted per block and
+    separately in the recompute; the rest (norms, rotary, SwiGLU's activation and product,
+    the skipped matmuls) is redone. The CPU attention kernel is kept too: it is this
+    machine's flash attention."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    keep = (
+    save = {
         aten.mm.default,
-        aten.bmm.default,
-        aten.addmm.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_flash_attention.default,
-    )
-    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten.max.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    }
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs):
+        key = "recompute" if ctx.is_recompute else "forward"
+        if op is aten.mm.default:
+            counts[key] += 1
+        second = op is aten.mm.default and counts[key] % 2 == 0 and not every_matmul
+        keep = op in save and not second
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
-def checkpointed(mode: str):
-    """torchtitan's activation checkpointing for `mode`, applied to each block in place."""
+# the peer's checkpointing per row: (tetrad's mode, the peer's)
+ROWS = (("none", "none"), ("selective", "op"), ("selective", "op, every matmul"),
+        ("full", "full"))  # fmt: skip
+
+
+def checkpointed(peer: str):
+    """torchtitan's activation checkpointing `peer` (a ROWS entry), applied to each block
+    in place: "full" wraps every block in `checkpoint_wrapper`; "op" is its per-op
+    selective policy (what its Llama 3 configurations use)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    def context():  # a fresh matmul count for every checkpointed call
+        return create_selective_checkpoint_contexts(_op_sac_policy(peer != "op"))
+
     def wrap(model) -> None:
         for name, block in list(model.layers.items()):
-            if mode == "full":
-                model.layers[name] = checkpoint_wrapper(block)
-            elif mode == "selective":
-                context = partial(create_selective_checkpoint_contexts, _keep_matmuls)
-                model.layers[name] = checkpoint_wrapper(block, context_fn=context)
+            if peer == "full":
+                model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            elif peer.startswith("op"):
+                model.layers[name] = checkpoint_wrapper(
+                    block, context_fn=context, preserve_rng_state=False
+                )
 
     return wrap
 
@@ -77,13 +103,14 @@ def checkpointed(mode: str):
 def worker(rank: int, world: int, raw: dict, steps: int, warmup: int, rounds: int) -> list:
     """Per recompute mode: both sides measured through warm-up, then timed rounds."""
     out = []
-    for mode in MODES:
+    for mode, peer in ROWS:
+        sides = None  # the last row's objects go before this row is measured (harness.start)
         cfg = from_dict(raw)
         cfg.train.recompute = mode
         makers = {
             "tetrad": lambda cfg=cfg: harness.tetrad_trainer(cfg, rank, fsdp=world),
-            "fsdp2": lambda cfg=cfg, mode=mode: harness.side(
-                harness.FSDP2Runner(cfg, rank, world, checkpointed(mode))
+            "fsdp2": lambda cfg=cfg, peer=peer: harness.side(
+                harness.FSDP2Runner(cfg, rank, world, checkpointed(peer))
             ),
         }
         sides, result = harness.race(makers, warmup, steps, rounds)
@@ -97,12 +124,13 @@ def predicted_saved(cfg: Config, rank: int) -> float:
     return planner.rank_activations(cfg, Mesh.plan(cfg.parallel.degrees, rank).coord["pp"])
 
 
-def summarize(cfg: Config, mode: str, out: dict, steps: int) -> dict[str, Any]:
+def summarize(cfg: Config, row: tuple[str, str], out: dict, steps: int) -> dict[str, Any]:
     cfg = from_dict(cfg.to_dict())
-    cfg.train.recompute = mode
+    cfg.train.recompute = row[0]
     t_loss = out["losses"]["tetrad"]
     return {
-        "recompute": mode,
+        "recompute": row[0],
+        "fsdp2_checkpointing": row[1],
         **harness.timing(out["seconds"], cfg, steps),
         **harness.memory(out["peaks"]),
         "tetrad_saved_activation_bytes_measured": out["tetrad_saved_bytes"],
@@ -112,7 +140,7 @@ def summarize(cfg: Config, mode: str, out: dict, steps: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = harness.arguments(__doc__, "--worlds", steps=2, rounds=4, warmup=2).parse_args()
+    args = harness.arguments(__doc__, "--worlds", steps=2, rounds=8, warmup=2).parse_args()
     model = asdict(model_preset("small")) | {"layers": 8}
     rows = []
     for world in args.worlds[:1] if args.worlds == [2, 4] else args.worlds:
@@ -120,9 +148,7 @@ def main() -> None:
         cfg = harness.job(model, {"fsdp": world, "zero_stage": 3}, total)
         per_mode = spawn(worker, world, cfg.to_dict(), args.steps, args.warmup, args.rounds,
                          timeout=1800)[0]  # fmt: skip
-        rows += [
-            {"fsdp": world} | summarize(cfg, m, o, args.steps) for m, o in zip(MODES, per_mode)
-        ]
+        rows += [{"fsdp": world} | summarize(cfg, r, o, args.steps) for r, o in zip(ROWS, per_mode)]
     harness.report("memory", cfg, rows, zero_stage=3, dtype="fp32", loss_chunk=cfg.train.loss_chunk,
                    steps_per_round=args.steps, rounds=args.rounds, memory_measure="peak live "
                    "tensor bytes, c10 CPU allocator via torch.profiler")  # fmt: skip

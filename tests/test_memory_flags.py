@@ -63,3 +63,28 @@ def test_cli_bf16_recompute_writes_measured_memory(tmp_path):
     assert all(r["model_state_bytes"] == r["model_state_predicted_bytes"] for r in rows)
     config = json.loads((tmp_path / "config.json").read_text())["train"]
     assert (config["dtype"], config["recompute"], config["loss_chunk"]) == ("bf16", "full", 16)
+
+
+@pytest.mark.parametrize(
+    "train,needle",
+    [
+        ({"recompute": "some"}, "train.recompute='some'"),
+        ({"loss_chunk": -1}, "train.loss_chunk=-1"),
+        ({"dtype": "bf16", "device": "cuda"}, "train.dtype='bf16'.*V100"),
+    ],
+)
+def test_every_rank_refuses_before_joining_the_group(monkeypatch, train, needle):
+    """A rank started by torchrun (here rank 1 of 2, no peer to meet) validates before it
+    joins the process group: the error comes at once, not a rendezvous hang."""
+    from tetrad.train import loop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **_: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla V100-SXM2-16GB")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    joined = []
+    monkeypatch.setattr(loop.dist, "rendezvous", lambda *a, **k: joined.append(a) or iter(()))
+    with pytest.raises(ValueError, match=needle):
+        loop.init_distributed(tiny_config(parallel={"dp": 2}, train=train))
+    assert not joined

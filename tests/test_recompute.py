@@ -40,9 +40,12 @@ def _check_modes(layout, runs: list[list[dict]], cfgs) -> None:
             _equal(ranks[0], runs[0][0])
         for rank in range(len(runs[0])):
             acts = [runs[m][rank]["activations"] for m in range(len(MODES))]
-            assert acts[0] > acts[1] > acts[2], f"rank {rank}: {acts}"
-            for mode, cfg, got in zip(MODES, cfgs, acts):
-                want = predicted_activations(cfg, rank)
+            wants = [predicted_activations(cfg, rank) for cfg in cfgs]
+            assert acts[0] > acts[1] >= acts[2], f"rank {rank}: {acts}"
+            # equal only where the planner says so: a zero-bubble last stage peaks at
+            # its deferred weight gradients' inputs, whatever the mode
+            assert acts[1] > acts[2] or wants[1] == wants[2], f"rank {rank}: {acts}"
+            for mode, want, got in zip(MODES, wants, acts):
                 assert got == pytest.approx(want, rel=0.10), f"rank {rank} {mode}"
         row = runs[2][0]["row"]  # metrics.jsonl's row: measured, max over ranks
         assert row["peak_activation_bytes"] == max(r["activations"] for r in runs[2])

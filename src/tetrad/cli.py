@@ -75,11 +75,12 @@ FLAG_HELP = {
     "table in devices.py; needed for a GPU not in it)",
     "cp_attention": "how attention crosses the cp ranks: allgather (default: keys and values "
     "all-gathered) or ring (kv blocks passed around, online softmax)",
-    "recompute": "activation recomputation (default none): selective recomputes attention's "
-    "core and the SwiGLU product in backward, full whole blocks from their inputs",
     "pp_split": "layers per pipeline stage: balanced on analytic FLOPs (default), 'measured' "
     "(balanced on the embedding, layer and head costs timed in a short warm-up, agreed by "
     "every rank), or counts such as 5,3",
+    "recompute": "activation recomputation (default none): selective keeps k/v, attention's "
+    "output, wo's and w1's outputs and redoes the rest of each block in backward, full "
+    "redoes whole blocks from their inputs",
     "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
     "full logits (default 1024; 0: full logits)",
 }

@@ -14,7 +14,11 @@ from torch import nn
 
 from tetrad.config import ModelConfig
 from tetrad.models.batch import IGNORE
-from tetrad.models.recompute import recompute
+from tetrad.models.recompute import Keep, recompute
+
+# What selective recomputation does not redo in a block (models/recompute.py), by call
+# index: the block's matmuls run wq, wk, wv, wo, w1, w3, w2 (0-6), then one attention kernel.
+KEEP_SELECTIVE = Keep(keep={"mm": (1, 2, 3, 4), "attention": (0,)}, drop={"mm": (6,)})
 
 
 class RMSNorm(nn.Module):
@@ -69,14 +73,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.heads * hd, cfg.dim, bias=False)
         self.core: nn.Module = CausalCore(hd, cfg.rope_theta)
-        self.recompute = "none"  # "selective": the core is redone in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # with sequence parallelism x is [b, s/tp, h] and the projections gather the sequence,
         # so the sequence length is read from their outputs.
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [b, s, local (kv) heads · hd]
-        run = recompute if self.recompute == "selective" else _call
-        return self.wo(run(self.core, q, k, v))
+        return self.wo(self.core(q, k, v))
 
 
 class CausalCore(nn.Module):
@@ -112,19 +114,9 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)  # down
-        self.recompute = "none"  # "selective": silu(a)·b is redone in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        product = recompute if self.recompute == "selective" else _call
-        return self.w2(product(swiglu, self.w1(x), self.w3(x)))
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def _call(fn, *args):
-    return fn(*args)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
@@ -136,10 +128,16 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
-        self.recompute = "none"  # "full": only the block's input is kept for backward
+        # "full": only the block's input is kept for backward; "selective": also the
+        # kernel outputs KEEP_SELECTIVE names
+        self.recompute = "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return recompute(self.body, x) if self.recompute == "full" else self.body(x)
+        if self.recompute == "full":
+            return recompute(self.body, x)
+        if self.recompute == "selective":
+            return recompute(self.body, x, keep=KEEP_SELECTIVE)
+        return self.body(x)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -190,13 +188,12 @@ class Llama(nn.Module):
 
 
 def set_recompute(model: nn.Module, mode: str) -> None:
-    """Activation recomputation for every block of `model`: "none", "selective" (attention's
-    core and the SwiGLU product) or "full" (whole blocks); see models/recompute.py."""
+    """Activation recomputation for every block of `model`: "none", "selective" (keeping
+    the costly kernel outputs) or "full" (keeping only the block inputs); see
+    models/recompute.py."""
     for block in model.modules():
         if isinstance(block, Block):
-            block.recompute = mode if mode == "full" else "none"
-            inner = mode if mode == "selective" else "none"
-            block.attention.recompute = block.feed_forward.recompute = inner
+            block.recompute = mode
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

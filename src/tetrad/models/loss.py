@@ -67,12 +67,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if weight.shape[0]:
             for lo, hi in _chunks(x.shape[0], ctx.chunk):
-                z = F.linear(x[lo:hi], weight).float()
-                dz = torch.exp(z - lse[lo:hi, None]) * valid[lo:hi, None]  # softmax
+                # in place, one chunk of logits alive: the softmax, minus the one-hot target
+                dz = F.linear(x[lo:hi], weight).float()
+                dz.sub_(lse[lo:hi, None]).exp_().mul_(valid[lo:hi, None])
                 own = mine[lo:hi].nonzero()[:, 0]
-                dz[own, local[lo:hi][own]] -= 1.0  # minus the one-hot target
-                dz = (dz * grad).to(x.dtype)
-                grad_x[lo:hi] = dz @ weight
+                dz[own, local[lo:hi][own]] -= 1.0
+                dz = dz.mul_(grad).to(x.dtype)
+                torch.mm(dz, weight, out=grad_x[lo:hi])
                 grad_w += (dz.t() @ x[lo:hi]).float()
         return grad_x.view_as(h), grad_w.to(weight.dtype), None, None, None, None
 

@@ -8,43 +8,169 @@ recomputation therefore happens once per backward of the region: in a split back
 (zero-bubble B and W) the deferred weight gradients are filed during B's recomputation
 and W only consumes them.
 
-Modes (`Llama.recompute`): "full" wraps each transformer block (it keeps its input, one
-[b, s, d] tensor); "selective" wraps the parts that are cheap to redo and large to keep
-(Korthikanti et al.): attention's core (rotary, the repeated k/v heads, softmax(qkᵀ)v) and
-the SwiGLU product silu(a)·b, keeping every matmul's output. Inside a tensor-parallel block
-a full recomputation repeats the block's forward collectives (as Megatron's does).
+`recompute(fn, *inputs, keep=Keep(...))` also keeps the outputs of chosen kernels (the
+i-th matmul of the region, its attention kernel): forward saves them beside the inputs,
+and the rerun takes them from there instead of computing them again. Only the kernel is
+skipped: autograd still records its node, with the inputs the rerun recomputed, so the
+backward is the one a plain run builds and the results are bit-equal to no recompute. A
+kernel listed in `drop` (the region's last matmul, whose output no backward reads: it only
+feeds the residual sum) is not recomputed either: the rerun gives an uninitialised tensor
+of its shape.
+
+Modes (`Llama.recompute`), each wrapping every transformer block: "full" keeps the block's
+input, one [b, s, d] tensor. "selective" also keeps what is costly to redo for its size:
+the k and v projections, the attention kernel's output and log-sum-exp, the wo projection
+(before any tp reduction) and the SwiGLU gate projection (w1); it recomputes the norms,
+the q projection, rotary, the repeated k/v heads, the residual sums, the up projection
+(w3) and the SwiGLU product, and never w2 (its output only feeds the block's residual
+sum). Per token and layer that is 2·h (the input, wo's output) + 2·kv·hd + h + heads
+(fp32 log-sum-exp) + f elements, with one q and one w3 matmul redone: less memory and
+fewer recomputed FLOPs than torchtitan's per-op policy (every other matmul output kept,
+the first of them q, the last w2). Inside a tensor-parallel block the rerun repeats the
+block's forward collectives (as a full recomputation, and Megatron's, do). One region per
+block, never two: ZeRO takes a unit's gradient accumulation as the end of its backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+_ATTENTION = {  # the fused attention kernels of F.scaled_dot_product_attention
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def _kind(func) -> str | None:
+    """The kernel kinds a `Keep` names: "mm" (a linear's matmul) and "attention"."""
+    if func is torch.ops.aten.mm.default:
+        return "mm"
+    return "attention" if func in _ATTENTION else None
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Which kernels of a recomputed region are not redone, by kind and call index within
+    the region: `keep` saves their outputs, `drop` (outputs backward never reads) saves
+    nothing and gives an uninitialised tensor in the rerun."""
+
+    keep: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    drop: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def choice(self, kind: str | None, index: int) -> str | None:
+        if kind is None:
+            return None
+        if index in self.keep.get(kind, ()):
+            return "keep"
+        return "drop" if index in self.drop.get(kind, ()) else None
+
+
+class _Tape(TorchDispatchMode):
+    """Forward (`replay` None): runs every kernel, recording the kept outputs (tensors in
+    `tensors`, their structure in `trees`) and the dropped outputs' shapes. Rerun: gives
+    those back, in the same order, instead of running the kernels."""
+
+    def __init__(self, policy: Keep, trees: list, replay: list[torch.Tensor] | None = None):
+        super().__init__()
+        self.policy, self.trees, self.replay = policy, trees, replay
+        self.tensors: list[torch.Tensor] = []
+        self.calls: dict[str, int] = {}
+        self.next_tree = self.next_tensor = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = _kind(func)
+        index = self.calls.get(kind, 0)
+        self.calls[kind] = index + 1
+        choice = self.policy.choice(kind, index)
+        if choice is not None and self.replay is not None:
+            return self._give_back(choice)
+        out = func(*args, **(kwargs or {}))
+        if choice == "keep":
+            leaves, spec = tree_flatten(out)
+            tensors = [isinstance(x, torch.Tensor) for x in leaves]
+            self.tensors += [x for x in leaves if isinstance(x, torch.Tensor)]
+            self.trees.append((spec, [None if t else x for t, x in zip(tensors, leaves)]))
+        elif choice == "drop":
+            self.trees.append((out.shape, out.dtype, out.device))
+        return out
+
+    def _give_back(self, choice: str):
+        entry = self.trees[self.next_tree]
+        self.next_tree += 1
+        if choice == "drop":
+            shape, dtype, device = entry
+            return torch.empty(shape, dtype=dtype, device=device)
+        spec, leaves = entry
+        out = []
+        for x in leaves:
+            if x is None:  # a fresh alias: autograd gives the kernel's output its own history
+                x = self.replay[self.next_tensor].detach()
+                self.next_tensor += 1
+            out.append(x)
+        return tree_unflatten(out, spec)
 
 
 class _Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, *inputs):
-        ctx.fn = fn
-        ctx.save_for_backward(*inputs)
+    def forward(ctx, fn, policy, *inputs):
+        ctx.fn, ctx.policy, ctx.trees, ctx.inputs = fn, policy, [], len(inputs)
         with torch.no_grad():
-            return fn(*inputs)
+            if policy is None:
+                ctx.save_for_backward(*inputs)
+                return fn(*inputs)
+            with _Tape(policy, ctx.trees) as tape:
+                out = fn(*inputs)
+        ctx.save_for_backward(*inputs, *tape.tensors)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        saved = ctx.saved_tensors
+        n = ctx.inputs
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in saved[:n]]
         with torch.enable_grad():
-            out = ctx.fn(*inputs)
+            if ctx.policy is None:
+                out = ctx.fn(*inputs)
+            else:
+                with _Tape(ctx.policy, ctx.trees, list(saved[n:])):
+                    out = ctx.fn(*inputs)
+        _release(out, inputs)
         torch.autograd.backward(out, grad)
-        return (None, *(x.grad if x.requires_grad else None for x in inputs))
+        return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
 
 
-def recompute(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
-    """fn(*inputs), keeping only `inputs` for backward (where fn runs again). Without
-    gradients (evaluation) it is just fn(*inputs)."""
+def _release(out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """Free the rerun's output values before its backward: only its graph is needed (a
+    block ends in a residual sum, whose backward reads no values), and the outer backward
+    already holds the incoming gradient of that size. Only a fresh tensor from an op
+    that saves nothing of its output is released."""
+    if out._base is not None or type(out.grad_fn).__name__ != "AddBackward0":
+        return
+    storage = out.untyped_storage()
+    if all(storage.data_ptr() != x.untyped_storage().data_ptr() for x in inputs):
+        storage.resize_(0)
+
+
+def recompute(
+    fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, keep: Keep | None = None
+) -> torch.Tensor:
+    """fn(*inputs), keeping only `inputs` (and the kernel outputs `keep` names) for
+    backward, where fn runs again. Without gradients (evaluation) it is just fn(*inputs)."""
     if not torch.is_grad_enabled():
         return fn(*inputs)
     if not any(x.requires_grad for x in inputs):
         # fn may still use parameters: its output must reach backward to give them grads
         inputs = (inputs[0].detach().requires_grad_(), *inputs[1:])
-    return _Recompute.apply(fn, *inputs)
+    return _Recompute.apply(fn, keep, *inputs)

@@ -22,7 +22,8 @@ Stages (fp32 master shard and AdamW state: S elements each per unit on every sta
      lives from the reduction to the end of the step (stage 3 too).
   3: compute params exist only while used: all-gathered before a block's forward (the
      next block's gather is prefetched while this one computes) and again before its
-     backward (the previous block prefetched), freed after each (`reshard_after_forward`
+     backward (the previous block prefetched from the middle of this one's backward, once
+     its FFN half is done: off the step's peak), freed after each (`reshard_after_forward`
      =False keeps a block gathered from its first forward to the step's last backward).
      The root unit stays gathered from its first use to the end of the step's backward:
      backward starts with the head, so freeing it in between would save nothing.
@@ -244,6 +245,13 @@ class FlatUnit:
             self.data.untyped_storage().resize_(nbytes)
 
 
+def _backward_middle(block: nn.Module) -> nn.Module | None:
+    """The submodule whose output gradient marks the middle of `block`'s backward: its
+    second-to-last child (a Llama block's FFN norm), if it has two."""
+    children = list(block.children())
+    return children[-2] if len(children) >= 2 else None
+
+
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return (model.get_submodule(path) if path else model), attr
@@ -280,6 +288,7 @@ class ZeroShards:
         self.layouts = plan_units(named, replicated, self.group.size)
         self.units = [self._build(u, model) for u in self.layouts]
         self.by_name = {u.layout.name: u for u in self.units}
+        self.prefetch_midway: set[str] = set()  # blocks that prefetch from their middle
         self.sync = True
         # reduce-scatters in flight (unit, work, full gradient, shard), then dp all-reduces
         self.scattering: list[tuple[FlatUnit, Work, torch.Tensor, torch.Tensor]] = []
@@ -306,6 +315,10 @@ class ZeroShards:
                 block = model.get_submodule(u.layout.name)
                 block.register_forward_pre_hook(lambda *_, u=u: self._pre_forward(u, True))
                 block.register_forward_hook(lambda _, __, out, u=u: self._post_forward(u, out))
+                middle = _backward_middle(block)
+                if middle is not None:
+                    self.prefetch_midway.add(u.layout.name)
+                    middle.register_forward_hook(lambda _, __, out, u=u: self._midway(u, out))
         root = self.by_name.get(ROOT)
         if root is None:
             return
@@ -338,7 +351,15 @@ class ZeroShards:
 
     def _pre_backward(self, unit: FlatUnit) -> None:
         self.ensure(unit)
-        self.prefetch(self._neighbour(unit, -1))
+        if unit.layout.name not in self.prefetch_midway:
+            self.prefetch(self._neighbour(unit, -1))
+
+    def _midway(self, unit: FlatUnit, out) -> None:
+        """Prefetch the previous block once this one's backward is past its middle (its
+        FFN half done): the gather then overlaps the rest of the block's backward, and it
+        lands after the FFN's activations are freed, not on top of the step's peak."""
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda _: self.prefetch(self._neighbour(unit, -1)))
 
     def _post_backward(self, unit: FlatUnit) -> None:
         final = self.sync or id(unit) in self.armed

@@ -126,6 +126,8 @@ def llama_layer(
     heads, kv = _local_heads(m, t)
     if recompute == "op":
         return _op_policy(m, t, c, heads)
+    if recompute == "selective":
+        return _selective(m, c, heads, kv)
     kv_width = heads * hd if heads > kv and not gqa_native else kv * hd  # (repeated) k, v
     norm = c * h + 4 if fused else (4 + c) * h + 4  # (fp32 copy,) normalised, fp32 rsqrt
     linear_in = "seq" if sp_shards else "rank"
@@ -135,20 +137,13 @@ def llama_layer(
         Saved("ffn norm", norm, "seq"),
         Saved("w1/w3 input", c * h, linear_in),
     ]
-    if recompute == "selective":  # tetrad's: the core and silu(a)·b redone, matmul outputs kept
-        items += [
-            Saved("q, k, v (the core's inputs)", c * (heads + 2 * kv) * hd, "rank"),
-            Saved("core out (wo input)", c * h, "tp"),
-            Saved("w1 out, w3 out, product", 3 * c * f, "tp"),
-        ]
-    else:
-        items += [
-            Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
-            Saved("sdpa q, out", 2 * c * h, "tp"),
-            Saved("attention k, v", 2 * c * kv_width, "rank"),
-            Saved("sdpa log-sum-exp", 4 * heads, "rank"),
-            Saved("w1 out, w3 out, (silu out,) product", (3 if fused else 4) * c * f, "tp"),
-        ]
+    items += [
+        Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
+        Saved("sdpa q, out", 2 * c * h, "tp"),
+        Saved("attention k, v", 2 * c * kv_width, "rank"),
+        Saved("sdpa log-sum-exp", 4 * heads, "rank"),
+        Saved("w1 out, w3 out, (silu out,) product", (3 if fused else 4) * c * f, "tp"),
+    ]
     if m.kv_heads < t:
         items.append(
             Saved("gathered k, v weights", fixed=2 * c * m.kv_heads * hd * h, split="rank")
@@ -175,6 +170,21 @@ def cp_gathered_kv(m: ModelConfig, t: int, dtype: str, cp: int, seq_len: int,
     return [
         Saved("other shards' k, v", 2 * c * width * (cp - 1), "rank"),
         Saved("mask by global position", per_position=seq_len, split="rank"),
+    ]
+
+
+def _selective(m: ModelConfig, c: int, heads: int, kv: int) -> list[Saved]:
+    """tetrad's selective recomputation (models/recompute.py): the block input, the kept
+    kernel outputs (k and v, the attention output and log-sum-exp, wo's output before the
+    tp reduction, over the whole sequence, and w1's); nothing else."""
+    hd = m.head_dim
+    return [
+        Saved("block input", c * m.dim, "seq"),
+        Saved("k, v", 2 * c * kv * hd, "rank"),
+        Saved("attention out", c * heads * hd, "rank"),
+        Saved("attention log-sum-exp", 4 * heads, "rank"),
+        Saved("wo out (partial sum under tp)", c * m.dim, "rank"),
+        Saved("w1 out (gate)", c * m.hidden_dim, "tp"),
     ]
 
 
