@@ -17,26 +17,15 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import Comm, Work
-from tetrad.comm.tp import _all_gather, _reduce_scatter
+from tetrad.comm.tp import _GatherFromTP
 from tetrad.mesh import Group
-
-
-class _GatherFromCP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, comm, group):
-        ctx.dim, ctx.comm, ctx.group = dim, comm, group
-        return _all_gather(x, dim, comm, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # every rank used every gathered position: its gradient is the sum over ranks
-        return _reduce_scatter(grad, ctx.dim, ctx.comm, ctx.group), None, None, None
 
 
 def gather_from_cp(x: torch.Tensor, comm: Comm, group: Group, dim: int) -> torch.Tensor:
     """Concatenate every cp rank's `x` along `dim`, rank 0 first; the backward sums the
     gradient over the ranks and keeps this rank's part."""
-    return _GatherFromCP.apply(x, dim, comm, group) if group.size > 1 else x
+    # SP's gather is the same operator (all-gather; backward, a reduce-scatter of the sum)
+    return _GatherFromTP.apply(x, dim, comm, group) if group.size > 1 else x
 
 
 def ring_pass(send: torch.Tensor, recv: torch.Tensor, comm: Comm, group: Group) -> list[Work]:
