@@ -117,6 +117,7 @@ class TetradRunner:
             "bubble_timeline": measured.bubble_fraction,
             "bubble_simulated": simulated.meta["bubble_without_overhead"],
             "bubble_simulated_overhead": simulated.bubble_fraction,
+            "bubble_replayed": simulated.meta["bubble_replayed"],
             "overhead_s": costs["overhead"],
             "p2p_s": costs["p2p"],
             "act_bytes": float(state.peak_act_bytes),
@@ -271,7 +272,12 @@ def _entry(steps: list[dict], pp: int, tokens: int = 8 * 128) -> dict[str, Any]:
             round(max(s["act_bytes"][r] for s in steps) / 2**20, 2) for r in range(pp)
         ],
     }
-    for key in ("bubble_timeline", "bubble_simulated", "bubble_simulated_overhead"):
+    for key in (
+        "bubble_timeline",
+        "bubble_simulated",
+        "bubble_simulated_overhead",
+        "bubble_replayed",
+    ):
         if key in steps[0]:
             entry[key] = round(statistics.median(s[key] for s in steps), 3)
     return entry
@@ -328,7 +334,8 @@ def _bubble_row(steps: list[dict]) -> dict[str, Any]:
     med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
     plain = [s["bubble_timeline"] / s["bubble_simulated"] for s in steps]
     learned = [s["bubble_timeline"] / s["bubble_simulated_overhead"] for s in steps]
-    ratio = statistics.median(learned)
+    replayed = [s["bubble_timeline"] / s["bubble_replayed"] for s in steps]
+    ratio, replay = statistics.median(learned), statistics.median(replayed)
     return {
         "measured": round(med("bubble_timeline"), 4),
         "simulated": round(med("bubble_simulated"), 4),
@@ -338,6 +345,10 @@ def _bubble_row(steps: list[dict]) -> dict[str, Any]:
         "measured / simulated with overhead": round(ratio, 3),
         "measured / simulated with overhead, spread": harness.spread(learned),
         f"within {TOLERANCE:.0%}": abs(ratio - 1) <= TOLERANCE,
+        "replayed": round(med("bubble_replayed"), 4),
+        "measured / replayed": round(replay, 3),
+        "measured / replayed, spread": harness.spread(replayed),
+        f"replayed within {TOLERANCE:.0%}": abs(replay - 1) <= TOLERANCE,
         "overhead per compute (ms)": round(1e3 * med("overhead_s"), 3),
         "overhead per transfer (ms)": round(1e3 * med("p2p_s"), 3),
     }

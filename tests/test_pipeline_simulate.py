@@ -201,6 +201,28 @@ def test_learned_overhead_is_consistent(name):
         assert bare.bubble_fraction < tl.bubble_fraction - 0.005
 
 
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+def test_replay_reproduces_a_jittery_step(name):
+    """A step whose computes each took their own time (jitter: every fourth one 60%
+    slower) is reproduced exactly when replayed action by action (`replay_costs`), where
+    the per-stage medians (one figure per stage and kind) do not reproduce it."""
+    from tetrad.parallel.pipeline.measure import estimate_costs, replay_costs
+
+    for p in (2, 4):
+        v = 2 if name in ("interleaved-1f1b", "zb-v") else 1
+        actions = build_schedule(name, p, 2 * p, v)
+        computes = [a for acts in actions for a in acts if a.is_compute]
+        slow = {(a.kind, a.stage, a.microbatch): 1.6 * (1.5 if a.kind == "BW" else 1.0)
+                for k, a in enumerate(computes) if k % 4 == 0}  # fmt: skip
+        true = Costs(1.0, 0.8, 0.7, comm=0.1, overhead=0.02, each=slow)
+        tl = _run(name, p, 2 * p, true, v)
+        medians = estimate_costs(tl, p * v, actions)
+        replayed = _run(name, p, 2 * p, replay_costs(tl, medians), v)
+        assert replayed.makespan == pytest.approx(tl.makespan, rel=1e-9)
+        assert replayed.bubble_fraction == pytest.approx(tl.bubble_fraction, abs=1e-9)
+        assert abs(_run(name, p, 2 * p, medians, v).makespan / tl.makespan - 1) > 0.01
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
 def test_transfer_programs_cost_what_the_schedule_does(name):
     """The runtime's transfer programs, timed with rendezvous sends, lose nothing to the

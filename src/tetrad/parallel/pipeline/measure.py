@@ -181,6 +181,16 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def replay_costs(tl: Timeline, costs: Costs) -> Costs:
+    """`costs` with every compute of the measured `tl` at its own measured duration: the
+    simulator then replays the step action by action, and what separates its timeline
+    from the measured one is what the runtime did between computes that the overhead
+    model does not see (where the per-stage medians also leave out the step's jitter:
+    one slow action delays everything that waits on it, and medians have no slow ones)."""
+    each = {(e.kind, e.stage, e.microbatch): e.duration for ev in tl.ranks for e in ev}
+    return replace(costs, each=each)
+
+
 def simulated_timeline(
     schedule: str, pp: int, microbatches: int, costs: Costs, virtual_stages: int = 1
 ) -> Timeline:
@@ -195,9 +205,11 @@ def measure_step(
 ) -> tuple[Timeline, Timeline]:
     """(measured, simulated) timelines of one step; a collective over the pp `group`.
 
-    The simulation includes the runtime's overhead learned from this very step; its
-    meta["bubble_without_overhead"] is the prediction from compute and transfer costs
-    alone (what the schedule itself explains)."""
+    The simulation runs at the step's per-stage median costs and includes the runtime's
+    overhead learned from this very step; its meta["bubble_without_overhead"] is the
+    prediction from compute and transfer costs alone (what the schedule itself explains)
+    and meta["bubble_replayed"] the prediction with every compute at its own measured
+    duration (`replay_costs`), the learned overhead included."""
     measured = gather_timeline(
         events, comm, group, schedule=schedule, microbatches=microbatches, virtual_stages=v
     )
@@ -207,6 +219,10 @@ def measure_step(
     plain = replace(costs, overhead=0.0, p2p=0.0)
     bare = simulated_timeline(schedule, group.size, microbatches, plain, v)
     simulated.meta["bubble_without_overhead"] = bare.bubble_fraction
+    replayed = simulated_timeline(
+        schedule, group.size, microbatches, replay_costs(measured, costs), v
+    )
+    simulated.meta["bubble_replayed"] = replayed.bubble_fraction
     measured.meta["costs"] = simulated.meta["costs"] = _costs_dict(costs)
     return measured, simulated
 

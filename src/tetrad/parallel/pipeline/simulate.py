@@ -16,8 +16,8 @@ measured step, so the simulator learns the runtime's own overhead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from tetrad.parallel.pipeline.schedules import Action, build_schedule, wire
 from tetrad.parallel.pipeline.timeline import Event, Timeline
@@ -31,6 +31,8 @@ class Costs:
     costs b + w. comm: time from a send to the matching receive's completion.
     overhead: the runtime's fixed host time per compute (idle on the timeline).
     p2p: the runtime's fixed host time per send or receive it posts and waits for.
+    each: durations of single computes, by (kind, stage, microbatch), that override the
+    per-stage figures (a measured step replayed action by action: `measure.replay_costs`).
     """
 
     f: float | Sequence[float] = 1.0
@@ -39,9 +41,12 @@ class Costs:
     comm: float = 0.0
     overhead: float = 0.0
     p2p: float = 0.0
+    each: Mapping[tuple[str, int, int], float] = field(default_factory=dict)
 
-    def of(self, kind: str, stage: int) -> float:
-        """Duration of compute `kind` on `stage`."""
+    def of(self, kind: str, stage: int, microbatch: int = -1) -> float:
+        """Duration of compute `kind` on `stage` (of that microbatch's, where `each` has it)."""
+        if (kind, stage, microbatch) in self.each:
+            return self.each[kind, stage, microbatch]
         if kind == "BW":
             return self.of("B", stage) + self.of("W", stage)
         value = {"F": self.f, "B": self.b, "W": self.w}[kind]
@@ -102,7 +107,7 @@ def _step(
         host[1] = max(host[1], sent[wire(a)] + costs.comm)
     else:
         start = max(clock[rank] + costs.overhead + host[0], host[1])
-        end = start + costs.of(a.kind, a.stage)
+        end = start + costs.of(a.kind, a.stage, a.microbatch)
         ranks[rank].append(Event(a.kind, a.stage, a.microbatch, start, end))
         clock[rank] = end
         since[rank] = [0.0, 0.0]
