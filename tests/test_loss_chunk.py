@@ -99,3 +99,33 @@ def test_chunked_equals_unchunked_in_every_layout():
                 assert run[last]["activations"] == pytest.approx(want, rel=0.10)
         except AssertionError as e:
             raise AssertionError(f"layout {par} {model}: {e}") from e
+
+
+@pytest.mark.distributed
+def test_zero_bubble_tp_holds_what_the_planner_counts():
+    """pp 2 x tp 2 with zb-h1, with and without sp, full and chunked loss: each rank's
+    measured peak of saved activations, deferred weight-gradient inputs included, is the
+    planner's within 10% (the column- and row-parallel linears keep different halves of
+    their inputs and output gradients for W, and the vocabulary-parallel head keeps its
+    input and its logits' gradient unless the chunked loss does its W in B)."""
+    layouts = [{"sp": False}, {"sp": True}]
+    cfgs = [
+        tiny_config(
+            parallel={"pp": 2, "tp": 2, "microbatches": 2, "pp_schedule": "zb-h1"} | par,
+            train={"loss_chunk": chunk, "steps": 2},
+        )
+        for par in layouts
+        for chunk in (0, 24)
+    ]
+    results = by_layout(spawn(train_and_measure, 4, [c.to_dict() for c in cfgs], timeout=600))
+    for cfg, ranks in zip(cfgs, results):
+        got = [r["activations"] for r in ranks]
+        want = [predicted_activations(cfg, rank) for rank in range(4)]
+        for rank, (g, w) in enumerate(zip(got, want)):
+            assert g == pytest.approx(w, rel=0.10), (
+                cfg.parallel.sp,
+                cfg.train.loss_chunk,
+                rank,
+                got,
+                want,
+            )

@@ -230,21 +230,29 @@ def llama_embedding(t: int, dtype: str) -> list[Saved]:
 
 def llama_pending_w(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
     """What a zero-bubble schedule keeps between a block's B and its W: each deferred
-    linear's input and output gradient (tetrad defers only plain, tp=1 linears)."""
+    linear's input and output gradient. Under tp the column-parallel linears (wq, wk, wv,
+    w1, w3) keep their whole input (gathered over the sequence under SP) and their
+    output gradients' 1/t; the row-parallel ones (wo, w2) their inputs' 1/t and whole
+    output gradients: h + h/t + h + f/t inputs, h/t + 2·kv/t + h + 2f/t + h gradients."""
     c, h, f = DTYPE_BYTES[dtype], m.dim, m.hidden_dim
-    kv_dim = m.kv_heads * m.head_dim
-    inputs = c * (h + h + h + f)  # q/k/v input, wo input, w1/w3 input, w2 input
-    grads = c * (h + 2 * kv_dim + h + 2 * f + h)  # wq/wk/wv, wo, w1/w3, w2 outputs
-    return [Saved("deferred linear inputs and output grads", inputs + grads, "tp")]
+    kv_dim = max(m.kv_heads // t, 1) * m.head_dim * t  # the rank's kv heads, times t
+    whole = c * (h + h) + c * (h + h)  # qkv and w1/w3 inputs; wo and w2 output grads
+    shard = c * (h + f) + c * (h + 2 * kv_dim + 2 * f)  # wo, w2 inputs; wq/wk/wv, w1/w3 grads
+    return [
+        Saved("deferred column-parallel inputs, row-parallel output grads", whole, "rank"),
+        Saved("deferred row-parallel inputs, column-parallel output grads", shard, "tp"),
+    ]
 
 
 def llama_pending_w_head(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
-    """The head's share of a zero-bubble W when it is deferred (no chunked loss, tp=1):
-    its input and its logits' gradient."""
+    """The head's share of a zero-bubble W when it is deferred (no chunked loss): its
+    input (whole, gathered under SP) and its logits' gradient (the rank's 1/t of the
+    vocabulary)."""
     c = DTYPE_BYTES[dtype]
-    if t > 1:  # the vocabulary-parallel head is not a plain linear: its W runs in B
-        return []
-    return [Saved("head input and logit gradient", c * (m.dim + m.vocab), "rank")]
+    return [
+        Saved("head input", c * m.dim, "rank"),
+        Saved("logit gradient", c * m.vocab, "tp"),
+    ]
 
 
 def llama_stage_output(m: ModelConfig, dtype: str) -> list[Saved]:

@@ -117,6 +117,15 @@ class ComputeModel:
             attention = seqs * 2 * s * s * m.dim / t / cp / self._attention_rate(dtype)
         return Parts(gemm, attention, nbytes / self.device.hbm_Bps)
 
+    def selective_redo(self, m: ModelConfig, t: int, tokens: int, dtype: str, fwd: Parts) -> float:
+        """Seconds tetrad's selective recomputation redoes in one block's backward
+        (models/recompute.py): the q and w3 matmuls (the others' outputs are kept, or,
+        w2's, never read) and the elementwise forward (norms, rotary, SwiGLU's product,
+        the residual sums); not attention."""
+        lin = _linears(m, t)
+        gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, dtype) for k, n in (lin[0], lin[5]))
+        return gemm + fwd.elementwise
+
     def _unfused_attention(self, m: ModelConfig, t: int, seqs: int, s: int, dtype: str) -> float:
         """Forward seconds of attention without a flash kernel (Megatron before 2022): two
         batched matmuls over the whole s x s square (the causal mask is applied to the

@@ -243,15 +243,18 @@ class Planner:
         tokens = b * s // p.cp  # this rank's: cp splits every sequence
         fwd = self.compute.block_forward(m, p.tp, p.sp, tokens, b, s, dt, p.cp)
         bwd = self.compute.backward(fwd)
-        redo = {"none": 0.0, "selective": 0.0, "full": fwd.total, "op": fwd.gemm / 2}
+        selective = self.compute.selective_redo(m, p.tp, tokens, dt, fwd)
+        redo = {"none": 0.0, "selective": selective, "full": fwd.total, "op": fwd.gemm / 2}
         embed = tokens * m.dim * _cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
         head = self.compute.head(m, p.tp, tokens, dt)
+        # a chunked loss computes the head's weight gradient in B, chunk by chunk
+        head_w = 0.0 if self.engine.chunked_loss and cfg.train.loss_chunk > 0 else head.gemm
         per = {
             "F": [embed] + [fwd.total] * m.layers + [head.total],
             "B": [embed]
             + [bwd.total + redo[self.recompute]] * m.layers
-            + [self.compute.backward(head).total],
-            "W": [0.0] + [fwd.gemm] * m.layers + [head.gemm],
+            + [self.compute.backward(head).total + head.gemm - head_w],
+            "W": [0.0] + [fwd.gemm] * m.layers + [head_w],
         }
         split = self.split(cfg)
         return {k: stage_costs(v, split) for k, v in per.items()}

@@ -19,8 +19,9 @@ class Engine:
     param_gather_overlap: ZeRO-1/2's post-optimizer all-gather hides behind the next
     forward. reduce_every_microbatch: gradients are reduced after every microbatch (FSDP2)
     rather than accumulated unsharded (tetrad: ZeRO-2/3 then hold full gradients).
-    split_w_with_tp: the zero-bubble W is deferred for tp-sharded linears too (tetrad
-    defers plain linears only, so with tp > 1 its B does the weight gradients).
+    split_w_with_tp: the zero-bubble W is deferred for tp-sharded linears too (tetrad's
+    column- and row-parallel linears split their backward; an engine without it does
+    the weight gradients in B when tp > 1).
     sp_saves_shards: under SP the column-parallel linears keep their input's sequence
     shard and re-gather it for backward (Megatron); tetrad keeps the gathered input.
     kernels: fused or eager elementwise kernels and the flash-attention class
@@ -66,7 +67,7 @@ class Engine:
 # torchtitan's async TP): a stated fit on the development rows (docs/plan.md).
 TP_OVERLAP = 0.8
 
-TETRAD = Engine("tetrad", chunked_loss=True)
+TETRAD = Engine("tetrad", chunked_loss=True, split_w_with_tp=True)
 MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
     "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
     split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),

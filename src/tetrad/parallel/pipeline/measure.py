@@ -103,15 +103,16 @@ def estimate_costs(tl: Timeline, n_stages: int, actions: list[list[Action]] | No
 
 
 def estimate_overhead(
-    tl: Timeline, actions: list[list[Action]], comm: float
+    tl: Timeline, actions: list[list[Action]], comm: float, center=statistics.median
 ) -> tuple[float, float]:
     """(per compute, per transfer) host time of the runtime, as the simulator models it.
 
     Samples: the idle gap before a compute whose input was there in time (made on this
     rank, or its producer ended at least `comm` before this rank's previous compute did),
     so the gap is the runtime's own time: overhead + p2p x (transfers since that compute).
-    Fitted robustly: the median gap for each count of transfers, then a weighted
-    least-squares line through those medians (slope clamped at 0, then intercept too).
+    Fitted robustly: the median gap for each count of transfers (or another `center`),
+    then a weighted least-squares line through those (slope clamped at 0, then intercept
+    too).
     """
     where = {(e.kind, e.stage, e.microbatch): (r, e) for r, ev in enumerate(tl.ranks) for e in ev}
     samples: dict[int, list[float]] = {}
@@ -124,7 +125,7 @@ def estimate_overhead(
                 samples.setdefault(counts[k], []).append(max(e.start - prev.end, 0.0))
     if not samples:
         return 0.0, 0.0
-    points = [(n, statistics.median(g), len(g)) for n, g in samples.items()]
+    points = [(n, center(g), len(g)) for n, g in samples.items()]
     return _fit_line(points)
 
 
@@ -181,14 +182,26 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def replay_costs(tl: Timeline, costs: Costs) -> Costs:
-    """`costs` with every compute of the measured `tl` at its own measured duration: the
-    simulator then replays the step action by action, and what separates its timeline
-    from the measured one is what the runtime did between computes that the overhead
-    model does not see (where the per-stage medians also leave out the step's jitter:
-    one slow action delays everything that waits on it, and medians have no slow ones)."""
+def replay_costs(tl: Timeline, costs: Costs, actions: list[list[Action]] | None = None) -> Costs:
+    """`costs` with every compute of the measured `tl` at its own measured duration, and
+    the transfers' latency and (given the schedule's `actions`) the runtime's overheads
+    at their means: the simulator then replays the step action by action, and what
+    separates its timeline from the measured one is what the runtime did between
+    computes that the overhead model does not see.
+
+    The per-stage medians leave out the step's jitter (one slow action delays everything
+    that waits on it, and medians have no slow ones); the median gaps leave out their
+    tail: a rank descheduled when its input arrives (more ranks than cores) starts
+    milliseconds late, where the median transfer takes half of one (measured: zb-v at
+    pp 4 on 2 cores, median 0.5 ms, mean 2.1 ms), and every such delay lies on a chain."""
     each = {(e.kind, e.stage, e.microbatch): e.duration for ev in tl.ranks for e in ev}
-    return replace(costs, each=each)
+    gaps = transfer_gaps(tl)
+    comm = statistics.fmean(gaps) if gaps else costs.comm
+    out = replace(costs, each=each, comm=comm)
+    if actions:
+        overhead, p2p = estimate_overhead(tl, actions, costs.comm, statistics.fmean)
+        out = replace(out, overhead=overhead, p2p=p2p)
+    return out
 
 
 def simulated_timeline(
@@ -209,7 +222,7 @@ def measure_step(
     overhead learned from this very step; its meta["bubble_without_overhead"] is the
     prediction from compute and transfer costs alone (what the schedule itself explains)
     and meta["bubble_replayed"] the prediction with every compute at its own measured
-    duration (`replay_costs`), the learned overhead included."""
+    duration and the gaps at their means (`replay_costs`)."""
     measured = gather_timeline(
         events, comm, group, schedule=schedule, microbatches=microbatches, virtual_stages=v
     )
@@ -219,9 +232,8 @@ def measure_step(
     plain = replace(costs, overhead=0.0, p2p=0.0)
     bare = simulated_timeline(schedule, group.size, microbatches, plain, v)
     simulated.meta["bubble_without_overhead"] = bare.bubble_fraction
-    replayed = simulated_timeline(
-        schedule, group.size, microbatches, replay_costs(measured, costs), v
-    )
+    again = replay_costs(measured, costs, actions)
+    replayed = simulated_timeline(schedule, group.size, microbatches, again, v)
     simulated.meta["bubble_replayed"] = replayed.bubble_fraction
     measured.meta["costs"] = simulated.meta["costs"] = _costs_dict(costs)
     return measured, simulated
