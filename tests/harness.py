@@ -67,6 +67,17 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, A
     }
 
 
+def one_step_comm(rank: int, world: int, cfg_dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One step of each config on this rank; the comm layer's counts for that step."""
+    out = []
+    for raw in cfg_dicts:
+        trainer = trainer_for(from_dict(raw), rank)
+        trainer.comm.reset()
+        trainer.train_step()
+        out.append(trainer.comm.summary())
+    return out
+
+
 def train_many(rank: int, world: int, cfg_dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Several trainings, one after the other, in one set of processes (saves start-ups)."""
     return [train_worker(rank, world, raw) for raw in cfg_dicts]

@@ -148,6 +148,33 @@ def test_resharding_across_layouts(reference, tmp_path):
     _check_reads_only_own_boxes([r[3]["asked"] for r in by_rank])  # zero-3 from dp's files
 
 
+@pytest.mark.distributed
+def test_zero_with_an_embedding_tied_across_stages_resumes(reference, tmp_path):
+    """ZeRO-3 x pp 2 with zb-h1 and the embedding tied to the head across the two stages
+    (each stage holds a copy; their gradients are summed): saved at step 10, resumed in
+    the same layout and on one process, both reproduce the single process's last 10
+    steps, and the checkpoint holds the tied weight once."""
+    out = tmp_path / "tied"
+    parallel = {"fsdp": 2, "zero_stage": 3, "pp": 2, "pp_schedule": "zb-h1", "microbatches": 2}
+
+    def cfg(par, **ck):
+        ck = {"every": 0, "resume": False, "keep": 2} | ck
+        model = {"tie_embeddings": True}
+        return tiny_config(train={"out": str(out)}, parallel=par, model=model,
+                           checkpoint=ck).to_dict()  # fmt: skip
+
+    jobs = [(cfg(parallel, every=10), 10), (cfg(parallel, resume=True), None)]
+    (saved, resumed) = spawn(_jobs, 4, jobs, timeout=300)[0]
+    (single,) = _jobs(0, 1, [(cfg({}, resume=True), None)])
+    ref = reference(model={"tie_embeddings": True})
+    torch.testing.assert_close(saved["losses"], ref["losses"][:10], rtol=1e-5, atol=0)
+    for got in (resumed, single):
+        assert got["start"] == 10
+        assert_close_run(got, _tail(ref, 10))
+    manifest = json.loads((out / "checkpoints/step_00000010/manifest.json").read_text())
+    assert "output.weight" not in manifest["tensors"]  # the head is the embedding
+
+
 def _check_sharded_files(dp_dir, zero_dir, tp_dir) -> None:
     """Each rank wrote only what it owns: dp's replica nothing, ZeRO and TP half each."""
     step = "checkpoints/step_00000010"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import assert_close_run, run_layouts, tiny_config, trainer_for
+from harness import assert_close_run, one_step_comm, run_layouts, tiny_config, trainer_for
 from tetrad.config import validate
 from tetrad.parallel.context import (
     _attend,
@@ -154,18 +154,6 @@ def cp_bytes(kind: str, cp: int, layers: int, micro: int, b: int, seq: int, kv_d
     return {"send": (sent, sent)}
 
 
-def _comm_worker(rank: int, world: int, dicts: list[dict]) -> list[dict]:
-    from tetrad.config import from_dict
-
-    out = []
-    for raw in dicts:
-        trainer = trainer_for(from_dict(raw), rank)
-        trainer.comm.reset()
-        trainer.train_step()
-        out.append(trainer.comm.summary())
-    return out
-
-
 VOLUME = {  # world -> [(parallel, kv heads per rank)]; tiny: 2 layers, kv 2 x head_dim 8
     2: [({"cp": 2}, 2), ({"cp": 2, "microbatches": 2, **RING}, 2)],
     4: [({"cp": 4, **RING}, 2), ({"cp": 2, "tp": 2}, 1), ({"cp": 4}, 2)],
@@ -177,7 +165,7 @@ VOLUME = {  # world -> [(parallel, kv heads per rank)]; tiny: 2 layers, kv 2 x h
 @pytest.mark.parametrize("world", sorted(VOLUME))
 def test_cp_bytes_per_layer_are_the_formula(world):
     cfgs = [tiny_config(parallel=par) for par, _ in VOLUME[world]]
-    summaries = spawn(_comm_worker, world, [c.to_dict() for c in cfgs], timeout=300)
+    summaries = spawn(one_step_comm, world, [c.to_dict() for c in cfgs], timeout=300)
     for (cfg, (_, kv_heads)), rank_sums in zip(zip(cfgs, VOLUME[world]), zip(*summaries)):
         p, t, m = cfg.parallel, cfg.train, cfg.model
         b = t.global_batch // (p.data_ranks * p.microbatches)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import assert_close_run, run_layouts, tiny_config, trainer_for
+from harness import assert_close_run, one_step_comm, run_layouts, tiny_config
 from tetrad.config import validate
 from tetrad.testing import spawn
 
@@ -42,19 +42,6 @@ def test_tp_matches_single_process(reference, world):
     assert not failed, "\n".join(failed)
 
 
-def _comm_worker(rank: int, world: int, dicts: list[dict]) -> list[dict]:
-    """One step of each config; the comm layer's counts for that step."""
-    from tetrad.config import from_dict
-
-    out = []
-    for raw in dicts:
-        trainer = trainer_for(from_dict(raw), rank)
-        trainer.comm.reset()
-        trainer.train_step()
-        out.append(trainer.comm.summary())
-    return out
-
-
 def _bus(summary: dict, *ops: str) -> float:
     return sum(summary.get(f"tp/{op}", {}).get("bus_bytes", 0.0) for op in ops)
 
@@ -79,7 +66,7 @@ def test_tp_comm_volume_per_layer_is_megatron():
         for sp in (False, True)
         for layers in (1, 2)
     ]
-    plain1, plain2, sp1, sp2 = spawn(_comm_worker, t, [c.to_dict() for c in cfgs])[0]
+    plain1, plain2, sp1, sp2 = spawn(one_step_comm, t, [c.to_dict() for c in cfgs])[0]
     b, s = cfgs[0].microbatch_size, cfgs[0].train.seq_len
     megatron = 8 * b * s * h * (t - 1) / t * 4 * mb  # fp32 bytes per layer per step
 

@@ -25,8 +25,9 @@ from tetrad.config import Config, ModelConfig, model_preset
 from tetrad.parallel.pipeline.schedules import SCHEDULES
 from tetrad.plan.activations import RECOMPUTE
 from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
-from tetrad.plan.cost import ENGINES, Planner, layout_config
+from tetrad.plan.cost import ENGINES, Planner
 from tetrad.plan.hardware import CLUSTERS, Cluster, at_efficiency, calibrated, cluster_preset
+from tetrad.plan.layouts import layout_config
 from tetrad.plan.search import Space, search
 
 GiB = 2**30

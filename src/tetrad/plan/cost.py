@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tetrad.config import DTYPE_BYTES, Config, ModelConfig, validate
+from tetrad.config import DTYPE_BYTES, Config, validate
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
@@ -69,6 +69,14 @@ from tetrad.plan.engines import (  # noqa: F401  (the engines are part of this m
 )
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster, at_efficiency
+from tetrad.plan.layouts import (  # noqa: F401  (layout_config, gpt_as_llama: this module's API)
+    cbytes,
+    cp_exchange_bytes,
+    describe,
+    gpt_as_llama,
+    layout_config,
+    local_tokens,
+)
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
 
@@ -245,7 +253,7 @@ class Planner:
         bwd = self.compute.backward(fwd)
         selective = self.compute.selective_redo(m, p.tp, tokens, dt, fwd)
         redo = {"none": 0.0, "selective": selective, "full": fwd.total, "op": fwd.gemm / 2}
-        embed = tokens * m.dim * _cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
+        embed = tokens * m.dim * cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
         head = self.compute.head(m, p.tp, tokens, dt)
         # a chunked loss computes the head's weight gradient in B, chunk by chunk
         head_w = 0.0 if self.engine.chunked_loss and cfg.train.loss_chunk > 0 else head.gemm
@@ -267,7 +275,7 @@ class Planner:
         zero = [0.0] * len(split)
         if p.tp == 1:
             return {"F": list(zero), "B": list(zero), "W": list(zero)}
-        nbytes = _local_tokens(cfg) * cfg.model.dim * _cbytes(cfg)
+        nbytes = local_tokens(cfg) * cfg.model.dim * cbytes(cfg)
         one = self.cluster.link(1, p.tp).time("all_reduce", p.tp, nbytes)
         one *= 1.0 - self.engine.tp_overlap
         f = [2 * n * one for n in split]
@@ -321,7 +329,7 @@ class Planner:
                 continue
             block = facts[_rank_of_stage(cfg, stage)].block
             calls = _calls(block, 1, self.engine.gather_bucket)
-            gather = layers * calls * link.time("all_gather", p.fsdp, block * _cbytes(cfg) / calls)
+            gather = layers * calls * link.time("all_gather", p.fsdp, block * cbytes(cfg) / calls)
             first = gather / layers
             hide = 1.0 if self.engine.gather_overlap else 0.0
             fwd_window = hide * compute["F"][stage]
@@ -350,7 +358,7 @@ class Planner:
         p = cfg.parallel
         if p.pp == 1:
             return 0.0
-        nbytes = _local_tokens(cfg) * cfg.model.dim * _cbytes(cfg)
+        nbytes = local_tokens(cfg) * cfg.model.dim * cbytes(cfg)
         nbytes /= p.tp if p.sp else 1
         return self.cluster.p2p_link(p.dp * p.fsdp * p.cp * p.tp).time("send_recv", 2, nbytes)
 
@@ -399,10 +407,10 @@ class Planner:
         if p.fsdp > 1:
             link = self.cluster.link(p.tp * p.cp, p.fsdp)
             if p.zero_stage < 3:
-                seconds = link.time("all_gather", p.fsdp, fa.psi * _cbytes(cfg))
+                seconds = link.time("all_gather", p.fsdp, fa.psi * cbytes(cfg))
                 gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
             else:  # the root unit: gathered once per step, before the first forward
-                gather = link.time("all_gather", p.fsdp, fa.psi_root * _cbytes(cfg))
+                gather = link.time("all_gather", p.fsdp, fa.psi_root * cbytes(cfg))
         shard = fa.psi / p.fsdp
         optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
         return {"dp": grad["dp"], "fsdp": gather + grad["fsdp"], "optimizer": optimizer}
@@ -481,64 +489,9 @@ def _uniform_split(cfg: Config) -> list[int] | None:
     return None
 
 
-def _local_tokens(cfg: Config) -> int:
-    """Tokens of one microbatch on one rank: cp splits every sequence."""
-    return cfg.microbatch_size * cfg.train.seq_len // cfg.parallel.cp
-
-
-def cp_exchange_bytes(cfg: Config) -> float:
-    """Bytes of keys and values one rank receives per attention layer and microbatch
-    under context parallelism (forward; dk and dv the same backward): those of the other
-    cp - 1 shards, 2·(cp - 1)/cp · b·s·kv·hd·c, with kv the rank's kv heads."""
-    p, m = cfg.parallel, cfg.model
-    kv = max(m.kv_heads // p.tp, 1)
-    whole = 2 * cfg.microbatch_size * cfg.train.seq_len * kv * m.head_dim * _cbytes(cfg)
-    return (p.cp - 1) / p.cp * whole
-
-
 def _rank_of_stage(cfg: Config, stage: int) -> int:
     p = cfg.parallel
     return stage_to_rank(stage, p.pp, p.virtual_stages, p.pp_schedule)
-
-
-def _cbytes(cfg: Config) -> int:
-    return DTYPE_BYTES[cfg.train.dtype]
-
-
-def describe(cfg: Config, recompute: str = "none") -> dict[str, Any]:
-    """The layout fields of `cfg` a prediction is about."""
-    p = cfg.parallel
-    return {
-        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
-        "zero_stage": p.zero_stage,
-        "sp": p.sp, "pp_schedule": p.pp_schedule, "microbatches": p.microbatches,
-        "virtual_stages": p.virtual_stages, "microbatch_size": cfg.microbatch_size,
-        "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
-        "dtype": cfg.train.dtype, "recompute": recompute, "world": p.world_size,
-    }  # fmt: skip
-
-
-def gpt_as_llama(layers: int, hidden: int, heads: int, vocab: int, max_seq_len: int) -> ModelConfig:
-    """A GPT layer stack (4h GeLU MLP, multi-head attention) in tetrad's Llama shapes: the
-    SwiGLU's three h x f matrices with f = 8h/3 (rounded to a multiple of 128) hold the
-    GPT MLP's two h x 4h, so matmul FLOPs and parameters match within 1%; kv_heads =
-    heads; untied embedding and head. Norms and activations differ (RMSNorm, SiLU)."""
-    ffn = 128 * round(8 * hidden / 3 / 128)
-    return ModelConfig(
-        name=f"gpt-{layers}x{hidden}", layers=layers, dim=hidden, heads=heads, kv_heads=heads,
-        vocab=vocab, ffn_dim=ffn, max_seq_len=max_seq_len,
-    )  # fmt: skip
-
-
-def layout_config(model: ModelConfig, global_batch: int, seq_len: int, dtype: str = "bf16",
-                  **parallel: Any) -> Config:  # fmt: skip
-    """A Config for the planner: `model`, batch, sequence, compute dtype and degrees."""
-    cfg = Config()
-    cfg.model = dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq_len))
-    cfg.data.source = "synthetic"
-    cfg.train.global_batch, cfg.train.seq_len, cfg.train.dtype = global_batch, seq_len, dtype
-    cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)
-    return cfg
 
 
 def predict(cfg: Config, cluster: Cluster, engine: Engine = TETRAD,

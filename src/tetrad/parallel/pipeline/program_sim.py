@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait
 from tetrad.parallel.pipeline.schedules import Action, wire
-from tetrad.parallel.pipeline.simulate import Costs
+from tetrad.parallel.pipeline.simulate import Costs, run_all
 from tetrad.parallel.pipeline.timeline import Event, Timeline
 
 End = tuple[bool, tuple[str, int, int]]  # (is the send side, the tensor on the wire)
@@ -31,24 +31,18 @@ End = tuple[bool, tuple[str, int, int]]  # (is the send side, the tensor on the 
 def simulate_program(programs: list[list[Item]], costs: Costs, schedule: str = "") -> Timeline:
     """Time every rank's program; raise ValueError if they deadlock."""
     pp = len(programs)
-    pc, now = [0] * pp, [0.0] * pp
+    now = [0.0] * pp
     posted: dict[End, float] = {}
     ranks: list[list[Event]] = [[] for _ in range(pp)]
-    moved = True
-    while moved:
-        moved = False
-        for r in range(pp):
-            while pc[r] < len(programs[r]):
-                item = programs[r][pc[r]]
-                done = _advance(item, r, now, posted, ranks, costs)
-                if done is None:
-                    break  # a wait on a transfer whose other end is not posted yet
-                now[r] = done
-                pc[r] += 1
-                moved = True
-    stuck = [f"rank {r} at {programs[r][pc[r]]}" for r in range(pp) if pc[r] < len(programs[r])]
-    if stuck:
-        raise ValueError("programs deadlock: " + "; ".join(stuck))
+
+    def step(item: Item, r: int) -> bool:
+        done = _advance(item, r, now, posted, ranks, costs)
+        if done is None:
+            return False  # a wait on a transfer whose other end is not posted yet
+        now[r] = done
+        return True
+
+    run_all(programs, step, "programs deadlock")
     return Timeline(ranks, unit="cost", schedule=schedule)
 
 

@@ -16,8 +16,9 @@ measured step, so the simulator learns the runtime's own overhead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tetrad.parallel.pipeline.schedules import Action, build_schedule, wire
 from tetrad.parallel.pipeline.timeline import Event, Timeline
@@ -57,26 +58,32 @@ def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> T
     """Time every rank's action list; raise ValueError if the lists deadlock."""
     _check_costs(costs, 1 + max((a.stage for acts in actions for a in acts), default=0))
     pp = len(actions)
-    pc = [0] * pp
     clock = [0.0] * pp  # end of the rank's last compute
     # since the last compute: [host time spent on transfers, time the inputs arrived]
     since = [[0.0, 0.0] for _ in range(pp)]
     sent: dict[tuple[str, int, int], float] = {}
     ranks: list[list[Event]] = [[] for _ in range(pp)]
+    # a receive whose send has not run yet holds its rank
+    step = lambda a, r: _step(a, r, clock, since, sent, ranks, costs)  # noqa: E731
+    run_all(actions, step, "schedule deadlocks")
+    return Timeline(ranks, unit="cost", schedule=schedule)
+
+
+def run_all(lists: Sequence[Sequence[Any]], step: Callable[[Any, int], bool], what: str) -> None:
+    """Advance every rank through its list, in turns, while any can: `step(item, rank)`
+    runs the item and returns True, or returns False when the item must wait for another
+    rank. ValueError(`what` and each stuck rank's item) if the lists deadlock."""
+    pc = [0] * len(lists)
     moved = True
     while moved:
         moved = False
-        for r in range(pp):
-            while pc[r] < len(actions[r]):
-                a = actions[r][pc[r]]
-                if not _step(a, r, clock, since, sent, ranks, costs):
-                    break  # a receive whose send has not run yet
+        for r, items in enumerate(lists):
+            while pc[r] < len(items) and step(items[pc[r]], r):
                 pc[r] += 1
                 moved = True
-    stuck = [f"rank {r} at {actions[r][pc[r]]}" for r in range(pp) if pc[r] < len(actions[r])]
+    stuck = [f"rank {r} at {lists[r][pc[r]]}" for r in range(len(lists)) if pc[r] < len(lists[r])]
     if stuck:
-        raise ValueError("schedule deadlocks: " + "; ".join(stuck))
-    return Timeline(ranks, unit="cost", schedule=schedule)
+        raise ValueError(f"{what}: " + "; ".join(stuck))
 
 
 def _check_costs(costs: Costs, n_stages: int) -> None:

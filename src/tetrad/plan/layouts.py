@@ -1,0 +1,66 @@
+"""Layouts as the planner sees them: a Config from a model, batch and degrees
+(`layout_config`), the fields a prediction is about (`describe`), GPT stacks in Llama
+shapes (`gpt_as_llama`), and per-rank sizes the cost and memory models share."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tetrad.config import DTYPE_BYTES, Config, ModelConfig
+
+
+def local_tokens(cfg: Config) -> int:
+    """Tokens of one microbatch on one rank: cp splits every sequence."""
+    return cfg.microbatch_size * cfg.train.seq_len // cfg.parallel.cp
+
+
+def cp_exchange_bytes(cfg: Config) -> float:
+    """Bytes of keys and values one rank receives per attention layer and microbatch
+    under context parallelism (forward; dk and dv the same backward): those of the other
+    cp - 1 shards, 2·(cp - 1)/cp · b·s·kv·hd·c, with kv the rank's kv heads."""
+    p, m = cfg.parallel, cfg.model
+    kv = max(m.kv_heads // p.tp, 1)
+    whole = 2 * cfg.microbatch_size * cfg.train.seq_len * kv * m.head_dim * cbytes(cfg)
+    return (p.cp - 1) / p.cp * whole
+
+
+def cbytes(cfg: Config) -> int:
+    """Bytes of one element in the compute dtype."""
+    return DTYPE_BYTES[cfg.train.dtype]
+
+
+def describe(cfg: Config, recompute: str = "none") -> dict[str, Any]:
+    """The layout fields of `cfg` a prediction is about."""
+    p = cfg.parallel
+    return {
+        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
+        "zero_stage": p.zero_stage,
+        "sp": p.sp, "pp_schedule": p.pp_schedule, "microbatches": p.microbatches,
+        "virtual_stages": p.virtual_stages, "microbatch_size": cfg.microbatch_size,
+        "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
+        "dtype": cfg.train.dtype, "recompute": recompute, "world": p.world_size,
+    }  # fmt: skip
+
+
+def gpt_as_llama(layers: int, hidden: int, heads: int, vocab: int, max_seq_len: int) -> ModelConfig:
+    """A GPT layer stack (4h GeLU MLP, multi-head attention) in tetrad's Llama shapes: the
+    SwiGLU's three h x f matrices with f = 8h/3 (rounded to a multiple of 128) hold the
+    GPT MLP's two h x 4h, so matmul FLOPs and parameters match within 1%; kv_heads =
+    heads; untied embedding and head. Norms and activations differ (RMSNorm, SiLU)."""
+    ffn = 128 * round(8 * hidden / 3 / 128)
+    return ModelConfig(
+        name=f"gpt-{layers}x{hidden}", layers=layers, dim=hidden, heads=heads, kv_heads=heads,
+        vocab=vocab, ffn_dim=ffn, max_seq_len=max_seq_len,
+    )  # fmt: skip
+
+
+def layout_config(model: ModelConfig, global_batch: int, seq_len: int, dtype: str = "bf16",
+                  **parallel: Any) -> Config:  # fmt: skip
+    """A Config for the planner: `model`, batch, sequence, compute dtype and degrees."""
+    cfg = Config()
+    cfg.model = dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq_len))
+    cfg.data.source = "synthetic"
+    cfg.train.global_batch, cfg.train.seq_len, cfg.train.dtype = global_batch, seq_len, dtype
+    cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)
+    return cfg
