@@ -291,9 +291,8 @@ class Planner:
         layer receives the keys and values of the other cp - 1 shards (a ring over the
         cp ranks, or an all-gather: (cp - 1)/cp of 2·b·s·kv·hd·c bytes, kv the rank's
         kv heads) forward, and the same for dk and dv backward; on the link the cp group
-        spans (cp ranks tp apart). An engine that overlaps (a ring) runs each of its cp - 1
-        hops beside one block's attention (1/cp of the layer's): only what a hop takes
-        beyond that block shows."""
+        spans (cp ranks tp apart). A ring runs each of its cp - 1 hops beside one block's
+        attention (1/cp of the layer's): only what a hop takes beyond that block shows."""
         p, split = cfg.parallel, self.split(cfg)
         out = {k: [0.0] * len(split) for k in "FBW"}
         if p.cp == 1:
@@ -305,9 +304,10 @@ class Planner:
         m, s, b = cfg.model, cfg.train.seq_len, cfg.microbatch_size
         fwd = self.compute.block_forward(m, p.tp, p.sp, b * s // p.cp, b, s, cfg.train.dtype, p.cp)
         window = {"F": fwd.attention, "B": self.compute.backward(fwd).attention}
+        ring = self.engine.cp_overlap or (p.cp_attention == "ring" and self.cluster.overlap)
         for kind in "FB":
             exposed = seconds[kind]
-            if self.engine.cp_overlap:  # each of the cp - 1 hops beside one block's attention
+            if ring:  # each of the cp - 1 hops beside one block's attention
                 hop, block = exposed / (p.cp - 1), window[kind] / p.cp
                 exposed = (p.cp - 1) * max(0.0, hop - block)
             out[kind] = [n * exposed for n in split]

@@ -147,7 +147,8 @@ class Footprint:
         layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
         if self.scores and self.recompute in ("none", "op"):
             layer_bytes += act.total_bytes(act.attention_scores(m, cfg.train.seq_len), b, s, p.tp)
-        if p.cp > 1 and self.cp_gathers_kv and self.recompute not in ("full", "op"):
+        gathers = self.cp_gathers_kv and p.cp_attention != "ring"  # tetrad's ring keeps its own
+        if p.cp > 1 and gathers and self.recompute not in ("full", "op"):
             gathered = act.cp_gathered_kv(m, p.tp, dt, p.cp, cfg.train.seq_len, self.gqa_native)
             layer_bytes += act.total_bytes(gathered, b, s, p.tp, p.sp)
         chunked = self.chunked_loss and cfg.train.loss_chunk > 0
