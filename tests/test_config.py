@@ -85,7 +85,7 @@ BAD = {
         {"data": {"source": "stdlib"}}, None, r"model\.vocab=64 must be >= 256",
     ),
     "missing data path": (
-        {"data": {"source": "/no/such/corpus.txt"}}, None, r"/no/such/corpus\.txt",
+        {"data": {"source": "no_such_dir/corpus.txt"}}, None, r"no_such_dir/corpus\.txt",
     ),
     "dim not divisible by heads": (
         {"model": {"dim": 30}}, None, r"model\.dim=30 is not divisible by heads=4",

@@ -44,10 +44,10 @@ def test_bad_flags_exit_2_with_a_message(capsys):
 
 
 @pytest.mark.distributed  # starts the script's process
-def test_without_a_gpu_it_says_so():
+def test_without_a_gpu_it_says_so(tmp_path):
     """On this machine (no GPU) the script refuses plainly instead of guessing figures."""
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts/gpu_check.sh"), "--out", "/nonexistent/x.json"],
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), "--out", str(tmp_path / "x.json")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     if proc.returncode != 2:

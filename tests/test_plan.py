@@ -24,15 +24,9 @@ from tetrad.models.flops import param_count
 from tetrad.parallel.memory import model_state_bytes, zero_formula_bytes
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
-from tetrad.plan.cost import (
-    ENGINES,
-    MEGATRON,
-    Planner,
-    cp_exchange_bytes,
-    gpt_as_llama,
-    layout_config,
-)
+from tetrad.plan.cost import ENGINES, MEGATRON, Planner
 from tetrad.plan.hardware import GiB, calibrated, cluster_preset
+from tetrad.plan.layouts import cp_exchange_bytes, gpt_as_llama, layout_config
 from tetrad.plan.search import Space, search
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,9 @@ from harness import trainer_for
 from tetrad.cli import build_config, parser
 from tetrad.config import model_preset
 from tetrad.plan.calibrate import Run, calibrate, read_run, with_link_scale
-from tetrad.plan.cost import TETRAD, Planner, layout_config
+from tetrad.plan.cost import TETRAD, Planner
 from tetrad.plan.hardware import at_efficiency, cluster_preset
+from tetrad.plan.layouts import layout_config
 from tetrad.testing import spawn
 from tetrad.train.metrics import MetricsWriter
 

@@ -69,14 +69,7 @@ from tetrad.plan.engines import (  # noqa: F401  (the engines are part of this m
 )
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster, at_efficiency
-from tetrad.plan.layouts import (  # noqa: F401  (layout_config, gpt_as_llama: this module's API)
-    cbytes,
-    cp_exchange_bytes,
-    describe,
-    gpt_as_llama,
-    layout_config,
-    local_tokens,
-)
+from tetrad.plan.layouts import cbytes, cp_exchange_bytes, describe, local_tokens
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
 

@@ -13,6 +13,7 @@ benchmarks/pp.py alike.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -103,7 +104,10 @@ def estimate_costs(tl: Timeline, n_stages: int, actions: list[list[Action]] | No
 
 
 def estimate_overhead(
-    tl: Timeline, actions: list[list[Action]], comm: float, center=statistics.median
+    tl: Timeline,
+    actions: list[list[Action]],
+    comm: float,
+    center: Callable[[list[float]], float] = statistics.median,
 ) -> tuple[float, float]:
     """(per compute, per transfer) host time of the runtime, as the simulator models it.
 

@@ -46,7 +46,7 @@ class Costs:
 
     def of(self, kind: str, stage: int, microbatch: int = -1) -> float:
         """Duration of compute `kind` on `stage` (of that microbatch's, where `each` has it)."""
-        if (kind, stage, microbatch) in self.each:
+        if self.each and (kind, stage, microbatch) in self.each:  # empty but in a replay
             return self.each[kind, stage, microbatch]
         if kind == "BW":
             return self.of("B", stage) + self.of("W", stage)
