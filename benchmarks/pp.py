@@ -38,13 +38,21 @@ the step's measured median costs; "cpu": 1 - (main-thread CPU seconds summed ove
 / (pp x step wall time), which needs no instrumentation and so is measured for the peer
 too; it counts framework overhead as busy. Activation memory: the peak bytes of distinct
 tensors saved for backward (autograd's saved-tensor hooks), plus, for tetrad, stage
-outputs awaiting their send and inputs of deferred weight gradients.
+outputs awaiting their send and inputs of deferred weight gradients. The peer is metered
+in its warm-up step only: its users run no meter, so its timed steps do not pay the hooks
+(tetrad's runtime always meters; it frees sent outputs and reuses buffers by the counts).
+
+Each tokens/s ratio of the 1F1B runners is, round by round and exactly, a product of two
+measured factors: work (the peer's main-thread CPU seconds over tetrad's, summed over
+ranks) times busy share (tetrad's 1 - cpu bubble over the peer's). With more ranks than
+cores the busy share is capped by the cores, and the ratio is then the work ratio.
 
 With pp=4 on a 2-core machine the ranks share cores: wall times and the cpu bubble
 (>= 0.5 by construction) then measure contention as much as the schedule.
 
     .venv/bin/python benchmarks/pp.py            # pp 2 and 4, prints JSON (5-8 minutes)
     .venv/bin/python benchmarks/pp.py --timelines docs/img   # + docs/img/pp4-{1f1b,zb-h1}.png
+    .venv/bin/python benchmarks/pp.py --phases schedules --rounds 24   # phase 1 alone
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ SHAPES = {"base": (MODEL, 8), "small": (SMALL, 16)}  # (model, sequences of 128 
 BIG_VOCAB = 32000  # the split phase: the head then costs several layers
 MICROBATCHES = 8
 BUBBLE_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zb-v": 2}
+PHASES = ("schedules", "bubbles", "splits")
 TOLERANCE = 0.15  # relative: measured bubble against the simulated one
 
 
@@ -151,7 +160,7 @@ class PeerRunner:
         (chunk,) = rank_chunks(cfg, rank)
         prune(model, [chunk])
         materialize(model, cfg.model, cfg.train.seed, "cpu")  # tetrad's exact initial weights
-        self.model, self.meter = model, ActivationMeter()
+        self.model, self.meter, self.steps = model, ActivationMeter(), 0
         span = _Span(model, chunk.layers, chunk.first, chunk.last)
         span.forward = self._metered(span.forward)
         stage = PipelineStage(span, rank, world, torch.device("cpu"))
@@ -166,7 +175,13 @@ class PeerRunner:
         self.loader = harness.peer_loader(cfg)
 
     def _metered(self, fn):
+        """`fn` with the meter's hooks in the warm-up step only: torch's users run no
+        meter, so the timed steps do not pay its hooks (tetrad's runtime always meters:
+        it frees sent outputs and reuses buffers by the meter's counts)."""
+
         def run(*args):
+            if self.steps:
+                return fn(*args)
             with self.meter.saving():
                 return fn(*args)
 
@@ -176,7 +191,8 @@ class PeerRunner:
         """One optimizer step; returns the mean token loss (the last rank computes it)."""
         (batch,) = self.loader.next()
         self.denom = float((batch.targets != -100).sum())
-        self.meter.reset(self.model.parameters())
+        if not self.steps:
+            self.meter.reset(self.model.parameters())
         losses: list[torch.Tensor] = []
         if self.rank == 0:
             self.schedule.step(batch.inputs)
@@ -188,6 +204,8 @@ class PeerRunner:
         return self.optimizer.step(own)
 
     def after_step(self) -> dict[str, float]:
+        """The warm-up step's peak activations, every step (same shapes, same schedule)."""
+        self.steps += 1
         return {"act_bytes": float(self.meter.peak)}
 
 
@@ -207,15 +225,16 @@ def _timed_step(runner) -> dict[str, Any]:
         **extras,
         "loss": loss,
         "wall": wall_max,
+        "cpu": float(table[:, 1].sum()),
         "bubble_cpu": 1.0 - float(table[:, 1].sum()) / (len(rows) * wall_max),
         "act_bytes": [int(b) for b in table[:, 2].tolist()],
     }
 
 
-def worker(rank: int, world: int, rounds: int, timelines: str) -> dict:
-    """The three phases on this rank: schedules at both shapes, bubbles, splits."""
+def worker(rank: int, world: int, rounds: int, timelines: str, phases: tuple[str, ...]) -> dict:
+    """The phases asked for, on this rank: schedules at both shapes, bubbles, splits."""
     out: dict[str, Any] = {"shapes": {}, "zb_costs": {}}
-    for shape in SHAPES:
+    for shape in SHAPES if "schedules" in phases else ():
         cfg = partial(bench_config, world, shape=shape)
         schedules = {
             "tetrad-1f1b": TetradRunner(cfg("1f1b"), rank),
@@ -231,12 +250,25 @@ def worker(rank: int, world: int, rounds: int, timelines: str) -> dict:
                 plot_pair(measured, simulated, f"{timelines}/pp{world}-{name[7:]}.png")
         out["zb_costs"][shape] = schedules["tetrad-zb-h1"].timeline[0].meta["costs"]
         del schedules
+    if "bubbles" in phases:
+        out["bubbles"] = _other_bubbles(world, rank, rounds)
+    if "splits" in phases:
+        out |= _splits(world, rank, rounds)
+    return out
+
+
+def _other_bubbles(world: int, rank: int, rounds: int) -> dict[str, list[dict]]:
+    """Phase 2's schedules beyond phase 1's (which 1f1b and zb-h1 come from)."""
     others = {k: v for k, v in BUBBLE_SCHEDULES.items() if k not in ("1f1b", "zb-h1")}
     bubbles = {
         name: TetradRunner(bench_config(world, name, v=v), rank) for name, v in others.items()
     }
-    out["bubbles"] = _timed_rounds(bubbles, rounds)
-    del bubbles
+    return _timed_rounds(bubbles, rounds)
+
+
+def _splits(world: int, rank: int, rounds: int) -> dict[str, Any]:
+    """Phase 3: the three splits at vocabulary 32000, and the warm-up's timings."""
+    out: dict[str, Any] = {}
     even = ",".join(map(str, even_split(MODEL["layers"], world)))
     splits = {
         "balanced": TetradRunner(bench_config(world, vocab=BIG_VOCAB), rank),
@@ -268,6 +300,7 @@ def _entry(steps: list[dict], pp: int, tokens: int = 8 * 128) -> dict[str, Any]:
     entry = {
         "tokens_per_s": round(statistics.median(tokens / s["wall"] for s in steps), 1),
         "bubble_cpu": round(statistics.median(s["bubble_cpu"] for s in steps), 3),
+        "cpu_s_per_step": round(statistics.median(s["cpu"] for s in steps), 4),
         "peak_act_mib_per_rank": [
             round(max(s["act_bytes"][r] for s in steps) / 2**20, 2) for r in range(pp)
         ],
@@ -283,18 +316,22 @@ def _entry(steps: list[dict], pp: int, tokens: int = 8 * 128) -> dict[str, Any]:
     return entry
 
 
-def summarize(pp: int, ranks: list[dict]) -> dict[str, Any]:
+def summarize(pp: int, ranks: list[dict], phases: tuple[str, ...]) -> dict[str, Any]:
     """One result row per pp: medians over rounds and ratios of paired rounds."""
     out: dict[str, Any] = {"pp": pp, "split": layer_split(bench_config(pp))}
-    out["shapes"] = {
-        shape: _shape_row(pp, shape, ranks[0]["shapes"][shape], ranks[0]["zb_costs"][shape])
-        for shape in SHAPES
-    }
-    base = {n: steps[1:] for n, steps in ranks[0]["shapes"]["base"].items()}
-    rows = {"1f1b": base["tetrad-1f1b"], "zb-h1": base["tetrad-zb-h1"]}
-    rows |= {n: steps[1:] for n, steps in ranks[0]["bubbles"].items()}
-    out["bubbles"] = {name: _bubble_row(rows[name]) for name in BUBBLE_SCHEDULES}
-    out["split_vocab_32000"] = _split_row(pp, ranks[0])
+    r0 = ranks[0]
+    if "schedules" in phases:
+        out["shapes"] = {
+            shape: _shape_row(pp, shape, r0["shapes"][shape], r0["zb_costs"][shape])
+            for shape in SHAPES
+        }
+    if "bubbles" in phases and "schedules" in phases:  # 1f1b and zb-h1 come from phase 1
+        base = {n: steps[1:] for n, steps in r0["shapes"]["base"].items()}
+        rows = {"1f1b": base["tetrad-1f1b"], "zb-h1": base["tetrad-zb-h1"]}
+        rows |= {n: steps[1:] for n, steps in r0["bubbles"].items()}
+        out["bubbles"] = {name: _bubble_row(rows[name]) for name in BUBBLE_SCHEDULES}
+    if "splits" in phases:
+        out["split_vocab_32000"] = _split_row(pp, r0)
     return out
 
 
@@ -323,6 +360,16 @@ def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict)
             rows, "tetrad-zb-h1", "tetrad-1f1b", "bubble_simulated_overhead"
         ),
     }
+    # tokens/s ratio = work ratio x busy ratio, exactly, round by round: the peer's CPU
+    # seconds over tetrad's (summed over ranks), and tetrad's busy share (1 - cpu bubble)
+    # over the peer's; with more ranks than cores the second is capped by the cores
+    ratios["torch-1f1b / tetrad-1f1b cpu s (work)"] = _paired(
+        rows, "torch-1f1b", "tetrad-1f1b", "cpu"
+    )
+    ratios["tetrad-1f1b / torch-1f1b busy share"] = [
+        (1 - b["bubble_cpu"]) / (1 - a["bubble_cpu"])
+        for a, b in zip(rows["torch-1f1b"], rows["tetrad-1f1b"])
+    ]
     out["ratios"] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
     out["ratio_spreads"] = {k: harness.spread(v) for k, v in ratios.items()}
     out["zb-h1 measured costs (s)"] = _round_costs(zb_costs)
@@ -415,15 +462,21 @@ def simulate_split(pp: int) -> dict[str, Any]:
 def main() -> None:
     p = harness.arguments(__doc__, "--pp", steps=0, rounds=8)
     p.add_argument("--timelines", default="", help="write pp=4 timeline pictures under DIR")
+    p.add_argument(
+        "--phases", default=",".join(PHASES), help=f"comma-separated, of {','.join(PHASES)}"
+    )
     args = p.parse_args()
+    phases = tuple(args.phases.split(","))
+    if not set(phases) <= set(PHASES):
+        raise ValueError(f"--phases={args.phases!r}: each must be one of {PHASES}")
     results = []
     t0 = time.perf_counter()
     for pp in args.pp:
         timelines = args.timelines if pp == max(args.pp) else ""
-        ranks = spawn(worker, pp, args.rounds, timelines, timeout=1800)
-        results.append(summarize(pp, ranks))
+        ranks = spawn(worker, pp, args.rounds, timelines, phases, timeout=3600)
+        results.append(summarize(pp, ranks, phases))
     harness.report("pp", bench_config(2), results, microbatches=MICROBATCHES,
-                   rounds=args.rounds, loss="full logits on both sides (tetrad loss_chunk=0)",
+                   rounds=args.rounds, phases=phases, loss="full logits on both sides (tetrad loss_chunk=0)",
                    tolerance=TOLERANCE, seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
 
 

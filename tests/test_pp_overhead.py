@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from harness import tiny_config
 from tetrad.testing import spawn
@@ -65,3 +66,73 @@ def test_schedule_loop_has_no_host_sync_and_reuses_buffers(schedule):
         first, *later = out["allocated"]
         assert all(n == first for n in later), out["allocated"]  # no new buffer after step 1
         assert 0 < first < out["receives"], (first, out["receives"])  # reused within a step
+
+
+def _meter_worker(rank: int, world: int, raw: dict) -> dict:
+    import torch
+
+    from harness import trainer_for
+    from tetrad.config import from_dict
+
+    out: dict = {}
+    for every in (0, 1):  # the same run, counting saved tensors on step 0 only, or always
+        cfg = from_dict(raw)
+        cfg.train.meter_every = every
+        trainer = trainer_for(cfg, rank)
+        runtime, meter = trainer.engine.runner, trainer.engine.runner.meter
+        packs, freed = [0], [0]
+        pack, frees = meter._pack, runtime._frees
+
+        def counted(t, pack=pack, packs=packs):
+            packs[-1] += 1
+            return pack(t)
+
+        def freeing(s, t, frees=frees, freed=freed):
+            done = frees(s, t)
+            freed[-1] += done
+            return done
+
+        meter._pack, runtime._frees = counted, freeing
+        losses, peaks = [], []
+        for _ in range(4):
+            losses.append(trainer.train_step().loss)
+            peaks.append(trainer.engine.last_run.peak_activation_bytes)
+            packs.append(0)
+            freed.append(0)
+        state = trainer.engine.full_state_dict()
+        out[every] = {
+            "losses": losses,
+            "peaks": peaks,
+            "packs": packs[:-1],
+            "freed": freed[:-1],
+            "pooled": runtime.allocated,
+            "weights": {k: v.clone() for k, v in state.items()} if rank == 0 else None,
+        }
+        del trainer
+        torch.distributed.barrier()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
+def test_meter_counts_only_its_steps_and_changes_nothing(schedule):
+    """With meter_every=0 the saved-tensor hooks run on the first step only; the steps
+    after it free sent outputs and pool receive buffers by what that step learned, and
+    compute bit for bit what a run counting every step computes."""
+    v = 2 if schedule == "zb-v" else 1
+    par = {"pp": 2, "pp_schedule": schedule, "microbatches": 4, "virtual_stages": v}
+    cfg = tiny_config(model={"layers": 4}, train={"global_batch": 8}, parallel=par)
+    ranks = spawn(_meter_worker, 2, cfg.to_dict(), timeout=220)
+    for rank, out in enumerate(ranks):
+        once, always = out[0], out[1]
+        assert once["packs"][0] > 0 and once["packs"][1:] == [0, 0, 0], once["packs"]
+        assert all(n == always["packs"][0] > 0 for n in always["packs"]), always["packs"]
+        assert once["losses"] == always["losses"], (rank, once["losses"], always["losses"])
+        assert once["peaks"] == always["peaks"] == [always["peaks"][0]] * 4
+        assert once["freed"] == always["freed"], (once["freed"], always["freed"])
+        assert once["pooled"] == always["pooled"]
+        if rank == 0:
+            for k, w in always["weights"].items():
+                assert torch.equal(once["weights"][k], w), k
+    # sent outputs are freed on the steps that count nothing, too
+    assert any(n > 0 for out in ranks for n in out[0]["freed"][1:]), [o[0]["freed"] for o in ranks]

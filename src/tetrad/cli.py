@@ -52,6 +52,7 @@ TRAIN_FLAGS = {
     "peak_tflops": ("train", "peak_tflops", float),
     "recompute": ("train", "recompute", str),
     "loss_chunk": ("train", "loss_chunk", int),
+    "meter_every": ("train", "meter_every", int),
     "out": ("train", "out", str),
     "data": ("data", "source", str),
     "tokenizer": ("data", "tokenizer", str),
@@ -83,6 +84,9 @@ FLAG_HELP = {
     "redoes whole blocks from their inputs",
     "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
     "full logits (default 1024; 0: full logits)",
+    "meter_every": "count the activations autograd saves (metrics' peak_activation_bytes) on "
+    "the first step and every N steps after (default 0: the first step only; the shapes "
+    "are the same every step, and the count's hooks cost a few % of a small step)",
 }
 
 
@@ -129,6 +133,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"metavar": "N"}
         if flag == "loss_chunk":
             kw = {"metavar": "TOKENS"}
+        if flag == "meter_every":
+            kw = {"metavar": "N"}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)

@@ -45,7 +45,7 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
     set_recompute(model, cfg.train.recompute)
     loss_fn = _loss_fn(model, cfg, tp)
     replicated = local.replicated
-    runner: Runner = MicrobatchLoop(model, loss_fn)
+    runner: Runner = MicrobatchLoop(model, loss_fn, meter_every=cfg.train.meter_every)
     if local.chunks is not None:
         runner = build_pipeline(model, cfg, mesh, comm, local.chunks, loss_fn)
         if model.tok_embeddings is not None and cfg.model.tie_embeddings:

@@ -8,6 +8,7 @@ blocks.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -20,6 +21,10 @@ class ActivationMeter:
     (released when autograd frees them), plus whatever `hold` keeps alive on top (stage
     outputs waiting for their send, inputs of deferred weight gradients). Parameters are
     not activations and are skipped; views of one storage count once.
+
+    `counting` off makes `saving()` a no-op (no hooks, none of their cost: about 3 us per
+    saved tensor); holds are still counted, so `references` then sees only them.
+    `measure(every)` says which steps count: the first, and one of every `every` after.
     """
 
     def __init__(self) -> None:
@@ -27,8 +32,25 @@ class ActivationMeter:
         self.skip: set[int] = set()
         self.refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.held: dict[object, list[int]] = {}
+        self.held_refs: dict[int, int] = {}  # storage pointer -> how many holds count it
         self.live = 0
         self.peak = 0
+        self.counting = True
+        self.measured = 0  # the peak of the latest step that counted
+        self.steps = 0
+
+    def measure(self, every: int) -> bool:
+        """Start a step: count saved tensors in it if it is the first, or one of every
+        `every` (0: the first only). Returns whether it counts."""
+        self.counting = self.steps == 0 or (every > 0 and self.steps % every == 0)
+        self.steps += 1
+        return self.counting
+
+    def finish(self) -> int:
+        """End a step: the latest counted peak (this step's, if it counted)."""
+        if self.counting:
+            self.measured = self.peak
+        return self.measured
 
     def reset(self, params: Iterable[torch.Tensor] = ()) -> None:
         """Start a new peak; `params`' storages are never counted."""
@@ -41,23 +63,34 @@ class ActivationMeter:
         self.fixed |= {_storage_id(t) for t in tensors}
         self.skip |= self.fixed
 
-    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """Context manager: count every tensor autograd saves inside it."""
+    def saving(self) -> contextlib.AbstractContextManager:
+        """Context manager: count every tensor autograd saves inside it (if counting)."""
+        if not self.counting:
+            return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def hold(self, key: object, tensors: Iterable[torch.Tensor]) -> None:
         """Count `tensors` as live until `drop(key)`."""
         ptrs = [p for p in (self._ref(t) for t in tensors) if p is not None]
         self.held.setdefault(key, []).extend(ptrs)
+        for p in ptrs:
+            self.held_refs[p] = self.held_refs.get(p, 0) + 1
 
     def drop(self, key: object) -> None:
         """Stop counting what `hold(key, ...)` kept."""
         for ptr in self.held.pop(key, []):
             self._unref(ptr)
+            self.held_refs[ptr] -= 1
+            if not self.held_refs[ptr]:
+                del self.held_refs[ptr]
 
     def references(self, t: torch.Tensor) -> int:
         """How many saved tensors and holds currently count `t`'s storage."""
         return self.refs.get(t.untyped_storage().data_ptr(), [0])[0]
+
+    def holds(self, t: torch.Tensor) -> int:
+        """How many holds (not saved tensors) currently count `t`'s storage."""
+        return self.held_refs.get(t.untyped_storage().data_ptr(), 0)
 
     def _pack(self, t: torch.Tensor):
         ptr = self._ref(t)

@@ -75,13 +75,17 @@ class Runner(Protocol):
 class MicrobatchLoop:
     """The runner without a pipeline: each microbatch forward then backward, in turn."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, holds_loss: bool = True):
+    def __init__(
+        self, model: nn.Module, loss_fn: LossFn, holds_loss: bool = True, meter_every: int = 0
+    ):
         self.model, self.loss_fn, self.holds_loss = model, loss_fn, holds_loss
         self.meter = ActivationMeter()  # what autograd saves: the step's activations
+        self.meter_every = meter_every
 
     def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> RunResult:
         device = denom.device
         total = torch.zeros((), dtype=torch.float64, device=device)
+        self.meter.measure(self.meter_every)
         self.meter.reset(self.model.parameters())
         for i, mb in enumerate(micro):
             # no_sync: only the last microbatch's backward launches the reductions
@@ -92,4 +96,4 @@ class MicrobatchLoop:
             del logits  # the graph keeps what backward needs; the logits may go (b·s·V)
             loss.backward()
             total += loss.detach().double()
-        return RunResult(total, peak_activation_bytes=self.meter.peak)
+        return RunResult(total, peak_activation_bytes=self.meter.finish())

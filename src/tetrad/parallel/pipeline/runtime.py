@@ -119,11 +119,17 @@ class PipelineRuntime:
         store: WeightGradStore | None,
         dtype: torch.dtype | None = None,
         finals: dict[tuple[str, int, int], frozenset[str]] | None = None,
+        meter_every: int = 0,
     ):
         self.model, self.mesh, self.comm, self.loss_fn = model, mesh, comm, loss_fn
         self.chunks = {c.stage: c for c in chunks}
         self.items, self.act_shape, self.store = items, act_shape, store
-        self.meter = ActivationMeter()
+        self.meter, self.meter_every = ActivationMeter(), meter_every
+        # stage -> may a sent output's storage go (autograd did not save it)? Learned on
+        # a step that counts saved tensors; the same code makes the same graph every step
+        self.frees: dict[int, bool] = {}
+        # (stage, role) -> does autograd still hold a receive buffer after its backward?
+        self.saved_after_b: dict[tuple[int, str], bool] = {}
         self.holds_loss = any(c.last for c in chunks)
         # the compute dtype, given: built before the data axis casts the parameters to it
         self.dtype = dtype or next(model.parameters()).dtype
@@ -145,6 +151,7 @@ class PipelineRuntime:
         move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         st.inputs_of = [move(mb.inputs) for mb in micro] if first else []
         st.targets_of = [move(mb.targets) for mb in micro] if self.holds_loss else []
+        self.meter.measure(self.meter_every)
         self.meter.reset(self.model.parameters())
         self.clock.anchor()
         st.clock = self.clock
@@ -163,7 +170,7 @@ class PipelineRuntime:
                         self._compute(st, item)
                 st.marks.append((item.kind, item.stage, item.microbatch, t0, self.clock.mark()))
         self._reap(st, block=True)
-        st.peak_activation_bytes = self.meter.peak
+        st.peak_activation_bytes = self.meter.finish()
         return st
 
     # --- transfers ----------------------------------------------------------------------
@@ -185,9 +192,16 @@ class PipelineRuntime:
                 continue
             st.sends[wire(a)] = (work, t)
             out = st.outputs.get((a.stage - 1, a.microbatch)) if a.kind == "SEND_F" else None
-            if out is not None and self.meter.references(out) == 1:  # only our own hold:
-                # autograd did not save the output, so the send buffer may own its storage
+            if out is not None and self._frees(a.stage - 1, out):
                 out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+
+    def _frees(self, s: int, out: torch.Tensor) -> bool:
+        """Whether stage s's sent output may give up its storage to the send buffer: only
+        our own hold counts it, autograd did not save it. Counted when the meter counts
+        saved tensors, remembered for the steps that do not."""
+        if self.meter.counting:
+            self.frees[s] = self.meter.references(out) == 1
+        return self.frees.get(s, False)
 
     def _buffer(self) -> torch.Tensor:
         """A receive buffer: a free one from the pool, or a new one."""
@@ -196,10 +210,21 @@ class PipelineRuntime:
         self.allocated += 1
         return torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
 
-    def _release(self, buf: torch.Tensor, st: StepState | None = None, key: Key = (0, 0)) -> None:
+    def _release(
+        self, buf: torch.Tensor, st: StepState | None = None, key: Key = (0, 0), role: str = ""
+    ) -> None:
         """Back to the pool, unless something still refers to it: a deferred W holding
         it (an output gradient that passed through a residual unchanged) parks it until
-        that W has run (`st`, `key`); anything else leaves it to the allocator."""
+        that W has run (`st`, `key`); anything else (autograd, seen on a step that counts
+        saved tensors and remembered per stage for the steps that do not) leaves it to
+        the allocator."""
+        if st is not None:  # after a backward: `role` is "input" or "grad" of stage key[0]
+            kept = (key[0], role)
+            if self.meter.counting:
+                saved = self.meter.references(buf) - self.meter.holds(buf)  # autograd's
+                self.saved_after_b[kept] = self.saved_after_b.get(kept, False) or saved > 0
+            if self.saved_after_b.get(kept, False):
+                return
         if self.meter.references(buf) == 0:
             buf.requires_grad_(False)
             buf.grad = None
@@ -304,9 +329,9 @@ class PipelineRuntime:
             x = st.inputs.pop((s, i))
             st.box[("B", s - 1, i)] = x.grad  # gradient of stage s-1's output
             if (s - 1) not in self.chunks:  # received, not handed over by a local stage
-                self._release(x, st, (s, i))
+                self._release(x, st, (s, i), "input")
         if grad is not None and (s + 1) not in self.chunks:
-            self._release(grad, st, (s, i))
+            self._release(grad, st, (s, i), "grad")
         st.in_flight -= 1
 
     def _weight_grads(self, key: Key) -> None:
@@ -344,6 +369,7 @@ def build_pipeline(
         store,
         DTYPES[cfg.train.dtype],
         final_actions(mine, chunks, [n for n, _ in model.named_parameters()]),
+        cfg.train.meter_every,
     )
 
 
