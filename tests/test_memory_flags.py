@@ -19,6 +19,7 @@ from tetrad.config import validate
     [
         ({"recompute": "some"}, "train.recompute='some'"),
         ({"loss_chunk": -1}, "train.loss_chunk=-1"),
+        ({"meter_every": -1}, "train.meter_every=-1"),
     ],
 )
 def test_bad_memory_settings_name_the_value(train, needle):

@@ -86,7 +86,7 @@ FLAG_HELP = {
     "full logits (default 1024; 0: full logits)",
     "meter_every": "count the activations autograd saves (metrics' peak_activation_bytes) on "
     "the first step and every N steps after (default 0: the first step only; the shapes "
-    "are the same every step, and the count's hooks cost a few % of a small step)",
+    "are the same every step, and the count's hooks cost a few percent of a small step)",
 }
 
 

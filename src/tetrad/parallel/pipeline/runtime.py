@@ -24,7 +24,10 @@ Per-action overhead is kept off the schedule's path: the loop never waits for th
 trainer's, after the schedule), the step's inputs and targets go to the device once,
 before the loop, and receive buffers are reused across microbatches: a buffer returns to
 the pool once nothing the meter counts (autograd's saved tensors, deferred-W inputs)
-still refers to it, which is after the backward that consumed it.
+still refers to it, which is after the backward that consumed it. The meter's saved-tensor
+hooks run only on the steps that count (`train.meter_every`: the first, by default);
+the steps between free and pool by what the last counting step saw (the same code makes
+the same graph every step), and count only the runtime's own holds.
 """
 
 from __future__ import annotations
