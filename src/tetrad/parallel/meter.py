@@ -9,7 +9,7 @@ blocks.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -38,6 +38,7 @@ class ActivationMeter:
         self.counting = True
         self.measured = 0  # the peak of the latest step that counted
         self.steps = 0
+        self.decisions: dict[object, bool] = {}  # see `learned`
 
     def measure(self, every: int) -> bool:
         """Start a step: count saved tensors in it if it is the first, or one of every
@@ -45,6 +46,15 @@ class ActivationMeter:
         self.counting = self.steps == 0 or (every > 0 and self.steps % every == 0)
         self.steps += 1
         return self.counting
+
+    def learned(self, key: object, seen: Callable[[], bool]) -> bool:
+        """A yes/no read off the counts, for the steps that count none: on a counting
+        step `seen()`, and once it has said yes the answer stays yes; on the other steps
+        the remembered answer, yes if it was never counted (the cautious one). The same
+        code builds the same graph every step, so the answer does not change."""
+        if self.counting:
+            self.decisions[key] = self.decisions.get(key, False) or seen()
+        return self.decisions.get(key, True)
 
     def finish(self) -> int:
         """End a step: the latest counted peak (this step's, if it counted)."""

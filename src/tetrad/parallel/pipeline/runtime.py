@@ -128,11 +128,6 @@ class PipelineRuntime:
         self.chunks = {c.stage: c for c in chunks}
         self.items, self.act_shape, self.store = items, act_shape, store
         self.meter, self.meter_every = ActivationMeter(), meter_every
-        # stage -> may a sent output's storage go (autograd did not save it)? Learned on
-        # a step that counts saved tensors; the same code makes the same graph every step
-        self.frees: dict[int, bool] = {}
-        # (stage, role) -> does autograd still hold a receive buffer after its backward?
-        self.saved_after_b: dict[tuple[int, str], bool] = {}
         self.holds_loss = any(c.last for c in chunks)
         # the compute dtype, given: built before the data axis casts the parameters to it
         self.dtype = dtype or next(model.parameters()).dtype
@@ -200,11 +195,8 @@ class PipelineRuntime:
 
     def _frees(self, s: int, out: torch.Tensor) -> bool:
         """Whether stage s's sent output may give up its storage to the send buffer: only
-        our own hold counts it, autograd did not save it. Counted when the meter counts
-        saved tensors, remembered for the steps that do not."""
-        if self.meter.counting:
-            self.frees[s] = self.meter.references(out) == 1
-        return self.frees.get(s, False)
+        our own hold counts it, autograd did not save it (learned on a counting step)."""
+        return not self.meter.learned(("saved", s), lambda: self.meter.references(out) != 1)
 
     def _buffer(self) -> torch.Tensor:
         """A receive buffer: a free one from the pool, or a new one."""
@@ -221,13 +213,10 @@ class PipelineRuntime:
         that W has run (`st`, `key`); anything else (autograd, seen on a step that counts
         saved tensors and remembered per stage for the steps that do not) leaves it to
         the allocator."""
-        if st is not None:  # after a backward: `role` is "input" or "grad" of stage key[0]
-            kept = (key[0], role)
-            if self.meter.counting:
-                saved = self.meter.references(buf) - self.meter.holds(buf)  # autograd's
-                self.saved_after_b[kept] = self.saved_after_b.get(kept, False) or saved > 0
-            if self.saved_after_b.get(kept, False):
-                return
+        # after a backward (`st`): does autograd still hold stage key[0]'s `role` buffer?
+        held = lambda: self.meter.references(buf) > self.meter.holds(buf)  # noqa: E731
+        if st is not None and self.meter.learned(("kept", key[0], role), held):
+            return
         if self.meter.references(buf) == 0:
             buf.requires_grad_(False)
             buf.grad = None
