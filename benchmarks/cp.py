@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from harness import arguments, report, spread, start, tetrad_trainer, timed_block
 from tetrad.config import DTYPE_BYTES, Config, from_dict
 from tetrad.launch import free_port
+from tetrad.layout import Layout
 from tetrad.testing import spawn
 
 SEQ = 4096
@@ -50,7 +51,7 @@ def core_extra_bytes(cfg: Config) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return 0.0
-    b, seq, c = cfg.microbatch_size, t.seq_len, DTYPE_BYTES[t.dtype]
+    b, seq, c = Layout.build(cfg).microbatch_size, t.seq_len, DTYPE_BYTES[t.dtype]
     local = seq // p.cp
     keys = seq if p.cp_attention == "allgather" else local
     kv = 2 * b * m.head_dim * c * (keys * m.kv_heads - local * m.heads)

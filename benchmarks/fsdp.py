@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import harness
 from tetrad.config import Config, from_dict, model_preset
+from tetrad.layout import Layout
 from tetrad.models.flops import param_count
 from tetrad.parallel.memory import measure_at_each_step, model_state_bytes, zero_formula_bytes
 from tetrad.testing import spawn
@@ -47,7 +48,7 @@ def memory_table(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
             trainer, step = harness.tetrad_trainer(job, rank, fsdp=world)
             found = measure_at_each_step(trainer.engine, trainer.optimizer)
             step()
-            predicted = model_state_bytes(job, rank)
+            predicted = model_state_bytes(Layout.build(job), job.model, rank)
             formula = zero_formula_bytes(param_count(job.model), world, stage, p, g, k)
             same = torch.tensor([float(found[-1] == predicted)])
             dist.all_reduce(same, op=dist.ReduceOp.MIN)  # exact on every rank

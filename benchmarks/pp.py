@@ -69,6 +69,7 @@ from torch import nn
 
 import harness
 from tetrad.config import Config
+from tetrad.layout import Layout
 from tetrad.models.init import materialize
 from tetrad.models.llama import Llama, cross_entropy_sum
 from tetrad.parallel.pipeline.measure import ActivationMeter, measure_step, plot_pair
@@ -86,6 +87,11 @@ MICROBATCHES = 8
 BUBBLE_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zb-v": 2}
 PHASES = ("schedules", "bubbles", "splits")
 TOLERANCE = 0.15  # relative: measured bubble against the simulated one
+
+
+def split_of(cfg) -> list[int]:
+    """Layers per stage as the runtime splits `cfg`."""
+    return layer_split(Layout.build(cfg), cfg.model)
 
 
 def bench_config(
@@ -157,7 +163,7 @@ class PeerRunner:
         self.rank, self.world = rank, world
         with torch.device("meta"):
             model = Llama(cfg.model)
-        (chunk,) = rank_chunks(cfg, rank)
+        (chunk,) = rank_chunks(Layout.build(cfg), cfg.model, rank)
         prune(model, [chunk])
         materialize(model, cfg.model, cfg.train.seed, "cpu")  # tetrad's exact initial weights
         self.model, self.meter, self.steps = model, ActivationMeter(), 0
@@ -280,7 +286,10 @@ def _splits(world: int, rank: int, rounds: int) -> dict[str, Any]:
     t = splits["measured"].trainer
     out["measured_split"] = t.cfg.parallel.pp_split
     # the warm-up's timings once more, to report them (in layers: the median layer's cost)
-    costs = measure_item_costs(splits["measured"].cfg, t.comm, t.mesh["world"], t.device)
+    mcfg = splits["measured"].cfg
+    costs = measure_item_costs(
+        Layout.build(mcfg), mcfg.model, mcfg.train, t.comm, t.mesh["world"], t.device
+    )
     layer = statistics.median(costs[1:-1])
     out["item_costs_in_layers"] = {"embedding": costs[0] / layer, "head+loss": costs[-1] / layer}
     return out
@@ -318,7 +327,7 @@ def _entry(steps: list[dict], pp: int, tokens: int = 8 * 128) -> dict[str, Any]:
 
 def summarize(pp: int, ranks: list[dict], phases: tuple[str, ...]) -> dict[str, Any]:
     """One result row per pp: medians over rounds and ratios of paired rounds."""
-    out: dict[str, Any] = {"pp": pp, "split": layer_split(bench_config(pp))}
+    out: dict[str, Any] = {"pp": pp, "split": split_of(bench_config(pp))}
     r0 = ranks[0]
     if "schedules" in phases:
         out["shapes"] = {
@@ -339,7 +348,7 @@ def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict)
     """One shape's runners: medians, step-0 losses, paired ratios with their spread."""
     model, batch = SHAPES[shape]
     out: dict[str, Any] = {"model": model, "tokens_per_step": batch * 128}
-    out["split"] = layer_split(bench_config(pp, shape=shape))
+    out["split"] = split_of(bench_config(pp, shape=shape))
     out["step0_loss"] = {  # same weights, same batch
         "tetrad": rows["tetrad-1f1b"][0]["loss"],
         "torch": rows["torch-1f1b"][0]["loss"],
@@ -405,7 +414,7 @@ def _split_row(pp: int, rank0: dict) -> dict[str, Any]:
     """Phase 3: the FLOP-balanced, measured and even splits at vocab 32000."""
     splits = {name: steps[1:] for name, steps in rank0["splits"].items()}
     layers = {
-        "balanced": layer_split(bench_config(pp, vocab=BIG_VOCAB)),
+        "balanced": split_of(bench_config(pp, vocab=BIG_VOCAB)),
         "measured": [int(x) for x in rank0["measured_split"].split(",")],
         "even": even_split(MODEL["layers"], pp),
     }
@@ -448,7 +457,7 @@ def simulate_split(pp: int) -> dict[str, Any]:
         m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads, m.vocab, cfg.train.seq_len
     )
     spans = {}
-    for name, split in (("even", even_split(m.layers, pp)), ("balanced", layer_split(cfg))):
+    for name, split in (("even", even_split(m.layers, pp)), ("balanced", split_of(cfg))):
         per_stage = [c / 3 / costs[1] for c in stage_costs(costs, split)]  # in layer-forwards
         tl = simulate_schedule("1f1b", pp, MICROBATCHES, Costs(per_stage, per_stage, per_stage))
         spans[name] = tl.makespan

@@ -17,6 +17,7 @@ import sys
 import torch
 
 from tetrad.config import from_dict
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.parallel.memory import model_state_bytes
 from tetrad.plan.cost import TETRAD, Planner
@@ -58,7 +59,9 @@ def predicted(raw: dict, rank: int) -> tuple[int, float]:
     cfg = from_dict(raw)
     planner = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute)
     pp_rank = Mesh.plan(cfg.parallel.degrees, rank).coord["pp"]
-    return model_state_bytes(cfg, rank).total, planner.rank_activations(cfg, pp_rank)
+    return model_state_bytes(Layout.build(cfg), cfg.model, rank).total, planner.rank_activations(
+        cfg, pp_rank
+    )
 
 
 def main(png: str) -> None:

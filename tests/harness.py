@@ -122,11 +122,11 @@ def assert_close_run(got: dict, ref: dict, rtol: float = 1e-5) -> None:
 
 
 def valid_schedule(name: str, pp: int, m: int, v: int) -> bool:
-    """Whether `schedules.validate` accepts the request (grids enumerate only these)."""
-    from tetrad.parallel.pipeline.schedules import validate
+    """Whether `layout.check_schedule` accepts the request (grids enumerate only these)."""
+    from tetrad.layout import check_schedule
 
     try:
-        validate(name, pp, m, v)
+        check_schedule(name, pp, m, v)
     except ValueError:
         return False
     return True

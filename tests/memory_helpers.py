@@ -18,6 +18,7 @@ from typing import Any
 
 from harness import trainer_for
 from tetrad.config import from_dict
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.parallel.memory import model_state_bytes
 
@@ -34,7 +35,10 @@ def train_and_measure(rank: int, world: int, raws: list[dict[str, Any]]) -> list
                 "losses": [r["loss"] for r in rows],
                 "grad_norms": [r["grad_norm"] for r in rows],
                 "state": state if rank == 0 else None,
-                "memory": (trainer.measured_state[-1], model_state_bytes(cfg, rank)),
+                "memory": (
+                    trainer.measured_state[-1],
+                    model_state_bytes(Layout.build(cfg), cfg.model, rank),
+                ),
                 "activations": trainer.engine.last_run.peak_activation_bytes,
                 "row": rows[-1],
             }

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import assert_close_run, tiny_config, trainer_for
-from tetrad.config import validate
+from tetrad.layout import Layout
 from tetrad.testing import spawn
 from tetrad.train import checkpoint
 
@@ -304,7 +304,7 @@ def test_manifest_describes_the_checkpoint(interrupted):
 def test_checkpoint_config_is_validated(key, value):
     cfg = tiny_config(checkpoint={key: value})
     with pytest.raises(ValueError, match=f"checkpoint.{key}"):
-        validate(cfg)
+        Layout.build(cfg)
 
 
 def test_run_appends_metrics_on_resume(tmp_path):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tetrad.config import Config, ParallelConfig, from_dict, load_toml, model_preset, validate
+from tetrad.config import Config, ParallelConfig, from_dict, load_toml, model_preset
+from tetrad.layout import Layout
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -26,12 +27,12 @@ def make(**sections) -> Config:
 
 
 def test_valid_configs_pass():
-    validate(make())
-    validate(make(parallel={"dp": 2, "tp": 2}), world_size=4)
-    validate(Config(), world_size=1)  # the defaults (stdlib corpus, byte-level vocab)
+    Layout.build(make())
+    Layout.build(make(parallel={"dp": 2, "tp": 2}), world=4)
+    Layout.build(Config(), world=1)  # the defaults (stdlib corpus, byte-level vocab)
     for path in sorted(CONFIGS.glob("*.toml")):
         cfg = load_toml(path)
-        validate(cfg, cfg.parallel.world_size)
+        Layout.build(cfg, cfg.parallel.world_size)
 
 
 # (overrides, world size, regex the message must match: it names the values)
@@ -143,7 +144,7 @@ BAD = {
 def test_bad_config_raises_naming_values(case):
     overrides, world, pattern = BAD[case]
     with pytest.raises(ValueError, match=pattern):
-        validate(make(**overrides), world_size=world)
+        Layout.build(make(**overrides), world=world)
 
 
 def test_unknown_section_and_key():
@@ -191,10 +192,11 @@ def test_unknown_preset():
 
 def test_validation_survives_python_O():
     code = (
-        "from tetrad.config import from_dict, validate\n"
+        "from tetrad.config import from_dict\n"
+        "from tetrad.layout import Layout\n"
         "cfg = from_dict({'parallel': {'dp': 3}, 'data': {'source': 'synthetic'}})\n"
         "try:\n"
-        "    validate(cfg, world_size=2)\n"
+        "    Layout.build(cfg, world=2)\n"
         "except ValueError as e:\n"
         "    print('ValueError:', e)\n"
         "else:\n"
@@ -218,4 +220,4 @@ def test_zero_with_split_backward_and_tied_embeddings_is_accepted(schedule):
     cfg.parallel = ParallelConfig(
         fsdp=2, pp=2, pp_schedule=schedule, microbatches=2, virtual_stages=v
     )
-    validate(cfg, 4)
+    Layout.build(cfg, 4)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import assert_close_run, one_step_comm, run_layouts, tiny_config, trainer_for
-from tetrad.config import validate
+from tetrad.layout import Layout
 from tetrad.parallel.context import (
     _attend,
     _attend_backward,
@@ -132,7 +132,7 @@ def test_block_kernel_and_its_plain_twin_agree(causal):
 def test_seq_len_not_divisible_by_2cp_is_refused():
     cfg = tiny_config(parallel={"cp": 4}, train={"seq_len": 12})
     with pytest.raises(ValueError, match=r"cp=4 .*2\*cp=8 .*seq_len=12 is not divisible by 8"):
-        validate(cfg, 4)
+        Layout.build(cfg, 4)
 
 
 # --- communication volume ----------------------------------------------------------------

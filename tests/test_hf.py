@@ -18,6 +18,7 @@ from harness import tiny_config, trainer_for
 from tetrad.cli import main as cli_main
 from tetrad.config import from_dict
 from tetrad.interop import hf
+from tetrad.layout import Layout
 from tetrad.models.init import build_model
 from tetrad.models.llama import meta_llama
 from tetrad.testing import spawn
@@ -129,7 +130,9 @@ def _import_and_train(rank: int, world: int, raw: list[dict]) -> list[dict]:
         cfg = from_dict(cfg_raw)
         read[0] = 0
         trainer = trainer_for(cfg, rank)
-        held = sum(p.numel() for p in planned(cfg, rank).model.parameters())  # tp, pp slices
+        held = sum(
+            p.numel() for p in planned(Layout.build(cfg), cfg.model, rank).model.parameters()
+        )  # tp, pp slices
         rows = trainer.fit()
         state = trainer.engine.full_state_dict()
         out.append(

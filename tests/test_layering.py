@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tetrad.config import from_dict
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.parallel import parallelize
 from tetrad.parallel.engine import Engine
@@ -28,7 +28,9 @@ def test_import_contracts_hold():
 def test_engine_cannot_be_patched_from_outside():
     cfg = from_dict({"model": {"layers": 2, "dim": 32, "heads": 4, "kv_heads": 2, "vocab": 64},
                      "data": {"source": "synthetic"}})  # fmt: skip
-    engine = parallelize(cfg, Mesh.plan(cfg.parallel.degrees, 0), None, torch.device("cpu"))
+    engine = parallelize(
+        Layout.build(cfg), cfg.model, cfg.train, Mesh.plan(cfg.parallel.degrees, 0), None, "cpu"
+    )
     assert isinstance(engine, Engine)
     with pytest.raises(AttributeError):
         engine.after_step = lambda: None  # what a measurement used to do

@@ -9,6 +9,7 @@ import pytest
 
 from harness import reference_csv, tiny_config, trainer_for
 from tetrad.config import model_preset
+from tetrad.layout import Layout
 from tetrad.models.flops import param_count
 from tetrad.parallel.memory import (
     ADAM_BYTES,
@@ -43,7 +44,7 @@ def test_formula_matches_reference_table():
 
 def _shard_facts(cfg, rank: int) -> tuple[int, int, int, int]:
     """(Ψ_pad, S, unpadded elements in the shard, optimizer tensors) of fsdp rank `rank`."""
-    named, replicated = local_parameters(cfg, 0)
+    named, replicated = local_parameters(Layout.build(cfg), cfg.model, 0)
     units = plan_units(named, replicated, cfg.parallel.fsdp)
     views = [v for u in units for v in u.views(rank)]
     elements = sum(v.stop - v.start for v in views)
@@ -70,12 +71,13 @@ def test_predicted_is_the_formula_up_to_padding(name, model, n, dtype):
     plus tetrad's documented fp32 gradient shard."""
     model = {k: v for k, v in model.items() if k != "name"}
     for stage in (1, 2, 3):
-        cfg = tiny_config(model=model, parallel={"fsdp": n, "zero_stage": stage})
+        train = {"global_batch": n}  # one sequence per rank: a valid layout
+        cfg = tiny_config(model=model, parallel={"fsdp": n, "zero_stage": stage}, train=train)
         cfg.train.dtype = dtype
         psi = param_count(cfg.model)
         adam = 0
         for rank in sorted({0, 1, n - 1} if n > 8 else range(n)):
-            got = model_state_bytes(cfg, rank)
+            got = model_state_bytes(Layout.build(cfg), cfg.model, rank)
             padded, shard, elements, views = _shard_facts(cfg, rank)
             assert psi <= padded < psi + n * (cfg.model.layers + 1)
             adam += ADAM_BYTES * elements
@@ -101,5 +103,5 @@ def test_plain_data_parallel_measured_equals_predicted():
     trainer.train_step()
     psi = param_count(cfg.model)
     params = len(trainer.engine.named_parameters())
-    assert found[-1] == model_state_bytes(cfg)
+    assert found[-1] == model_state_bytes(Layout.build(cfg), cfg.model)
     assert found[-1].total == 16 * psi + STEP_BYTES * params

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness import tiny_config
-from tetrad.config import validate
+from tetrad.layout import Layout
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,7 @@ from tetrad.config import validate
 )
 def test_bad_memory_settings_name_the_value(train, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
-        validate(tiny_config(train=train))
+        Layout.build(tiny_config(train=train))
 
 
 def test_bf16_on_a_cuda_device_without_it_is_refused(monkeypatch):
@@ -32,8 +32,8 @@ def test_bf16_on_a_cuda_device_without_it_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **_: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla V100-SXM2-16GB")
     with pytest.raises(ValueError, match="V100.*no bf16 support"):
-        validate(tiny_config(train={"dtype": "bf16", "device": "cuda"}))
-    validate(tiny_config(train={"dtype": "bf16", "device": "cpu"}))  # CPUs compute bf16
+        Layout.build(tiny_config(train={"dtype": "bf16", "device": "cuda"}))
+    Layout.build(tiny_config(train={"dtype": "bf16", "device": "cpu"}))  # CPUs compute bf16
 
 
 def _tetrad(*args: str) -> subprocess.CompletedProcess:
@@ -76,8 +76,10 @@ def test_cli_bf16_recompute_writes_measured_memory(tmp_path):
 )
 def test_every_rank_refuses_before_joining_the_group(monkeypatch, train, needle):
     """A rank started by torchrun (here rank 1 of 2, no peer to meet) validates before it
-    joins the process group: the error comes at once, not a rendezvous hang."""
+    joins the process group (`run` builds its Layout first): the error comes at once, not a
+    rendezvous hang."""
     from tetrad.train import loop
+    from tetrad.train.run import run
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **_: False)
@@ -87,5 +89,5 @@ def test_every_rank_refuses_before_joining_the_group(monkeypatch, train, needle)
     joined = []
     monkeypatch.setattr(loop.dist, "rendezvous", lambda *a, **k: joined.append(a) or iter(()))
     with pytest.raises(ValueError, match=needle):
-        loop.init_distributed(tiny_config(parallel={"dp": 2}, train=train))
+        run(tiny_config(parallel={"dp": 2}, train=train))
     assert not joined

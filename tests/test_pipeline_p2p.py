@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from harness import valid_schedule as _valid
+from tetrad.layout import SCHEDULES
 from tetrad.parallel.pipeline.check import check_program
 from tetrad.parallel.pipeline.p2p import Post, Wait, computes, program
 from tetrad.parallel.pipeline.runtime import EARLY
 from tetrad.parallel.pipeline.schedules import (
-    SCHEDULES,
     Action,
     build_schedule,
     compute_only,

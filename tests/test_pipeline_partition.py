@@ -7,11 +7,11 @@ import random
 
 import pytest
 
+from tetrad.layout import parse_split
 from tetrad.parallel.pipeline.partition import (
     balance,
     even_split,
     llama_layer_costs,
-    parse_split,
     stage_costs,
 )
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule

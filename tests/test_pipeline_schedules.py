@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from harness import valid_schedule as _valid
+from tetrad.layout import SCHEDULES
 from tetrad.parallel.pipeline.check import check_schedule
 from tetrad.parallel.pipeline.schedules import (
-    SCHEDULES,
     Action,
     build_schedule,
     compute_only,

@@ -20,6 +20,7 @@ import torch
 
 from harness import reference_csv
 from tetrad.config import ModelConfig, model_preset
+from tetrad.layout import Layout
 from tetrad.models.flops import param_count
 from tetrad.parallel.memory import model_state_bytes, zero_formula_bytes
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
@@ -288,7 +289,9 @@ def test_model_state_is_memory_py_exactly(layout):
     deg = p.degrees
     for r in range(p.pp):
         rank = rank_of({**{a: 0 for a in deg}, "pp": r}, deg)
-        assert planner.rank_facts(cfg, r).state == model_state_bytes(cfg, rank)
+        assert planner.rank_facts(cfg, r).state == model_state_bytes(
+            Layout.build(cfg), cfg.model, rank
+        )
 
 
 def test_model_state_against_the_zero_formula():

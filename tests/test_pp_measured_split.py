@@ -6,6 +6,7 @@ import pytest
 
 from harness import assert_close_run, tiny_config, train_worker
 from tetrad.config import from_dict
+from tetrad.layout import Layout
 from tetrad.testing import spawn
 
 MODEL = {"layers": 4, "vocab": 512}  # a head worth a few layers
@@ -34,8 +35,10 @@ def _worker(rank: int, world: int, raw: dict) -> dict:
     out["split"] = trainer.cfg.parallel.pp_split
     timed = split_costs._time_items
     split_costs._time_items = lambda *a: [c * (1 + rank) for c in timed(*a)]
-    out["costs"] = split_costs.measure_item_costs(cfg, Comm("cpu"), mesh["world"], "cpu")
-    out["own"] = timed(cfg, "cpu", 1)
+    out["costs"] = split_costs.measure_item_costs(
+        Layout.build(cfg), cfg.model, cfg.train, Comm("cpu"), mesh["world"], "cpu"
+    )
+    out["own"] = timed(Layout.build(cfg), cfg.model, cfg.train, "cpu", 1)
     return out
 
 
@@ -65,15 +68,17 @@ def test_measured_split_is_agreed_and_matches_single_process(reference):
     ],
 )
 def test_bad_split_is_refused(split, match):
-    from tetrad.config import validate
+    from tetrad.layout import Layout
 
     cfg = tiny_config(model=MODEL, train=TRAIN, parallel={"pp": 2, "pp_split": split})
     with pytest.raises(ValueError, match=match):
-        validate(cfg, 2)
+        Layout.build(cfg, 2)
 
 
 def test_measured_and_explicit_splits_are_accepted():
-    from tetrad.config import validate
+    from tetrad.layout import Layout
 
     for split in ("", "measured", "3,1", "4,0"):
-        validate(tiny_config(model=MODEL, train=TRAIN, parallel={"pp": 2, "pp_split": split}), 2)
+        Layout.build(
+            tiny_config(model=MODEL, train=TRAIN, parallel={"pp": 2, "pp_split": split}), 2
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness import assert_close_run, one_step_comm, run_layouts, tiny_config
-from tetrad.config import validate
+from tetrad.layout import Layout
 from tetrad.testing import spawn
 
 # Layouts by world size, each group trained in one set of processes: name -> (parallel,
@@ -67,7 +67,7 @@ def test_tp_comm_volume_per_layer_is_megatron():
         for layers in (1, 2)
     ]
     plain1, plain2, sp1, sp2 = spawn(one_step_comm, t, [c.to_dict() for c in cfgs])[0]
-    b, s = cfgs[0].microbatch_size, cfgs[0].train.seq_len
+    b, s = Layout.build(cfgs[0]).microbatch_size, cfgs[0].train.seq_len
     megatron = 8 * b * s * h * (t - 1) / t * 4 * mb  # fp32 bytes per layer per step
 
     assert _bus(plain2, "all_reduce") - _bus(plain1, "all_reduce") == pytest.approx(megatron)
@@ -98,4 +98,4 @@ def test_tp_comm_volume_per_layer_is_megatron():
 def test_bad_tp_layouts_raise(model, parallel, train, match):
     cfg = tiny_config(model=model, parallel=parallel, train=train)
     with pytest.raises(ValueError, match=match):
-        validate(cfg, cfg.parallel.world_size)
+        Layout.build(cfg, cfg.parallel.world_size)

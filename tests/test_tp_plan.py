@@ -68,7 +68,7 @@ def _shards(tp: int, sp: bool, **model) -> list[dict[str, torch.Tensor]]:
         mesh = Mesh.plan({"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": tp}, rank)
         with torch.device("meta"):
             model_ = Llama(cfg.model)
-        layout = apply_tp(model_, LLAMA_PLAN, mesh, Comm(), cfg)
+        layout = apply_tp(model_, LLAMA_PLAN, mesh, Comm(), cfg.model, cfg.parallel.sp)
         materialize(model_, cfg.model, cfg.train.seed, "cpu", layout.slicer)
         params = dict(model_.named_parameters())
         assert set(layout.replicated) == {n for n in params if not n.endswith("norm.weight")}
@@ -103,7 +103,7 @@ def test_kv_heads_below_tp_compute_the_head_of_their_queries():
     for rank in range(4):
         mesh = Mesh.plan({"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 4}, rank)
         model = _meta_llama()
-        apply_tp(model, LLAMA_PLAN, mesh, Comm(), cfg)
+        apply_tp(model, LLAMA_PLAN, mesh, Comm(), cfg.model, cfg.parallel.sp)
         wk = model.layers["0"].attention.wk
         assert tuple(wk.weight.shape) == (2 * 8, 32 // 4)  # all kv heads, 1/tp of the inputs
         heads.append(wk.head)
@@ -115,7 +115,7 @@ def test_unplanned_linear_is_an_error():
     plan = {k: v for k, v in LLAMA_PLAN.items() if k != "output"}
     mesh = Mesh.plan({"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 2}, 0)
     with pytest.raises(ValueError, match="no entry for module 'output'"):
-        apply_tp(model, plan, mesh, Comm(), tiny_config(parallel={"tp": 2}))
+        apply_tp(model, plan, mesh, Comm(), tiny_config().model, False)
 
 
 def test_vocab_parallel_loss_on_one_rank_is_cross_entropy():

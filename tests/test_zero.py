@@ -21,6 +21,7 @@ pytestmark = pytest.mark.distributed
 def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
     """Train each config in turn; per run: losses, norms, one step's comm, memory, weights."""
     from tetrad.config import from_dict
+    from tetrad.layout import Layout
     from tetrad.parallel.memory import measure_at_each_step, model_state_bytes
 
     out = []
@@ -36,7 +37,7 @@ def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
             norms.append(result.grad_norm)
             if step == 1:
                 comm = trainer.comm.summary()
-        measured, predicted = at_step[-1], model_state_bytes(cfg, rank)
+        measured, predicted = at_step[-1], model_state_bytes(Layout.build(cfg), cfg.model, rank)
         state = trainer.engine.full_state_dict()
         out.append(
             {
@@ -52,10 +53,11 @@ def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
 
 def _layouts(cfg) -> list:
     """The unit layouts of rank 0 (the same sizes on every rank of one tp/pp coordinate)."""
+    from tetrad.layout import Layout
     from tetrad.parallel.memory import local_parameters
     from tetrad.parallel.zero import plan_units
 
-    named, replicated = local_parameters(cfg, 0)
+    named, replicated = local_parameters(Layout.build(cfg), cfg.model, 0)
     return plan_units(named, replicated, cfg.parallel.fsdp)
 
 

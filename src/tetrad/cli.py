@@ -16,12 +16,11 @@ from tetrad.config import (
     ModelConfig,
     load_toml,
     model_preset,
-    validate,
 )
 from tetrad.devices import pick
 from tetrad.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE, rank_and_attempt, report
 from tetrad.launch import LOG_DIR, die_with_parent, launch, under_torchrun
-from tetrad.parallel.pipeline.schedules import SCHEDULES
+from tetrad.layout import SCHEDULES, Layout
 
 # flag -> (section, field); every one of these is also settable in a --config TOML file
 TRAIN_FLAGS = {
@@ -263,7 +262,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         raise ValueError(f"--nnodes={args.nnodes} must be >= 1, --max-restarts >= 0")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ValueError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT")
-    validate(cfg, nproc * args.nnodes)
+    layout = Layout.build(cfg, nproc * args.nnodes)  # checked once, here, before launching
     t = cfg.train
     pick(t.device, t.dtype, t.peak_tflops, nproc, 0)  # the device checks, once, here
     from tetrad.train.checkpoint import checkpoint_root, find_resume
@@ -276,10 +275,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         HFWeights(cfg.model.init_from_hf, cfg.model)
     if nproc > 1 or args.nnodes > 1 or args.max_restarts > 0:
         return launch_train(nproc, argv, cfg, args)
-    return worker(cfg, args)
+    return worker(cfg, args, layout)
 
 
-def worker(cfg: Config, args: argparse.Namespace) -> int:
+def worker(cfg: Config, args: argparse.Namespace, layout: Layout | None = None) -> int:
     """One rank's job: train, and turn its end into an exit code and (under the launcher)
     a report: 0 done, 75 stopped by a signal after saving, 1 an error, 2 bad input."""
     from tetrad.train.run import run
@@ -294,7 +293,7 @@ def worker(cfg: Config, args: argparse.Namespace) -> int:
         cfg.checkpoint.resume = True  # a restarted worker continues from the newest checkpoint
     threads = args.threads or int(os.environ.get("TETRAD_THREADS", "0"))
     try:
-        run(cfg, threads=threads or None, timeline=args.timeline)
+        run(cfg, threads=threads or None, timeline=args.timeline, layout=layout)
         # done, and the process group destroyed: leave without the interpreter's teardown,
         # in which gloo's threads sometimes abort the process ("terminate called without
         # an active exception") after the job has succeeded

@@ -1,7 +1,8 @@
 """Typed configuration: dataclasses per component, TOML loading, CLI overrides, validation.
 
-Every rank builds and validates the whole configuration before the first collective, so a
-bad value fails the same way everywhere with a `ValueError` that names it.
+Every rank checks the whole configuration before the first collective (`Layout.build`
+runs these section checks and the layout's own), so a bad value fails the same way
+everywhere with a `ValueError` that names it.
 """
 
 from __future__ import annotations
@@ -235,13 +236,11 @@ def load_toml(path: str | Path, base: Config | None = None) -> Config:
     return from_dict(raw, base)
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Raise ValueError naming the offending values; called on every rank before any collective."""
+def check_sections(cfg: Config) -> None:
+    """Raise ValueError naming the offending values of the sections that need no layout
+    (the model, training, data and checkpoints); `Layout.build` checks the rest."""
     _validate_model(cfg.model)
-    _validate_parallel(cfg.parallel, world_size)
-    _validate_split(cfg)
     _validate_train(cfg)
-    _validate_layout(cfg)
     _validate_checkpoint(cfg.checkpoint)
 
 
@@ -260,55 +259,6 @@ def _validate_model(m: ModelConfig) -> None:
         f"model.heads={m.heads} is not divisible by kv_heads={m.kv_heads}",
     )
     _require(m.init_std > 0, f"model.init_std must be > 0, got {m.init_std}")
-
-
-def _validate_parallel(p: ParallelConfig, world_size: int | None) -> None:
-    for name in ("dp", "fsdp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
-        _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    if world_size is not None:
-        _require(
-            p.world_size == world_size,
-            f"world size {world_size} != dp*fsdp*cp*tp*pp = {p.dp}*{p.fsdp}*{p.cp}*{p.tp}*{p.pp}"
-            f" = {p.world_size}",
-        )
-    _require(
-        p.cp_attention in CP_ATTENTION,
-        f"cp_attention={p.cp_attention!r} is not one of {CP_ATTENTION}",
-    )
-    _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
-    _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
-    _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {tuple(DTYPES)}")
-    _require(not p.sp or p.tp > 1, "sp=True needs tp > 1 (sequence parallelism splits over tp)")
-    # the schedules' own rules, where the runtime and the planner's search read them too
-    # (a pure module: see the import contracts in pyproject.toml)
-    from tetrad.parallel.pipeline import schedules
-
-    _require(
-        p.pp_schedule in schedules.SCHEDULES,
-        f"pp_schedule={p.pp_schedule!r} is not one of {schedules.SCHEDULES}",
-    )
-    if p.pp > 1 or p.virtual_stages > 1:
-        schedules.validate(p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
-
-
-def _validate_split(cfg: Config) -> None:
-    """pp_split: "" (balanced on analytic FLOPs), "measured" (balanced on costs timed in a
-    warm-up) or layer counts per stage such as "5,3" (checked against layers and stages)."""
-    p = cfg.parallel
-    if p.pp_split in ("", "measured"):
-        return
-    from tetrad.parallel.pipeline import partition
-
-    stages = p.pp * p.virtual_stages
-    try:
-        partition.parse_split(p.pp_split, cfg.model.layers if stages > 1 else None)
-        if stages > 1:
-            partition.parse_split(p.pp_split, cfg.model.layers, stages)
-    except ValueError as e:
-        raise ValueError(
-            f"pp_split={p.pp_split!r} is not '', 'measured' or layer counts per stage "
-            f"(model.layers={cfg.model.layers}, pp*virtual_stages={stages}): {e}"
-        ) from None
 
 
 def _validate_train(cfg: Config) -> None:
@@ -370,44 +320,6 @@ def _bf16_supported(device: str) -> bool:
 
 def _cuda_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-
-
-def _validate_layout(cfg: Config) -> None:
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    per = p.data_ranks * p.microbatches
-    _require(
-        t.global_batch % per == 0,
-        f"global_batch={t.global_batch} is not divisible by data ranks (dp*fsdp={p.data_ranks})"
-        f" x microbatches={p.microbatches} = {per}",
-    )
-    if p.tp > 1:
-        _require(m.heads % p.tp == 0, f"model.heads={m.heads} is not divisible by tp={p.tp}")
-        _require(
-            m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
-            f"model.kv_heads={m.kv_heads} and tp={p.tp}: one must divide the other",
-        )
-        _require(m.dim % p.tp == 0, f"model.dim={m.dim} is not divisible by tp={p.tp}")
-        _require(
-            m.hidden_dim % p.tp == 0,
-            f"ffn hidden size {m.hidden_dim} is not divisible by tp={p.tp}",
-        )
-    if p.cp > 1:  # 2·cp chunks per sequence, rank r holding chunks r and 2·cp-1-r
-        _require(
-            t.seq_len % (2 * p.cp) == 0,
-            f"cp={p.cp} splits every sequence into 2*cp={2 * p.cp} equal chunks: seq_len="
-            f"{t.seq_len} is not divisible by {2 * p.cp}",
-        )
-    if p.sp:  # sp splits the sequence share this rank holds (all of it without cp)
-        local = t.seq_len // p.cp
-        _require(
-            local % p.tp == 0,
-            f"sp needs seq_len/cp divisible by tp: seq_len={t.seq_len}, tp={p.tp}, cp={p.cp}",
-        )
-    stages = p.pp * p.virtual_stages
-    _require(
-        m.layers >= stages,
-        f"model.layers={m.layers} < pp*virtual_stages={p.pp}*{p.virtual_stages} = {stages}",
-    )
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import Comm
-from tetrad.config import DTYPES, Config
+from tetrad.config import ModelConfig, TrainConfig
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.init import materialize
 from tetrad.models.llama import cross_entropy_sum, set_recompute
@@ -23,8 +24,17 @@ from tetrad.parallel.zero_state import ZeroState
 TIED = "tok_embeddings.weight"  # the embedding a tied head reuses
 
 
-def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> Engine:
+def parallelize(
+    layout: Layout,
+    model_cfg: ModelConfig,
+    train: TrainConfig,
+    mesh: Mesh,
+    comm: Comm,
+    device: torch.device,
+) -> Engine:
     """Build, shard and materialise the model; return the engine that runs its steps.
+
+    `train` gives the seed and the memory settings (recomputation, loss chunk, meter).
 
     The order is fixed, each step working on what the one before left:
       1. build the whole model on the meta device (no memory);
@@ -39,51 +49,51 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
          mixed precision: compute parameters in `train.dtype` (cast here, from the fp32
          values just materialised, which become the fp32 master weights).
     """
-    local = local_model(cfg, mesh, comm)  # 1-3
+    local = local_model(layout, model_cfg, mesh, comm)  # 1-3
     model, tp = local.model, local.tp
-    materialize(model, cfg.model, cfg.train.seed, device, tp.slicer if tp else None)
-    set_recompute(model, cfg.train.recompute)
-    loss_fn = _loss_fn(model, cfg, tp)
+    materialize(model, model_cfg, train.seed, device, tp.slicer if tp else None)
+    set_recompute(model, train.recompute)
+    loss_fn = _loss_fn(model, train.loss_chunk, tp)
     replicated = local.replicated
-    runner: Runner = MicrobatchLoop(model, loss_fn, meter_every=cfg.train.meter_every)
+    runner: Runner = MicrobatchLoop(model, loss_fn, meter_every=train.meter_every)
     if local.chunks is not None:
-        runner = build_pipeline(model, cfg, mesh, comm, local.chunks, loss_fn)
-        if model.tok_embeddings is not None and cfg.model.tie_embeddings:
+        runner = build_pipeline(
+            model, layout, mesh, comm, local.chunks, loss_fn, model_cfg.dim, train.meter_every
+        )
+        if model.tok_embeddings is not None and model_cfg.tie_embeddings:
             replicated[TIED] = (*replicated[TIED], "pp")  # counted once: on pp rank 0
     unshard, slicer = (tp.unshard, tp.slicer) if tp else (None, None)
     grads: GradSync
     # first and last stage each hold the tied embedding: their gradients are summed
-    tied = (TIED, mesh["pp_ends"]) if tied_across_stages(cfg, mesh) else None
-    if mesh.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
-        shards = ZeroShards(model, mesh, comm, cfg, replicated, tied)  # tied: full grads
+    tied_ends = tied_across_stages(layout, model_cfg.tie_embeddings, mesh)
+    tied = (TIED, mesh["pp_ends"]) if tied_ends else None
+    where = (layout, model_cfg, mesh, comm, unshard, slicer)
+    if layout.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
+        shards = ZeroShards(model, mesh, comm, layout, replicated, tied)  # tied: full grads
         grads, replicated = shards, {**replicated, **shards.view_replicated()}
-        state = ZeroState(shards, model, cfg, mesh, comm, unshard, slicer)
+        state = ZeroState(shards, model, *where)
         runner.meter.exclude(u.flat for u in shards.units)  # parameters, not activations
     else:
-        grads = _replicated_grads(model, cfg, mesh, comm)
-        state = PlainState(model, cfg, mesh, comm, unshard, slicer, grads.params())
+        grads = _replicated_grads(model, layout, mesh, comm)
+        state = PlainState(model, *where, grads.params())
         if tied is not None:
             grads = TiedGrads(grads, *tied, comm)
     return Engine(model, mesh, comm, runner, grads, state, replicated)
 
 
-def _replicated_grads(model: torch.nn.Module, cfg: Config, mesh: Mesh, comm: Comm) -> LocalGrads:
+def _replicated_grads(model: torch.nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> LocalGrads:
     """Without ZeRO: DP's bucketed all-reduce over the data ranks, or nothing to reduce."""
     named = list(model.named_parameters())
-    dtype = DTYPES[cfg.train.dtype]
-    data = mesh["data"]
+    data, dtype = mesh["data"], layout.compute_dtype
     if data.size == 1:
         return LocalGrads(named, dtype)
-    bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
-    reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
-    return GradBuckets(named, data, comm, bucket_bytes, dtype, reduce_dtype)
+    return GradBuckets(named, data, comm, layout.bucket_bytes, dtype, layout.reduce_dtype)
 
 
-def _loss_fn(model: torch.nn.Module, cfg: Config, tp: TPLayout | None) -> LossFn:
-    """Cross-entropy over the head's logits, or (`loss_chunk` > 0) the head and the loss
+def _loss_fn(model: torch.nn.Module, chunk: int, tp: TPLayout | None) -> LossFn:
+    """Cross-entropy over the head's logits, or (`chunk` > 0 tokens) the head and the loss
     fused in chunks of tokens, the model stopping at the final norm; vocabulary-parallel
     under tp either way."""
-    chunk = cfg.train.loss_chunk
     if chunk == 0:
         return tp.loss_fn if tp else cross_entropy_sum
     model.logits = False

@@ -33,7 +33,7 @@ from torch import nn
 
 from tetrad.comm import Comm
 from tetrad.comm.cp import gather_from_cp, ring_pass
-from tetrad.config import CP_ATTENTION, Config
+from tetrad.config import CP_ATTENTION
 from tetrad.mesh import Group, Mesh
 from tetrad.models.llama import Attention, apply_rotary, rotary_at
 
@@ -309,10 +309,10 @@ class _RingAttention(torch.autograd.Function):
 CORES = dict(zip(CP_ATTENTION, (AllGatherCore, RingCore)))
 
 
-def apply_cp(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> None:
+def apply_cp(model: nn.Module, mesh: Mesh, comm: Comm, attention: str) -> None:
     """Swap every attention core of `model` for the configured cp core (no parameters:
-    nothing to shard or materialise)."""
-    kind = CORES[cfg.parallel.cp_attention]
+    nothing to shard or materialise): `attention` is allgather or ring."""
+    kind = CORES[attention]
     for module in model.modules():
         if isinstance(module, Attention):
             core = module.core

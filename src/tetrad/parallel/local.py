@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from tetrad.comm import Comm
-from tetrad.config import Config
+from tetrad.config import ModelConfig
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh, rank_of
 from tetrad.models.llama import meta_llama
 from tetrad.models.plans import LLAMA_PLAN
@@ -41,27 +42,27 @@ class LocalModel:
         return out
 
 
-def local_model(cfg: Config, mesh: Mesh, comm: Comm) -> LocalModel:
+def local_model(layout: Layout, m: ModelConfig, mesh: Mesh, comm: Comm) -> LocalModel:
     """Steps 1-3 of `parallelize`, on the meta device: build, pipeline split, tp shrink,
     and context parallelism's attention cores (they hold no parameters)."""
-    model = meta_llama(cfg.model)
+    model = meta_llama(m)
     chunks = None
-    if mesh.degrees["pp"] > 1:
-        chunks = rank_chunks(cfg, mesh["pp"].rank)
+    if layout.pp > 1:
+        chunks = rank_chunks(layout, m, mesh["pp"].rank)
         prune(model, chunks)
-    layout = apply_tp(model, LLAMA_PLAN, mesh, comm, cfg) if mesh.degrees["tp"] > 1 else None
-    if mesh.degrees["cp"] > 1:
-        apply_cp(model, mesh, comm, cfg)
-    return LocalModel(model, chunks, layout)
+    tp = apply_tp(model, LLAMA_PLAN, mesh, comm, m, layout.sp) if layout.tp > 1 else None
+    if layout.cp > 1:
+        apply_cp(model, mesh, comm, layout.cp_attention)
+    return LocalModel(model, chunks, tp)
 
 
-def planned(cfg: Config, rank: int) -> LocalModel:
+def planned(layout: Layout, m: ModelConfig, rank: int) -> LocalModel:
     """`local_model` of global `rank` without processes (a pure mesh, an idle Comm)."""
-    return local_model(cfg, Mesh.plan(cfg.parallel.degrees, rank), Comm())
+    return local_model(layout, m, Mesh.plan(layout.degrees, rank), Comm())
 
 
-def stage_param_names(cfg: Config, pp_rank: int) -> list[str]:
+def stage_param_names(layout: Layout, m: ModelConfig, pp_rank: int) -> list[str]:
     """Logical names of the parameters pipeline rank `pp_rank` holds (pure)."""
-    degrees = cfg.parallel.degrees
+    degrees = layout.degrees
     rank = rank_of({**{a: 0 for a in degrees}, "pp": pp_rank}, degrees)
-    return [n for n, _ in planned(cfg, rank).model.named_parameters()]
+    return [n for n, _ in planned(layout, m, rank).model.named_parameters()]

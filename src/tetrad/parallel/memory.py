@@ -1,7 +1,7 @@
 """Model-state memory per rank, exactly: predicted from a config, measured from a run.
 
 Model state is what persists between steps: parameters, gradients and optimizer state.
-`model_state_bytes(cfg, rank)` predicts it without processes, from the same unit layout
+`model_state_bytes(layout, model, rank)` predicts it without processes, from the same unit layout
 the ZeRO runtime shards by (so padding and the optimizer's tensor count are exact);
 `measured_model_state(engine, optimizer)` adds up the live storages behind the same
 three categories; the two agree to the byte.
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tetrad.config import DTYPE_BYTES, Config
+from tetrad.config import ModelConfig
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.parallel.local import planned
 from tetrad.parallel.zero import UnitLayout, ZeroShards, plan_units
@@ -53,17 +54,19 @@ class ModelState:
 
 
 def local_parameters(
-    cfg: Config, rank: int
+    layout: Layout, m: ModelConfig, rank: int
 ) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, tuple[str, ...]]]:
     """Names and shapes of the parameters `rank` holds after the pipeline split and tensor
     parallelism, and the axes each is replicated over (pure: the meta-device model)."""
-    local = planned(cfg, rank)
+    local = planned(layout, m, rank)
     return [(n, tuple(p.shape)) for n, p in local.model.named_parameters()], local.replicated
 
 
-def zero_bytes(layouts: list[UnitLayout], fsdp_rank: int, stage: int, dtype: str) -> ModelState:
+def zero_bytes(
+    layouts: list[UnitLayout], fsdp_rank: int, stage: int, dtype: torch.dtype
+) -> ModelState:
     """Model state of fsdp rank `fsdp_rank` for these units, ZeRO `stage`, compute `dtype`."""
-    c, mixed = DTYPE_BYTES[dtype], dtype != "fp32"
+    c, mixed = dtype.itemsize, dtype != torch.float32
     padded = sum(u.padded for u in layouts)
     shard = sum(u.shard for u in layouts)
     views = [v for u in layouts for v in u.views(fsdp_rank)]
@@ -80,7 +83,7 @@ def zero_bytes(layouts: list[UnitLayout], fsdp_rank: int, stage: int, dtype: str
 
 
 def replicated_bytes(
-    named_shapes: list[tuple[str, tuple[int, ...]]], dtype: str = "fp32"
+    named_shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype = torch.float32
 ) -> ModelState:
     """Plain data parallelism (fsdp = 1): parameters, gradients and AdamW, unsharded.
 
@@ -90,22 +93,21 @@ def replicated_bytes(
     AdamW (4 + 8): 20 bytes, where the ZeRO paper's 2 + 2 + 12 has no fp32 gradient."""
     psi = sum(math.prod(s) for _, s in named_shapes)
     optimizer = ADAM_BYTES * psi + STEP_BYTES * len(named_shapes)
-    if dtype == "fp32":
+    if dtype == torch.float32:
         return ModelState(4 * psi, 4 * psi, optimizer)
-    c = DTYPE_BYTES[dtype]
+    c = dtype.itemsize
     return ModelState(c * psi, (c + MASTER_BYTES) * psi, optimizer + MASTER_BYTES * psi)
 
 
-def model_state_bytes(cfg: Config, rank: int = 0) -> ModelState:
-    """Exact model-state bytes of global `rank` under `cfg`'s layout (pure)."""
-    named, replicated = local_parameters(cfg, rank)
-    p = cfg.parallel
-    if p.fsdp == 1:
-        return replicated_bytes(named, cfg.train.dtype)
-    degrees = p.degrees
-    fsdp_rank = Mesh.plan(degrees, rank).coord["fsdp"]
-    layouts = plan_units(named, replicated, p.fsdp)
-    return zero_bytes(layouts, fsdp_rank, p.zero_stage, cfg.train.dtype)
+def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelState:
+    """Exact model-state bytes of global `rank` of model `m` under `layout` (pure)."""
+    named, replicated = local_parameters(layout, m, rank)
+    fsdp, dtype = layout.degrees["fsdp"], layout.compute_dtype
+    if fsdp == 1:
+        return replicated_bytes(named, dtype)
+    fsdp_rank = Mesh.plan(layout.degrees, rank).coord["fsdp"]
+    units = plan_units(named, replicated, fsdp)
+    return zero_bytes(units, fsdp_rank, layout.zero_stage, dtype)
 
 
 def zero_formula_bytes(

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from tetrad.comm import Comm
-from tetrad.config import Config
+from tetrad.config import ModelConfig
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.init import Slicer, full_shape
 from tetrad.parallel.boxes import Box, box_shape, index_box
@@ -42,14 +43,16 @@ class PlainState:
     def __init__(
         self,
         model: nn.Module,
-        cfg: Config,
+        layout: Layout,
+        model_cfg: ModelConfig,
         mesh: Mesh,
         comm: Comm,
         unshard: Unshard | None = None,
         slicer: Slicer | None = None,
         optimized: list[tuple[str, torch.Tensor]] | None = None,
     ):
-        self.model, self.cfg, self.mesh, self.comm = model, cfg, mesh, comm
+        self.model, self.mesh, self.comm = model, mesh, comm
+        self.layout, self.model_cfg = layout, model_cfg
         self.unshard = unshard or (lambda _, t: t)  # tp: all-gathers a shard (a collective)
         self.slicer = slicer  # tp: the index of this rank's shard in a full tensor
         # name -> the tensor the optimizer steps: the parameter, or its fp32 master
@@ -103,7 +106,7 @@ class PlainState:
     # --- the sharded half: owned boxes out, needed boxes in ---------------------------------
     def box(self, name: str) -> Box:
         """Where this rank's local tensor `name` sits in the full logical tensor."""
-        shape = tuple(full_shape(name, self.cfg.model))
+        shape = tuple(full_shape(name, self.model_cfg))
         return index_box(self.slicer(name) if self.slicer else None, shape)
 
     def writes(self, name: str, replicated: dict[str, tuple[str, ...]]) -> bool:
@@ -170,10 +173,10 @@ class PlainState:
         out: dict[str, torch.Tensor] = {}
         pp = self.mesh["pp"]
         for r in range(pp.size):
-            for name in stage_param_names(self.cfg, r):
+            for name in stage_param_names(self.layout, self.model_cfg, r):
                 if name in out:
                     continue  # a tied embedding held by two stages: the first one's value
-                t = state[name] if r == pp.rank else torch.empty(full_shape(name, self.cfg.model))
+                t = state[name] if r == pp.rank else torch.empty(full_shape(name, self.model_cfg))
                 t = t.to(self.device)  # NCCL broadcasts device tensors only
                 self.comm.broadcast(t, r, pp)
                 out[name] = t.cpu()

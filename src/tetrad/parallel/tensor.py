@@ -42,7 +42,7 @@ from tetrad.comm.tp import (
     reduce_scatter_along,
     scatter_to_tp,
 )
-from tetrad.config import Config
+from tetrad.config import ModelConfig
 from tetrad.mesh import Group, Mesh
 from tetrad.models.batch import IGNORE
 from tetrad.models.init import Slicer, full_shape
@@ -299,11 +299,11 @@ def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[
     return tuple(index)
 
 
-def _tp_module(name: str, module: nn.Module, style: str, tp: TP, cfg: Config):
+def _tp_module(name: str, module: nn.Module, style: str, tp: TP, m: ModelConfig):
     """(replacement module, shard kind of its weight) for one planned module."""
     if style in ("region", "replicated"):
         return module, None
-    device, t, m = module.weight.device, tp.group.size, cfg.model
+    device, t = module.weight.device, tp.group.size
     if style == "colwise":
         return ColumnParallelLinear(module.in_features, module.out_features, t, device), "rows"
     if style == "kv" and m.kv_heads < t:
@@ -332,16 +332,17 @@ def _check_coverage(model: nn.Module, styles: dict[str, str]) -> None:
 
 
 def apply_tp(
-    model: nn.Module, plan: dict[str, str], mesh: Mesh, comm: Comm, cfg: Config
+    model: nn.Module, plan: dict[str, str], mesh: Mesh, comm: Comm, m: ModelConfig, sp: bool
 ) -> TPLayout:
-    """Shrink `model` (on the meta device) to this rank's tp shards, following `plan`."""
-    tp = TP(comm, mesh["tp"], cfg.parallel.sp)
+    """Shrink `model` (on the meta device) to this rank's tp shards, following `plan`;
+    `sp`: sequence parallelism in the norms and between the blocks."""
+    tp = TP(comm, mesh["tp"], sp)
     styles = assign([n for n, _ in model.named_modules() if n], plan)
     _check_coverage(model, styles)
     kinds: dict[str, str] = {}  # parameter name -> shard kind
     for name, style in styles.items():
         module = model.get_submodule(name)
-        new, kind = _tp_module(name, module, style, tp, cfg)
+        new, kind = _tp_module(name, module, style, tp, m)
         if new is not module:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, new)
@@ -355,11 +356,11 @@ def apply_tp(
     if getattr(model, "output", True) is None and getattr(model, "norm", None) is not None:
         # tied head: the final norm's output feeds F.linear with the embedding's vocab rows
         model.norm.register_forward_hook(lambda _, __, out: tp.enter(out))
-    return _layout(kinds, tp, cfg)
+    return _layout(kinds, tp, m)
 
 
-def _layout(kinds: dict[str, str], tp: TP, cfg: Config) -> TPLayout:
-    t, rank, m = tp.group.size, tp.group.rank, cfg.model
+def _layout(kinds: dict[str, str], tp: TP, m: ModelConfig) -> TPLayout:
+    t, rank = tp.group.size, tp.group.rank
 
     def slicer(name: str) -> tuple[slice, ...] | None:
         return shard_index(kinds[name], full_shape(name, m), t, rank) if name in kinds else None

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from tetrad.comm import Comm, Work
-from tetrad.config import DTYPES, Config
+from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.plans import decays
 
@@ -175,10 +175,8 @@ def plan_units(
 class FlatUnit:
     """One unit's buffers on this rank: flat compute params, fp32 master and grad shards."""
 
-    def __init__(self, layout: UnitLayout, model: nn.Module, rank: int, cfg: Config, device):
-        self.layout, self.rank = layout, rank
-        self.stage = cfg.parallel.zero_stage
-        dtype = DTYPES[cfg.train.dtype]
+    def __init__(self, layout: UnitLayout, model: nn.Module, rank: int, stage: int, dtype, device):
+        self.layout, self.rank, self.stage = layout, rank, stage
         self.targets = [_owner(model, n) + (s,) for n, s in zip(layout.names, layout.shapes)]
         self.sizes = [math.prod(s) for s in layout.shapes]
         if layout.padded > layout.numel:
@@ -269,20 +267,21 @@ class ZeroShards:
         model: nn.Module,
         mesh: Mesh,
         comm: Comm,
-        cfg: Config,
+        job: Layout,
         replicated,
         tied: tuple[str, Group] | None = None,
     ):
-        self.mesh, self.comm, self.cfg = mesh, comm, cfg
+        self.mesh, self.comm = mesh, comm
+        self.dtype = job.compute_dtype
         # (name, group): a parameter another rank also holds (the embedding tied across
         # the pipeline's ends), its full gradient summed over `group` before the scatter
         self.tied = tied
         # a shard's copies: one per dp replica and per cp rank (cp ranks hold other tokens
         # of the same sequences, so their gradients are summed like dp's)
         self.group, self.dp = mesh["fsdp"], mesh["replica"]
-        self.stage = cfg.parallel.zero_stage
-        self.reshard_after_forward = cfg.parallel.reshard_after_forward
-        self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
+        self.stage = job.zero_stage
+        self.reshard_after_forward = job.reshard_after_forward
+        self.reduce_dtype = job.reduce_dtype
         self.device = next(model.parameters()).device
         named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         self.layouts = plan_units(named, replicated, self.group.size)
@@ -299,7 +298,7 @@ class ZeroShards:
         self._register_hooks(model)
 
     def _build(self, layout: UnitLayout, model: nn.Module) -> FlatUnit:
-        unit = FlatUnit(layout, model, self.group.rank, self.cfg, self.device)
+        unit = FlatUnit(layout, model, self.group.rank, self.stage, self.dtype, self.device)
         if self.stage == 3:
             unit.free()  # now, so that building never holds two full copies of the model
         else:

@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 from tetrad.config import Config, ModelConfig, model_preset
-from tetrad.parallel.pipeline.schedules import SCHEDULES
+from tetrad.layout import SCHEDULES
 from tetrad.plan.activations import RECOMPUTE
 from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
 from tetrad.plan.cost import ENGINES, Planner

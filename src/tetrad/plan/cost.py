@@ -42,11 +42,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tetrad.config import DTYPE_BYTES, Config, validate
+from tetrad.config import DTYPE_BYTES, Config
+from tetrad.layout import SPLIT_BACKWARD, Layout
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
-    SPLIT_BACKWARD,
     build_schedule,
     rank_stages,
     stage_to_rank,
@@ -69,7 +69,7 @@ from tetrad.plan.engines import (  # noqa: F401  (the engines are part of this m
 )
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster, at_efficiency
-from tetrad.plan.layouts import cbytes, cp_exchange_bytes, describe, local_tokens
+from tetrad.plan.layouts import cbytes, cp_exchange_bytes, describe, layout_of, local_tokens
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
 
@@ -160,7 +160,8 @@ class Planner:
         key = (repr(cfg.model), p.pp, p.virtual_stages, p.pp_split, cfg.train.seq_len)
         if key not in self._splits:
             uniform = self.engine.split == "uniform" and not p.pp_split
-            self._splits[key] = (uniform and _uniform_split(cfg)) or layer_split(cfg)
+            split = (uniform and _uniform_split(cfg)) or layer_split(layout_of(cfg), cfg.model)
+            self._splits[key] = split
         return self._splits[key]
 
     def predict(self, cfg: Config, detail: bool = True) -> Prediction:
@@ -169,7 +170,7 @@ class Planner:
         detail=False skips the second simulation (without transfer delays) that splits
         the pipeline's idle time into bubble and p2p: the search's fast path.
         """
-        validate(cfg, cfg.parallel.world_size)
+        Layout.build(cfg, cfg.parallel.world_size)  # the runtime's every rule
         p = cfg.parallel
         facts = [self.rank_facts(cfg, r) for r in range(p.pp)]
         times = self.stage_times(cfg, facts)
@@ -240,8 +241,8 @@ class Planner:
     def _stage_seconds(self, cfg: Config) -> dict[str, list[float]]:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
         m, p, s, dt = cfg.model, cfg.parallel, cfg.train.seq_len, cfg.train.dtype
-        b = cfg.microbatch_size
-        tokens = b * s // p.cp  # this rank's: cp splits every sequence
+        b = layout_of(cfg).microbatch_size
+        tokens = layout_of(cfg).microbatch_tokens  # this rank's: cp splits every sequence
         fwd = self.compute.block_forward(m, p.tp, p.sp, tokens, b, s, dt, p.cp)
         bwd = self.compute.backward(fwd)
         selective = self.compute.selective_redo(m, p.tp, tokens, dt, fwd)
@@ -294,8 +295,9 @@ class Planner:
         link = self.cluster.link(p.tp, p.cp)
         seconds = {"F": link.time("all_gather", p.cp, nbytes),
                    "B": link.time("reduce_scatter", p.cp, nbytes)}  # fmt: skip
-        m, s, b = cfg.model, cfg.train.seq_len, cfg.microbatch_size
-        fwd = self.compute.block_forward(m, p.tp, p.sp, b * s // p.cp, b, s, cfg.train.dtype, p.cp)
+        m, s, lay = cfg.model, cfg.train.seq_len, layout_of(cfg)
+        b, tokens = lay.microbatch_size, lay.microbatch_tokens
+        fwd = self.compute.block_forward(m, p.tp, p.sp, tokens, b, s, cfg.train.dtype, p.cp)
         window = {"F": fwd.attention, "B": self.compute.backward(fwd).attention}
         ring = self.engine.cp_overlap or (p.cp_attention == "ring" and self.cluster.overlap)
         for kind in "FB":

@@ -25,6 +25,7 @@ from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
+from tetrad.plan.layouts import layout_of
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
 # allocated and freed within a step. A stated share, not fitted per row (torchtitan's eager
@@ -121,7 +122,7 @@ class Footprint:
             one.parallel = dataclasses.replace(
                 cfg.parallel, pp=1, dp=1, fsdp=1, virtual_stages=1, pp_split=""
             )
-            self._template[key] = local_parameters(one, 0)
+            self._template[key] = local_parameters(layout_of(one), one.model, 0)
         named, replicated = self._template[key]
         root = _root_names(cfg, first, last)
         block = [(n[len("layers.0") :], s) for n, s in named if n.startswith("layers.0.")]
@@ -141,7 +142,8 @@ class Footprint:
         context parallelism everything is per local token (s/cp of each sequence), and
         an all-gather core keeps the gathered keys and values of the whole sequence."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        b, s, shards = cfg.microbatch_size, _local_seq(cfg), self.sp_saves_shards
+        lay, shards = layout_of(cfg), self.sp_saves_shards
+        b, s = lay.microbatch_size, lay.local_seq
         layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
                                 gqa_native=self.gqa_native)  # fmt: skip
         layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
@@ -164,7 +166,7 @@ class Footprint:
         """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
         deferred linears, and on the last stage the head's unless a chunked loss computes
         its weight gradient in B."""
-        p, b, s = cfg.parallel, cfg.microbatch_size, _local_seq(cfg)
+        p, b, s = cfg.parallel, layout_of(cfg).microbatch_size, layout_of(cfg).local_seq
         w = act.llama_pending_w(cfg.model, p.tp, cfg.train.dtype)
         one = act.total_bytes(w, b, s, p.tp, p.sp)
         out = [n * one for n in split]
@@ -181,8 +183,9 @@ class Footprint:
         p = cfg.parallel
         per_stage = self.stage_activations(cfg, split)
         pending = self.stage_pending_w(cfg, split) if deferred_w else []
+        lay = layout_of(cfg)
         out = act.total_bytes(act.llama_stage_output(cfg.model, cfg.train.dtype),
-                              cfg.microbatch_size, _local_seq(cfg), p.tp, p.sp)  # fmt: skip
+                              lay.microbatch_size, lay.local_seq, p.tp, p.sp)  # fmt: skip
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
         return act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent)
 
@@ -216,7 +219,7 @@ class Footprint:
         """Workspace + transients (one block's backward, the loss gradient on the last
         stage, ZeRO's buffers) + the allocator's share of transients and activations."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        b, s = cfg.microbatch_size, _local_seq(cfg)
+        b, s = layout_of(cfg).microbatch_size, layout_of(cfg).local_seq
         transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp, self.fused)
         if self.scores:  # the layer in backward (recomputed or kept) holds its scores
             transient += act.total_bytes(act.attention_scores(m, cfg.train.seq_len), b, s, p.tp)
@@ -255,11 +258,6 @@ class Footprint:
         return extra
 
 
-def _local_seq(cfg: Config) -> int:
-    """The positions of each sequence one rank holds: s/cp under context parallelism."""
-    return cfg.train.seq_len // cfg.parallel.cp
-
-
 def _largest_linear(cfg: Config) -> float:
     """Elements of a block's largest weight on one tp rank (an MLP matrix)."""
     m = cfg.model
@@ -279,6 +277,7 @@ def _root_names(cfg: Config, first: bool, last: bool) -> set[str]:
 def _state(cfg: Config, named, replicated) -> ModelState:
     """`memory.model_state_bytes`'s arithmetic on given local parameters (fsdp rank 0)."""
     p = cfg.parallel
+    dtype = layout_of(cfg).compute_dtype
     if p.fsdp == 1:
-        return replicated_bytes(named, cfg.train.dtype)
-    return zero_bytes(plan_units(named, replicated, p.fsdp), 0, p.zero_stage, cfg.train.dtype)
+        return replicated_bytes(named, dtype)
+    return zero_bytes(plan_units(named, replicated, p.fsdp), 0, p.zero_stage, dtype)

@@ -8,11 +8,18 @@ import dataclasses
 from typing import Any
 
 from tetrad.config import DTYPE_BYTES, Config, ModelConfig
+from tetrad.layout import Layout
+
+
+def layout_of(cfg: Config) -> Layout:
+    """A candidate's layout: the planner describes candidates as Configs (a model, a batch,
+    degrees); every derived fact of one (local shapes, dtypes, the split) is `Layout`'s."""
+    return Layout.build(cfg)
 
 
 def local_tokens(cfg: Config) -> int:
     """Tokens of one microbatch on one rank: cp splits every sequence."""
-    return cfg.microbatch_size * cfg.train.seq_len // cfg.parallel.cp
+    return layout_of(cfg).microbatch_tokens
 
 
 def cp_exchange_bytes(cfg: Config) -> float:
@@ -21,7 +28,7 @@ def cp_exchange_bytes(cfg: Config) -> float:
     cp - 1 shards, 2·(cp - 1)/cp · b·s·kv·hd·c, with kv the rank's kv heads."""
     p, m = cfg.parallel, cfg.model
     kv = max(m.kv_heads // p.tp, 1)
-    whole = 2 * cfg.microbatch_size * cfg.train.seq_len * kv * m.head_dim * cbytes(cfg)
+    whole = 2 * layout_of(cfg).microbatch_size * cfg.train.seq_len * kv * m.head_dim * cbytes(cfg)
     return (p.cp - 1) / p.cp * whole
 
 
@@ -37,7 +44,7 @@ def describe(cfg: Config, recompute: str = "none") -> dict[str, Any]:
         "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
         "zero_stage": p.zero_stage,
         "sp": p.sp, "pp_schedule": p.pp_schedule, "microbatches": p.microbatches,
-        "virtual_stages": p.virtual_stages, "microbatch_size": cfg.microbatch_size,
+        "virtual_stages": p.virtual_stages, "microbatch_size": layout_of(cfg).microbatch_size,
         "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
         "dtype": cfg.train.dtype, "recompute": recompute, "world": p.world_size,
     }  # fmt: skip

@@ -6,7 +6,7 @@ the sequence), the data ranks split into dp x fsdp, the ZeRO stage 2 or
 3 (when fsdp > 1), the pipeline schedule with its virtual stages (interleaved: v from 2
 to 8 with even chunks, pp·v dividing the layers), and the microbatch count (a divisor of
 the batch per data rank; at least pp when pp > 1). Each candidate must pass
-`config.validate` (which holds every rule the runtime has, ZeRO's composability too). A
+`Layout.build` (which holds every rule the runtime has, ZeRO's composability too). A
 `Space` fixes any of these instead.
 
 Pruned, as never better in this model: SP off when tp > 1 (SP moves the same bus bytes
@@ -28,7 +28,8 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tetrad.config import Config, validate
+from tetrad.config import Config
+from tetrad.layout import Layout
 from tetrad.plan.cost import Planner, Prediction
 
 
@@ -122,7 +123,7 @@ def families(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Itera
 
 def _valid(cfg: Config, world: int) -> bool:
     try:
-        validate(cfg, world)
+        Layout.build(cfg, world)
     except ValueError:
         return False
     return True

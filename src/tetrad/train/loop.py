@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -15,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from tetrad.comm import Comm
-from tetrad.config import Config, validate
+from tetrad.config import Config
 from tetrad.devices import peak_tflops, pick
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
@@ -52,14 +54,18 @@ def pick_device(cfg: Config) -> torch.device:
     return device
 
 
-def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch.device]:
-    """Validate, then join the process group torchrun set up (if any) and build the mesh.
+def init_distributed(
+    cfg: Config, layout: Layout, timeout_s: float = 600.0
+) -> tuple[Mesh, torch.device]:
+    """Join the process group torchrun set up (if any) and build the mesh of `layout`
+    (validated for this world: `Layout.build`, before the first collective).
 
     `timeout_s` bounds the process group's own waits; tetrad's watchdog (`--timeout`), set
     shorter, names a stuck collective first."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    validate(cfg, world)  # every rank, before the first collective
+    if layout.world != world:
+        raise ValueError(f"the layout is for {layout.world} ranks, torchrun started {world}")
     device = pick_device(cfg)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -70,7 +76,7 @@ def init_distributed(cfg: Config, timeout_s: float = 600.0) -> tuple[Mesh, torch
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"tetrad/attempt{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return Mesh.build(cfg.parallel.degrees, rank), device
+    return Mesh.build(layout.degrees, rank), device
 
 
 def hf_weights(cfg: Config):
@@ -84,6 +90,15 @@ def hf_weights(cfg: Config):
     return hf.HFWeights(cfg.model.init_from_hf, cfg.model)
 
 
+def record_split(cfg: Config, layout: Layout) -> Config:
+    """`cfg` with a measured split written as the layer counts the layout fixed (what
+    checkpoints and config.json record)."""
+    if cfg.parallel.pp_split != "measured" or layout.split is None:
+        return cfg
+    split = ",".join(map(str, layout.split))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_split=split))
+
+
 class Trainer:
     """Builds the engine, optimizer and loader for this rank, and runs steps."""
 
@@ -94,8 +109,10 @@ class Trainer:
         device: torch.device,
         comm: Comm | None = None,
         stop: StopRequest | None = None,
+        layout: Layout | None = None,
     ):
-        validate(cfg, mesh.world_size)
+        """`layout`: `cfg`'s, already built for this world (built, so validated, here if not)."""
+        layout = layout or Layout.build(cfg, mesh.world_size)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.comm = comm or Comm(device)
         if self.comm.device != torch.device(device):
@@ -108,13 +125,14 @@ class Trainer:
         source = source_of(cfg, heldout)
         hf = hf_weights(cfg)
         # --pp-split measured: timed and agreed here, the resolved split used from now on
-        cfg = self.cfg = resolve_split(cfg, self.comm, mesh["world"], device)
-        self.engine = parallelize(cfg, mesh, self.comm, device)
+        layout = self.layout = resolve_split(layout, cfg.model, t, self.comm, mesh["world"], device)
+        cfg = self.cfg = record_split(cfg, layout)
+        self.engine = parallelize(layout, cfg.model, t, mesh, self.comm, device)
         if hf is not None:
             self.engine.load_full(hf)  # each rank reads only its slices
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
         cp = mesh["cp"]  # each cp rank then keeps its two chunks of every sequence
-        split = (batch.rank, batch.size, cfg.parallel.microbatches, cp.rank, cp.size)
+        split = (batch.rank, batch.size, layout.microbatches, cp.rank, cp.size)
         self.loader = Loader(source, t.global_batch, t.seq_len, *split)
         # the held-out split: never in a training batch (see TokenStream, Synthetic)
         self.eval_loader = (
@@ -123,7 +141,7 @@ class Trainer:
         self.step = 0
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)
-        self.model_state = model_state_bytes(cfg, mesh.rank).total  # exact, see parallel/memory
+        self.model_state = model_state_bytes(layout, cfg.model, mesh.rank).total  # exact
         # measured at every optimizer step: the live model-state tensors at the step boundary
         self.measured_state = measure_at_each_step(self.engine, self.optimizer)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -12,13 +13,22 @@ import torch.distributed as dist
 from tetrad.comm import Comm
 from tetrad.comm.watchdog import Watchdog
 from tetrad.config import Config
+from tetrad.layout import Layout
 from tetrad.train.loop import Trainer, init_distributed
 from tetrad.train.metrics import MetricsWriter, require_tensorboard
 from tetrad.train.stop import Preempted, StopRequest
 
 
-def run(cfg: Config, threads: int | None = None, timeline: str | None = None) -> list[dict]:
+def run(
+    cfg: Config,
+    threads: int | None = None,
+    timeline: str | None = None,
+    layout: Layout | None = None,
+) -> list[dict]:
     """Train `cfg` on this process's rank (torchrun's environment, or a single process).
+
+    layout: `cfg`'s, if the caller built it for this world already; built (and so
+    validated, once, before any collective) here otherwise.
 
     timeline: with pp > 1, a directory for the last step's pipeline timeline pictures.
     SIGTERM/SIGINT stop every rank after the same step with a checkpoint (`Preempted`);
@@ -26,16 +36,17 @@ def run(cfg: Config, threads: int | None = None, timeline: str | None = None) ->
     error the process group is left without a barrier: the peers must not wait for us."""
     if threads:
         torch.set_num_threads(threads)
+    layout = layout or Layout.build(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.train.tensorboard:
         require_tensorboard()  # every rank, before the first collective
     stop = StopRequest(grace=cfg.train.timeout)
     if threading.current_thread() is threading.main_thread():
         stop.install()
-    mesh, device = init_distributed(cfg, timeout_s=cfg.train.timeout + 60)
+    mesh, device = init_distributed(cfg, layout, timeout_s=cfg.train.timeout + 60)
     watchdog = Watchdog(cfg.train.timeout)
     clean = False
     try:
-        rows = _train(cfg, mesh, device, Comm(device, watchdog), stop, timeline)
+        rows = _train(cfg, layout, mesh, device, Comm(device, watchdog), stop, timeline)
         clean = True
         return rows
     except Preempted:
@@ -49,8 +60,11 @@ def run(cfg: Config, threads: int | None = None, timeline: str | None = None) ->
             dist.destroy_process_group()
 
 
-def _train(cfg: Config, mesh, device, comm: Comm, stop: StopRequest, timeline) -> list[dict]:
-    trainer = Trainer(cfg, mesh, device, comm, stop)
+def _train(
+    cfg: Config, layout: Layout, mesh, device, comm: Comm, stop: StopRequest, timeline
+) -> list[dict]:
+    trainer = Trainer(cfg, mesh, device, comm, stop, layout)
+    cfg = trainer.cfg  # a measured split, fixed
     resumed = trainer.resume()  # None: a fresh start
     writer = None
     try:
@@ -98,11 +112,11 @@ def write_step_timeline(trainer: Trainer, out_dir: str) -> None:
     """Gather the last step's pipeline timeline (every rank calls); rank 0 writes it."""
     from tetrad.parallel.pipeline.measure import measure_step, write_timeline
 
-    p = trainer.cfg.parallel
+    lay = trainer.layout
     run = trainer.engine.last_run
     events = run.events + run.comm_events  # computes, and the communication lane
     measured, simulated = measure_step(
-        events, trainer.comm, trainer.mesh["pp"], p.pp_schedule, p.microbatches, p.virtual_stages
+        events, trainer.comm, trainer.mesh["pp"], lay.schedule, lay.microbatches, lay.virtual_stages
     )
     if trainer.mesh.rank == 0:
         write_timeline(measured, simulated, out_dir)

@@ -5,13 +5,15 @@ embedding always sits on the first stage and the head (with the loss) on the las
 first or last stage may hold no layer at all; a middle stage holds at least one.
 
 `balance` finds the split that minimises the slowest stage, given a cost per item
-(embedding, each layer, head+loss), exactly; `even_split` and `parse_split` are the
-cost-blind alternatives.
+(embedding, each layer, head+loss), exactly; `even_split` and a user's split (checked by
+`layout.parse_split`) are the cost-blind alternatives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from tetrad.layout import check_split
 
 
 def even_split(n_layers: int, stages: int) -> list[int]:
@@ -21,28 +23,6 @@ def even_split(n_layers: int, stages: int) -> list[int]:
         raise ValueError(f"cannot split n_layers={n_layers} into stages={stages}")
     base, extra = divmod(n_layers, stages)
     return [base + (1 if i < extra else 0) for i in range(stages)]
-
-
-def parse_split(text: str, n_layers: int | None = None, stages: int | None = None) -> list[int]:
-    """Parse an explicit split such as "4,4,3,3" and validate it."""
-    try:
-        split = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise ValueError(f"pipeline split {text!r} must be comma-separated integers") from None
-    validate_split(split, n_layers, stages)
-    return split
-
-
-def validate_split(split: Sequence[int], n_layers: int | None, stages: int | None) -> None:
-    """Raise ValueError unless `split` is a valid layers-per-stage list."""
-    if not split or any(n < 0 for n in split):
-        raise ValueError(f"pipeline split {list(split)} needs non-negative layer counts")
-    if any(n < 1 for n in split[1:-1]):
-        raise ValueError(f"pipeline split {list(split)}: a middle stage holds no layer")
-    if stages is not None and len(split) != stages:
-        raise ValueError(f"pipeline split {list(split)} has {len(split)} stages, not {stages}")
-    if n_layers is not None and sum(split) != n_layers:
-        raise ValueError(f"pipeline split {list(split)} sums to {sum(split)}, not {n_layers}")
 
 
 def balance(
@@ -76,7 +56,7 @@ def balance(
 def stage_costs(costs: Sequence[float], split: Sequence[int]) -> list[float]:
     """Per-stage sum of item costs for a layers-per-stage split (embedding to the first
     stage, head to the last), e.g. to feed the simulator."""
-    validate_split(split, len(costs) - 2, None)
+    check_split(split, len(costs) - 2, None)
     bounds = _layers_to_bounds(split)
     return [sum(costs[i:j]) for i, j in zip(bounds, bounds[1:])]
 

@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from tetrad.comm import Comm, Flight, Work
-from tetrad.config import DTYPES, Config
 from tetrad.devices import Clock
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.parallel.pipeline.measure import ActivationMeter
@@ -335,17 +335,23 @@ class PipelineRuntime:
 
 
 def build_pipeline(
-    model: nn.Module, cfg: Config, mesh: Mesh, comm: Comm, chunks: list[Chunk], loss_fn: LossFn
+    model: nn.Module,
+    layout: Layout,
+    mesh: Mesh,
+    comm: Comm,
+    chunks: list[Chunk],
+    loss_fn: LossFn,
+    dim: int,
+    meter_every: int,
 ) -> PipelineRuntime:
-    """This rank's pipeline: its schedule's steps, and the split backward if it has W."""
-    p = cfg.parallel
-    actions = build_schedule(p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
+    """This rank's pipeline: its schedule's steps, and the split backward if it has W.
+    `dim`: the model's hidden size (what crosses a stage boundary per token)."""
+    actions = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     store = None
     mine = actions[mesh["pp"].rank]
     if any(a.kind == "W" for a in mine):
         store = WeightGradStore()
         defer_weight_grads(model, store)
-    seq = cfg.train.seq_len // p.cp // (p.tp if p.sp else 1)  # this rank's share
     if comm.device.type == "cuda":
         # NCCL creates a communicator on its first use, with every member; torch requires
         # that batched p2p not be that first use unless every rank joins the same batch
@@ -356,12 +362,12 @@ def build_pipeline(
         program(actions, early=EARLY[comm.device.type])[mesh["pp"].rank],
         mesh,
         comm,
-        (cfg.microbatch_size, seq, cfg.model.dim),
+        (layout.microbatch_size, layout.act_seq, dim),  # this rank's share of a microbatch
         loss_fn,
         store,
-        DTYPES[cfg.train.dtype],
+        layout.compute_dtype,
         final_actions(mine, chunks, [n for n, _ in model.named_parameters()]),
-        cfg.train.meter_every,
+        meter_every,
     )
 
 
@@ -400,12 +406,11 @@ def _chunk(chunks: list[Chunk], stage: int) -> Chunk:
     return next(c for c in chunks if c.stage == stage)
 
 
-def tied_across_stages(cfg: Config, mesh: Mesh) -> bool:
-    """Whether the tied embedding lives on two ranks (first and last stage) whose
-    gradients must be summed; zb-v's V puts both stages on one rank."""
-    p = cfg.parallel
-    if not cfg.model.tie_embeddings or p.pp == 1:
+def tied_across_stages(layout: Layout, tied: bool, mesh: Mesh) -> bool:
+    """Whether a tied embedding (`tied`: the model ties one) lives on two ranks (first and
+    last stage) whose gradients must be summed; zb-v's V puts both stages on one rank."""
+    if not tied or layout.pp == 1:
         return False
-    first = stage_to_rank(0, p.pp, p.virtual_stages, p.pp_schedule)
-    last = stage_to_rank(p.pp * p.virtual_stages - 1, p.pp, p.virtual_stages, p.pp_schedule)
+    pp, v, name = layout.pp, layout.virtual_stages, layout.schedule
+    first, last = stage_to_rank(0, pp, v, name), stage_to_rank(layout.stages - 1, pp, v, name)
     return first != last and mesh["pp_ends"].size > 1

@@ -7,7 +7,8 @@ produced it. The runtime executes the lists (`p2p.program` says when each transf
 posted and waited for), the simulator times them and the checker proves them complete and
 deadlock-free; all three read the same lists, so prediction and execution cannot disagree.
 
-Stages are global model chunks 0..pp*v-1. `stage_to_rank` places them on ranks.
+Stages are global model chunks 0..pp*v-1. `stage_to_rank` places them on ranks. Which
+requests a schedule accepts is a rule of the layout (`layout.check_schedule`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tetrad.layout import check_schedule
+
 COMPUTE = ("F", "B", "W", "BW")
 TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
-SPLIT_BACKWARD = ("zb-h1", "zb-v")  # backward split into B (inputs) and W (weights)
 
 
 @dataclass(frozen=True)
@@ -75,35 +76,11 @@ def placement(pp: int, v: int, name: str) -> Callable[[int], int]:
     return lambda stage: stage_to_rank(stage, pp, v, name)
 
 
-def validate(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
-    """Raise ValueError naming the values if the schedule cannot run this request."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
-    if pp < 1:
-        raise ValueError(f"pp must be >= 1, got pp={pp}")
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1, got microbatches={microbatches}")
-    v = virtual_stages
-    if name == "interleaved-1f1b":
-        if v < 2:
-            raise ValueError(f"interleaved-1f1b needs virtual_stages >= 2, got {v}")
-        if microbatches % pp != 0:
-            raise ValueError(
-                f"interleaved-1f1b needs microbatches % pp == 0, got "
-                f"microbatches={microbatches}, pp={pp}"
-            )
-    elif name == "zb-v":
-        if v != 2:
-            raise ValueError(f"zb-v holds exactly 2 stages per rank: virtual_stages=2, got {v}")
-    elif v != 1:
-        raise ValueError(f"{name} runs one stage per rank: virtual_stages must be 1, got {v}")
-
-
 def build_schedule(
     name: str, pp: int, microbatches: int, virtual_stages: int = 1
 ) -> list[list[Action]]:
     """Per-rank action lists (compute and transfers interleaved) for schedule `name`."""
-    validate(name, pp, microbatches, virtual_stages)
+    check_schedule(name, pp, microbatches, virtual_stages)
     orders = _ORDERS[name](pp, microbatches, virtual_stages)
     place = placement(pp, virtual_stages, name)
     return [add_transfers(order, place, pp * virtual_stages) for order in orders]

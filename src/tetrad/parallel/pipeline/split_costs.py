@@ -7,8 +7,9 @@ before the model is built every rank times, on one microbatch of the job's shape
 layer, and the final norm with the head and the loss. The work is the same on every rank;
 the timings are agreed by one all-reduce (max) over the whole world, so every rank
 balances the same costs (`partition.balance`) and computes the same split. The resolved
-split replaces "measured" in the configuration the engine is built from, so checkpoints,
-the memory accounting and a resumed job see the layer counts actually used.
+split is fixed in the `Layout` the engine is built from (and recorded in the trainer's
+configuration), so checkpoints, the memory accounting and a resumed job see the layer
+counts actually used.
 
 Memory stays small: a one-layer copy of the model is built (embedding, one block, head),
 and its block is timed once per layer index (Llama's blocks all have one shape, so every
@@ -25,8 +26,9 @@ from dataclasses import replace
 import torch
 
 from tetrad.comm import Comm
-from tetrad.config import DTYPES, Config
+from tetrad.config import ModelConfig, TrainConfig
 from tetrad.devices import Clock
+from tetrad.layout import Layout
 from tetrad.mesh import Group
 from tetrad.models.init import materialize
 from tetrad.models.llama import cross_entropy_sum, meta_llama, set_recompute
@@ -36,42 +38,49 @@ from tetrad.parallel.pipeline.partition import balance
 REPEATS = 3  # timed runs per item, after one untimed warm-up run of each kind
 
 
-def resolve_split(cfg: Config, comm: Comm, world: Group, device: torch.device) -> Config:
-    """`cfg` with "measured" replaced by the split balanced on timed costs (a collective
-    over `world`); any other configuration unchanged, without communication."""
-    p = cfg.parallel
-    if p.pp_split != "measured" or p.pp * p.virtual_stages == 1:
-        return cfg
-    costs = measure_item_costs(cfg, comm, world, device)
-    split = balance(costs, p.pp * p.virtual_stages)
-    return replace(cfg, parallel=replace(p, pp_split=",".join(map(str, split))))
+def resolve_split(
+    layout: Layout, m: ModelConfig, t: TrainConfig, comm: Comm, world: Group, device
+) -> Layout:
+    """`layout` with a "measured" split fixed to the one balanced on timed costs (a
+    collective over `world`); any other layout unchanged, without communication."""
+    if not layout.split_measured or layout.stages == 1:
+        return layout
+    costs = measure_item_costs(layout, m, t, comm, world, device)
+    return layout.with_split(balance(costs, layout.stages))
 
 
 def measure_item_costs(
-    cfg: Config, comm: Comm, world: Group, device: torch.device, repeats: int = REPEATS
+    layout: Layout,
+    m: ModelConfig,
+    t: TrainConfig,
+    comm: Comm,
+    world: Group,
+    device: torch.device,
+    repeats: int = REPEATS,
 ) -> list[float]:
     """Seconds of one microbatch's forward + backward per item, [embedding, layer_0, ...,
     layer_{L-1}, head + loss], the max over `world` (identical on every rank)."""
-    own = _time_items(cfg, device, repeats)
+    own = _time_items(layout, m, t, device, repeats)
     agreed = torch.tensor(own, dtype=torch.float64, device=comm.device)
     comm.all_reduce(agreed, world, op="max")
     return agreed.tolist()
 
 
-def _time_items(cfg: Config, device: torch.device, repeats: int) -> list[float]:
-    m, t = cfg.model, cfg.train
-    device = torch.device(device)
+def _time_items(
+    layout: Layout, m: ModelConfig, t: TrainConfig, device: torch.device, repeats: int
+) -> list[float]:
+    device, dtype = torch.device(device), layout.compute_dtype
     one = replace(m, layers=1)
-    model = materialize(meta_llama(one), one, t.seed, device).to(DTYPES[t.dtype])
+    model = materialize(meta_llama(one), one, t.seed, device).to(dtype)
     set_recompute(model, t.recompute)
     loss_fn = cross_entropy_sum
     if t.loss_chunk:  # the runtime's fused head and loss (see parallel._loss_fn)
         model.logits = False
         loss_fn = ChunkedCrossEntropy(model, t.loss_chunk)
     gen = torch.Generator().manual_seed(t.seed)
-    shape = (cfg.microbatch_size, t.seq_len)
+    shape = (layout.microbatch_size, layout.seq_len)
     tokens = torch.randint(0, m.vocab, shape, generator=gen).to(device)
-    hidden = torch.randn(*shape, m.dim, generator=gen).to(device, DTYPES[t.dtype])
+    hidden = torch.randn(*shape, m.dim, generator=gen).to(device, dtype)
     clock = Clock(device)
 
     def embedding() -> None:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from tetrad.config import Config
-from tetrad.parallel.pipeline.partition import balance, llama_layer_costs, parse_split
+from tetrad.config import ModelConfig
+from tetrad.layout import Layout
+from tetrad.parallel.pipeline.partition import balance, llama_layer_costs
 from tetrad.parallel.pipeline.schedules import rank_stages
 
 
@@ -28,30 +29,27 @@ class Chunk:
     last: bool
 
 
-def layer_split(cfg: Config) -> list[int]:
-    """Layers per global stage: the user's `pp_split`, or balanced on analytic FLOPs
-    (embedding on the first stage, head and loss on the last).
+def layer_split(layout: Layout, m: ModelConfig) -> list[int]:
+    """Layers per global stage: the layout's checked split (the user's `pp_split`), or
+    balanced on analytic FLOPs (embedding on the first stage, head and loss on the last).
 
     "measured" is resolved into layer counts before the engine is built (split_costs.py,
     a collective warm-up); met here unresolved, by the planner, which runs nothing, it
     is predicted by the analytic split."""
-    p, m = cfg.parallel, cfg.model
-    stages = p.pp * p.virtual_stages
-    if p.pp_split and p.pp_split != "measured":
-        return parse_split(p.pp_split, m.layers, stages)
+    if layout.split is not None:
+        return list(layout.split)
     costs = llama_layer_costs(
-        m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads, m.vocab, cfg.train.seq_len
+        m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads, m.vocab, layout.seq_len
     )
-    return balance(costs, stages)
+    return balance(costs, layout.stages)
 
 
-def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
+def rank_chunks(layout: Layout, m: ModelConfig, pp_rank: int) -> list[Chunk]:
     """The chunks `pp_rank` runs, in increasing stage order."""
-    p = cfg.parallel
-    split = layer_split(cfg)
+    split = layer_split(layout, m)
     starts = [sum(split[:i]) for i in range(len(split))]
     out = []
-    for s in rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule):
+    for s in rank_stages(pp_rank, layout.pp, layout.virtual_stages, layout.schedule):
         layers = tuple(str(i) for i in range(starts[s], starts[s] + split[s]))
         out.append(Chunk(s, layers, s == 0, s == len(split) - 1))
     return out

@@ -1,0 +1,256 @@
+"""`Layout`: one job's configuration checked against one world, built once.
+
+Every fact the parallel code, the trainer and the planner read about how the job is laid
+out lives here, derived in one place: the degrees and the world, the local shapes (a
+microbatch's sequences on a data rank, the sequence a rank holds under cp and under sp),
+the torch dtypes, and the pipeline's checked schedule and stage split. `Layout.build` is
+the only place validation runs on the training path; it runs on every rank before the
+first collective and raises a `ValueError` naming the offending values.
+
+The pipeline schedules' and the stage split's rules are pure and live here, below every
+part that applies them (the runtime, the simulator, the planner's search), so nothing
+here imports upward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tetrad.config import CP_ATTENTION, DTYPES, Config, ModelConfig, ParallelConfig, check_sections
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+SPLIT_BACKWARD = ("zb-h1", "zb-v")  # backward split into B (inputs) and W (weights)
+AXES = ("pp", "dp", "fsdp", "cp", "tp")  # the mesh's axes, outermost first
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The validated layout of one job on `world` ranks (see the module docstring)."""
+
+    degrees: dict[str, int]  # axis -> size, outermost first (pp, dp, fsdp, cp, tp)
+    microbatches: int
+    microbatch_size: int  # sequences per microbatch on one data rank
+    seq_len: int  # a whole sequence's tokens
+    local_seq: int  # the tokens of a sequence this rank holds: seq_len / cp
+    sp: bool
+    cp_attention: str
+    zero_stage: int
+    reshard_after_forward: bool
+    bucket_bytes: int
+    schedule: str
+    virtual_stages: int
+    split: tuple[int, ...] | None  # layers per global stage; None: balanced on costs
+    split_measured: bool  # --pp-split measured: timed in a warm-up, then fixed
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype = torch.float32  # the optimizer's copy of the weights
+
+    @classmethod
+    def build(cls, cfg: Config, world: int | None = None) -> Layout:
+        """Validate `cfg` (for `world` ranks if given) and derive its layout."""
+        check_sections(cfg)
+        p = cfg.parallel
+        _check_parallel(p, world)
+        split = _check_split(p, cfg.model.layers)
+        _check_shapes(cfg)
+        return cls(
+            degrees={axis: getattr(p, axis) for axis in AXES},
+            microbatches=p.microbatches,
+            microbatch_size=cfg.train.global_batch // (p.data_ranks * p.microbatches),
+            seq_len=cfg.train.seq_len,
+            local_seq=cfg.train.seq_len // p.cp,
+            sp=p.sp,
+            cp_attention=p.cp_attention,
+            zero_stage=p.zero_stage,
+            reshard_after_forward=p.reshard_after_forward,
+            bucket_bytes=int(p.bucket_mb * 2**20),
+            schedule=p.pp_schedule,
+            virtual_stages=p.virtual_stages,
+            split=split,
+            split_measured=p.pp_split == "measured",
+            compute_dtype=DTYPES[cfg.train.dtype],
+            reduce_dtype=DTYPES[p.reduce_dtype],
+        )
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.degrees.values())
+
+    @property
+    def pp(self) -> int:
+        return self.degrees["pp"]
+
+    @property
+    def tp(self) -> int:
+        return self.degrees["tp"]
+
+    @property
+    def cp(self) -> int:
+        return self.degrees["cp"]
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different sequences (cp ranks share theirs)."""
+        return self.degrees["dp"] * self.degrees["fsdp"]
+
+    @property
+    def stages(self) -> int:
+        """Global pipeline stages: pp ranks times the stages each holds."""
+        return self.pp * self.virtual_stages
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits backward into B (inputs) and W (weights)."""
+        return self.schedule in SPLIT_BACKWARD
+
+    @property
+    def act_seq(self) -> int:
+        """The tokens of a sequence one rank's activations hold between blocks: under sp
+        the tp ranks split this rank's share again."""
+        return self.local_seq // self.tp if self.sp else self.local_seq
+
+    @property
+    def microbatch_tokens(self) -> int:
+        """Tokens of one microbatch this rank computes: sequences x its share of each."""
+        return self.microbatch_size * self.local_seq
+
+    def with_split(self, split: Sequence[int]) -> Layout:
+        """This layout with the stage split fixed (a measured split, once agreed)."""
+        check_split(split, None, self.stages)
+        return dataclasses.replace(self, split=tuple(split), split_measured=False)
+
+
+# --- the rules, pure --------------------------------------------------------------------
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
+    """Raise ValueError naming the values if schedule `name` cannot run this request."""
+    _require(name in SCHEDULES, f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
+    _require(pp >= 1, f"pp must be >= 1, got pp={pp}")
+    _require(microbatches >= 1, f"microbatches must be >= 1, got microbatches={microbatches}")
+    v = virtual_stages
+    if name == "interleaved-1f1b":
+        _require(v >= 2, f"interleaved-1f1b needs virtual_stages >= 2, got {v}")
+        _require(
+            microbatches % pp == 0,
+            f"interleaved-1f1b needs microbatches % pp == 0, got microbatches={microbatches},"
+            f" pp={pp}",
+        )
+    elif name == "zb-v":
+        _require(v == 2, f"zb-v holds exactly 2 stages per rank: virtual_stages=2, got {v}")
+    else:
+        _require(v == 1, f"{name} runs one stage per rank: virtual_stages must be 1, got {v}")
+
+
+def parse_split(text: str, n_layers: int | None = None, stages: int | None = None) -> list[int]:
+    """Parse an explicit split such as "4,4,3,3" (layers per stage) and check it."""
+    try:
+        split = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"pipeline split {text!r} must be comma-separated integers") from None
+    check_split(split, n_layers, stages)
+    return split
+
+
+def check_split(split: Sequence[int], n_layers: int | None, stages: int | None) -> None:
+    """Raise ValueError unless `split` is a valid layers-per-stage list: the embedding sits
+    on the first stage and the head on the last, so only a middle stage needs a layer."""
+    if not split or any(n < 0 for n in split):
+        raise ValueError(f"pipeline split {list(split)} needs non-negative layer counts")
+    if any(n < 1 for n in split[1:-1]):
+        raise ValueError(f"pipeline split {list(split)}: a middle stage holds no layer")
+    if stages is not None and len(split) != stages:
+        raise ValueError(f"pipeline split {list(split)} has {len(split)} stages, not {stages}")
+    if n_layers is not None and sum(split) != n_layers:
+        raise ValueError(f"pipeline split {list(split)} sums to {sum(split)}, not {n_layers}")
+
+
+def _check_parallel(p: ParallelConfig, world: int | None) -> None:
+    for name in ("dp", "fsdp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
+        _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    if world is not None:
+        _require(
+            p.world_size == world,
+            f"world size {world} != dp*fsdp*cp*tp*pp = {p.dp}*{p.fsdp}*{p.cp}*{p.tp}*{p.pp}"
+            f" = {p.world_size}",
+        )
+    _require(
+        p.cp_attention in CP_ATTENTION,
+        f"cp_attention={p.cp_attention!r} is not one of {CP_ATTENTION}",
+    )
+    _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
+    _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
+    _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {tuple(DTYPES)}")
+    _require(not p.sp or p.tp > 1, "sp=True needs tp > 1 (sequence parallelism splits over tp)")
+    _require(
+        p.pp_schedule in SCHEDULES,
+        f"pp_schedule={p.pp_schedule!r} is not one of {SCHEDULES}",
+    )
+    if p.pp > 1 or p.virtual_stages > 1:
+        check_schedule(p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
+
+
+def _check_split(p: ParallelConfig, layers: int) -> tuple[int, ...] | None:
+    """pp_split: "" (balanced on the model's costs), "measured" (balanced on costs timed
+    in a warm-up) or layer counts per stage such as "5,3" (checked against layers and
+    stages); the counts, or None when they are still to be balanced."""
+    if p.pp_split in ("", "measured"):
+        return None
+    stages = p.pp * p.virtual_stages
+    try:
+        parse_split(p.pp_split, layers if stages > 1 else None)
+        split = parse_split(p.pp_split, layers, stages) if stages > 1 else None
+    except ValueError as e:
+        raise ValueError(
+            f"pp_split={p.pp_split!r} is not '', 'measured' or layer counts per stage "
+            f"(model.layers={layers}, pp*virtual_stages={stages}): {e}"
+        ) from None
+    return tuple(split) if split else None
+
+
+def _check_shapes(cfg: Config) -> None:
+    p, t = cfg.parallel, cfg.train
+    per = p.data_ranks * p.microbatches
+    _require(
+        t.global_batch % per == 0,
+        f"global_batch={t.global_batch} is not divisible by data ranks (dp*fsdp={p.data_ranks})"
+        f" x microbatches={p.microbatches} = {per}",
+    )
+    if p.tp > 1:
+        _check_tp(cfg.model, p.tp)
+    if p.cp > 1:  # 2·cp chunks per sequence, rank r holding chunks r and 2·cp-1-r
+        _require(
+            t.seq_len % (2 * p.cp) == 0,
+            f"cp={p.cp} splits every sequence into 2*cp={2 * p.cp} equal chunks: seq_len="
+            f"{t.seq_len} is not divisible by {2 * p.cp}",
+        )
+    if p.sp:  # sp splits the sequence share this rank holds (all of it without cp)
+        _require(
+            (t.seq_len // p.cp) % p.tp == 0,
+            f"sp needs seq_len/cp divisible by tp: seq_len={t.seq_len}, tp={p.tp}, cp={p.cp}",
+        )
+    stages = p.pp * p.virtual_stages
+    _require(
+        cfg.model.layers >= stages,
+        f"model.layers={cfg.model.layers} < pp*virtual_stages={p.pp}*{p.virtual_stages} = {stages}",
+    )
+
+
+def _check_tp(m: ModelConfig, tp: int) -> None:
+    _require(m.heads % tp == 0, f"model.heads={m.heads} is not divisible by tp={tp}")
+    _require(
+        m.kv_heads % tp == 0 or tp % m.kv_heads == 0,
+        f"model.kv_heads={m.kv_heads} and tp={tp}: one must divide the other",
+    )
+    _require(m.dim % tp == 0, f"model.dim={m.dim} is not divisible by tp={tp}")
+    _require(m.hidden_dim % tp == 0, f"ffn hidden size {m.hidden_dim} is not divisible by tp={tp}")
