@@ -33,7 +33,7 @@ import harness
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.layout import Layout
 from tetrad.models.flops import param_count
-from tetrad.parallel.memory import measure_at_each_step, model_state_bytes, zero_formula_bytes
+from tetrad.parallel.model_state import measure_at_each_step, model_state_bytes, zero_formula_bytes
 from tetrad.testing import spawn
 
 

@@ -36,7 +36,8 @@ import torch
 import harness
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.mesh import Mesh
-from tetrad.plan.cost import TETRAD, Planner
+from tetrad.plan.cost import Planner
+from tetrad.plan.engines import TETRAD
 from tetrad.plan.hardware import cluster_preset
 from tetrad.testing import spawn
 

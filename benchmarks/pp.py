@@ -72,7 +72,8 @@ from tetrad.config import Config
 from tetrad.layout import Layout
 from tetrad.models.init import materialize
 from tetrad.models.llama import Llama, cross_entropy_sum
-from tetrad.parallel.pipeline.measure import ActivationMeter, measure_step, plot_pair
+from tetrad.parallel.activation_meter import ActivationMeter
+from tetrad.parallel.pipeline.measure import measure_step, plot_pair
 from tetrad.parallel.pipeline.partition import even_split, llama_layer_costs, stage_costs
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.split_costs import measure_item_costs
@@ -485,7 +486,8 @@ def main() -> None:
         ranks = spawn(worker, pp, args.rounds, timelines, phases, timeout=3600)
         results.append(summarize(pp, ranks, phases))
     harness.report("pp", bench_config(2), results, microbatches=MICROBATCHES,
-                   rounds=args.rounds, phases=phases, loss="full logits on both sides (tetrad loss_chunk=0)",
+                   rounds=args.rounds, phases=phases,
+                   loss="full logits on both sides (tetrad loss_chunk=0)",
                    tolerance=TOLERANCE, seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
 
 

@@ -5,7 +5,7 @@ sequences of 128 tokens per step, 2 ranks as dp, fsdp (ZeRO-3), tp and pp (1F1B,
 microbatches); for each recompute mode, one step with the chunked loss (the default) and
 one with full logits (`--loss-chunk 0`). Measured: the model state live after the
 optimizer step, and the peak of saved activations (the saved-tensor meter); predicted:
-`parallel/memory.py` and the planner (`plan/`). Prints markdown tables, writes the PNG.
+`parallel/model_state.py` and the planner (`plan/`). Prints markdown tables, writes the PNG.
 
     .venv/bin/python scripts/memory_figure.py docs/memory.png
 """
@@ -19,8 +19,9 @@ import torch
 from tetrad.config import from_dict
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
-from tetrad.parallel.memory import model_state_bytes
-from tetrad.plan.cost import TETRAD, Planner
+from tetrad.parallel.model_state import model_state_bytes
+from tetrad.plan.cost import Planner
+from tetrad.plan.engines import TETRAD
 from tetrad.plan.hardware import cluster_preset
 from tetrad.testing import spawn
 

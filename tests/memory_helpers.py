@@ -20,7 +20,7 @@ from harness import trainer_for
 from tetrad.config import from_dict
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
-from tetrad.parallel.memory import model_state_bytes
+from tetrad.parallel.model_state import model_state_bytes
 
 
 def train_and_measure(rank: int, world: int, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,7 +79,8 @@ def check_bf16(layout: Any, ranks: list[dict], bf16: dict, fp32: dict) -> None:
 def predicted_activations(cfg, rank: int) -> float:
     """The planner's peak activation bytes for global `rank` of `cfg` (tetrad's engine,
     cfg's recompute mode)."""
-    from tetrad.plan.cost import TETRAD, Planner
+    from tetrad.plan.cost import Planner
+    from tetrad.plan.engines import TETRAD
     from tetrad.plan.hardware import cluster_preset
 
     planner = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute)

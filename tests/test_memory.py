@@ -11,7 +11,7 @@ from harness import reference_csv, tiny_config, trainer_for
 from tetrad.config import model_preset
 from tetrad.layout import Layout
 from tetrad.models.flops import param_count
-from tetrad.parallel.memory import (
+from tetrad.parallel.model_state import (
     ADAM_BYTES,
     STEP_BYTES,
     local_parameters,

@@ -12,7 +12,7 @@ import torch
 from harness import tiny_config
 from memory_helpers import BF16_VISIBLE, by_layout, check_bf16, max_rel, train_and_measure
 from tetrad.models.flops import param_count
-from tetrad.parallel.memory import ModelState
+from tetrad.parallel.model_state import ModelState
 from tetrad.testing import spawn
 
 BF16 = {"dtype": "bf16"}

@@ -22,10 +22,11 @@ from harness import reference_csv
 from tetrad.config import ModelConfig, model_preset
 from tetrad.layout import Layout
 from tetrad.models.flops import param_count
-from tetrad.parallel.memory import model_state_bytes, zero_formula_bytes
+from tetrad.parallel.model_state import model_state_bytes, zero_formula_bytes
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
-from tetrad.plan.cost import ENGINES, MEGATRON, Planner
+from tetrad.plan.cost import Planner
+from tetrad.plan.engines import ENGINES, MEGATRON
 from tetrad.plan.hardware import GiB, calibrated, cluster_preset
 from tetrad.plan.layouts import cp_exchange_bytes, gpt_as_llama, layout_config
 from tetrad.plan.search import Space, search
@@ -224,7 +225,7 @@ def test_korthikanti_table_is_the_csv():
 def test_llama_layer_is_what_autograd_saves(dtype):
     """The Llama composition against a live count of the tensors autograd saves (tp=1)."""
     from tetrad.models.llama import Llama, cross_entropy_sum
-    from tetrad.parallel.pipeline.measure import ActivationMeter
+    from tetrad.parallel.activation_meter import ActivationMeter
 
     m = ModelConfig(layers=1, dim=64, heads=4, kv_heads=2, vocab=512, ffn_dim=96)
     b, s = 2, 32

@@ -24,7 +24,8 @@ from harness import trainer_for
 from tetrad.cli import build_config, parser
 from tetrad.config import model_preset
 from tetrad.plan.calibrate import Run, calibrate, read_run, with_link_scale
-from tetrad.plan.cost import TETRAD, Planner
+from tetrad.plan.cost import Planner
+from tetrad.plan.engines import TETRAD
 from tetrad.plan.hardware import at_efficiency, cluster_preset
 from tetrad.plan.layouts import layout_config
 from tetrad.testing import spawn

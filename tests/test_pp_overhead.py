@@ -141,4 +141,5 @@ def test_meter_counts_only_its_steps_and_changes_nothing(schedule):
             for k, w in always["weights"].items():
                 assert torch.equal(once["weights"][k], w), k
     # sent outputs are freed on the steps that count nothing, too
-    assert schedule == "dp" or any(n > 0 for out in ranks for n in out[0]["freed"][1:]), [o[0]["freed"] for o in ranks]
+    freed = [o[0]["freed"] for o in ranks]
+    assert schedule == "dp" or any(n > 0 for out in freed for n in out[1:]), freed

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from harness import tiny_config, trainer_for
-from tetrad.parallel.pipeline.measure import ActivationMeter, estimate_costs
+from tetrad.parallel.activation_meter import ActivationMeter
+from tetrad.parallel.pipeline.measure import estimate_costs
 from tetrad.parallel.pipeline.timeline import Event, Timeline
 from tetrad.testing import spawn
 

@@ -22,7 +22,7 @@ def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
     """Train each config in turn; per run: losses, norms, one step's comm, memory, weights."""
     from tetrad.config import from_dict
     from tetrad.layout import Layout
-    from tetrad.parallel.memory import measure_at_each_step, model_state_bytes
+    from tetrad.parallel.model_state import measure_at_each_step, model_state_bytes
 
     out = []
     for raw in runs:
@@ -54,7 +54,7 @@ def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
 def _layouts(cfg) -> list:
     """The unit layouts of rank 0 (the same sizes on every rank of one tp/pp coordinate)."""
     from tetrad.layout import Layout
-    from tetrad.parallel.memory import local_parameters
+    from tetrad.parallel.model_state import local_parameters
     from tetrad.parallel.zero import plan_units
 
     named, replicated = local_parameters(Layout.build(cfg), cfg.model, 0)

@@ -68,11 +68,6 @@ def drop_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
-def drop_nproc(argv: list[str]) -> list[str]:
-    """`argv` without `--nproc N` / `--nproc=N` (the ranks must not launch again)."""
-    return drop_flags(argv, ("--nproc",))
-
-
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask Linux to send `sig` to this process when its parent dies (elsewhere: nothing)."""
     with contextlib.suppress(OSError, AttributeError):

@@ -134,8 +134,12 @@ class Comm:
         self.device, self.clock = device, Clock(device)
         self.stats: dict[tuple[str, str], OpStats] = defaultdict(lambda: OpStats(clock=self.clock))
         # when a list: every async collective's `Flight` is appended (a pipeline step's
-        # communication lane)
+        # communication lane); set by `trace_into`
         self.trace: list[Flight] | None = None
+
+    def trace_into(self, flights: list[Flight] | None) -> None:
+        """Append every async collective's `Flight` to `flights` from now on (None: stop)."""
+        self.trace = flights
 
     def check_device(self, t: torch.Tensor, group: Group, op: str) -> None:
         """Refuse a tensor that is not on the compute device (NCCL would, less clearly)."""

@@ -175,6 +175,11 @@ class Llama(nn.Module):
             h = self.layers[name](h)
         return self.head(self.norm(h)) if head else h
 
+    def end_at_norm(self) -> None:
+        """From now on the last stage returns the final-normed hidden states: a fused
+        loss (models/loss.py) applies the head in chunks, so full logits never exist."""
+        self.logits = False
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Output projection, tied to the embedding when configured (or, with `logits`
         off, nothing: the loss projects)."""

@@ -16,10 +16,10 @@ from tetrad.parallel.engine import Engine
 from tetrad.parallel.local import local_model
 from tetrad.parallel.pipeline.runtime import build_pipeline, tied_across_stages
 from tetrad.parallel.runner import GradSync, LossFn, MicrobatchLoop, Runner
-from tetrad.parallel.state import PlainState
+from tetrad.parallel.state_adapter import PlainAdapter
 from tetrad.parallel.tensor import TPLayout
 from tetrad.parallel.zero import ZeroShards
-from tetrad.parallel.zero_state import ZeroState
+from tetrad.parallel.zero_adapter import ZeroAdapter
 
 TIED = "tok_embeddings.weight"  # the embedding a tied head reuses
 
@@ -71,11 +71,11 @@ def parallelize(
     if layout.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
         shards = ZeroShards(model, mesh, comm, layout, replicated, tied)  # tied: full grads
         grads, replicated = shards, {**replicated, **shards.view_replicated()}
-        state = ZeroState(shards, model, *where)
+        state = ZeroAdapter(shards, model, *where)
         runner.meter.exclude(u.flat for u in shards.units)  # parameters, not activations
     else:
         grads = _replicated_grads(model, layout, mesh, comm)
-        state = PlainState(model, *where, grads.params())
+        state = PlainAdapter(model, *where, grads.params())
         if tied is not None:
             grads = TiedGrads(grads, *tied, comm)
     return Engine(model, mesh, comm, runner, grads, state, replicated)
@@ -96,5 +96,5 @@ def _loss_fn(model: torch.nn.Module, chunk: int, tp: TPLayout | None) -> LossFn:
     under tp either way."""
     if chunk == 0:
         return tp.loss_fn if tp else cross_entropy_sum
-    model.logits = False
+    model.end_at_norm()
     return tp.chunked_loss_fn(model, chunk) if tp else ChunkedCrossEntropy(model, chunk)

@@ -28,6 +28,7 @@ from torch import nn
 
 from tetrad.comm import Comm, Work
 from tetrad.mesh import Group
+from tetrad.parallel.runner import Held
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -88,6 +89,9 @@ class LocalGrads:
         self.masters = Masters(named, dtype) if dtype != torch.float32 else None
         self.sync = True
 
+    def reduce_in_backward(self, on: bool) -> None:
+        self.sync = on
+
     def params(self) -> Named:
         """The optimizer's tensors: the parameters, or their fp32 masters."""
         return self.masters.named if self.masters else self.named
@@ -111,6 +115,11 @@ class LocalGrads:
     def after_step(self) -> None:
         if self.masters:
             self.masters.copy_to_model()
+
+    def held(self) -> Held:
+        params = [p for _, p in self.named]
+        masters = [m for _, m in self.masters.named] if self.masters else []
+        return Held(params, [t.grad for t in params + masters], masters)
 
 
 class GradBuckets(LocalGrads):
@@ -231,13 +240,8 @@ class TiedGrads:
         self.inner, self.group, self.comm = inner, group, comm
         self.tied = dict(inner.params())[tied]  # the parameter, or its fp32 master
 
-    @property
-    def sync(self) -> bool:
-        return self.inner.sync
-
-    @sync.setter
-    def sync(self, value: bool) -> None:
-        self.inner.sync = value
+    def reduce_in_backward(self, on: bool) -> None:
+        self.inner.reduce_in_backward(on)
 
     def final(self, names: Collection[str]):
         """The inner sync's (the sum over `group` waits for `finish`)."""
@@ -255,3 +259,6 @@ class TiedGrads:
 
     def after_step(self) -> None:
         self.inner.after_step()
+
+    def held(self) -> Held:
+        return self.inner.held()

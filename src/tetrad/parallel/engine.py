@@ -24,7 +24,7 @@ from tetrad.comm import Comm
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.parallel.runner import GradSync, Runner, RunResult
-from tetrad.parallel.state import PlainState
+from tetrad.parallel.state_adapter import PlainAdapter
 
 
 class Engine:
@@ -34,7 +34,7 @@ class Engine:
     """
 
     __slots__ = ("model", "mesh", "comm", "runner", "grads", "state", "replicated")
-    __slots__ += ("last_run", "step_hooks")
+    __slots__ += ("last_run", "_step_hooks")
 
     def __init__(
         self,
@@ -43,7 +43,7 @@ class Engine:
         comm: Comm,
         runner: Runner,
         grads: GradSync,
-        state: PlainState,
+        state: PlainAdapter,
         replicated: dict[str, tuple[str, ...]],
     ):
         self.model, self.mesh, self.comm = model, mesh, comm
@@ -52,7 +52,7 @@ class Engine:
         self.replicated = replicated
         self.last_run: RunResult | None = None
         # called right after each optimizer step, before `grads.after_step` (measurement)
-        self.step_hooks: list[Callable[[], None]] = []
+        self._step_hooks: list[Callable[[], None]] = []
 
     @property
     def device(self) -> torch.device:
@@ -94,8 +94,13 @@ class Engine:
     def zero_grad(self) -> None:
         self.grads.zero_grad()
 
+    def on_step(self, hook: Callable[[], None]) -> None:
+        """Call `hook` right after every optimizer step, before `grads.after_step` (when
+        parameters, gradients and optimizer state are all alive: a measurement's moment)."""
+        self._step_hooks.append(hook)
+
     def after_step(self) -> None:
-        for hook in self.step_hooks:
+        for hook in self._step_hooks:
             hook()
         self.grads.after_step()
 
@@ -105,7 +110,7 @@ class Engine:
         return self.state.full_state_dict()
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        """Full logical AdamW state (a collective); see `PlainState.full_optimizer_state`."""
+        """Full logical AdamW state (a collective); see `PlainAdapter.full_optimizer_state`."""
         return self.state.full_optimizer_state(optimizer)
 
     def load_full(self, params, optim=None, optimizer=None) -> None:

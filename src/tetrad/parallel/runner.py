@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tetrad.models.batch import Microbatch
-from tetrad.parallel.meter import ActivationMeter
+from tetrad.parallel.activation_meter import ActivationMeter
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -41,11 +41,23 @@ class RunResult:
         return []
 
 
+@dataclass
+class Held:
+    """The live tensors of a gradient sync's model state, by category (what the memory
+    measurement counts; shared storage is counted once, in the first category)."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    masters: list[torch.Tensor]  # fp32 copies the optimizer steps (mixed precision)
+
+
 class GradSync(Protocol):
     """Makes this rank's gradients those of the global batch, and owns the tensors the
     optimizer updates (the parameters, or ZeRO's shard views of them)."""
 
-    sync: bool  # False: this backward only accumulates (no_sync); set by the runner
+    def reduce_in_backward(self, on: bool) -> None:
+        """Whether the next backward's hooks launch the reductions (the last microbatch's);
+        off: it only accumulates (no_sync), and only `final` launches."""
 
     def params(self) -> list[tuple[str, nn.Parameter]]: ...
 
@@ -60,6 +72,9 @@ class GradSync(Protocol):
 
     def after_step(self) -> None:
         """After the optimizer (ZeRO-1/2 gather the updated shards)."""
+
+    def held(self) -> Held:
+        """The tensors of the model state it owns (parameters, gradients, masters)."""
 
 
 class Runner(Protocol):
@@ -89,7 +104,7 @@ class MicrobatchLoop:
         self.meter.reset(self.model.parameters())
         for i, mb in enumerate(micro):
             # no_sync: only the last microbatch's backward launches the reductions
-            grads.sync = i == len(micro) - 1
+            grads.reduce_in_backward(i == len(micro) - 1)
             with self.meter.saving():
                 logits = self.model(mb.inputs.to(device))
                 loss = self.loss_fn(logits, mb.targets.to(device)) / denom

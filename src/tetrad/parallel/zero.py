@@ -53,6 +53,7 @@ from tetrad.comm import Comm, Work
 from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.plans import decays
+from tetrad.parallel.runner import Held
 
 ROOT = "root"
 ROOT_ORDER = {"tok_embeddings": 0, "norm": 1, "output": 2}  # forward order of root modules
@@ -297,6 +298,10 @@ class ZeroShards:
         self.done: set[str] = set()  # parameters whose last backward work has run
         self._register_hooks(model)
 
+    def reduce_in_backward(self, on: bool) -> None:
+        """See `GradSync`: off, a unit reduces only when armed by `final`."""
+        self.sync = on
+
     def _build(self, layout: UnitLayout, model: nn.Module) -> FlatUnit:
         unit = FlatUnit(layout, model, self.group.rank, self.stage, self.dtype, self.device)
         if self.stage == 3:
@@ -528,6 +533,15 @@ class ZeroShards:
                 u.gathered = False
                 self.prefetch(u)
             self.drain()
+
+    def held(self) -> Held:
+        """fp32: the master shards are the parameters (views of them below stage 3);
+        mixed precision: the compute buffers, and the masters beside them."""
+        mixed = any(u.data.dtype != torch.float32 for u in self.units)
+        masters = [u.master for u in self.units]
+        params = [u.data for u in self.units] + ([] if mixed else masters)
+        grads = [u.flat.grad for u in self.units] + [u.grad for u in self.units]
+        return Held(params, grads, masters if mixed else [])
 
     # --- views for the engine ------------------------------------------------------------
     def params(self) -> list[tuple[str, nn.Parameter]]:

@@ -25,7 +25,8 @@ from tetrad.config import Config, ModelConfig, model_preset
 from tetrad.layout import SCHEDULES
 from tetrad.plan.activations import RECOMPUTE
 from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
-from tetrad.plan.cost import ENGINES, Planner
+from tetrad.plan.cost import Planner
+from tetrad.plan.engines import ENGINES
 from tetrad.plan.hardware import CLUSTERS, Cluster, at_efficiency, calibrated, cluster_preset
 from tetrad.plan.layouts import layout_config
 from tetrad.plan.search import Space, search

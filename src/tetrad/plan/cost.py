@@ -30,7 +30,7 @@ The model, per optimizer step (b microbatch size, s sequence, h hidden, t = tp):
   keys and values of the other cp - 1 shards forward and their gradients backward
   (`cp_exchange_bytes`), exposed unless the engine's ring overlaps them.
 
-`Engine` (`plan.engines`) says what an implementation overlaps, runs and keeps: `TETRAD`
+`Implementation` (`plan.engines`) says what an implementation overlaps, runs and keeps: `TETRAD`
 is tetrad today; the others describe the published systems the planner is checked
 against.
 """
@@ -55,18 +55,7 @@ from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.plan import activations as act
 from tetrad.plan.compute import ComputeModel
-from tetrad.plan.engines import (  # noqa: F401  (the engines are part of this module's API)
-    DEEPSPEED,
-    ENGINES,
-    MEGATRON,
-    MEGATRON_2021,
-    TETRAD,
-    TORCHTITAN,
-    TORCHTITAN_ASYNC_TP,
-    TORCHTITAN_COMPILE,
-    TP_OVERLAP,
-    Engine,
-)
+from tetrad.plan.engines import TETRAD, Implementation
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster, at_efficiency
 from tetrad.plan.layouts import cbytes, cp_exchange_bytes, describe, layout_of, local_tokens
@@ -118,7 +107,7 @@ class Planner:
     """Predicts layouts of one model on one cluster; caches the per-rank model facts that
     many layouts share (building the meta model is the slow part of a search)."""
 
-    def __init__(self, cluster: Cluster, engine: Engine = TETRAD, recompute: str = "none"):
+    def __init__(self, cluster: Cluster, engine: Implementation = TETRAD, recompute: str = "none"):
         if recompute not in act.RECOMPUTE:
             raise ValueError(f"recompute={recompute!r} is not one of {act.RECOMPUTE}")
         if not cluster.overlap:  # nothing runs beside the compute on this machine
@@ -489,7 +478,7 @@ def _rank_of_stage(cfg: Config, stage: int) -> int:
     return stage_to_rank(stage, p.pp, p.virtual_stages, p.pp_schedule)
 
 
-def predict(cfg: Config, cluster: Cluster, engine: Engine = TETRAD,
+def predict(cfg: Config, cluster: Cluster, engine: Implementation = TETRAD,
             recompute: str = "none") -> Prediction:  # fmt: skip
     """Predict one layout (a fresh Planner; use a Planner to predict many)."""
     return Planner(cluster, engine, recompute).predict(cfg)

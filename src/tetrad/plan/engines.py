@@ -1,4 +1,4 @@
-"""What an implementation overlaps, runs and keeps, beyond the layout itself: `Engine`,
+"""What an implementation overlaps, runs and keeps, beyond the layout itself: `Implementation`,
 and the engines the planner describes (tetrad, and the published systems it is checked
 against). docs/plan.md, "Engines", gives the table and the sources."""
 
@@ -11,7 +11,7 @@ from tetrad.plan.compute import Kernels
 
 
 @dataclass(frozen=True)
-class Engine:
+class Implementation:
     """What an implementation hides or holds, beyond the layout itself.
 
     tp_overlap: share of TP traffic hidden behind compute. grad_overlap: the gradient
@@ -67,13 +67,13 @@ class Engine:
 # torchtitan's async TP): a stated fit on the development rows (docs/plan.md).
 TP_OVERLAP = 0.8
 
-TETRAD = Engine("tetrad", chunked_loss=True, split_w_with_tp=True)
-MEGATRON = Engine(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
+TETRAD = Implementation("tetrad", chunked_loss=True, split_w_with_tp=True)
+MEGATRON = Implementation(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
     "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
     split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),
     split="uniform", cp_overlap=True, cp_gathers_kv=False,
 )  # fmt: skip
-TORCHTITAN = Engine("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True,
+TORCHTITAN = Implementation("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True,
                     cp_overlap=True, cp_gathers_kv=False)  # fmt: skip
 TORCHTITAN_COMPILE = dataclasses.replace(
     TORCHTITAN, name="torchtitan-compile", kernels=Kernels(fused=True)
@@ -86,7 +86,7 @@ TORCHTITAN_ASYNC_TP = dataclasses.replace(
 # in prefetch buckets of 5e7 elements, reduces every micro-step in buckets of 5e8
 # (the defaults of `stage3_prefetch_bucket_size` and `reduce_bucket_size`), and keeps at
 # most 1e9 gathered elements (`stage3_max_live_parameters`)
-DEEPSPEED = Engine(
+DEEPSPEED = Implementation(
     "deepspeed", grad_overlap_pp=True, reduce_every_microbatch=True,
     kernels=Kernels(fused=True), gather_bucket=5e7, reduce_bucket=5e8, gather_overlap=False,
     max_live_params=1e9,
@@ -95,7 +95,7 @@ DEEPSPEED = Engine(
 # scale-mask-softmax) but no flash attention (it came in 2022) and no sequence
 # parallelism, TP and gradient all-reduces not overlapped (the all-reduce after the
 # pipeline flush), the uniform split, the interleaved schedule
-MEGATRON_2021 = Engine(
+MEGATRON_2021 = Implementation(
     "megatron-2021", grad_overlap=False, kernels=Kernels(True, "unfused"), split="uniform",
     split_w_with_tp=True,
 )  # fmt: skip

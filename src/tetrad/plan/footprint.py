@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from tetrad.config import DTYPE_BYTES, Config
 from tetrad.devices import Device
-from tetrad.parallel.memory import ModelState, local_parameters, replicated_bytes, zero_bytes
+from tetrad.parallel.model_state import ModelState, local_parameters, replicated_bytes, zero_bytes
 from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units

@@ -22,7 +22,7 @@ from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.flops import flops_per_token
 from tetrad.parallel import parallelize
-from tetrad.parallel.memory import measure_at_each_step, model_state_bytes
+from tetrad.parallel.model_state import measure_at_each_step, model_state_bytes
 from tetrad.parallel.pipeline.split_costs import resolve_split
 from tetrad.train import checkpoint
 from tetrad.train.data import Loader, source_of

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait
 from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, compute_only, wire
 
-Key = tuple[str, int, int]  # (kind, stage, microbatch)
+ActionKey = tuple[str, int, int]  # (kind, stage, microbatch)
 
 
 def check_schedule(
@@ -110,9 +110,9 @@ def _transfer_ends(a: Action, n: int, place: Callable[[int], int]) -> tuple[int,
     return place(s), place(producer)
 
 
-def _index(actions: list[list[Action]]) -> dict[Key, tuple[int, int]]:
+def _index(actions: list[list[Action]]) -> dict[ActionKey, tuple[int, int]]:
     """(rank, position) of every action; placement makes keys unique across ranks."""
-    where: dict[Key, tuple[int, int]] = {}
+    where: dict[ActionKey, tuple[int, int]] = {}
     for rank, rank_actions in enumerate(actions):
         for i, a in enumerate(rank_actions):
             key = (a.kind, a.stage, a.microbatch)
@@ -123,9 +123,9 @@ def _index(actions: list[list[Action]]) -> dict[Key, tuple[int, int]]:
 
 
 def _check_coverage(
-    where: dict[Key, tuple[int, int]], n_stages: int, m: int, place: Callable[[int], int]
+    where: dict[ActionKey, tuple[int, int]], n_stages: int, m: int, place: Callable[[int], int]
 ) -> None:
-    expected: set[Key] = set()
+    expected: set[ActionKey] = set()
     for s in range(n_stages):
         for mb in range(m):
             expected |= _expected_keys(s, mb, n_stages, place, where)
@@ -135,8 +135,10 @@ def _check_coverage(
         raise ValueError(f"unexpected actions: {_fmt(extra)}")
 
 
-def _expected_keys(s: int, mb: int, n: int, place: Callable[[int], int], seen: dict) -> set[Key]:
-    keys: set[Key] = {("F", s, mb)}
+def _expected_keys(
+    s: int, mb: int, n: int, place: Callable[[int], int], seen: dict
+) -> set[ActionKey]:
+    keys: set[ActionKey] = {("F", s, mb)}
     split = ("B", s, mb) in seen or ("W", s, mb) in seen
     if split and ("BW", s, mb) in seen:
         raise ValueError(f"stage {s} mb {mb} has both BW and a split B/W")
@@ -149,7 +151,7 @@ def _expected_keys(s: int, mb: int, n: int, place: Callable[[int], int], seen: d
 
 
 def _check_causality(
-    where: dict[Key, tuple[int, int]], n_stages: int, m: int, place: Callable[[int], int]
+    where: dict[ActionKey, tuple[int, int]], n_stages: int, m: int, place: Callable[[int], int]
 ) -> None:
     """Every (earlier, later) pair, both on one rank, must appear in that order."""
     for s in range(n_stages):
@@ -165,8 +167,8 @@ def _check_causality(
 
 def _ordered_pairs(
     s: int, mb: int, n: int, place: Callable[[int], int], where: dict
-) -> list[tuple[Key, Key]]:
-    def bwd(stage: int) -> Key:
+) -> list[tuple[ActionKey, ActionKey]]:
+    def bwd(stage: int) -> ActionKey:
         return ("BW", stage, mb) if ("BW", stage, mb) in where else ("B", stage, mb)
 
     pairs = [(("F", s, mb), bwd(s))]
@@ -186,7 +188,7 @@ def _ordered_pairs(
 def _check_progress(actions: list[list[Action]], *, rendezvous: bool) -> None:
     """Run every rank's list to the end, or report where each rank is stuck."""
     pc = [0] * len(actions)
-    sent: set[Key] = set()
+    sent: set[ActionKey] = set()
     moved = True
     while moved:
         moved = False
@@ -208,7 +210,7 @@ def _check_progress(actions: list[list[Action]], *, rendezvous: bool) -> None:
 
 
 def _can_run(
-    rank: int, actions: list[list[Action]], pc: list[int], sent: set[Key], rendezvous: bool
+    rank: int, actions: list[list[Action]], pc: list[int], sent: set[ActionKey], rendezvous: bool
 ) -> bool:
     a = actions[rank][pc[rank]]
     if a.kind.startswith("RECV"):
@@ -226,8 +228,8 @@ def _can_run(
 
 def _check_channel_order(actions: list[list[Action]]) -> None:
     """Per link, the order of sends must equal the order the receiver waits."""
-    sends: dict[tuple[int, int], list[Key]] = {}
-    recvs: dict[tuple[int, int], list[Key]] = {}
+    sends: dict[tuple[int, int], list[ActionKey]] = {}
+    recvs: dict[tuple[int, int], list[ActionKey]] = {}
     for rank, acts in enumerate(actions):
         for a in acts:
             if a.kind.startswith("SEND"):
@@ -274,9 +276,9 @@ def _check_items(rank: int, acts: list[Action], items: list[Item]) -> None:
     comps = [i for i in items if isinstance(i, Action)]
     if comps != compute_only(acts):
         raise ValueError(f"rank {rank}: the program's computes differ from the schedule's")
-    posted: dict[Key, int] = {}
-    waited: set[Key] = set()
-    done: set[Key] = set()
+    posted: dict[ActionKey, int] = {}
+    waited: set[ActionKey] = set()
+    done: set[ActionKey] = set()
     for i, item in enumerate(items):
         if isinstance(item, Action):
             done.add((item.kind, item.stage, item.microbatch))
@@ -346,7 +348,7 @@ def _batches(items: list[Item]) -> tuple[list[int], list[int], list[int]]:
     the last batch waited for before it (-1: none)."""
     first, before, need = [], [], []
     n_ops = n_comp = 0
-    batch_of: dict[Key, int] = {}
+    batch_of: dict[ActionKey, int] = {}
     last = -1
     for item in items:
         if isinstance(item, Post):
@@ -424,7 +426,7 @@ def _gloo_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
         raise ValueError("deadlock under gloo's semantics: " + "; ".join(stuck))
 
 
-def _op_index(items: list[Item]) -> dict[Key, int]:
+def _op_index(items: list[Item]) -> dict[ActionKey, int]:
     ops = [a for item in items if isinstance(item, Post) for a in item.ops]
     return {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(ops)}
 

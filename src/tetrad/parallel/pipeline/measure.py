@@ -6,7 +6,7 @@ the transfer latency off that timeline (medians), and `simulated_timeline` repla
 same schedule in the simulator with those costs, so a measured bubble can be held
 against the bubble the schedule itself predicts. `write_timeline` draws both and writes
 Chrome traces. `ActivationMeter` counts activation bytes through autograd's saved-tensor
-hooks (parallel/meter.py, re-exported here), for tetrad's runtimes and for the peer in
+hooks (parallel/activation_meter.py, re-exported here), for tetrad's runtimes and for the peer in
 benchmarks/pp.py alike.
 """
 
@@ -21,7 +21,6 @@ import torch
 
 from tetrad.comm import Comm
 from tetrad.mesh import Group
-from tetrad.parallel.meter import ActivationMeter  # noqa: F401  (re-exported)
 from tetrad.parallel.pipeline.schedules import Action, build_schedule
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.timeline import (

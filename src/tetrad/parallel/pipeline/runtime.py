@@ -32,6 +32,7 @@ the same graph every step), and count only the runtime's own holds.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -42,26 +43,30 @@ from tetrad.devices import Clock
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
-from tetrad.parallel.pipeline.measure import ActivationMeter
-from tetrad.parallel.pipeline.p2p import Item, Post, Wait, program
-from tetrad.parallel.pipeline.schedules import Action, build_schedule, stage_to_rank, wire
+from tetrad.parallel.activation_meter import ActivationMeter
+from tetrad.parallel.pipeline.p2p import Item, Post, Wait, Wire, program
+from tetrad.parallel.pipeline.schedules import (
+    Action,
+    StageMb,
+    build_schedule,
+    stage_to_rank,
+    wire,
+)
 from tetrad.parallel.pipeline.stage import Chunk
 from tetrad.parallel.pipeline.timeline import Event
 from tetrad.parallel.pipeline.weightgrad import WeightGradStore, defer_weight_grads
 from tetrad.parallel.runner import GradSync, LossFn, RunResult
 
-Key = tuple[int, int]  # (stage, microbatch)
 # receives posted this many computes early, so their transfer overlaps the compute: gloo
 # (CPU) posts each on its own; on NCCL's in-order stream only 0 is safe (see p2p.py)
 EARLY = {"cpu": 1, "cuda": 0}
-Wire = tuple[str, int, int]  # (direction, stage, microbatch): a tensor on the wire
 # gradient sends left in flight past their program's wait, at most (their buffers: one
 # activation gradient each, on top of what the planner counts)
 LATE_SENDS = 2
 
 
 @dataclass(kw_only=True)
-class StepState(RunResult):
+class PipelineStep(RunResult):
     """Everything one optimizer step's schedule keeps between actions (and its result)."""
 
     micro: list[Microbatch]
@@ -69,12 +74,12 @@ class StepState(RunResult):
     box: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     recvs: dict[tuple[str, int, int], tuple[Work, torch.Tensor]] = field(default_factory=dict)
     sends: dict[Wire, tuple[Work, torch.Tensor]] = field(default_factory=dict)  # in flight
-    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[StageMb, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[StageMb, torch.Tensor] = field(default_factory=dict)
     # this step's microbatch inputs and targets, on the device (moved once, before the loop)
     inputs_of: list = field(default_factory=list)
     targets_of: list = field(default_factory=list)
-    parked: dict[Key, list[torch.Tensor]] = field(default_factory=dict)  # until their W
+    parked: dict[StageMb, list[torch.Tensor]] = field(default_factory=dict)  # until their W
     late: list[Wire] = field(default_factory=list)  # gradient sends past their wait, in flight
     in_flight: int = 0
     peak_in_flight: int = 0
@@ -138,13 +143,13 @@ class PipelineRuntime:
         self.pool: list[torch.Tensor] = []  # free receive buffers, reused across microbatches
         self.allocated = 0  # receive buffers ever allocated (the pool's size, at most)
 
-    def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> StepState:
+    def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> PipelineStep:
         """Execute the whole schedule for one optimizer step. A stage's reductions start
         with its last backward work (`grads.final`); `grads.finish` waits for them."""
-        grads.sync = False  # only `final` launches: a stage's last backward is not the step's
+        grads.reduce_in_backward(False)  # only `final`: a stage's last backward is not the step's
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        st = StepState(loss=loss, micro=micro, denom=denom)
-        self.comm.trace = st.flights  # until the next step: finish's waits land in it too
+        st = PipelineStep(loss=loss, micro=micro, denom=denom)
+        self.comm.trace_into(st.flights)  # until the next step: finish's waits land in it too
         first = any(c.first for c in self.chunks.values())
         move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         st.inputs_of = [move(mb.inputs) for mb in micro] if first else []
@@ -175,7 +180,7 @@ class PipelineRuntime:
     def _peer(self, a: Action) -> int:
         return self.mesh["pp"].ranks[a.peer]
 
-    def _post(self, st: StepState, ops: tuple[Action, ...]) -> None:
+    def _post(self, st: PipelineStep, ops: tuple[Action, ...]) -> None:
         """One batch: each send's tensor from the mailbox, a pooled buffer for each receive."""
         batch = []
         for a in ops:
@@ -206,7 +211,11 @@ class PipelineRuntime:
         return torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
 
     def _release(
-        self, buf: torch.Tensor, st: StepState | None = None, key: Key = (0, 0), role: str = ""
+        self,
+        buf: torch.Tensor,
+        st: PipelineStep | None = None,
+        key: StageMb = (0, 0),
+        role: str = "",
     ) -> None:
         """Back to the pool, unless something still refers to it: a deferred W holding
         it (an output gradient that passed through a residual unchanged) parks it until
@@ -224,7 +233,7 @@ class PipelineRuntime:
         elif st is not None:
             st.parked.setdefault(key, []).append(buf)
 
-    def _wait(self, st: StepState, ops: tuple[Action, ...]) -> None:
+    def _wait(self, st: PipelineStep, ops: tuple[Action, ...]) -> None:
         """Receives land in the mailbox (waited for: a compute needs them). A stage
         output's send is waited for here, then freed, as the planner's activation model
         has it (`plan.activations.peak_in_flight`). A gradient's send is only reaped: if
@@ -247,7 +256,7 @@ class PipelineRuntime:
                 st.late.append(wire(a))
         self._reap(st)
 
-    def _reap(self, st: StepState, block: bool = False) -> None:
+    def _reap(self, st: PipelineStep, block: bool = False) -> None:
         """Finish the late sends that are done, and the oldest beyond `LATE_SENDS` (all
         of them if `block`), freeing their buffers. gloo reports a p2p work done only
         once waited for, so there the bound is what frees them during the step."""
@@ -263,7 +272,7 @@ class PipelineRuntime:
         st.late = pending
 
     # --- compute ------------------------------------------------------------------------
-    def _compute(self, st: StepState, a: Action) -> None:
+    def _compute(self, st: PipelineStep, a: Action) -> None:
         if a.kind == "F":
             self._forward(st, a.stage, a.microbatch)
         elif a.kind in ("B", "BW"):
@@ -276,7 +285,7 @@ class PipelineRuntime:
         else:
             raise ValueError(f"unknown compute action {a}")
 
-    def _forward(self, st: StepState, s: int, i: int) -> None:
+    def _forward(self, st: PipelineStep, s: int, i: int) -> None:
         chunk = self.chunks[s]
         if chunk.first:
             x = st.inputs_of[i]
@@ -297,21 +306,18 @@ class PipelineRuntime:
         st.in_flight += 1
         st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
 
-    def _backward(self, st: StepState, s: int, i: int, split: bool) -> None:
+    def _backward(self, st: PipelineStep, s: int, i: int, split: bool) -> None:
         chunk = self.chunks[s]
         out = st.outputs.pop((s, i))
+        grad = None if chunk.last else st.box.pop(("B", s, i))
+        with self.store.filing((s, i)) if self.store is not None else nullcontext():
+            if chunk.last:
+                torch.autograd.backward(out)
+            else:  # from the gradient edge: `out`'s storage may already be freed
+                torch.autograd.backward(torch.autograd.graph.get_gradient_edge(out), grad)
+        if not chunk.last and ("F", s + 1, i) not in st.sends:
+            self.meter.drop(("F", s + 1, i))  # handed to a local next stage, never sent
         if self.store is not None:
-            self.store.key = (s, i)
-        grad = None
-        if chunk.last:
-            torch.autograd.backward(out)
-        else:  # from the gradient edge: `out`'s storage may already be freed
-            grad = st.box.pop(("B", s, i))
-            torch.autograd.backward(torch.autograd.graph.get_gradient_edge(out), grad)
-            if ("F", s + 1, i) not in st.sends:  # handed to a local next stage, never sent
-                self.meter.drop(("F", s + 1, i))
-        if self.store is not None:
-            self.store.key = None
             if not split:
                 self._weight_grads((s, i))
             else:  # the inputs and output gradients W will need stay alive until then
@@ -326,7 +332,7 @@ class PipelineRuntime:
             self._release(grad, st, (s, i), "grad")
         st.in_flight -= 1
 
-    def _weight_grads(self, key: Key) -> None:
+    def _weight_grads(self, key: StageMb) -> None:
         # the filed inputs require grad: outside no_grad, each weight gradient would record
         # a graph holding every microbatch's inputs until zero_grad (and DP's bucket views
         # refuse in-place adds of such tensors)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tetrad.layout import check_schedule
 
+StageMb = tuple[int, int]  # (stage, microbatch): one microbatch through one stage
 COMPUTE = ("F", "B", "W", "BW")
 TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 

@@ -75,7 +75,7 @@ def _time_items(
     set_recompute(model, t.recompute)
     loss_fn = cross_entropy_sum
     if t.loss_chunk:  # the runtime's fused head and loss (see parallel._loss_fn)
-        model.logits = False
+        model.end_at_norm()
         loss_fn = ChunkedCrossEntropy(model, t.loss_chunk)
     gen = torch.Generator().manual_seed(t.seed)
     shape = (layout.microbatch_size, layout.seq_len)

@@ -19,13 +19,15 @@ which ZeRO keeps through the step's accumulation anyway, receives it.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-Key = tuple[int, int]  # (stage, microbatch)
+from tetrad.parallel.pipeline.schedules import StageMb
+
 Sink = Callable[[torch.Tensor], None]  # takes one weight gradient and accumulates it
 
 
@@ -52,16 +54,28 @@ class WeightGradStore:
     """Pending weight-gradient matmuls per (stage, microbatch)."""
 
     def __init__(self) -> None:
-        self.key: Key | None = None
-        self.pending: dict[Key, list[tuple[Sink, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self.key: StageMb | None = None
+        self.pending: dict[StageMb, list[tuple[Sink, torch.Tensor, torch.Tensor]]] = defaultdict(
+            list
+        )
         self.flops = 0  # the matmul FLOPs W has run (tests assert W does the work)
+
+    @contextmanager
+    def filing(self, key: StageMb) -> Iterator[None]:
+        """Inside: deferred linears file their weight-gradient matmuls under `key` (the B
+        action running); outside, a deferred backward is an error."""
+        self.key = key
+        try:
+            yield
+        finally:
+            self.key = None
 
     def defer(self, sink: Sink, x: torch.Tensor, grad: torch.Tensor) -> None:
         if self.key is None:
             raise RuntimeError("a deferred linear ran backward outside a B action")
         self.pending[self.key].append((sink, x, grad))
 
-    def flush(self, key: Key) -> None:
+    def flush(self, key: StageMb) -> None:
         """Run W for (stage, microbatch): accumulate every filed weight gradient."""
         for sink, x, grad in self.pending.pop(key, []):
             g2, x2 = grad.flatten(0, -2), x.flatten(0, -2)

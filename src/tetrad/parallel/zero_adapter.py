@@ -14,11 +14,11 @@ from collections.abc import Callable
 import torch
 
 from tetrad.parallel.boxes import Box, box_numel, flat_boxes, shift
-from tetrad.parallel.state import (
+from tetrad.parallel.state_adapter import (
     MOMENTS,
     Moments,
     Owned,
-    PlainState,
+    PlainAdapter,
     Reader,
     set_adam_state,
     snapshot,
@@ -26,8 +26,8 @@ from tetrad.parallel.state import (
 from tetrad.parallel.zero import FlatUnit, UnitLayout, ZeroShards
 
 
-class ZeroState(PlainState):
-    """`PlainState` whose local tensors live in ZeRO units (gathered over fsdp to read)."""
+class ZeroAdapter(PlainAdapter):
+    """`PlainAdapter` whose local tensors live in ZeRO units (gathered over fsdp to read)."""
 
     def __init__(self, shards: ZeroShards, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -30,7 +30,7 @@ from tetrad.config import ModelConfig
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.parallel.local import planned
-from tetrad.parallel.zero import UnitLayout, ZeroShards, plan_units
+from tetrad.parallel.zero import UnitLayout, plan_units
 
 STEP_BYTES = 4  # AdamW's per-tensor step counter: a float32 scalar
 ADAM_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per element
@@ -156,25 +156,14 @@ def measured_model_state(engine, optimizer: torch.optim.Optimizer) -> ModelState
         for t in optimizer.state.get(p, {}).values()
         if isinstance(t, torch.Tensor)
     ]
-    shards = getattr(engine.grads, "inner", engine.grads)  # a tied-embedding wrapper's
-    if not isinstance(shards, ZeroShards):
-        params = [p for _, p in shards.named]
-        grads = size(*(p.grad for p in params))
-        if shards.masters is None:
-            return ModelState(size(*params), grads, size(*state))
-        masters = [m for _, m in shards.masters.named]
-        grads += size(*(m.grad for m in masters))
-        return ModelState(size(*params), grads, size(*masters, *state))
-    mixed = any(u.data.dtype != torch.float32 for u in shards.units)
-    masters = [u.master for u in shards.units]
-    params = size(*(u.data for u in shards.units), *([] if mixed else masters))
-    grads = size(*(u.flat.grad for u in shards.units), *(u.grad for u in shards.units))
-    return ModelState(params, grads, size(*(masters if mixed else []), *state))
+    held = engine.grads.held()
+    params, grads = size(*held.params), size(*held.grads)
+    return ModelState(params, grads, size(*held.masters, *state))
 
 
 def measure_at_each_step(engine, optimizer: torch.optim.Optimizer) -> list[ModelState]:
     """From now on, measure the model state at every optimizer step (just after it, when
     parameters, gradients and optimizer state are all alive); returns the growing list."""
     found: list[ModelState] = []
-    engine.step_hooks.append(lambda: found.append(measured_model_state(engine, optimizer)))
+    engine.on_step(lambda: found.append(measured_model_state(engine, optimizer)))
     return found

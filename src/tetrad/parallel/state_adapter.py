@@ -6,8 +6,8 @@ flat shards). A state adapter owns that translation for one engine. Out is a col
 (tp shards all-gathered, every stage broadcast over pp); in needs none: every rank loads
 from the full tensors and keeps its slices.
 
-`PlainState` serves every layout whose optimizer tensors are the model's parameters (DP,
-TP, PP); `ZeroState` (zero_state.py) overrides the local half for ZeRO's flat shards.
+`PlainAdapter` serves every layout whose optimizer tensors are the model's parameters (DP,
+TP, PP); `ZeroAdapter` (zero_adapter.py) overrides the local half for ZeRO's flat shards.
 
 Sharded checkpoints use a third half, with no full tensor anywhere: `owned_slices` lists
 the boxes of the full logical tensors this rank holds and is the one writer of (a replica
@@ -37,7 +37,7 @@ Owned = list[tuple[str, Box, torch.Tensor]]  # (logical key, its box in the full
 Reader = Callable[[str, Box], torch.Tensor]  # (logical key, box) -> that box's values
 
 
-class PlainState:
+class PlainAdapter:
     """Full logical tensors from and into a model whose parameters the optimizer updates."""
 
     def __init__(
