@@ -42,6 +42,7 @@ def tiny_config(**overrides: dict[str, Any]) -> Config:
             "warmup_steps": 2, "progress": False,
         },
         "data": {"source": "synthetic"},
+        "checkpoint": {"final": False},  # tests that save say so
     }  # fmt: skip
     for section, values in overrides.items():
         base.setdefault(section, {}).update(values)

@@ -14,6 +14,7 @@ from tetrad.config import (
     RECOMPUTE,
     Config,
     ModelConfig,
+    load_raw,
     load_toml,
     model_preset,
 )
@@ -163,6 +164,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="also write TensorBoard event files to OUT/tensorboard (needs tetrad[tensorboard])",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress display")
+    p.add_argument(
+        "--no-final-checkpoint",
+        action="store_true",
+        help="keep no checkpoint of the last step (by default OUT/checkpoints holds it, for "
+        "tetrad generate, export and --resume)",
+    )
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores/N)")
     p.add_argument(
         "--timeline",
@@ -199,7 +206,33 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)
     if args.no_progress:
         cfg.train.progress = False
+    if args.no_final_checkpoint:
+        cfg.checkpoint.final = False
+    args.vocab_note = vocab_from_data(cfg, args)
     return cfg
+
+
+def vocab_from_data(cfg: Config, args: argparse.Namespace) -> str:
+    """With a tokenizer (or a token file it made) and no vocabulary given (by --vocab, the
+    --config file or --init-from-hf), the model's vocabulary is the tokenizer's, padded;
+    returns the line that says so ("" when nothing changed). A given vocabulary that is too
+    small stays an error (the data checks)."""
+    given = args.vocab is not None or cfg.model.init_from_hf
+    if args.config:
+        given = given or "vocab" in load_raw(args.config).get("model", {})
+    if given or cfg.data.source == "synthetic":
+        return ""
+    from tetrad.interop.tokenizer import data_vocab, padded_vocab
+
+    size = data_vocab(cfg.data.source, cfg.data.tokenizer)
+    if size is None:
+        return ""
+    cfg.model.vocab = padded_vocab(size, cfg.parallel.tp)
+    where = f"tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else cfg.data.source
+    return (
+        f"tetrad: vocabulary {cfg.model.vocab} from {where} ({size} tokens, padded to a "
+        f"multiple of 128*tp; --vocab to choose)"
+    )
 
 
 def hf_model(cfg: Config, args: argparse.Namespace) -> ModelConfig:
@@ -255,6 +288,8 @@ def prepare_out(out: str) -> None:
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = build_config(args)
+    if args.vocab_note and (not under_torchrun() or own_torchrun_rank0()):
+        print(args.vocab_note, flush=True)
     if under_torchrun():
         return worker(cfg, args)
     nproc = fill_world(cfg, args)
@@ -276,6 +311,11 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if nproc > 1 or args.nnodes > 1 or args.max_restarts > 0:
         return launch_train(nproc, argv, cfg, args)
     return worker(cfg, args, layout)
+
+
+def own_torchrun_rank0() -> bool:
+    """Rank 0 of a torchrun the user started (tetrad's own launcher speaks for its ranks)."""
+    return os.environ.get("RANK") == "0" and not os.environ.get(LOG_DIR)
 
 
 def worker(cfg: Config, args: argparse.Namespace, layout: Layout | None = None) -> int:

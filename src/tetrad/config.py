@@ -172,6 +172,7 @@ class CheckpointConfig:
     resume: bool = False
     keep: int = 2
     async_save: bool = False  # write in a background thread while training goes on
+    final: bool = True  # save the last step's state (a run leaves a model to sample from)
 
 
 @dataclass
@@ -229,11 +230,15 @@ def _overlay(obj: Any, values: dict[str, Any], section: str) -> Any:
     return dataclasses.replace(obj, **values)
 
 
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """A TOML file's tables as written (what it sets, before any default)."""
+    with open(path, "rb") as fh:
+        return tomllib.load(fh)
+
+
 def load_toml(path: str | Path, base: Config | None = None) -> Config:
     """Read a TOML file into a Config (on top of `base`)."""
-    with open(path, "rb") as fh:
-        raw = tomllib.load(fh)
-    return from_dict(raw, base)
+    return from_dict(load_raw(path), base)
 
 
 def check_sections(cfg: Config) -> None:

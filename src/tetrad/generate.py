@@ -61,7 +61,9 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Gener
 def _codec(tokenizer: str):
     """(encode, decode) of the run's text: its tokenizer, or UTF-8 bytes."""
     if not tokenizer:
-        return list, lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace")
+        return (lambda text: list(text.encode("utf-8"))), (
+            lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace")
+        )
     from tetrad.interop.tokenizer import load
 
     tok = load(tokenizer)

@@ -21,6 +21,11 @@ SIDECAR_FORMAT = "tetrad-tokens"
 TOKEN_SUFFIXES = {".u16": np.uint16, ".u32": np.uint32}
 
 
+# the vocabulary a tokenizer sets is padded to a multiple of this (times tp), as Megatron's
+# --make-vocab-size-divisible-by: no token has a padded id, so training pushes their logits down
+VOCAB_MULTIPLE = 128
+
+
 def load(path: str | Path):
     """A `tokenizers.Tokenizer` from a tokenizer.json (or a directory holding one)."""
     p = Path(path)
@@ -120,6 +125,27 @@ def prepare(text: str | Path, tokenizer_path: str | Path, out: str | Path) -> di
 def sidecar(token_file: str | Path) -> Path:
     p = Path(token_file)
     return p.with_name(p.name + ".json")
+
+
+def data_vocab(source: str, tokenizer_path: str = "") -> int | None:
+    """Ids the data can hold: the tokenizer's vocabulary, or the one a prepared token
+    file's sidecar records; None for bytes and synthetic data (the model's own vocab)."""
+    if tokenizer_path:
+        return vocab_size(load(tokenizer_path))
+    side = sidecar(source)
+    if Path(source).suffix in TOKEN_SUFFIXES and side.is_file():
+        try:
+            return int(json.loads(side.read_text())["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"token file sidecar {side} is unreadable: {e}") from e
+    return None
+
+
+def padded_vocab(size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """`size` rounded up to a multiple of `multiple`·tp: the head's matmul keeps an
+    efficient shape and the vocabulary splits evenly over the tp ranks."""
+    step = multiple * tp
+    return -(-size // step) * step
 
 
 def check_token_file(path: str | Path, model_vocab: int, tokenizer_path: str = "") -> None:

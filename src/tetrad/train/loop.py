@@ -276,14 +276,19 @@ class Trainer:
                 writer.write(row)
             if result.writes_done:
                 self.saver.finish(self.engine, self.cfg)  # every rank's file is written
-            every = self.cfg.checkpoint.every
-            if every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps):
+            if self._checkpoint_due():
                 self.save_checkpoint()
             if result.stop:
                 path = self.save_checkpoint(wait=True)
                 raise Preempted(self.step, path, self.stop.signum or signal.SIGTERM)
         self.saver.finish(self.engine, self.cfg)
         return rows
+
+    def _checkpoint_due(self) -> bool:
+        """Every `checkpoint.every` steps, and at the last step (unless `checkpoint.final`
+        is off and no cadence is set): a finished run leaves its model."""
+        c, last = self.cfg.checkpoint, self.step == self.cfg.train.steps
+        return (c.every > 0 and (self.step % c.every == 0 or last)) or (c.final and last)
 
     def save_checkpoint(self, wait: bool = False) -> Path:
         """Checkpoint the state after `self.step` steps (a collective: every rank calls);

@@ -70,6 +70,7 @@ def _train(
     try:
         if mesh.rank == 0:
             out = Path(cfg.train.out)
+            print(f"tetrad: writing the run to {out}/ (metrics.jsonl, checkpoints/)", flush=True)
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             if resumed is not None:
@@ -90,7 +91,17 @@ def _train(
             writer.close()
     if timeline and cfg.parallel.pp > 1 and rows:
         write_step_timeline(trainer, timeline)
+    if mesh.rank == 0:
+        say_where(Path(cfg.train.out), trainer.step, cfg.checkpoint.final or cfg.checkpoint.every)
     return rows
+
+
+def say_where(out: Path, step: int, saved: bool) -> None:
+    """The run's last line: where it is, and what to do with it next."""
+    print(f"tetrad: done at step {step}: {out}/metrics.jsonl", flush=True)
+    if saved:
+        print(f"  sample from it: tetrad generate {out} --prompt 'def '", flush=True)
+    print(f"  plot it:        tetrad report {out}", flush=True)
 
 
 def keep_metrics_before(path: Path, step: int) -> None:
