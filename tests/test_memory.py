@@ -10,6 +10,7 @@ import pytest
 from harness import reference_csv, tiny_config, trainer_for
 from tetrad.config import model_preset
 from tetrad.models.flops import param_count
+from tetrad.models.llama_spec import LLAMA
 from tetrad.parallel.memory import (
     ADAM_BYTES,
     STEP_BYTES,
@@ -44,7 +45,7 @@ def test_formula_matches_reference_table():
 def _shard_facts(cfg, rank: int) -> tuple[int, int, int, int]:
     """(Ψ_pad, S, unpadded elements in the shard, optimizer tensors) of fsdp rank `rank`."""
     named, replicated = local_parameters(cfg, 0)
-    units = plan_units(named, replicated, cfg.parallel.fsdp)
+    units = plan_units(named, replicated, cfg.parallel.fsdp, LLAMA)
     views = [v for u in units for v in u.views(rank)]
     elements = sum(v.stop - v.start for v in views)
     return sum(u.padded for u in units), sum(u.shard for u in units), elements, len(views)

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from tetrad.models.flops import llama_layer_costs
 from tetrad.parallel.pipeline.partition import (
     balance,
     even_split,
-    llama_layer_costs,
     parse_split,
     stage_costs,
 )

@@ -7,9 +7,9 @@ import torch
 from tetrad.comm import Comm
 from tetrad.config import DTYPES, Config
 from tetrad.mesh import Mesh
+from tetrad.models.families import spec_for
 from tetrad.models.init import materialize
-from tetrad.models.llama import cross_entropy_sum, set_recompute
-from tetrad.models.loss import ChunkedCrossEntropy
+from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
 from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads
 from tetrad.parallel.engine import Engine
 from tetrad.parallel.local import local_model
@@ -19,8 +19,6 @@ from tetrad.parallel.state import PlainState
 from tetrad.parallel.tensor import TPLayout
 from tetrad.parallel.zero import ZeroShards
 from tetrad.parallel.zero_state import ZeroState
-
-TIED = "tok_embeddings.weight"  # the embedding a tied head reuses
 
 
 def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> Engine:
@@ -39,21 +37,23 @@ def parallelize(cfg: Config, mesh: Mesh, comm: Comm, device: torch.device) -> En
          mixed precision: compute parameters in `train.dtype` (cast here, from the fp32
          values just materialised, which become the fp32 master weights).
     """
+    spec = spec_for(cfg.model)
     local = local_model(cfg, mesh, comm)  # 1-3
     model, tp = local.model, local.tp
     materialize(model, cfg.model, cfg.train.seed, device, tp.slicer if tp else None)
-    set_recompute(model, cfg.train.recompute)
+    spec.set_recompute(model, cfg.train.recompute)
     loss_fn = _loss_fn(model, cfg, tp)
     replicated = local.replicated
     runner: Runner = MicrobatchLoop(model, loss_fn, meter_every=cfg.train.meter_every)
     if local.chunks is not None:
         runner = build_pipeline(model, cfg, mesh, comm, local.chunks, loss_fn)
-        if model.tok_embeddings is not None and cfg.model.tie_embeddings:
-            replicated[TIED] = (*replicated[TIED], "pp")  # counted once: on pp rank 0
+        embed = spec.tied_weight
+        if cfg.model.tie_embeddings and embed in replicated:  # held by both ends
+            replicated[embed] = (*replicated[embed], "pp")  # counted once: on pp rank 0
     unshard, slicer = (tp.unshard, tp.slicer) if tp else (None, None)
     grads: GradSync
     # first and last stage each hold the tied embedding: their gradients are summed
-    tied = (TIED, mesh["pp_ends"]) if tied_across_stages(cfg, mesh) else None
+    tied = (spec.tied_weight, mesh["pp_ends"]) if tied_across_stages(cfg, mesh) else None
     if mesh.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
         shards = ZeroShards(model, mesh, comm, cfg, replicated, tied)  # tied: full grads
         grads, replicated = shards, {**replicated, **shards.view_replicated()}

@@ -28,6 +28,7 @@ import torch
 
 from tetrad.config import DTYPE_BYTES, Config
 from tetrad.mesh import Mesh
+from tetrad.models.families import spec_for
 from tetrad.parallel.local import planned
 from tetrad.parallel.zero import UnitLayout, ZeroShards, plan_units
 
@@ -104,7 +105,7 @@ def model_state_bytes(cfg: Config, rank: int = 0) -> ModelState:
         return replicated_bytes(named, cfg.train.dtype)
     degrees = p.degrees
     fsdp_rank = Mesh.plan(degrees, rank).coord["fsdp"]
-    layouts = plan_units(named, replicated, p.fsdp)
+    layouts = plan_units(named, replicated, p.fsdp, spec_for(cfg.model))
     return zero_bytes(layouts, fsdp_rank, p.zero_stage, cfg.train.dtype)
 
 
