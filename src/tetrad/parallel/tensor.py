@@ -357,10 +357,10 @@ def apply_tp(
                 lambda _, args: (tp.enter(args[0]),)
             )
     spec = spec_for(cfg.model)
-    norm = module_at(model, spec.final_norm)
-    if cfg.model.tie_embeddings and norm is not None:
+    final = module_at(model, spec.final_norm)
+    if cfg.model.tie_embeddings and final is not None:
         # tied head: the final norm's output feeds F.linear with the embedding's vocab rows
-        norm.register_forward_hook(lambda _, __, out: tp.enter(out))
+        final.register_forward_hook(lambda _, __, out: tp.enter(out))
     return _layout(kinds, tp, cfg)
 
 

@@ -1,6 +1,6 @@
 """Which transformer layers each pipeline stage holds.
 
-A split is a list of layer counts, one per stage, summing to the number of layers. The
+A split is a list of layer counts, one per stage, summing to the model's layer count. The
 embedding always sits on the first stage and the head (with the loss) on the last, so a
 first or last stage may hold no layer at all; a middle stage holds at least one.
 
