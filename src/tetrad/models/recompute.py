@@ -83,8 +83,8 @@ class _Tape(TorchDispatchMode):
         self.next_tree = self.next_tensor = 0
 
     def __enter__(self):
-        for path in self.modules:
-            module = _module(self.root, path)
+        found = [(path, _module(self.root, path)) for path in self.modules]  # all, or none
+        for path, module in found:
             enter = module.register_forward_pre_hook(lambda *_, p=path: self._enter(p))
             self.hooks += [enter, module.register_forward_hook(lambda *_: self._leave())]
         return super().__enter__()
