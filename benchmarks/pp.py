@@ -70,11 +70,13 @@ from torch import nn
 import harness
 from tetrad.config import Config
 from tetrad.layout import Layout
+from tetrad.models.flops import llama_layer_costs
 from tetrad.models.init import materialize
 from tetrad.models.llama import Llama, cross_entropy_sum
+from tetrad.models.llama_spec import LLAMA
 from tetrad.parallel.activation_meter import ActivationMeter
 from tetrad.parallel.pipeline.measure import measure_step, plot_pair
-from tetrad.parallel.pipeline.partition import even_split, llama_layer_costs, stage_costs
+from tetrad.parallel.pipeline.partition import even_split, stage_costs
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.split_costs import measure_item_costs
 from tetrad.parallel.pipeline.stage import layer_split, prune, rank_chunks
@@ -165,7 +167,7 @@ class PeerRunner:
         with torch.device("meta"):
             model = Llama(cfg.model)
         (chunk,) = rank_chunks(Layout.build(cfg), cfg.model, rank)
-        prune(model, [chunk])
+        prune(model, [chunk], LLAMA)
         materialize(model, cfg.model, cfg.train.seed, "cpu")  # tetrad's exact initial weights
         self.model, self.meter, self.steps = model, ActivationMeter(), 0
         span = _Span(model, chunk.layers, chunk.first, chunk.last)

@@ -11,6 +11,7 @@ from harness import reference_csv, tiny_config, trainer_for
 from tetrad.config import model_preset
 from tetrad.layout import Layout
 from tetrad.models.flops import param_count
+from tetrad.models.llama_spec import LLAMA
 from tetrad.parallel.model_state import (
     ADAM_BYTES,
     STEP_BYTES,
@@ -45,7 +46,7 @@ def test_formula_matches_reference_table():
 def _shard_facts(cfg, rank: int) -> tuple[int, int, int, int]:
     """(Ψ_pad, S, unpadded elements in the shard, optimizer tensors) of fsdp rank `rank`."""
     named, replicated = local_parameters(Layout.build(cfg), cfg.model, 0)
-    units = plan_units(named, replicated, cfg.parallel.fsdp)
+    units = plan_units(named, replicated, cfg.parallel.fsdp, LLAMA)
     views = [v for u in units for v in u.views(rank)]
     elements = sum(v.stop - v.start for v in views)
     return sum(u.padded for u in units), sum(u.shard for u in units), elements, len(views)

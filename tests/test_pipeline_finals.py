@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tetrad.models.llama_spec import LLAMA
 from tetrad.parallel.pipeline.runtime import final_actions
 from tetrad.parallel.pipeline.schedules import build_schedule
 from tetrad.parallel.pipeline.stage import Chunk
@@ -19,7 +20,7 @@ def test_zb_v_rank_0_completes_its_later_chunk_first_and_the_tied_embedding_last
     actions = build_schedule("zb-v", 2, 4, 2)[0]
     chunks = [Chunk(0, ("0",), True, False), Chunk(3, ("3",), False, True)]
     for tied in (False, True):
-        finals = final_actions(actions, chunks, _names([0, 3], tied))
+        finals = final_actions(actions, chunks, _names([0, 3], tied), LLAMA)
         ws = [(a.kind, a.stage, a.microbatch) for a in actions if a.kind == "W"]
         last3 = max(i for i, w in enumerate(ws) if w[1] == 3)
         last0 = max(i for i, w in enumerate(ws) if w[1] == 0)
@@ -36,4 +37,4 @@ def test_1f1b_completes_everything_with_the_last_backward():
     actions = build_schedule("1f1b", 2, 3, 1)[1]
     chunks = [Chunk(1, ("1",), False, True)]
     names = ["norm.weight", "output.weight", "layers.1.attention.wq.weight"]
-    assert final_actions(actions, chunks, names) == {("BW", 1, 2): frozenset(names)}
+    assert final_actions(actions, chunks, names, LLAMA) == {("BW", 1, 2): frozenset(names)}

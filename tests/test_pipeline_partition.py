@@ -8,10 +8,10 @@ import random
 import pytest
 
 from tetrad.layout import parse_split
+from tetrad.models.flops import llama_layer_costs
 from tetrad.parallel.pipeline.partition import (
     balance,
     even_split,
-    llama_layer_costs,
     stage_costs,
 )
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule

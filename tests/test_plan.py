@@ -22,6 +22,7 @@ from harness import reference_csv
 from tetrad.config import ModelConfig, model_preset
 from tetrad.layout import Layout
 from tetrad.models.flops import param_count
+from tetrad.models.llama_spec import LLAMA
 from tetrad.parallel.model_state import model_state_bytes, zero_formula_bytes
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
@@ -241,8 +242,9 @@ def test_llama_layer_is_what_autograd_saves(dtype):
             loss = cross_entropy_sum(model(ids), targets)
         measured.append(meter.live)
         del loss
-    layer = act.total_bytes(act.llama_layer(m, 1, dtype), b, s)
-    rest = act.total_bytes(act.llama_head(m, 1, dtype) + act.llama_embedding(1, dtype), b, s)
+    family = LLAMA.activations
+    layer = act.total_bytes(family.layer(m, 1, dtype), b, s)
+    rest = act.total_bytes(family.head(m, 1, dtype) + family.embedding(1, dtype), b, s)
     assert measured[1] - measured[0] == layer
     assert measured[0] - layer == pytest.approx(rest, abs=8)  # the loss's scalar weight
 
@@ -579,7 +581,7 @@ def test_cp_halves_activations_and_compute():
     assert ring.rank_activations(two, 0) == pytest.approx(ring.rank_activations(one, 0) / 2)
     tetrad = Planner(cluster_preset("h100"))
     m = one.model
-    extra = act.total_bytes(act.cp_gathered_kv(m, 1, "bf16", 2, 8192), 1, 4096)
+    extra = act.total_bytes(LLAMA.activations.cp_gathered_kv(m, 1, "bf16", 2, 8192), 1, 4096)
     want = tetrad.rank_activations(one, 0) / 2 + m.layers * extra
     assert tetrad.rank_activations(two, 0) == pytest.approx(want)
     assert extra == 2 * 2 * 4096 * 4096 + 4096 * 8192  # repeated k, v of 4096 more tokens; mask

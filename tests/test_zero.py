@@ -54,11 +54,12 @@ def _run(rank: int, world: int, runs: list[dict]) -> list[dict]:
 def _layouts(cfg) -> list:
     """The unit layouts of rank 0 (the same sizes on every rank of one tp/pp coordinate)."""
     from tetrad.layout import Layout
+    from tetrad.models.families import spec_for
     from tetrad.parallel.model_state import local_parameters
     from tetrad.parallel.zero import plan_units
 
     named, replicated = local_parameters(Layout.build(cfg), cfg.model, 0)
-    return plan_units(named, replicated, cfg.parallel.fsdp)
+    return plan_units(named, replicated, cfg.parallel.fsdp, spec_for(cfg.model))
 
 
 def _check_comm(cfg, comm: dict) -> None:

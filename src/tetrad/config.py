@@ -27,9 +27,11 @@ CP_ATTENTION = ("allgather", "ring")
 
 @dataclass
 class ModelConfig:
-    """Shape of a Llama-family decoder. `ffn_dim=0` derives it Llama-style from `dim`."""
+    """Shape of a Llama-family decoder. `ffn_dim=0` derives it Llama-style from `dim`.
+    `family` names the model family (models/families.py) whose ModelSpec parallel code reads."""
 
     name: str = "small"
+    family: str = "llama"
     layers: int = 4
     dim: int = 128
     heads: int = 4

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tetrad.models.llama import meta_llama
+from tetrad.models.families import spec_for
 from tetrad.train.checkpoint import load_model
 
 
@@ -28,7 +28,7 @@ def generate(
     if temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
     cfg, state = load_model(run)
-    model = meta_llama(cfg.model).to_empty(device="cpu")
+    model = spec_for(cfg.model).build(cfg.model).to_empty(device="cpu")
     model.load_state_dict(state)
     model.eval()
     encode, decode = _codec(cfg.data.tokenizer)

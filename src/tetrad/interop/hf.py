@@ -25,39 +25,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tetrad.config import ModelConfig
+from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
-from tetrad.models.llama import meta_llama
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
-# tetrad leaf -> Hugging Face leaf, inside `model.layers.{i}.`
-_BLOCK = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
-
-def hf_name(name: str) -> str:
-    """The Hugging Face name of tetrad parameter `name`."""
-    if name in _TOP:
-        return _TOP[name]
-    _, layer, leaf = name.split(".", 2)
-    return f"model.layers.{layer}.{_BLOCK[leaf]}"
+def hf_name(name: str, model: ModelConfig) -> str:
+    """The Hugging Face name of tetrad parameter `name` (its family's `ModelSpec.hf_names`)."""
+    return spec_for(model).hf_name(name)
 
 
 # --- config.json --------------------------------------------------------------------------
@@ -199,10 +178,10 @@ class HFWeights(Mapping):
     def __init__(self, directory: str | Path, model: ModelConfig):
         self.directory, self.model = Path(directory), model
         self.files = weight_files(directory)
-        self.names = [n for n, _ in meta_llama(model).named_parameters()]
+        self.names = [n for n, _ in spec_for(model).build(model).named_parameters()]
         headers = self._headers()
         for name in self.names:
-            key = hf_name(name)
+            key = hf_name(name, model)
             if key not in self.files:
                 raise ValueError(f"{self.directory}: tensor {key} is missing")
             dtype, shape = headers[key]
@@ -234,7 +213,7 @@ class HFWeights(Mapping):
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """Elements `index` of tetrad tensor `name` (rows in tetrad's order), float32."""
-        key = hf_name(name)
+        key = hf_name(name, self.model)
         heads = _rotary_heads(name, self.model)
         rows, rest = index[0], index[1:]
         shape = full_shape(name, self.model)
@@ -296,7 +275,7 @@ def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str,
     for name, t in state.items():
         if _rotary_heads(name, model) is not None:
             t = permute_to_hf(t, model.head_dim)
-        out[hf_name(name)] = t.contiguous()
+        out[hf_name(name, model)] = t.contiguous()
     return out
 
 

@@ -1,4 +1,5 @@
-"""Model FLOPs of a Llama, for MFU (counted the PaLM way: matmuls + attention, no recompute)."""
+"""Model FLOPs of a Llama: for MFU (counted the PaLM way: matmuls + attention, no
+recompute), per pipeline item for the stage partitioner, and each block linear's shape."""
 
 from __future__ import annotations
 
@@ -24,3 +25,51 @@ def param_count(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token: 6·(matmul params) + 12·L·h·s for attention."""
     return 6.0 * matmul_params(cfg) + 12.0 * cfg.layers * cfg.dim * seq_len
+
+
+def llama_layer_costs(
+    n_layers: int,
+    dim: int,
+    ffn_dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    vocab: int,
+    seq_len: int,
+) -> list[float]:
+    """Analytic FLOPs of one sequence, forward plus backward (3x forward), per item:
+    [embedding, layer_0, ..., layer_{L-1}, head+loss].
+
+    A layer: q/k/v/o projections (k, v narrowed by grouped-query attention), attention
+    scores and values over the full s x s square, and a SwiGLU MLP of three matrices.
+    The embedding is a lookup (s*dim moves, no matmul); head = 2*s*dim*vocab, the
+    softmax of the loss (O(s*vocab)) is left out as 1/dim of it.
+    """
+    if dim % n_heads or n_heads % n_kv_heads:
+        raise ValueError(f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads} do not divide")
+    s, kv_dim = seq_len, dim // n_heads * n_kv_heads
+    projections = 2 * s * dim * (2 * dim + 2 * kv_dim)
+    attention = 2 * 2 * s * s * dim  # q·kᵀ and p·v
+    mlp = 3 * 2 * s * dim * ffn_dim
+    layer = 3.0 * (projections + attention + mlp)
+    return [3.0 * s * dim] + [layer] * n_layers + [3.0 * 2 * s * dim * vocab]
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """`llama_layer_costs` of a model config: the partitioner's analytic item costs."""
+    c = cfg
+    return llama_layer_costs(c.layers, c.dim, c.hidden_dim, c.heads, c.kv_heads, c.vocab, seq_len)
+
+
+def block_linears(cfg: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
+    """(K, N) of each linear of a block on one tp rank, by module path, in forward order."""
+    h, f, hd = cfg.dim, cfg.hidden_dim, cfg.head_dim
+    kv = max(cfg.kv_heads // t, 1) * hd
+    return {
+        "attention.wq": (h, h // t),
+        "attention.wk": (h, kv),
+        "attention.wv": (h, kv),
+        "attention.wo": (h // t, h),
+        "feed_forward.w1": (h, f // t),
+        "feed_forward.w3": (h, f // t),
+        "feed_forward.w2": (f // t, h),
+    }

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tetrad.config import ModelConfig
+from tetrad.models.families import spec_for
 
 # name -> index into the full tensor (a tuple of slices), or None for "the whole tensor"
 Slicer = Callable[[str], tuple[slice, ...] | None]
@@ -46,25 +47,8 @@ def full_value(seed: int, name: str, shape: tuple[int, ...], cfg: ModelConfig) -
 
 
 def full_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """Shape of the logical (unsharded) parameter `name` of a Llama with config `cfg`."""
-    d, hd, f = cfg.dim, cfg.head_dim, cfg.hidden_dim
-    leaf = name.split(".")[-2]
-    shapes = {
-        "tok_embeddings": (cfg.vocab, d),
-        "output": (cfg.vocab, d),
-        "wq": (cfg.heads * hd, d),
-        "wk": (cfg.kv_heads * hd, d),
-        "wv": (cfg.kv_heads * hd, d),
-        "wo": (d, cfg.heads * hd),
-        "w1": (f, d),
-        "w3": (f, d),
-        "w2": (d, f),
-    }
-    if name.endswith("norm.weight"):
-        return (d,)
-    if leaf not in shapes:
-        raise ValueError(f"no known full shape for parameter {name!r}")
-    return shapes[leaf]
+    """Shape of the logical (unsharded) parameter `name`, as its model family declares it."""
+    return spec_for(cfg).full_shape(name, cfg)
 
 
 @torch.no_grad()
@@ -90,6 +74,4 @@ def materialize(
 
 def build_model(cfg: ModelConfig, seed: int, device: str = "cpu") -> nn.Module:
     """Single-process convenience: build on meta and materialise the full model."""
-    from tetrad.models.llama import meta_llama
-
-    return materialize(meta_llama(cfg), cfg, seed, device)
+    return materialize(spec_for(cfg).build(cfg), cfg, seed, device)

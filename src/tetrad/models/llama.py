@@ -13,12 +13,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.config import ModelConfig
-from tetrad.models.batch import IGNORE
-from tetrad.models.recompute import Keep, recompute
+from tetrad.models.loss import cross_entropy_sum  # noqa: F401  (its historical home)
+from tetrad.models.recompute import recompute
+from tetrad.models.spec import Keep
 
-# What selective recomputation does not redo in a block (models/recompute.py), by call
-# index: the block's matmuls run wq, wk, wv, wo, w1, w3, w2 (0-6), then one attention kernel.
-KEEP_SELECTIVE = Keep(keep={"mm": (1, 2, 3, 4), "attention": (0,)}, drop={"mm": (6,)})
+# What selective recomputation does not redo in a block (models/recompute.py), by the
+# module running the kernel: the k, v, o and gate projections' matmuls and the attention
+# core's fused kernel are kept; w2's output only feeds the residual sum, so it is dropped.
+KEEP_SELECTIVE = Keep(
+    keep={
+        "attention.wk": "mm",
+        "attention.wv": "mm",
+        "attention.core": "attention",
+        "attention.wo": "mm",
+        "feed_forward.w1": "mm",
+    },
+    drop={"feed_forward.w2": "mm"},
+)
 
 
 class RMSNorm(nn.Module):
@@ -136,7 +147,7 @@ class Block(nn.Module):
         if self.recompute == "full":
             return recompute(self.body, x)
         if self.recompute == "selective":
-            return recompute(self.body, x, keep=KEEP_SELECTIVE)
+            return recompute(self.body, x, keep=KEEP_SELECTIVE, root=self)
         return self.body(x)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,15 +212,30 @@ def set_recompute(model: nn.Module, mode: str) -> None:
             block.recompute = mode
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of token losses (targets == -100 are padding); callers divide by the global count."""
-    return F.cross_entropy(
-        logits.float().flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=IGNORE
-    )
-
-
 def meta_llama(cfg: ModelConfig) -> Llama:
     """The whole model on the meta device: shapes and names, no memory. Every layout
     starts here (then keeps its stages and shards, then materialises)."""
     with torch.device("meta"):
         return Llama(cfg)
+
+
+def param_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """Shape of the logical (unsharded) parameter `name` of a Llama with config `cfg`."""
+    d, hd, f = cfg.dim, cfg.head_dim, cfg.hidden_dim
+    leaf = name.split(".")[-2]
+    shapes = {
+        "tok_embeddings": (cfg.vocab, d),
+        "output": (cfg.vocab, d),
+        "wq": (cfg.heads * hd, d),
+        "wk": (cfg.kv_heads * hd, d),
+        "wv": (cfg.kv_heads * hd, d),
+        "wo": (d, cfg.heads * hd),
+        "w1": (f, d),
+        "w3": (f, d),
+        "w2": (d, f),
+    }
+    if name.endswith("norm.weight"):
+        return (d,)
+    if leaf not in shapes:
+        raise ValueError(f"no known full shape for parameter {name!r}")
+    return shapes[leaf]

@@ -26,6 +26,14 @@ import torch.nn.functional as F
 
 from tetrad.models.batch import IGNORE
 
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of token losses (targets == -100 are padding); callers divide by the global count."""
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=IGNORE
+    )
+
+
 # (local log-sum-exp [N], local target logit [N], 0 where not owned) -> global (lse, logit)
 Combine = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

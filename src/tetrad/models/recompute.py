@@ -8,14 +8,17 @@ recomputation therefore happens once per backward of the region: in a split back
 (zero-bubble B and W) the deferred weight gradients are filed during B's recomputation
 and W only consumes them.
 
-`recompute(fn, *inputs, keep=Keep(...))` also keeps the outputs of chosen kernels (the
-i-th matmul of the region, its attention kernel): forward saves them beside the inputs,
-and the rerun takes them from there instead of computing them again. Only the kernel is
-skipped: autograd still records its node, with the inputs the rerun recomputed, so the
-backward is the one a plain run builds and the results are bit-equal to no recompute. A
-kernel listed in `drop` (the region's last matmul, whose output no backward reads: it only
-feeds the residual sum) is not recomputed either: the rerun gives an uninitialised tensor
-of its shape.
+`recompute(fn, *inputs, keep=Keep(...), root=block)` also keeps the outputs of chosen
+kernels, named by the module of `root` that runs them (a linear's matmul, the attention
+core's fused kernel): forward saves them beside the inputs, and the rerun takes them from
+there instead of computing them again. Only the kernel is skipped: autograd still records
+its node, with the inputs the rerun recomputed, so the backward is the one a plain run
+builds and the results are bit-equal to no recompute. A module listed in `drop` (the
+block's last linear, whose output no backward reads: it only feeds the residual sum) is
+not recomputed either: the rerun gives an uninitialised tensor of its shape. Naming
+modules, not call indices, keeps a new kernel elsewhere in the block from shifting the
+policy onto it; and a dropped module must run exactly one kernel of its kind, or the
+forward fails with an error naming it (a second kernel there would get garbage).
 
 Modes (`Llama.recompute`), each wrapping every transformer block: "full" keeps the block's
 input, one [b, s, d] tensor. "selective" also keeps what is costly to redo for its size:
@@ -34,11 +37,13 @@ block, never two: ZeRO takes a unit's gradient accumulation as the end of its ba
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tetrad.models.spec import Keep
 
 _ATTENTION = {  # the fused attention kernels of F.scaled_dot_product_attention
     getattr(torch.ops.aten, name).default
@@ -60,59 +65,97 @@ def _kind(func) -> str | None:
     return "attention" if func in _ATTENTION else None
 
 
-@dataclass(frozen=True)
-class Keep:
-    """Which kernels of a recomputed region are not redone, by kind and call index within
-    the region: `keep` saves their outputs, `drop` (outputs backward never reads) saves
-    nothing and gives an uninitialised tensor in the rerun."""
-
-    keep: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    drop: dict[str, tuple[int, ...]] = field(default_factory=dict)
-
-    def choice(self, kind: str | None, index: int) -> str | None:
-        if kind is None:
-            return None
-        if index in self.keep.get(kind, ()):
-            return "keep"
-        return "drop" if index in self.drop.get(kind, ()) else None
-
-
 class _Tape(TorchDispatchMode):
     """Forward (`replay` None): runs every kernel, recording the kept outputs (tensors in
     `tensors`, their structure in `trees`) and the dropped outputs' shapes. Rerun: gives
-    those back, in the same order, instead of running the kernels."""
+    those back, in the same order, instead of running the kernels. Which module is
+    running comes from hooks on the policy's modules, set for the tape's lifetime."""
 
-    def __init__(self, policy: Keep, trees: list, replay: list[torch.Tensor] | None = None):
+    def __init__(self, policy: Keep, root: nn.Module, trees: list, replay: list | None = None):
         super().__init__()
-        self.policy, self.trees, self.replay = policy, trees, replay
+        self.trees, self.replay = trees, replay
+        self.modules = policy.modules()  # path -> (kernel kind, "keep" or "drop")
+        self.root = root
         self.tensors: list[torch.Tensor] = []
-        self.calls: dict[str, int] = {}
+        self.running: list[str] = []  # the policy modules in their forward, innermost last
+        self.seen: dict[str, int] = {}  # kernels of its kind each module has run
+        self.hooks: list = []
         self.next_tree = self.next_tensor = 0
 
+    def __enter__(self):
+        found = [(path, _module(self.root, path)) for path in self.modules]  # all, or none
+        for path, module in found:
+            enter = module.register_forward_pre_hook(lambda *_, p=path: self._enter(p))
+            self.hooks += [enter, module.register_forward_hook(lambda *_: self._leave())]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        out = super().__exit__(*exc)
+        if exc[0] is None:
+            self._check_drops()
+        return out
+
+    def _enter(self, path: str) -> None:
+        self.running.append(path)
+
+    def _leave(self) -> None:
+        self.running.pop()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = _kind(func)
-        index = self.calls.get(kind, 0)
-        self.calls[kind] = index + 1
-        choice = self.policy.choice(kind, index)
-        if choice is not None and self.replay is not None:
-            return self._give_back(choice)
+        chosen = self._choice(func)
+        if chosen is not None and self.replay is not None:
+            return self._give_back(*chosen)
         out = func(*args, **(kwargs or {}))
-        if choice == "keep":
+        if chosen is not None and chosen[1] == "keep":
             leaves, spec = tree_flatten(out)
             tensors = [isinstance(x, torch.Tensor) for x in leaves]
             self.tensors += [x for x in leaves if isinstance(x, torch.Tensor)]
-            self.trees.append((spec, [None if t else x for t, x in zip(tensors, leaves)]))
-        elif choice == "drop":
-            self.trees.append((out.shape, out.dtype, out.device))
+            self.trees.append(
+                (chosen[0], spec, [None if t else x for t, x in zip(tensors, leaves)])
+            )
+        elif chosen is not None:
+            self.trees.append((chosen[0], out.shape, out.dtype, out.device))
         return out
 
-    def _give_back(self, choice: str):
+    def _choice(self, func) -> tuple[str, str] | None:
+        """(module, "keep" or "drop") when this kernel is the one the policy names."""
+        kind = _kind(func)
+        if kind is None or not self.running:
+            return None
+        path = self.running[-1]
+        want, choice = self.modules[path]
+        if kind != want:
+            return None
+        count = self.seen.get(path, 0) + 1
+        self.seen[path] = count
+        if choice == "drop" and count > 1:
+            raise RuntimeError(
+                f"selective recomputation drops the output of {path!r}'s {kind} kernel, but "
+                f"that module runs more than one: its model family's ModelSpec.selective "
+                f"no longer matches the block (the rerun would compute from garbage)"
+            )
+        return (path, choice) if count == 1 else None
+
+    def _check_drops(self) -> None:
+        for path, (kind, choice) in self.modules.items():
+            if choice == "drop" and self.seen.get(path, 0) != 1:
+                raise RuntimeError(
+                    f"selective recomputation drops the output of {path!r}'s {kind} kernel, "
+                    f"but that module ran none: its model family's ModelSpec.selective no "
+                    f"longer matches the block"
+                )
+
+    def _give_back(self, path: str, choice: str):
         entry = self.trees[self.next_tree]
         self.next_tree += 1
+        if entry[0] != path:
+            raise RuntimeError(f"recomputation diverged: {path!r} ran where {entry[0]!r} did")
         if choice == "drop":
-            shape, dtype, device = entry
+            _, shape, dtype, device = entry
             return torch.empty(shape, dtype=dtype, device=device)
-        spec, leaves = entry
+        _, spec, leaves = entry
         out = []
         for x in leaves:
             if x is None:  # a fresh alias: autograd gives the kernel's output its own history
@@ -122,15 +165,27 @@ class _Tape(TorchDispatchMode):
         return tree_unflatten(out, spec)
 
 
+def _module(root: nn.Module, path: str) -> nn.Module:
+    """The policy's module at `path` of `root`, or an error naming it."""
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        raise ValueError(
+            f"selective recomputation names module {path!r}, which "
+            f"{type(root).__name__} does not have (its model family's ModelSpec.selective)"
+        ) from None
+
+
 class _Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, policy, *inputs):
+    def forward(ctx, fn, policy, root, *inputs):
         ctx.fn, ctx.policy, ctx.trees, ctx.inputs = fn, policy, [], len(inputs)
+        ctx.root = root
         with torch.no_grad():
             if policy is None:
                 ctx.save_for_backward(*inputs)
                 return fn(*inputs)
-            with _Tape(policy, ctx.trees) as tape:
+            with _Tape(policy, root, ctx.trees) as tape:
                 out = fn(*inputs)
         ctx.save_for_backward(*inputs, *tape.tensors)
         return out
@@ -144,11 +199,11 @@ class _Recompute(torch.autograd.Function):
             if ctx.policy is None:
                 out = ctx.fn(*inputs)
             else:
-                with _Tape(ctx.policy, ctx.trees, list(saved[n:])):
+                with _Tape(ctx.policy, ctx.root, ctx.trees, list(saved[n:])):
                     out = ctx.fn(*inputs)
         _release(out, inputs)
         torch.autograd.backward(out, grad)
-        return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
+        return (None, None, None, *(x.grad if x.requires_grad else None for x in inputs))
 
 
 def _release(out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
@@ -164,13 +219,19 @@ def _release(out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
 
 
 def recompute(
-    fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, keep: Keep | None = None
+    fn: Callable[..., torch.Tensor],
+    *inputs: torch.Tensor,
+    keep: Keep | None = None,
+    root: nn.Module | None = None,
 ) -> torch.Tensor:
-    """fn(*inputs), keeping only `inputs` (and the kernel outputs `keep` names) for
-    backward, where fn runs again. Without gradients (evaluation) it is just fn(*inputs)."""
+    """fn(*inputs), keeping only `inputs` (and the outputs of the kernels of `root`'s
+    modules `keep` names) for backward, where fn runs again. Without gradients
+    (evaluation) it is just fn(*inputs)."""
+    if keep is not None and root is None:
+        raise ValueError("a recompute policy names modules: pass the module they are in (root)")
     if not torch.is_grad_enabled():
         return fn(*inputs)
     if not any(x.requires_grad for x in inputs):
         # fn may still use parameters: its output must reach backward to give them grads
         inputs = (inputs[0].detach().requires_grad_(), *inputs[1:])
-    return _Recompute.apply(fn, keep, *inputs)
+    return _Recompute.apply(fn, keep, root, *inputs)

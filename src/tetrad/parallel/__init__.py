@@ -8,9 +8,9 @@ from tetrad.comm import Comm
 from tetrad.config import ModelConfig, TrainConfig
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
+from tetrad.models.families import spec_for
 from tetrad.models.init import materialize
-from tetrad.models.llama import cross_entropy_sum, set_recompute
-from tetrad.models.loss import ChunkedCrossEntropy
+from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
 from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads
 from tetrad.parallel.engine import Engine
 from tetrad.parallel.local import local_model
@@ -20,8 +20,6 @@ from tetrad.parallel.state_adapter import PlainAdapter
 from tetrad.parallel.tensor import TPLayout
 from tetrad.parallel.zero import ZeroShards
 from tetrad.parallel.zero_adapter import ZeroAdapter
-
-TIED = "tok_embeddings.weight"  # the embedding a tied head reuses
 
 
 def parallelize(
@@ -49,27 +47,29 @@ def parallelize(
          mixed precision: compute parameters in `train.dtype` (cast here, from the fp32
          values just materialised, which become the fp32 master weights).
     """
+    spec = spec_for(model_cfg)
     local = local_model(layout, model_cfg, mesh, comm)  # 1-3
     model, tp = local.model, local.tp
     materialize(model, model_cfg, train.seed, device, tp.slicer if tp else None)
-    set_recompute(model, train.recompute)
+    spec.set_recompute(model, train.recompute)
     loss_fn = _loss_fn(model, train.loss_chunk, tp)
     replicated = local.replicated
     runner: Runner = MicrobatchLoop(model, loss_fn, meter_every=train.meter_every)
     if local.chunks is not None:
         runner = build_pipeline(
-            model, layout, mesh, comm, local.chunks, loss_fn, model_cfg.dim, train.meter_every
+            model, layout, mesh, comm, local.chunks, loss_fn, model_cfg.dim, train.meter_every, spec
         )
-        if model.tok_embeddings is not None and model_cfg.tie_embeddings:
-            replicated[TIED] = (*replicated[TIED], "pp")  # counted once: on pp rank 0
+        embed = spec.tied_weight
+        if model_cfg.tie_embeddings and embed in replicated:  # held by both ends
+            replicated[embed] = (*replicated[embed], "pp")  # counted once: on pp rank 0
     unshard, slicer = (tp.unshard, tp.slicer) if tp else (None, None)
     grads: GradSync
     # first and last stage each hold the tied embedding: their gradients are summed
     tied_ends = tied_across_stages(layout, model_cfg.tie_embeddings, mesh)
-    tied = (TIED, mesh["pp_ends"]) if tied_ends else None
+    tied = (spec.tied_weight, mesh["pp_ends"]) if tied_ends else None
     where = (layout, model_cfg, mesh, comm, unshard, slicer)
     if layout.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
-        shards = ZeroShards(model, mesh, comm, layout, replicated, tied)  # tied: full grads
+        shards = ZeroShards(model, mesh, comm, layout, replicated, spec, tied)  # tied: full grads
         grads, replicated = shards, {**replicated, **shards.view_replicated()}
         state = ZeroAdapter(shards, model, *where)
         runner.meter.exclude(u.flat for u in shards.units)  # parameters, not activations

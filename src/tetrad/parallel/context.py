@@ -35,7 +35,9 @@ from tetrad.comm import Comm
 from tetrad.comm.cp import gather_from_cp, ring_pass
 from tetrad.config import CP_ATTENTION
 from tetrad.mesh import Group, Mesh
-from tetrad.models.llama import Attention, apply_rotary, rotary_at
+from tetrad.models.llama import apply_rotary, rotary_at
+from tetrad.models.plans import matches
+from tetrad.models.spec import set_module
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -309,11 +311,11 @@ class _RingAttention(torch.autograd.Function):
 CORES = dict(zip(CP_ATTENTION, (AllGatherCore, RingCore)))
 
 
-def apply_cp(model: nn.Module, mesh: Mesh, comm: Comm, attention: str) -> None:
-    """Swap every attention core of `model` for the configured cp core (no parameters:
-    nothing to shard or materialise): `attention` is allgather or ring."""
+def apply_cp(model: nn.Module, mesh: Mesh, comm: Comm, attention: str, pattern: str) -> None:
+    """Swap every attention core of `model` (the modules `pattern`, its family's spec,
+    names) for the cp core `attention` (allgather or ring): no parameters, nothing to
+    shard or materialise."""
     kind = CORES[attention]
-    for module in model.modules():
-        if isinstance(module, Attention):
-            core = module.core
-            module.core = kind(core.head_dim, core.theta, comm, mesh["cp"])
+    cores = [(n, m) for n, m in model.named_modules() if matches(pattern, n)]
+    for name, core in cores:
+        set_module(model, name, kind(core.head_dim, core.theta, comm, mesh["cp"]))

@@ -3,7 +3,7 @@
 Each parameter's `.grad` is a view into a flat bucket buffer, so a bucket is all-reduced in
 place with no copies. A post-accumulate-grad hook marks a parameter ready; when every
 parameter of a bucket is ready the bucket's all-reduce is launched asynchronously, while
-backward keeps computing the earlier layers. Buckets are launched strictly in index order,
+backward keeps computing the layers before them. Buckets are launched strictly in index order,
 so every rank issues the same collectives in the same order. On accumulation microbatches
 (`sync=False`) the hooks do nothing: gradients accumulate locally (`no_sync`).
 

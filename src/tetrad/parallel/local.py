@@ -1,7 +1,8 @@
 """This rank's model before it has memory: the one builder every layout and the planner use.
 
-`local_model` builds the whole Llama on the meta device, keeps this rank's pipeline
-stages, and shrinks each planned module to its tensor-parallel shard. `parallelize` then
+`local_model` builds the whole model on the meta device (its family's `ModelSpec.build`),
+keeps this rank's pipeline stages, and shrinks each planned module to its tensor-parallel
+shard (the family's plan). `parallelize` then
 materialises it; the memory model and the checkpoint gathers only read its names and
 shapes. Same code, so prediction and execution agree on what a rank holds.
 """
@@ -16,8 +17,7 @@ from tetrad.comm import Comm
 from tetrad.config import ModelConfig
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh, rank_of
-from tetrad.models.llama import meta_llama
-from tetrad.models.plans import LLAMA_PLAN
+from tetrad.models.families import spec_for
 from tetrad.parallel.context import apply_cp
 from tetrad.parallel.pipeline.stage import Chunk, prune, rank_chunks
 from tetrad.parallel.tensor import TPLayout, apply_tp
@@ -45,14 +45,15 @@ class LocalModel:
 def local_model(layout: Layout, m: ModelConfig, mesh: Mesh, comm: Comm) -> LocalModel:
     """Steps 1-3 of `parallelize`, on the meta device: build, pipeline split, tp shrink,
     and context parallelism's attention cores (they hold no parameters)."""
-    model = meta_llama(m)
+    spec = spec_for(m)
+    model = spec.build(m)
     chunks = None
     if layout.pp > 1:
         chunks = rank_chunks(layout, m, mesh["pp"].rank)
-        prune(model, chunks)
-    tp = apply_tp(model, LLAMA_PLAN, mesh, comm, m, layout.sp) if layout.tp > 1 else None
+        prune(model, chunks, spec)
+    tp = apply_tp(model, spec.tp_plan, mesh, comm, m, layout.sp) if layout.tp > 1 else None
     if layout.cp > 1:
-        apply_cp(model, mesh, comm, layout.cp_attention)
+        apply_cp(model, mesh, comm, layout.cp_attention, spec.attention_core)
     return LocalModel(model, chunks, tp)
 
 

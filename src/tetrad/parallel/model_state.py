@@ -29,6 +29,7 @@ import torch
 from tetrad.config import ModelConfig
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
+from tetrad.models.families import spec_for
 from tetrad.parallel.local import planned
 from tetrad.parallel.zero import UnitLayout, plan_units
 
@@ -106,7 +107,7 @@ def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelSta
     if fsdp == 1:
         return replicated_bytes(named, dtype)
     fsdp_rank = Mesh.plan(layout.degrees, rank).coord["fsdp"]
-    units = plan_units(named, replicated, fsdp)
+    units = plan_units(named, replicated, fsdp, spec_for(m))
     return zero_bytes(units, fsdp_rank, layout.zero_stage, dtype)
 
 

@@ -1,7 +1,7 @@
 """State adapters: a layout's parameters and AdamW state as full logical tensors, and back.
 
-Checkpoints, tests and export speak full logical tensors ("layers.3.attention.wq.weight",
-whole, float32, on CPU); each layout holds something else (tp shards, some stages, ZeRO
+Checkpoints, tests and export speak full logical tensors (by parameter name, whole,
+float32, on CPU); each layout holds something else (tp shards, some stages, ZeRO
 flat shards). A state adapter owns that translation for one engine. Out is a collective
 (tp shards all-gathered, every stage broadcast over pp); in needs none: every rank loads
 from the full tensors and keeps its slices.

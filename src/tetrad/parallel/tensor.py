@@ -5,7 +5,7 @@ tensor-parallel twin with this rank's smaller weight, keeping every parameter's 
 `materialize` fills it with its slice of the layout-invariant full value. Per transformer
 block, forward, the collectives are (b microbatch, s sequence, h hidden, t = tp):
 
-    no SP:  x [b,s,h] -f-> q,k,v / w1,w3 (column) ... wo / w2 (row) -g-> [b,s,h]
+    no SP:  x [b,s,h] -f-> q,k,v / gate,up (column) ... o / down (row) -g-> [b,s,h]
     SP:     x [b,s/t,h] -all-gather-> (column) ... (row) -reduce-scatter-> [b,s/t,h]
 
 two all-reduces (or two all-gather + reduce-scatter pairs) forward and two backward:
@@ -45,10 +45,12 @@ from tetrad.comm.tp import (
 from tetrad.config import ModelConfig
 from tetrad.mesh import Group, Mesh
 from tetrad.models.batch import IGNORE
+from tetrad.models.families import spec_for
 from tetrad.models.init import Slicer, full_shape
 from tetrad.models.llama import RMSNorm
 from tetrad.models.loss import linear_cross_entropy
 from tetrad.models.plans import assign
+from tetrad.models.spec import module_at
 from tetrad.parallel.pipeline.weightgrad import Deferrable, SplitLinear, accumulate, split_matmul
 
 SHARDED = ("dp", "fsdp", "cp")  # a tp-sharded parameter is still replicated over these
@@ -249,12 +251,13 @@ class VocabParallelLinearCrossEntropy:
     """The engine's loss_fn under tp with a chunked loss: (final-normed hidden, targets) ->
     loss sum, the vocabulary-parallel head applied chunk by chunk (`models/loss.py`)."""
 
-    def __init__(self, model: nn.Module, tp: TP, start: int, chunk: int):
+    def __init__(self, model: nn.Module, tp: TP, start: int, chunk: int, tied: bool):
         self.model, self.tp, self.start, self.chunk = model, tp, start, chunk
+        self.tied = tied
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.model.output is not None:  # what VocabParallelHead does first (a tied head's
-            h = self.tp.enter(h)  # input entered the region at the final norm)
+        if not self.tied:  # what VocabParallelHead does first (a tied head's input
+            h = self.tp.enter(h)  # entered the region at the final norm)
         weight = self.model.head_weight()  # [V_r, d]
         return linear_cross_entropy(h, weight, targets, self.chunk, self.start, self._combine)
 
@@ -280,10 +283,11 @@ class TPLayout:
     unshard: Callable[[str, torch.Tensor], torch.Tensor]
     tp: TP
     vocab_start: int  # this rank's first vocabulary row
+    tied: bool  # the head reuses the embedding's weight
 
     def chunked_loss_fn(self, model: nn.Module, chunk: int) -> VocabParallelLinearCrossEntropy:
         """The loss_fn of a model whose last stage stops before the head (`logits=False`)."""
-        return VocabParallelLinearCrossEntropy(model, self.tp, self.vocab_start, chunk)
+        return VocabParallelLinearCrossEntropy(model, self.tp, self.vocab_start, chunk, self.tied)
 
 
 def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[slice, ...]:
@@ -353,9 +357,10 @@ def apply_tp(
             model.get_submodule(name).register_forward_pre_hook(
                 lambda _, args: (tp.enter(args[0]),)
             )
-    if getattr(model, "output", True) is None and getattr(model, "norm", None) is not None:
+    final = module_at(model, spec_for(m).final_norm)
+    if m.tie_embeddings and final is not None:
         # tied head: the final norm's output feeds F.linear with the embedding's vocab rows
-        model.norm.register_forward_hook(lambda _, __, out: tp.enter(out))
+        final.register_forward_hook(lambda _, __, out: tp.enter(out))
     return _layout(kinds, tp, m)
 
 
@@ -378,6 +383,7 @@ def _layout(kinds: dict[str, str], tp: TP, m: ModelConfig) -> TPLayout:
         unshard=unshard,
         tp=tp,
         vocab_start=start,
+        tied=m.tie_embeddings,
     )
 
 

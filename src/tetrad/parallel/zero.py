@@ -7,7 +7,7 @@ multiple of the fsdp size n, so rank r owns the contiguous shard [r·S, (r+1)·S
 padded/n. Inside a unit the parameters are ordered by class (weight decay or not, and the
 axes the values are replicated over), so a shard meets each class in one contiguous
 range; those ranges are the tensors the optimizer sees (`ShardView`), named after a
-logical parameter they cover, so name rules (no decay for "*norm.weight") still apply.
+logical parameter they cover, so name rules (no decay for a norm's gain) still apply.
 Padding belongs to no view: the optimizer never allocates state for it.
 
 The model keeps its modules; each parameter attribute becomes a view into the unit's flat
@@ -53,10 +53,10 @@ from tetrad.comm import Comm, Work
 from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.plans import decays
+from tetrad.models.spec import ModelSpec
 from tetrad.parallel.runner import Held
 
 ROOT = "root"
-ROOT_ORDER = {"tok_embeddings": 0, "norm": 1, "output": 2}  # forward order of root modules
 # (weight decay?, axes the values are replicated over besides fsdp)
 ClassKey = tuple[bool, tuple[str, ...]]
 
@@ -132,10 +132,9 @@ class UnitLayout:
         return i
 
 
-def unit_of(name: str) -> str:
+def unit_of(name: str, spec: ModelSpec) -> str:
     """The unit a parameter belongs to: its transformer block, or the root."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else ROOT
+    return spec.block_of(name) or ROOT
 
 
 def class_key(name: str, replicated: tuple[str, ...]) -> ClassKey:
@@ -146,11 +145,12 @@ def plan_units(
     named_shapes: list[tuple[str, tuple[int, ...]]],
     replicated: dict[str, tuple[str, ...]],
     world: int,
+    spec: ModelSpec,
 ) -> list[UnitLayout]:
     """Units in forward order (root first, then blocks as the model holds them)."""
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {ROOT: []}
     for name, shape in named_shapes:
-        groups.setdefault(unit_of(name), []).append((name, tuple(shape)))
+        groups.setdefault(unit_of(name, spec), []).append((name, tuple(shape)))
     out = []
     for unit, members in groups.items():
         if not members:
@@ -246,7 +246,7 @@ class FlatUnit:
 
 def _backward_middle(block: nn.Module) -> nn.Module | None:
     """The submodule whose output gradient marks the middle of `block`'s backward: its
-    second-to-last child (a Llama block's FFN norm), if it has two."""
+    second-to-last child (a pre-norm block's second norm, before its MLP), if it has two."""
     children = list(block.children())
     return children[-2] if len(children) >= 2 else None
 
@@ -270,6 +270,7 @@ class ZeroShards:
         comm: Comm,
         job: Layout,
         replicated,
+        spec: ModelSpec,
         tied: tuple[str, Group] | None = None,
     ):
         self.mesh, self.comm = mesh, comm
@@ -285,7 +286,8 @@ class ZeroShards:
         self.reduce_dtype = job.reduce_dtype
         self.device = next(model.parameters()).device
         named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-        self.layouts = plan_units(named, replicated, self.group.size)
+        self.spec = spec
+        self.layouts = plan_units(named, replicated, self.group.size, self.spec)
         self.units = [self._build(u, model) for u in self.layouts]
         self.by_name = {u.layout.name: u for u in self.units}
         self.prefetch_midway: set[str] = set()  # blocks that prefetch from their middle
@@ -327,12 +329,13 @@ class ZeroShards:
         if root is None:
             return
         paths = list(dict.fromkeys(n.rpartition(".")[0] for n in root.layout.names))
-        paths.sort(key=lambda p: ROOT_ORDER.get(p, 1))  # the order forward uses them in
+        order = self.spec.roots  # the order forward uses them in
+        paths.sort(key=lambda p: order.index(p) if p in order else 1)
         if not getattr(model, "logits", True):  # a fused loss reads the head's weight, never
-            paths = [p for p in paths if p != "output"]  # calls it: the norm installed it
+            paths = [p for p in paths if p != self.spec.head]  # calls it: the norm installed it
         for path in paths:
             module = model.get_submodule(path)
-            embed = path == "tok_embeddings"
+            embed = path == self.spec.embedding
             module.register_forward_pre_hook(lambda *_, e=embed: self._pre_forward(root, e))
             if not embed:  # the head side: its backward comes first
                 module.register_forward_hook(lambda _, __, out: self._post_forward(root, out))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.devices import Device
+from tetrad.models.families import spec_for
 
 # Width (elements) at which a GEMM dimension halves the large-GEMM rate: a stated fit on
 # the development rows (docs/plan.md, "Efficiency"); cpu: no size effect is modelled.
@@ -81,13 +82,6 @@ def gemm_factor(width: float) -> float:
     return width / (width + GEMM_HALF_WIDTH)
 
 
-def _linears(m: ModelConfig, t: int) -> list[tuple[int, int]]:
-    """(K, N) of each linear of a block on one tp rank: wq, wk, wv, wo, w1, w3, w2."""
-    h, f, hd = m.dim, m.hidden_dim, m.head_dim
-    kv = max(m.kv_heads // t, 1) * hd
-    return [(h, h // t), (h, kv), (h, kv), (h // t, h), (h, f // t), (h, f // t), (f // t, h)]
-
-
 class ComputeModel:
     """Per-rank seconds of the blocks and of the head, for one device and kernel set."""
 
@@ -109,7 +103,8 @@ class ComputeModel:
         """One block's forward on one rank for `tokens` local tokens of `seqs` sequences of
         length `s`; with context parallelism a rank holds s/cp of each sequence and, the
         chunks load-balanced, 1/cp of the causal attention."""
-        gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, dtype) for k, n in _linears(m, t))
+        linears = spec_for(m).block_linears(m, t).values()  # (K, N) of each, on this rank
+        gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, dtype) for k, n in linears)
         nbytes = tokens * self.elementwise_bytes(m, t, sp, dtype)
         if self.kernels.attention == "unfused":
             attention = self._unfused_attention(m, t, seqs, s, dtype) / cp
@@ -119,11 +114,13 @@ class ComputeModel:
 
     def selective_redo(self, m: ModelConfig, t: int, tokens: int, dtype: str, fwd: Parts) -> float:
         """Seconds tetrad's selective recomputation redoes in one block's backward
-        (models/recompute.py): the q and w3 matmuls (the others' outputs are kept, or,
-        w2's, never read) and the elementwise forward (norms, rotary, SwiGLU's product,
-        the residual sums); not attention."""
-        lin = _linears(m, t)
-        gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, dtype) for k, n in (lin[0], lin[5]))
+        (models/recompute.py): the matmuls of the linears its family's policy neither
+        keeps nor drops (the others' outputs are kept, or never read) and the elementwise
+        forward (norms, rotary, SwiGLU's product, the residual sums); not attention."""
+        spec = spec_for(m)
+        named = spec.selective.modules()
+        redone = [kn for name, kn in spec.block_linears(m, t).items() if name not in named]
+        gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, dtype) for k, n in redone)
         return gemm + fwd.elementwise
 
     def _unfused_attention(self, m: ModelConfig, t: int, seqs: int, s: int, dtype: str) -> float:

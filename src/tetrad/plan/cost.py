@@ -3,7 +3,7 @@
 The model, per optimizer step (b microbatch size, s sequence, h hidden, t = tp):
 
 - Compute: each pipeline stage's forward (F), input-gradient (B) and weight-gradient (W)
-  FLOPs per microbatch, from the model's matmuls and attention (`llama_layer_costs`:
+  FLOPs per microbatch, from the model's matmuls and attention (`ModelSpec.layer_costs`:
   B = W = F for the projections and MLP; attention has no weights, so its backward is all
   B), divided by tp and charged at `peak x efficiency` of the device.
 - TP: two all-reduces of b·s·h forward and two backward per layer (8·b·s·h·(t-1)/t
@@ -44,7 +44,7 @@ from typing import Any
 
 from tetrad.config import DTYPE_BYTES, Config
 from tetrad.layout import SPLIT_BACKWARD, Layout
-from tetrad.models.flops import flops_per_token
+from tetrad.models.families import spec_for
 from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
     build_schedule,
@@ -422,7 +422,7 @@ class Planner:
 
     def _prediction(self, cfg, step, bubble, memory, breakdown) -> Prediction:
         tokens = cfg.train.global_batch * cfg.train.seq_len
-        flops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens
+        flops = spec_for(cfg.model).flops_per_token(cfg.model, cfg.train.seq_len) * tokens
         world = cfg.parallel.world_size
         peak = self.cluster.device.peak_tflops[cfg.train.dtype] * 1e12
         return Prediction(

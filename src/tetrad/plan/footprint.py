@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from tetrad.config import DTYPE_BYTES, Config
 from tetrad.devices import Device
+from tetrad.models.families import spec_for
+from tetrad.models.spec import ModelSpec
 from tetrad.parallel.model_state import ModelState, local_parameters, replicated_bytes, zero_bytes
 from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.parallel.pipeline.timeline import Timeline
@@ -107,7 +109,8 @@ class Footprint:
         if key not in self._facts:
             named, replicated = self._local_parameters(cfg, held, first, last)
             numel = {n: math.prod(s) for n, s in named}
-            layers = sum(v for n, v in numel.items() if n.startswith("layers."))
+            blocks = spec_for(cfg.model).blocks + "."
+            layers = sum(v for n, v in numel.items() if n.startswith(blocks))
             state = _state(cfg, named, replicated)
             self._facts[key] = RankFacts(layers, sum(numel.values()) - layers, held, state)
         return self._facts[key]
@@ -124,15 +127,16 @@ class Footprint:
             )
             self._template[key] = local_parameters(layout_of(one), one.model, 0)
         named, replicated = self._template[key]
-        root = _root_names(cfg, first, last)
-        block = [(n[len("layers.0") :], s) for n, s in named if n.startswith("layers.0.")]
-        out = [(n, s) for n, s in named if n == "tok_embeddings.weight" and n in root]
+        spec = spec_for(cfg.model)
+        first_block = spec.block_prefix(0)
+        block = [(n[len(first_block) :], s) for n, s in named if n.startswith(first_block)]
+        root = [(n, s) for n, s in named if spec.block_of(n) is None]
+        keep = _root_names(spec, named, first, last)
+        out = [(n, s) for n, s in root if n.startswith(spec.embedding + ".") and n in keep]
         for k in range(held):
-            out += [(f"layers.{k}{rest}", s) for rest, s in block]
-        out += [(n, s) for n, s in named if not n.startswith(("layers.", "tok_")) and n in root]
-        reps = {
-            n: replicated.get(n) or replicated["layers.0" + n[n.index(".", 7) :]] for n, _ in out
-        }
+            out += [(spec.block_prefix(k) + rest, s) for rest, s in block]
+        out += [(n, s) for n, s in root if not n.startswith(spec.embedding + ".") and n in keep]
+        reps = {n: replicated.get(n) or replicated[_first_block_name(spec, n)] for n, _ in out}
         return out, reps
 
     # --- activations and the total ----------------------------------------------------------
@@ -144,19 +148,21 @@ class Footprint:
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
         lay, shards = layout_of(cfg), self.sp_saves_shards
         b, s = lay.microbatch_size, lay.local_seq
-        layer = act.llama_layer(m, p.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
-                                gqa_native=self.gqa_native)  # fmt: skip
+        family = spec_for(m).activations
+        layer = family.layer(m, p.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
+                             gqa_native=self.gqa_native)  # fmt: skip
         layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
         if self.scores and self.recompute in ("none", "op"):
-            layer_bytes += act.total_bytes(act.attention_scores(m, cfg.train.seq_len), b, s, p.tp)
+            scores = family.attention_scores(m, cfg.train.seq_len)
+            layer_bytes += act.total_bytes(scores, b, s, p.tp)
         gathers = self.cp_gathers_kv and p.cp_attention != "ring"  # tetrad's ring keeps its own
         if p.cp > 1 and gathers and self.recompute not in ("full", "op"):
-            gathered = act.cp_gathered_kv(m, p.tp, dt, p.cp, cfg.train.seq_len, self.gqa_native)
+            gathered = family.cp_gathered_kv(m, p.tp, dt, p.cp, cfg.train.seq_len, self.gqa_native)
             layer_bytes += act.total_bytes(gathered, b, s, p.tp, p.sp)
         chunked = self.chunked_loss and cfg.train.loss_chunk > 0
-        head = act.llama_head(m, p.tp, dt, sp_shards=shards, chunked=chunked)
+        head = family.head(m, p.tp, dt, sp_shards=shards, chunked=chunked)
         head = act.total_bytes(head, b, s, p.tp, p.sp)
-        embed = act.total_bytes(act.llama_embedding(p.tp, dt), b, s, p.tp, p.sp)
+        embed = act.total_bytes(family.embedding(p.tp, dt), b, s, p.tp, p.sp)
         out = [n * layer_bytes for n in split]
         out[0] += embed
         out[-1] += head
@@ -167,11 +173,12 @@ class Footprint:
         deferred linears, and on the last stage the head's unless a chunked loss computes
         its weight gradient in B."""
         p, b, s = cfg.parallel, layout_of(cfg).microbatch_size, layout_of(cfg).local_seq
-        w = act.llama_pending_w(cfg.model, p.tp, cfg.train.dtype)
+        family = spec_for(cfg.model).activations
+        w = family.pending_w(cfg.model, p.tp, cfg.train.dtype)
         one = act.total_bytes(w, b, s, p.tp, p.sp)
         out = [n * one for n in split]
         if not (self.chunked_loss and cfg.train.loss_chunk > 0):
-            head = act.llama_pending_w_head(cfg.model, p.tp, cfg.train.dtype)
+            head = family.pending_w_head(cfg.model, p.tp, cfg.train.dtype)
             out[-1] += act.total_bytes(head, b, s, p.tp, p.sp)
         return out
 
@@ -184,8 +191,8 @@ class Footprint:
         per_stage = self.stage_activations(cfg, split)
         pending = self.stage_pending_w(cfg, split) if deferred_w else []
         lay = layout_of(cfg)
-        out = act.total_bytes(act.llama_stage_output(cfg.model, cfg.train.dtype),
-                              lay.microbatch_size, lay.local_seq, p.tp, p.sp)  # fmt: skip
+        sending = spec_for(cfg.model).activations.stage_output(cfg.model, cfg.train.dtype)
+        out = act.total_bytes(sending, lay.microbatch_size, lay.local_seq, p.tp, p.sp)
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
         return act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent)
 
@@ -219,10 +226,11 @@ class Footprint:
         """Workspace + transients (one block's backward, the loss gradient on the last
         stage, ZeRO's buffers) + the allocator's share of transients and activations."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        b, s = layout_of(cfg).microbatch_size, layout_of(cfg).local_seq
-        transient = act.layer_grad_workspace(m, p.tp, dt, b, s, p.sp, self.fused)
+        b, s, spec = layout_of(cfg).microbatch_size, layout_of(cfg).local_seq, spec_for(m)
+        transient = act.layer_grad_workspace(spec, m, p.tp, dt, b, s, p.sp, self.fused)
         if self.scores:  # the layer in backward (recomputed or kept) holds its scores
-            transient += act.total_bytes(act.attention_scores(m, cfg.train.seq_len), b, s, p.tp)
+            scores = spec.activations.attention_scores(m, cfg.train.seq_len)
+            transient += act.total_bytes(scores, b, s, p.tp)
         if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
                                                       p.pp_schedule):  # fmt: skip
             chunk = cfg.train.loss_chunk if self.chunked_loss else 0
@@ -264,14 +272,17 @@ def _largest_linear(cfg: Config) -> float:
     return max(m.dim * m.hidden_dim, m.dim * m.dim) / cfg.parallel.tp
 
 
-def _root_names(cfg: Config, first: bool, last: bool) -> set[str]:
-    """Root parameters a stage keeps, as `pipeline.stage.prune` leaves them."""
-    keep = set()
-    if first or (last and cfg.model.tie_embeddings):
-        keep.add("tok_embeddings.weight")
-    if last:
-        keep |= {"norm.weight", "output.weight"}
-    return keep
+def _root_names(spec: ModelSpec, named, first: bool, last: bool) -> set[str]:
+    """Root parameters a stage keeps, as `pipeline.stage.prune` leaves them (of `named`,
+    a whole model's, whose head is absent when tied)."""
+    names = [n for n, _ in named]
+    return spec.stage_parameters(names, [], first, last)
+
+
+def _first_block_name(spec: ModelSpec, name: str) -> str:
+    """`name` of a block, as the same parameter of block 0 (every block has its shapes)."""
+    block = spec.block_of(name)
+    return spec.block_prefix(0) + name[len(block) + 1 :]
 
 
 def _state(cfg: Config, named, replicated) -> ModelState:
@@ -280,4 +291,5 @@ def _state(cfg: Config, named, replicated) -> ModelState:
     dtype = layout_of(cfg).compute_dtype
     if p.fsdp == 1:
         return replicated_bytes(named, dtype)
-    return zero_bytes(plan_units(named, replicated, p.fsdp), 0, p.zero_stage, dtype)
+    units = plan_units(named, replicated, p.fsdp, spec_for(cfg.model))
+    return zero_bytes(units, 0, p.zero_stage, dtype)

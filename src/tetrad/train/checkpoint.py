@@ -37,8 +37,8 @@ from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
 from tetrad.config import Config, from_dict
+from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
-from tetrad.models.llama import meta_llama
 from tetrad.parallel.boxes import Box, box_numel, box_shape, intersect, relative
 from tetrad.train.optim import lr_at
 
@@ -459,7 +459,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def check_model(path: Path, tensors: dict[str, dict], cfg: Config) -> None:
     """The checkpoint's parameters are this model's: same logical names, same full shapes."""
-    names = [n for n, _ in meta_llama(cfg.model).named_parameters()]
+    names = [n for n, _ in spec_for(cfg.model).build(cfg.model).named_parameters()]
     want = {n: tuple(full_shape(n, cfg.model)) for n in names}
     got = {n: tuple(e["shape"]) for n, e in tensors.items() if "/" not in n}
     if want != got:

@@ -1,6 +1,6 @@
 """Which transformer layers each pipeline stage holds.
 
-A split is a list of layer counts, one per stage, summing to the number of layers. The
+A split is a list of layer counts, one per stage, summing to the model's layer count. The
 embedding always sits on the first stage and the head (with the loss) on the last, so a
 first or last stage may hold no layer at all; a middle stage holds at least one.
 
@@ -59,33 +59,6 @@ def stage_costs(costs: Sequence[float], split: Sequence[int]) -> list[float]:
     check_split(split, len(costs) - 2, None)
     bounds = _layers_to_bounds(split)
     return [sum(costs[i:j]) for i, j in zip(bounds, bounds[1:])]
-
-
-def llama_layer_costs(
-    n_layers: int,
-    dim: int,
-    ffn_dim: int,
-    n_heads: int,
-    n_kv_heads: int,
-    vocab: int,
-    seq_len: int,
-) -> list[float]:
-    """Analytic FLOPs of one sequence, forward plus backward (3x forward), per item:
-    [embedding, layer_0, ..., layer_{L-1}, head+loss].
-
-    A layer: q/k/v/o projections (k, v narrowed by grouped-query attention), attention
-    scores and values over the full s x s square, and a SwiGLU MLP of three matrices.
-    The embedding is a lookup (s*dim moves, no matmul); head = 2*s*dim*vocab, the
-    softmax of the loss (O(s*vocab)) is left out as 1/dim of it.
-    """
-    if dim % n_heads or n_heads % n_kv_heads:
-        raise ValueError(f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads} do not divide")
-    s, kv_dim = seq_len, dim // n_heads * n_kv_heads
-    projections = 2 * s * dim * (2 * dim + 2 * kv_dim)
-    attention = 2 * 2 * s * s * dim  # q·kᵀ and p·v
-    mlp = 3 * 2 * s * dim * ffn_dim
-    layer = 3.0 * (projections + attention + mlp)
-    return [3.0 * s * dim] + [layer] * n_layers + [3.0 * 2 * s * dim * vocab]
 
 
 # --- exact search -------------------------------------------------------------------

@@ -43,6 +43,7 @@ from tetrad.devices import Clock
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
+from tetrad.models.spec import ModelSpec
 from tetrad.parallel.activation_meter import ActivationMeter
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait, Wire, program
 from tetrad.parallel.pipeline.schedules import (
@@ -349,15 +350,18 @@ def build_pipeline(
     loss_fn: LossFn,
     dim: int,
     meter_every: int,
+    spec: ModelSpec,
 ) -> PipelineRuntime:
     """This rank's pipeline: its schedule's steps, and the split backward if it has W.
-    `dim`: the model's hidden size (what crosses a stage boundary per token)."""
+    `dim`: the model's hidden size (what crosses a stage boundary per token); `spec`: its
+    family's, which names the parameters each stage's backward completes."""
     actions = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     store = None
     mine = actions[mesh["pp"].rank]
     if any(a.kind == "W" for a in mine):
         store = WeightGradStore()
         defer_weight_grads(model, store)
+    names = [n for n, _ in model.named_parameters()]
     if comm.device.type == "cuda":
         # NCCL creates a communicator on its first use, with every member; torch requires
         # that batched p2p not be that first use unless every rank joins the same batch
@@ -372,27 +376,20 @@ def build_pipeline(
         loss_fn,
         store,
         layout.compute_dtype,
-        final_actions(mine, chunks, [n for n, _ in model.named_parameters()]),
+        final_actions(mine, chunks, names, spec),
         meter_every,
     )
 
 
-def chunk_parameters(chunk: Chunk, names: list[str]) -> set[str]:
+def chunk_parameters(chunk: Chunk, names: list[str], spec: ModelSpec) -> set[str]:
     """The parameters (of `names`, this rank's) whose gradients `chunk`'s backward makes:
     its blocks, the embedding on the first stage, the final norm and the head (or the
     embedding it is tied to) on the last."""
-    prefixes = [f"layers.{layer}." for layer in chunk.layers]
-    if chunk.first:
-        prefixes.append("tok_embeddings.")
-    if chunk.last:
-        prefixes += ["norm.", "output."]
-        if not any(n.startswith("output.") for n in names):  # tied head
-            prefixes.append("tok_embeddings.")
-    return {n for n in names if n.startswith(tuple(prefixes))}
+    return spec.stage_parameters(names, chunk.layers, chunk.first, chunk.last)
 
 
 def final_actions(
-    actions: list[Action], chunks: list[Chunk], names: list[str]
+    actions: list[Action], chunks: list[Chunk], names: list[str], spec: ModelSpec
 ) -> dict[tuple[str, int, int], frozenset[str]]:
     """For each compute action, the parameters whose gradients are complete once it has
     run: those of the stages whose last backward work (B, BW or W) it is, less any a
@@ -400,7 +397,7 @@ def final_actions(
     last: dict[str, tuple[str, int, int]] = {}
     for a in actions:
         if a.kind in ("B", "BW", "W"):
-            for name in chunk_parameters(_chunk(chunks, a.stage), names):
+            for name in chunk_parameters(_chunk(chunks, a.stage), names, spec):
                 last[name] = (a.kind, a.stage, a.microbatch)
     out: dict[tuple[str, int, int], set[str]] = {}
     for name, key in last.items():

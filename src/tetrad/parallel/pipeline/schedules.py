@@ -159,8 +159,8 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
     (k // pp) % v of microbatch (k // (pp*v)) * pp + k % pp; backwards visit the chunks
     in reverse. Warm-up covers the v-1 extra chunk rounds plus 2 per downstream rank:
     one would do if transfers were free; the second hides the p2p round trip when they
-    are not, at the memory Korthikanti et al. give: rank 0 holds v*pp + pp - 1 chunks,
-    L·(1 + (pp-1)/(pp·v)) layers.
+    are not, at the memory Korthikanti et al. give: rank 0 holds v*pp + pp - 1 chunks
+    (L·(1 + (pp-1)/(pp·v)) layers).
     """
     total = m * v
     orders = []

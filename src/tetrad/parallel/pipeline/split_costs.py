@@ -12,9 +12,9 @@ configuration), so checkpoints, the memory accounting and a resumed job see the 
 counts actually used.
 
 Memory stays small: a one-layer copy of the model is built (embedding, one block, head),
-and its block is timed once per layer index (Llama's blocks all have one shape, so every
-layer is given the median of those timings: differences between them are noise, which on
-a loaded machine could otherwise move a stage boundary). With tp the full, unsharded
+and its block is timed once per layer index (a family's blocks all have one shape, so
+every layer is given the median of those timings: differences between them are noise,
+which on a loaded machine could otherwise move a stage boundary). With tp the full, unsharded
 items are timed: their slices cost in the same proportions.
 """
 
@@ -30,9 +30,9 @@ from tetrad.config import ModelConfig, TrainConfig
 from tetrad.devices import Clock
 from tetrad.layout import Layout
 from tetrad.mesh import Group
+from tetrad.models.families import spec_for
 from tetrad.models.init import materialize
-from tetrad.models.llama import cross_entropy_sum, meta_llama, set_recompute
-from tetrad.models.loss import ChunkedCrossEntropy
+from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
 from tetrad.parallel.pipeline.partition import balance
 
 REPEATS = 3  # timed runs per item, after one untimed warm-up run of each kind
@@ -70,9 +70,9 @@ def _time_items(
     layout: Layout, m: ModelConfig, t: TrainConfig, device: torch.device, repeats: int
 ) -> list[float]:
     device, dtype = torch.device(device), layout.compute_dtype
-    one = replace(m, layers=1)
-    model = materialize(meta_llama(one), one, t.seed, device).to(dtype)
-    set_recompute(model, t.recompute)
+    one, spec = replace(m, layers=1), spec_for(m)
+    model = materialize(spec.build(one), one, t.seed, device).to(dtype)
+    spec.set_recompute(model, t.recompute)
     loss_fn = cross_entropy_sum
     if t.loss_chunk:  # the runtime's fused head and loss (see parallel._loss_fn)
         model.end_at_norm()

@@ -1,10 +1,11 @@
 """A rank's share of the model under pipeline parallelism.
 
-Every rank keeps one `Llama` module holding only the layers of its stages (chunks), so
-parameter names stay the logical ones ("layers.7.attention.wq.weight"): initialisation,
-tensor parallelism, ZeRO and checkpoints need no translation. A `Chunk` is a view of one
-stage: which layers, and whether it embeds tokens (global stage 0) or ends in the head and
-the loss (the last global stage).
+Every rank keeps one model holding only the blocks of its stages (chunks), so parameter
+names stay the logical ones (a block's parameters keep its layer index): initialisation,
+tensor parallelism, ZeRO and checkpoints need no translation. Which modules are the
+embedding, the blocks, the final norm and the head, the model family's `ModelSpec` says.
+A `Chunk` is a view of one stage: which layers, and whether it embeds tokens (global
+stage 0) or ends in the head and the loss (the last global stage).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from torch import nn
 
 from tetrad.config import ModelConfig
 from tetrad.layout import Layout
-from tetrad.parallel.pipeline.partition import balance, llama_layer_costs
+from tetrad.models.families import spec_for
+from tetrad.models.spec import ModelSpec
+from tetrad.parallel.pipeline.partition import balance
 from tetrad.parallel.pipeline.schedules import rank_stages
 
 
@@ -38,10 +41,7 @@ def layer_split(layout: Layout, m: ModelConfig) -> list[int]:
     is predicted by the analytic split."""
     if layout.split is not None:
         return list(layout.split)
-    costs = llama_layer_costs(
-        m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads, m.vocab, layout.seq_len
-    )
-    return balance(costs, layout.stages)
+    return balance(spec_for(m).layer_costs(m, layout.seq_len), layout.stages)
 
 
 def rank_chunks(layout: Layout, m: ModelConfig, pp_rank: int) -> list[Chunk]:
@@ -55,18 +55,8 @@ def rank_chunks(layout: Layout, m: ModelConfig, pp_rank: int) -> list[Chunk]:
     return out
 
 
-def prune(model: nn.Module, chunks: list[Chunk]) -> nn.Module:
+def prune(model: nn.Module, chunks: list[Chunk], spec: ModelSpec) -> nn.Module:
     """Drop (on the meta device) every module this rank's chunks do not use."""
-    keep = {name for c in chunks for name in c.layers}
-    for name in list(model.layers):
-        if name not in keep:
-            del model.layers[name]
-    embeds = any(c.first for c in chunks)
-    heads = any(c.last for c in chunks)
-    tied = model.output is None
-    if not embeds and not (heads and tied):
-        model.tok_embeddings = None
-    if not heads:
-        model.norm, model.output = None, None
-    model.first, model.last = embeds, heads
+    layers = [name for c in chunks for name in c.layers]
+    spec.prune(model, layers, any(c.first for c in chunks), any(c.last for c in chunks))
     return model

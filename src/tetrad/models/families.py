@@ -1,0 +1,21 @@
+"""The model families tetrad knows, by name: how parallel code finds a model's spec."""
+
+from __future__ import annotations
+
+from tetrad.config import ModelConfig
+from tetrad.models.llama_spec import LLAMA
+from tetrad.models.spec import ModelSpec
+
+FAMILIES: dict[str, ModelSpec] = {spec.family: spec for spec in (LLAMA,)}
+
+
+def family(name: str) -> ModelSpec:
+    """The spec of family `name`, or a ValueError listing the known ones."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def spec_for(model: ModelConfig) -> ModelSpec:
+    """The spec of the family `model` belongs to (`ModelConfig.family`)."""
+    return family(model.family)

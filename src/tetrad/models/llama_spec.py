@@ -1,0 +1,45 @@
+"""Llama's `ModelSpec`: what parallel and planning code may know of the dense family."""
+
+from __future__ import annotations
+
+from tetrad.models import llama_activations
+from tetrad.models.flops import block_linears, flops_per_token, layer_costs
+from tetrad.models.llama import KEEP_SELECTIVE, meta_llama, param_shape, set_recompute
+from tetrad.models.plans import LLAMA_PLAN
+from tetrad.models.spec import ModelSpec
+
+# tetrad parameter -> Hugging Face LlamaForCausalLM parameter ("{i}": the block index)
+HF_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+}
+
+LLAMA = ModelSpec(
+    family="llama",
+    build=meta_llama,
+    embedding="tok_embeddings",
+    blocks="layers",
+    final_norm="norm",
+    head="output",
+    tied_weight="tok_embeddings.weight",
+    attention_core="layers.*.attention.core",
+    tp_plan=LLAMA_PLAN,
+    selective=KEEP_SELECTIVE,
+    set_recompute=set_recompute,
+    full_shape=param_shape,
+    layer_costs=layer_costs,
+    flops_per_token=flops_per_token,
+    block_linears=block_linears,
+    activations=llama_activations,
+    hf_names=HF_NAMES,
+)
