@@ -1,5 +1,5 @@
 """The test harness: the tiny test model, training runs on one rank or several, the
-comparison of two runs, and where the reference CSVs live.
+comparison of two runs, and the reference CSVs' path (tests/data/).
 
 Test-only; what users need (`spawn`) is in `tetrad.testing`. Tests import these with
 `from harness import ...`: pytest puts tests/ on sys.path, and spawned ranks inherit it.
@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from tetrad.config import Config, from_dict
@@ -18,18 +17,15 @@ from tetrad.mesh import Mesh
 from tetrad.testing import spawn
 from tetrad.train.loop import Trainer
 
-# The shared/ folder beside the repository (not part of it: a clean clone skips its tests)
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+# Copies of the published reference CSVs (tests/data/README.md names each one's source)
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def reference_csv(name: str) -> Path:
-    """The path of reference CSV `name`; skips the calling test when it is not there."""
-    path = REFERENCE / name
-    if not path.exists():
-        where = path if REFERENCE.is_dir() else REFERENCE
-        pytest.skip(
-            f"reference CSVs not found at {where} (the shared/ folder beside the repository)"
-        )
+    """The path of reference CSV `name` in tests/data/ (an error, not a skip, if missing)."""
+    path = DATA / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: copy it from shared/reference/ (tests/data/README.md)")
     return path
 
 

@@ -1,8 +1,8 @@
 """The planner against the literature's formulas and published measurements; no processes.
 
-Published rows are copied below (with their source) from the reference CSVs, which live
-beside the repository (harness.REFERENCE), so the tests run from a clean clone; when the
-CSVs are present, a test checks the copies. `python tests/test_plan.py` prints the
+Published rows are copied below (with their source) from the reference CSVs in
+tests/data/ (copies of shared/reference/, see tests/data/README.md), and a test checks the
+copies against the CSVs. `python tests/test_plan.py` prints the
 predicted-vs-published tables of docs/plan.md.
 """
 
