@@ -189,9 +189,10 @@ def bubble_rate(planner: Planner, cfg) -> float:
 
 
 def at_efficiency(planner: Planner, efficiency: float) -> Planner:
+    """`planner` with its device's GEMM efficiency set to `efficiency` (sharing its caches:
+    splits, schedules and model facts do not depend on the device's speed)."""
     device = dataclasses.replace(planner.cluster.device, efficiency=efficiency)
-    return Planner(dataclasses.replace(planner.cluster, device=device), planner.engine,
-                   planner.recompute)  # fmt: skip
+    return planner.on(dataclasses.replace(planner.cluster, device=device))
 
 
 def implied_efficiency(planner: Planner, cfg, published: float) -> float:
@@ -199,7 +200,8 @@ def implied_efficiency(planner: Planner, cfg, published: float) -> float:
     lo, hi = 0.05, 1.0
     for _ in range(24):
         mid = (lo + hi) / 2
-        got = at_efficiency(planner, mid).predict(cfg).tokens_per_s
+        # detail=False: the same step time, without the idle time's split into bubble and p2p
+        got = at_efficiency(planner, mid).predict(cfg, detail=False).tokens_per_s
         lo, hi = (mid, hi) if got < published else (lo, mid)
     return (lo + hi) / 2
 
