@@ -164,7 +164,7 @@ def test_eval_loss_is_the_same_in_every_layout(prepared):
 def test_readme_flow_import_prepare_train_export(prepared, tmp_path, capsys):
     """The four README commands, then generate, report and the TensorBoard events."""
     transformers = pytest.importorskip("transformers")
-    from test_hf import hf_logits, save_hf_llama, tetrad_logits
+    from test_interop_hf import hf_logits, save_hf_llama, tetrad_logits
 
     tok, _, text = prepared
     hf_dir = tmp_path / "hf"
