@@ -34,12 +34,12 @@ def reference():
 
 
 @pytest.fixture(scope="session")
-def all_jobs(request) -> Jobs:
+def all_jobs(request, tmp_path_factory) -> Jobs:
     """The multi-process jobs of every test module with a selected test, each module's
     declared by its `declare_jobs(jobs)`; those of one world size run in one spawn, the
     first time a test asks for one of them. Starting ranks is most of a small job's time
     (about 2 s of CPU each), so the suite starts each world size once, not per test."""
-    jobs = Jobs(timeout=JOBS_TIMEOUT)
+    jobs = Jobs(timeout=JOBS_TIMEOUT, mktemp=tmp_path_factory.mktemp)
     modules = dict.fromkeys(getattr(item, "module", None) for item in request.session.items)
     for module in modules:
         declare = getattr(module, "declare_jobs", None)

@@ -97,8 +97,10 @@ class Jobs:
     that world size, each time asked, without running it again.
     """
 
-    def __init__(self, timeout: float = 600.0):
+    def __init__(self, timeout: float = 600.0, mktemp: Callable[[str], Path] | None = None):
         self.timeout = timeout
+        self._mktemp = mktemp  # makes a new temporary directory (tmp_path_factory.mktemp)
+        self._tmp: dict[str, Path] = {}
         self._prefix = ""
         self._queued: dict[int, dict[str, tuple[Callable, tuple]]] = {}
         self._results: dict[str, list[Any]] = {}
@@ -109,6 +111,16 @@ class Jobs:
         view = copy.copy(self)
         view._prefix = f"{self._prefix}{prefix}:"
         return view
+
+    def tmp(self, name: str) -> Path:
+        """The temporary directory `name` of these jobs: made on the first call, the same
+        one after (for jobs that write files, and the tests that read them)."""
+        key = self._prefix + name
+        if key not in self._tmp:
+            if self._mktemp is None:
+                raise ValueError("these jobs were made without mktemp")
+            self._tmp[key] = self._mktemp(key.replace(":", "-").replace(".", "-"))
+        return self._tmp[key]
 
     def add(self, name: str, world: int, fn: Callable, *args: Any) -> None:
         name = self._prefix + name
