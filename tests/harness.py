@@ -1,5 +1,6 @@
-"""The test harness: the tiny test model, training runs on one rank or several, the
-comparison of two runs, and the reference CSVs' path (tests/data/).
+"""The test harness: the tiny test model, training runs on one rank or several (and the
+jobs that share one spawn per world size, `Jobs`), the comparison of two runs, and the
+reference CSVs' path (tests/data/).
 
 Test-only; what users need (`spawn`) is in `tetrad.testing`. Tests import these with
 `from harness import ...`: pytest puts tests/ on sys.path, and spawned ranks inherit it.
