@@ -1,4 +1,5 @@
-"""Shared fixtures: the single-process reference runs, computed once per session.
+"""Shared fixtures: the single-process reference runs, computed once per session, and the
+test modules' multi-process jobs, run in one spawn per world size.
 
 Helpers tests import (runs, comparisons, the test model) are in harness.py."""
 
@@ -7,9 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import run_layout, tiny_config
+from harness import Jobs, run_layout, tiny_config
 
 torch.set_num_threads(1)
+
+# A test that reads `jobs` may be the one that runs a whole world size's jobs for the
+# session: its timeout (set below) is that spawn's.
+JOBS_TIMEOUT = 1200.0
 
 
 @pytest.fixture(scope="session")
@@ -28,8 +33,33 @@ def reference():
     return get
 
 
+@pytest.fixture(scope="session")
+def all_jobs(request, tmp_path_factory) -> Jobs:
+    """The multi-process jobs of every test module with a selected test, each module's
+    declared by its `declare_jobs(jobs)`; those of one world size run in one spawn, the
+    first time a test asks for one of them. Starting ranks is most of a small job's time
+    (about 2 s of CPU each), so the suite starts each world size once, not per test."""
+    jobs = Jobs(timeout=JOBS_TIMEOUT, mktemp=tmp_path_factory.mktemp)
+    modules = dict.fromkeys(getattr(item, "module", None) for item in request.session.items)
+    for module in modules:
+        declare = getattr(module, "declare_jobs", None)
+        if declare is not None:
+            declare(jobs.scoped(module.__name__))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def jobs(all_jobs, request) -> Jobs:
+    """This module's jobs (its `declare_jobs`): jobs[name] is job `name`'s results, by rank."""
+    return all_jobs.scoped(request.module.__name__)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` need a GPU: skipped, saying so, where there is none."""
+    """Tests that read `jobs` get the jobs' timeout. Tests marked `cuda` need a GPU:
+    skipped, saying so, where there is none."""
+    for item in items:
+        if "jobs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(JOBS_TIMEOUT))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs these)")

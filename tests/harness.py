@@ -1,5 +1,6 @@
-"""The test harness: the tiny test model, training runs on one rank or several, the
-comparison of two runs, and where the reference CSVs live.
+"""The test harness: the tiny test model, training runs on one rank or several (and the
+jobs that share one spawn per world size, `Jobs`), the comparison of two runs, and the
+reference CSVs' path (tests/data/).
 
 Test-only; what users need (`spawn`) is in `tetrad.testing`. Tests import these with
 `from harness import ...`: pytest puts tests/ on sys.path, and spawned ranks inherit it.
@@ -7,10 +8,11 @@ Test-only; what users need (`spawn`) is in `tetrad.testing`. Tests import these 
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from tetrad.config import Config, from_dict
@@ -18,18 +20,15 @@ from tetrad.mesh import Mesh
 from tetrad.testing import spawn
 from tetrad.train.loop import Trainer
 
-# The shared/ folder beside the repository (not part of it: a clean clone skips its tests)
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+# Copies of the published reference CSVs (tests/data/README.md names each one's source)
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def reference_csv(name: str) -> Path:
-    """The path of reference CSV `name`; skips the calling test when it is not there."""
-    path = REFERENCE / name
-    if not path.exists():
-        where = path if REFERENCE.is_dir() else REFERENCE
-        pytest.skip(
-            f"reference CSVs not found at {where} (the shared/ folder beside the repository)"
-        )
+    """The path of reference CSV `name` in tests/data/ (an error, not a skip, if missing)."""
+    path = DATA / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: copy it from shared/reference/ (tests/data/README.md)")
     return path
 
 
@@ -82,6 +81,79 @@ def one_step_comm(rank: int, world: int, cfg_dicts: list[dict[str, Any]]) -> lis
 def train_many(rank: int, world: int, cfg_dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Several trainings, one after the other, in one set of processes (saves start-ups)."""
     return [train_worker(rank, world, raw) for raw in cfg_dicts]
+
+
+def run_jobs(rank: int, world: int, jobs: list[tuple[Callable, tuple]]) -> list[Any]:
+    """Several workers, one after another, in one set of processes: fn(rank, world, *args)
+    of each (fn, args) job, in order."""
+    return [fn(rank, world, *args) for fn, args in jobs]
+
+
+class Jobs:
+    """Multi-process jobs grouped by world size, each group run in one spawn the first time
+    a test asks for one of its jobs (starting the ranks is most of a small job's time).
+
+    jobs.add(name, world, fn, *args) queues fn(rank, world, *args); jobs[name] is then its
+    results in rank order. `scoped(prefix)` is a view of the same queue whose names carry
+    the prefix (conftest gives each test module one). A failed spawn fails every job of
+    that world size, each time asked, without running it again.
+    """
+
+    def __init__(self, timeout: float = 600.0, mktemp: Callable[[str], Path] | None = None):
+        self.timeout = timeout
+        self._mktemp = mktemp  # makes a new temporary directory (tmp_path_factory.mktemp)
+        self._tmp: dict[str, Path] = {}
+        self._prefix = ""
+        self._queued: dict[int, dict[str, tuple[Callable, tuple]]] = {}
+        self._results: dict[str, list[Any]] = {}
+        self._failed: dict[int, BaseException] = {}
+
+    def scoped(self, prefix: str) -> Jobs:
+        """A view of these jobs whose names are prefixed with `prefix:`."""
+        view = copy.copy(self)
+        view._prefix = f"{self._prefix}{prefix}:"
+        return view
+
+    def tmp(self, name: str) -> Path:
+        """The temporary directory `name` of these jobs: made on the first call, the same
+        one after (for jobs that write files, and the tests that read them)."""
+        key = self._prefix + name
+        if key not in self._tmp:
+            if self._mktemp is None:
+                raise ValueError("these jobs were made without mktemp")
+            self._tmp[key] = self._mktemp(key.replace(":", "-").replace(".", "-"))
+        return self._tmp[key]
+
+    def add(self, name: str, world: int, fn: Callable, *args: Any) -> None:
+        name = self._prefix + name
+        if any(name in queued for queued in self._queued.values()):
+            raise ValueError(f"job {name!r} added twice")
+        self._queued.setdefault(world, {})[name] = (fn, args)
+
+    def add_training(self, name: str, cfgs: list[Config]) -> None:
+        """Queue the training of `cfgs` (one world size, see train_many): jobs[name][0] is
+        then rank 0's runs, in order."""
+        worlds = {c.parallel.world_size for c in cfgs}
+        if len(worlds) != 1:
+            raise ValueError(f"{name}: one world size per training job, got {sorted(worlds)}")
+        self.add(name, worlds.pop(), train_many, [c.to_dict() for c in cfgs])
+
+    def __getitem__(self, name: str) -> list[Any]:
+        name = self._prefix + name
+        if name not in self._results:
+            world = next((w for w, q in self._queued.items() if name in q), None)
+            if world is None:
+                raise KeyError(f"no job {name!r}")
+            if world in self._failed:
+                raise self._failed[world]
+            queued = self._queued[world]
+            try:
+                per_rank = spawn(run_jobs, world, list(queued.values()), timeout=self.timeout)
+            except Exception as e:
+                self._failed[world] = e
+                raise
+            self._results.update(zip(queued, (list(job) for job in zip(*per_rank))))
+        return self._results[name]
 
 
 def run_layouts(cfgs: list[Config], timeout: float = 600.0) -> list[dict[str, Any]]:

@@ -16,9 +16,8 @@ import shutil
 import pytest
 import torch
 
-from harness import assert_close_run, tiny_config, trainer_for
+from harness import Jobs, assert_close_run, tiny_config, trainer_for
 from tetrad.layout import Layout
-from tetrad.testing import spawn
 from tetrad.train import checkpoint
 
 SHARD0 = "rank-00000.safetensors"
@@ -26,28 +25,30 @@ SHARD0 = "rank-00000.safetensors"
 
 def _jobs(rank: int, world: int, jobs: list[tuple[dict, int | None]]) -> list[dict]:
     """Per (config, stop): build a trainer, resume (if configured), train to `stop`."""
-    from tetrad.config import from_dict
-
-    out = []
     asked: list = []  # (key, box) this rank read from a checkpoint
     read = checkpoint.SliceReader.__call__
     checkpoint.SliceReader.__call__ = lambda self, k, b: asked.append((k, b)) or read(self, k, b)
-    for raw, stop in jobs:
-        trainer = trainer_for(from_dict(raw), rank)
-        asked.clear()
-        start = trainer.resume()
-        rows = trainer.fit(stop=stop)
-        state = trainer.engine.full_state_dict()
-        out.append(
-            {
-                "start": start,
-                "losses": [r["loss"] for r in rows],
-                "grad_norms": [r["grad_norm"] for r in rows],
-                "state": state if rank == 0 else None,
-                "asked": list(asked),
-            }
-        )
-    return out
+    try:
+        return [_job(rank, raw, stop, asked) for raw, stop in jobs]
+    finally:  # the ranks may go on to other modules' jobs
+        checkpoint.SliceReader.__call__ = read
+
+
+def _job(rank: int, raw: dict, stop: int | None, asked: list) -> dict:
+    from tetrad.config import from_dict
+
+    trainer = trainer_for(from_dict(raw), rank)
+    asked.clear()
+    start = trainer.resume()
+    rows = trainer.fit(stop=stop)
+    state = trainer.engine.full_state_dict()
+    return {
+        "start": start,
+        "losses": [r["loss"] for r in rows],
+        "grad_norms": [r["grad_norm"] for r in rows],
+        "state": state if rank == 0 else None,
+        "asked": list(asked),
+    }
 
 
 def _cfg(out, parallel=None, every=0, resume=False, keep=2, async_save=False):
@@ -110,26 +111,49 @@ def test_adam_state_is_restored_not_restarted(interrupted):
     assert trainer.loader.state_dict() == {"step": 10}
 
 
+RESUMES = [
+    {"tp": 2},
+    {"pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
+    {"fsdp": 2, "zero_stage": 3},
+    {"fsdp": 2, "zero_stage": 1},
+    {"cp": 2},
+]
+TIED_PARALLEL = {"fsdp": 2, "zero_stage": 3, "pp": 2, "pp_schedule": "zb-h1", "microbatches": 2}
+
+
+def _tied_cfg(out, par, **ck):
+    ck = {"every": 0, "resume": False, "keep": 2} | ck
+    model = {"tie_embeddings": True}
+    return tiny_config(train={"out": str(out)}, parallel=par, model=model,
+                       checkpoint=ck).to_dict()  # fmt: skip
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """Saves and resumes across layouts (2 ranks, in directories of their own), and the
+    tied embedding under ZeRO-3 x pp (4 ranks)."""
+    root = jobs.tmp("resharding")
+    dp_dir, zero_dir, tp_dir, cp_dir = (root / d for d in ("dp", "zero", "tp", "cp"))
+    runs = [(_cfg(dp_dir, {"dp": 2}, every=10), 10)]
+    runs += [(_cfg(dp_dir, par, resume=True), None) for par in RESUMES]
+    # ZeRO-3's save is asynchronous (the resumed run checks what the background wrote)
+    runs += [(_cfg(zero_dir, {"fsdp": 2, "zero_stage": 3}, every=10, async_save=True), 10)]
+    runs += [(_cfg(tp_dir, {"tp": 2}, every=10), 10)]
+    runs += [(_cfg(cp_dir, {"cp": 2, "cp_attention": "ring"}, every=10), 10)]
+    jobs.add("resharding", 2, _jobs, runs)
+    tied = jobs.tmp("tied")
+    runs = [(_tied_cfg(tied, TIED_PARALLEL, every=10), 10)]
+    runs += [(_tied_cfg(tied, TIED_PARALLEL, resume=True), None)]
+    jobs.add("tied", 4, _jobs, runs)
+
+
 @pytest.mark.distributed
-def test_resharding_across_layouts(reference, tmp_path):
+def test_resharding_across_layouts(reference, jobs):
     """Saved under dp=2 and resumed under tp=2, pp=2 (1f1b), fsdp=2 zero-3 and zero-1 and
     cp=2; saved under fsdp=2 zero-3, under tp=2 and under cp=2, resumed on one process."""
-    dp_dir, zero_dir, tp_dir = tmp_path / "dp", tmp_path / "zero", tmp_path / "tp"
-    cp_dir = tmp_path / "cp"
-    resumes = [
-        {"tp": 2},
-        {"pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
-        {"fsdp": 2, "zero_stage": 3},
-        {"fsdp": 2, "zero_stage": 1},
-        {"cp": 2},
-    ]
-    jobs = [(_cfg(dp_dir, {"dp": 2}, every=10), 10)]
-    jobs += [(_cfg(dp_dir, par, resume=True), None) for par in resumes]
-    # ZeRO-3's save is asynchronous (the resumed run checks what the background wrote)
-    jobs += [(_cfg(zero_dir, {"fsdp": 2, "zero_stage": 3}, every=10, async_save=True), 10)]
-    jobs += [(_cfg(tp_dir, {"tp": 2}, every=10), 10)]
-    jobs += [(_cfg(cp_dir, {"cp": 2, "cp_attention": "ring"}, every=10), 10)]
-    by_rank = spawn(_jobs, 2, jobs, timeout=300)
+    by_rank = jobs["resharding"]
+    root = jobs.tmp("resharding")
+    dp_dir, zero_dir, tp_dir, cp_dir = (root / d for d in ("dp", "zero", "tp", "cp"))
+    resumes = RESUMES
     results = by_rank[0]
     ref = reference()
     for par, got in zip(resumes, results[1 : 1 + len(resumes)]):
@@ -149,23 +173,14 @@ def test_resharding_across_layouts(reference, tmp_path):
 
 
 @pytest.mark.distributed
-def test_zero_with_an_embedding_tied_across_stages_resumes(reference, tmp_path):
+def test_zero_with_an_embedding_tied_across_stages_resumes(reference, jobs):
     """ZeRO-3 x pp 2 with zb-h1 and the embedding tied to the head across the two stages
     (each stage holds a copy; their gradients are summed): saved at step 10, resumed in
     the same layout and on one process, both reproduce the single process's last 10
     steps, and the checkpoint holds the tied weight once."""
-    out = tmp_path / "tied"
-    parallel = {"fsdp": 2, "zero_stage": 3, "pp": 2, "pp_schedule": "zb-h1", "microbatches": 2}
-
-    def cfg(par, **ck):
-        ck = {"every": 0, "resume": False, "keep": 2} | ck
-        model = {"tie_embeddings": True}
-        return tiny_config(train={"out": str(out)}, parallel=par, model=model,
-                           checkpoint=ck).to_dict()  # fmt: skip
-
-    jobs = [(cfg(parallel, every=10), 10), (cfg(parallel, resume=True), None)]
-    (saved, resumed) = spawn(_jobs, 4, jobs, timeout=300)[0]
-    (single,) = _jobs(0, 1, [(cfg({"microbatches": 2}, resume=True), None)])
+    out = jobs.tmp("tied")
+    saved, resumed = jobs["tied"][0]
+    (single,) = _jobs(0, 1, [(_tied_cfg(out, {"microbatches": 2}, resume=True), None)])
     ref = reference(model={"tie_embeddings": True}, parallel={"microbatches": 2})
     torch.testing.assert_close(saved["losses"], ref["losses"][:10], rtol=1e-5, atol=0)
     for got in (resumed, single):

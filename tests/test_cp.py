@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import assert_close_run, one_step_comm, run_layouts, tiny_config, trainer_for
+from harness import Jobs, assert_close_run, one_step_comm, tiny_config, trainer_for
+from memory_helpers import by_layout, predicted_activations, train_and_measure
 from tetrad.layout import Layout
 from tetrad.parallel.context import (
     _attend,
@@ -17,7 +18,6 @@ from tetrad.parallel.context import (
     chunk_positions,
     split_sequence,
 )
-from tetrad.testing import spawn
 
 RING = {"cp_attention": "ring"}
 
@@ -53,23 +53,32 @@ def _check_all(cases: dict, runs: list[dict], reference) -> None:
     assert not failed, "\n".join(failed)
 
 
+FOUR_AXES = {"pp2xfsdp2xcp2xtp2": ({"pp": 2, "fsdp": 2, "cp": 2, "tp": 2}, {})}
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """The layouts (2, 4 and 16 ranks), the volume steps, the bf16 and the activation runs."""
+    for world, cases in LAYOUTS.items():
+        cfgs = [tiny_config(parallel=par, train=train) for par, train in cases.values()]
+        jobs.add_training(f"layouts{world}", cfgs)
+    for world in VOLUME:
+        jobs.add(f"volume{world}", world, one_step_comm, [c.to_dict() for c in _volume(world)])
+    jobs.add("bf16", 2, _bf16_worker, [c.to_dict() for c in BF16])
+    jobs.add("activations", 2, train_and_measure, [c.to_dict() for c in ACTIVATIONS])
+    jobs.add_training("four-axes", [tiny_config(parallel=par) for par, _ in FOUR_AXES.values()])
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_cp_matches_single_process(reference, world):
-    cases = LAYOUTS[world]
-    cfgs = [tiny_config(parallel=par, train=train) for par, train in cases.values()]
-    _check_all(cases, run_layouts(cfgs), reference)
+def test_cp_matches_single_process(reference, jobs, world):
+    _check_all(LAYOUTS[world], jobs[f"layouts{world}"][0], reference)
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_cp_with_four_other_axes_on_16_ranks(reference):
+def test_cp_with_four_other_axes_on_16_ranks(reference, jobs):
     """pp 2 x fsdp 2 (ZeRO-3) x cp 2 x tp 2: four axes at once (16 processes on a small
     machine: one microbatch, the all-gather core; the ring meets pp, tp and sp above)."""
-    par = {"pp": 2, "fsdp": 2, "cp": 2, "tp": 2}
-    cases = {"pp2xfsdp2xcp2xtp2": (par, {})}
-    _check_all(cases, run_layouts([tiny_config(parallel=par)], timeout=600), reference)
+    _check_all(FOUR_AXES, jobs["four-axes"][0], reference)
 
 
 # --- the chunk layout (pure) -------------------------------------------------------------
@@ -160,12 +169,14 @@ VOLUME = {  # world -> [(parallel, kv heads per rank)]; tiny: 2 layers, kv 2 x h
 }
 
 
+def _volume(world: int) -> list:
+    return [tiny_config(parallel=par) for par, _ in VOLUME[world]]
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", sorted(VOLUME))
-def test_cp_bytes_per_layer_are_the_formula(world):
-    cfgs = [tiny_config(parallel=par) for par, _ in VOLUME[world]]
-    summaries = spawn(one_step_comm, world, [c.to_dict() for c in cfgs], timeout=300)
+def test_cp_bytes_per_layer_are_the_formula(jobs, world):
+    cfgs, summaries = _volume(world), jobs[f"volume{world}"]
     for (cfg, (_, kv_heads)), rank_sums in zip(zip(cfgs, VOLUME[world]), zip(*summaries)):
         p, t, m = cfg.parallel, cfg.train, cfg.model
         b = t.global_batch // (p.data_ranks * p.microbatches)
@@ -190,33 +201,35 @@ def _bf16_worker(rank: int, world: int, dicts: list[dict]) -> list[list[float]]:
     return [[r["loss"] for r in trainer_for(from_dict(raw), rank).fit()] for raw in dicts]
 
 
+BF16 = [
+    tiny_config(parallel={"cp": 2, "cp_attention": a}, train={"steps": 4, "dtype": "bf16"})
+    for a in ("allgather", "ring")
+]
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_cp_runs_in_bf16(reference):
+def test_cp_runs_in_bf16(reference, jobs):
     """bf16 compute under cp (both cores): finite, near the fp32 single process, not it."""
-    cfgs = [
-        tiny_config(parallel={"cp": 2, "cp_attention": a}, train={"steps": 4, "dtype": "bf16"})
-        for a in ("allgather", "ring")
-    ]
     fp32 = reference(parallel={"microbatches": 1})["losses"][:4]
-    for bf16 in spawn(_bf16_worker, 2, [c.to_dict() for c in cfgs], timeout=300)[0]:
+    for bf16 in jobs["bf16"][0]:
         assert all(torch.isfinite(torch.tensor(bf16)))
         assert bf16 != fp32
         torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=5e-2, atol=0)
 
 
+ACTIVATIONS = [
+    tiny_config(parallel={"cp": 2} | par, train={"steps": 2})
+    for par in ({}, RING, {"cp_attention": "allgather"})
+] + [tiny_config(parallel={"cp": 2} | RING, train={"steps": 2, "recompute": "selective"})]
+
+
 @pytest.mark.distributed
-def test_cp_activations_are_what_the_planner_counts():
+def test_cp_activations_are_what_the_planner_counts(jobs):
     """cp 2 with each core, and with recompute: every rank's measured peak of saved
     activations is the planner's within 10%. The all-gather core keeps the other shard's
     keys and values and the mask by global position per layer; the ring keeps only its
     own shard's (its backward recomputes each block)."""
-    from memory_helpers import by_layout, predicted_activations, train_and_measure
-
-    cases = [{}, RING, {"cp_attention": "allgather"}]
-    cfgs = [tiny_config(parallel={"cp": 2} | par, train={"steps": 2}) for par in cases]
-    cfgs += [tiny_config(parallel={"cp": 2} | RING, train={"steps": 2, "recompute": "selective"})]
-    results = by_layout(spawn(train_and_measure, 2, [c.to_dict() for c in cfgs], timeout=300))
+    cfgs, results = ACTIVATIONS, by_layout(jobs["activations"])
     for cfg, ranks in zip(cfgs, results):
         got = [r["activations"] for r in ranks]
         want = [predicted_activations(cfg, rank) for rank in range(2)]

@@ -5,25 +5,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import assert_close_run, run_layout, tiny_config, trainer_for
+from harness import Jobs, assert_close_run, tiny_config, trainer_for
 from tetrad.models.flops import param_count
-from tetrad.testing import spawn
 
 pytestmark = pytest.mark.distributed
 
+LAYOUTS = [(2, 1), (4, 1), (2, 2), (4, 2)]  # (dp, microbatches)
+COMM = tiny_config(parallel={"dp": 4, "bucket_mb": 0.01}, train={"steps": 2})
+NAN = tiny_config(parallel={"dp": 2}, train={"steps": 2})
 
-@pytest.mark.parametrize("dp,microbatches", [(2, 1), (4, 1), (2, 2), (4, 2)], ids=lambda v: str(v))
-def test_dp_matches_single_process(reference, dp, microbatches):
-    par = {"dp": dp, "microbatches": microbatches, "bucket_mb": 0.01}
-    got = run_layout(tiny_config(parallel=par))
+
+def declare_jobs(jobs: Jobs) -> None:
+    """The layouts (each world size's), the comm-volume run (4 ranks) and the NaN run (2)."""
+    for dp, m in LAYOUTS:
+        par = {"dp": dp, "microbatches": m, "bucket_mb": 0.01}
+        jobs.add_training(f"dp{dp}-mb{m}", [tiny_config(parallel=par)])
+    jobs.add_training("comm", [COMM])
+    jobs.add("nan", 2, _nan_worker, NAN.to_dict())
+
+
+@pytest.mark.parametrize("dp,microbatches", LAYOUTS, ids=lambda v: str(v))
+def test_dp_matches_single_process(reference, jobs, dp, microbatches):
+    (got,) = jobs[f"dp{dp}-mb{microbatches}"][0]
     ref = reference(parallel={"microbatches": microbatches})
     assert_close_run(got, ref)
 
 
-def test_dp_comm_volume_is_theoretical():
-    cfg = tiny_config(parallel={"dp": 4, "bucket_mb": 0.01}, train={"steps": 2})
-    got = run_layout(cfg)
-    psi = param_count(cfg.model)
+def test_dp_comm_volume_is_theoretical(jobs):
+    (got,) = jobs["comm"][0]
+    psi = param_count(COMM.model)
     stats = got["comm"]["data/all_reduce"]
     # every gradient element all-reduced exactly once per step: buffer 4Ψ bytes per rank,
     # plus the one float64 that agrees on the global token count (the loss denominator)
@@ -50,7 +60,5 @@ def _nan_worker(rank: int, world: int, cfg_dict: dict) -> list[bool]:
     return [first.skipped, unchanged, state_empty, second.skipped]
 
 
-def test_nan_on_one_rank_skips_on_every_rank():
-    cfg = tiny_config(parallel={"dp": 2}, train={"steps": 2})
-    results = spawn(_nan_worker, 2, cfg.to_dict())
-    assert results == [[True, True, True, False]] * 2
+def test_nan_on_one_rank_skips_on_every_rank(jobs):
+    assert jobs["nan"] == [[True, True, True, False]] * 2

@@ -1,5 +1,5 @@
 """The GPU tier: what only a GPU can show (skipped without one; scripts/gpu_check.sh runs
-it). NCCL's semantics are proven without a GPU in test_pipeline_p2p.py; here they meet
+it). NCCL's semantics are proven without a GPU in test_pp_p2p.py; here they meet
 the real thing."""
 
 from __future__ import annotations

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness import assert_close_run, tiny_config, train_worker
+from harness import Jobs, assert_close_run, tiny_config, train_worker
 from tetrad.config import from_dict
 from tetrad.layout import Layout
-from tetrad.testing import spawn
 
 MODEL = {"layers": 4, "vocab": 512}  # a head worth a few layers
 TRAIN = {"global_batch": 24}
@@ -35,18 +34,24 @@ def _worker(rank: int, world: int, raw: dict) -> dict:
     out["split"] = trainer.cfg.parallel.pp_split
     timed = split_costs._time_items
     split_costs._time_items = lambda *a: [c * (1 + rank) for c in timed(*a)]
-    out["costs"] = split_costs.measure_item_costs(
-        Layout.build(cfg), cfg.model, cfg.train, Comm("cpu"), mesh["world"], "cpu"
-    )
+    try:
+        out["costs"] = split_costs.measure_item_costs(
+            Layout.build(cfg), cfg.model, cfg.train, Comm("cpu"), mesh["world"], "cpu"
+        )
+    finally:  # the ranks go on to other modules' jobs
+        split_costs._time_items = timed
     out["own"] = timed(Layout.build(cfg), cfg.model, cfg.train, "cpu", 1)
     return out
 
 
+def declare_jobs(jobs: Jobs) -> None:
+    """The measured split at pp 2 x dp 2."""
+    jobs.add("pp2xdp2", 4, _worker, _measured(2, dp=2).to_dict())
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_measured_split_is_agreed_and_matches_single_process(reference):
-    cfg = _measured(2, dp=2)
-    ranks = spawn(_worker, 4, cfg.to_dict(), timeout=280)
+def test_measured_split_is_agreed_and_matches_single_process(reference, jobs):
+    ranks = jobs["pp2xdp2"]
     splits = {r["split"] for r in ranks}
     assert len(splits) == 1, f"ranks disagree on the split: {splits}"
     split = [int(x) for x in splits.pop().split(",")]

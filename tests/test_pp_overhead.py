@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import tiny_config
-from tetrad.testing import spawn
+from harness import Jobs, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -57,12 +56,34 @@ def _worker(rank: int, world: int, raw: dict) -> dict:
     return {"syncs": calls, "allocated": allocated, "receives": receives}
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_schedule_loop_has_no_host_sync_and_reuses_buffers(schedule):
+SYNC_SCHEDULES = ["1f1b", "zb-h1"]
+METER_SCHEDULES = ["1f1b", "zb-h1", "zb-v", "dp"]
+
+
+def _sync_config(schedule: str):
     par = {"pp": 2, "pp_schedule": schedule, "microbatches": 8}
-    cfg = tiny_config(model={"layers": 4}, train={"global_batch": 8}, parallel=par)
-    for rank, out in enumerate(spawn(_worker, 2, cfg.to_dict(), timeout=220)):
+    return tiny_config(model={"layers": 4}, train={"global_batch": 8}, parallel=par)
+
+
+def _meter_config(schedule: str):
+    v = 2 if schedule == "zb-v" else 1
+    par = {"pp": 2, "pp_schedule": schedule, "microbatches": 4, "virtual_stages": v}
+    if schedule == "dp":
+        par = {"dp": 2, "microbatches": 2}
+    return tiny_config(model={"layers": 4}, train={"global_batch": 8}, parallel=par)
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """The loop's and the meter's runs, 2 ranks each."""
+    for schedule in SYNC_SCHEDULES:
+        jobs.add(f"sync-{schedule}", 2, _worker, _sync_config(schedule).to_dict())
+    for schedule in METER_SCHEDULES:
+        jobs.add(f"meter-{schedule}", 2, _meter_worker, _meter_config(schedule).to_dict())
+
+
+@pytest.mark.parametrize("schedule", SYNC_SCHEDULES)
+def test_schedule_loop_has_no_host_sync_and_reuses_buffers(jobs, schedule):
+    for rank, out in enumerate(jobs[f"sync-{schedule}"]):
         assert out["syncs"] == [], f"rank {rank}: host syncs in the loop: {out['syncs']}"
         first, *later = out["allocated"]
         assert all(n == first for n in later), out["allocated"]  # no new buffer after step 1
@@ -117,18 +138,12 @@ def _meter_worker(rank: int, world: int, raw: dict) -> dict:
     return out
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v", "dp"])
-def test_meter_counts_only_its_steps_and_changes_nothing(schedule):
+@pytest.mark.parametrize("schedule", METER_SCHEDULES)
+def test_meter_counts_only_its_steps_and_changes_nothing(jobs, schedule):
     """With meter_every=0 the saved-tensor hooks run on the first step only; the steps
     after it free sent outputs and pool receive buffers by what that step learned, and
     compute bit for bit what a run counting every step computes (and the plain loop, dp)."""
-    v = 2 if schedule == "zb-v" else 1
-    par = {"pp": 2, "pp_schedule": schedule, "microbatches": 4, "virtual_stages": v}
-    if schedule == "dp":
-        par = {"dp": 2, "microbatches": 2}
-    cfg = tiny_config(model={"layers": 4}, train={"global_batch": 8}, parallel=par)
-    ranks = spawn(_meter_worker, 2, cfg.to_dict(), timeout=220)
+    ranks = jobs[f"meter-{schedule}"]
     for rank, out in enumerate(ranks):
         once, always = out[0], out[1]
         assert once["packs"][0] > 0 and once["packs"][1:] == [0, 0, 0], once["packs"]
@@ -141,5 +156,5 @@ def test_meter_counts_only_its_steps_and_changes_nothing(schedule):
             for k, w in always["weights"].items():
                 assert torch.equal(once["weights"][k], w), k
     # sent outputs are freed on the steps that count nothing, too
-    freed = [o[0]["freed"] for o in ranks]
-    assert schedule == "dp" or any(n > 0 for out in freed for n in out[1:]), freed
+    freed = [out[0]["freed"] for out in ranks]
+    assert schedule == "dp" or any(n > 0 for f in freed for n in f[1:]), freed

@@ -1,145 +1,84 @@
-"""Measured pipeline timelines: a real run's bubble against the simulator's prediction,
-the pictures and traces `tetrad train --timeline` writes, the activation meter, and the
-runtime's early freeing of sent outputs (pure: no processes)."""
+"""Timelines: the shared record, its Chrome trace and its picture."""
 
 from __future__ import annotations
 
-import gc
 import json
-import time
 
 import pytest
-import torch
-from torch import nn
 
-from harness import tiny_config, trainer_for
-from tetrad.parallel.activation_meter import ActivationMeter
-from tetrad.parallel.pipeline.measure import estimate_costs
-from tetrad.parallel.pipeline.timeline import Event, Timeline
-from tetrad.testing import spawn
-
-# Absolute tolerance on the bubble fraction (share of pp x step time left idle), for the
-# best-matching of the timed steps. The simulator is fed per-stage medians, so it cannot
-# see what makes one step slower than its siblings on a shared 2-core machine: the OS
-# descheduling a rank or gloo's progress thread (multi-millisecond stalls when other jobs
-# load the cores), Python bookkeeping between actions. Such noise comes and goes from
-# step to step, so the least disturbed of 7 steps is the fair comparison; a runtime that
-# idles where the schedule does not (a wait on the wrong tensor, a late send) is off in
-# every step and fails. On a quiet machine most steps agree to a few hundredths; 0.10 is
-# half of the 1F1B bubble predicted here (~0.2 at pp=2, m=4).
-BUBBLE_TOL = 0.10
-# A step is a fair test only if its ranks had the CPU to themselves: main-thread CPU
-# seconds of the step over the wall time of its compute actions is 1.15-1.2 on an idle
-# machine (Python between actions adds CPU time but no compute time) and falls below 1
-# when other jobs oversubscribe the cores. Then every compute is stretched and every
-# wake-up after a transfer late, and the comparison says nothing about the schedule:
-# such steps are left out, and with none left the comparison is skipped, saying so.
-FAIR_CPU_SHARE = 0.95
-STEPS = 8  # the first step warms up allocators and connections; the other 7 are compared
+from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
+from tetrad.parallel.pipeline.timeline import (
+    Event,
+    Timeline,
+    plot_timeline,
+    save_chrome_trace,
+    to_chrome_trace,
+)
 
 
-def _timeline_worker(rank: int, world: int, out_dir: str) -> dict:
-    from tetrad.config import from_dict
-    from tetrad.parallel.pipeline.measure import measure_step
-    from tetrad.train.run import write_step_timeline
-
-    result = {}
-    for schedule in ("1f1b", "zb-h1"):
-        trainer = trainer_for(from_dict(_config(schedule).to_dict()), rank)
-        pp = trainer.mesh["pp"]
-        pairs = []
-        for step in range(STEPS):
-            cpu = time.thread_time()
-            trainer.train_step()
-            events = trainer.engine.last_run.events
-            mine = torch.tensor([(time.thread_time() - cpu) / sum(e.duration for e in events)])
-            shares = torch.empty(2)
-            trainer.comm.all_gather(shares, mine, pp)
-            share = shares.min()  # the least served rank
-            measured, simulated = measure_step(events, trainer.comm, pp, schedule, 4)
-            if step > 0:
-                pairs.append((measured.bubble_fraction, simulated.bubble_fraction, float(share)))
-        write_step_timeline(trainer, f"{out_dir}/{schedule}")  # what --timeline DIR runs
-        result[schedule] = pairs
-    return result
-
-
-def _config(schedule: str):
-    # big enough that a forward (~5 ms) outweighs a gloo round trip (~0.1 ms) and the
-    # wake-up delays a busy machine adds to it (~1 ms)
-    return tiny_config(
-        model={"layers": 4, "dim": 128, "vocab": 128},
-        parallel={"pp": 2, "pp_schedule": schedule, "microbatches": 4},
-        train={"global_batch": 8, "seq_len": 64, "steps": STEPS},
-    )
-
-
-@pytest.mark.distributed
-def test_measured_bubble_matches_the_simulator_and_pictures_are_written(tmp_path):
-    result = spawn(_timeline_worker, 2, str(tmp_path), timeout=150)[0]
-    busy = []
-    for schedule, rows in result.items():
-        out = tmp_path / schedule
-        assert (out / "timeline.png").stat().st_size > 10_000
-        for name in ("timeline.json", "timeline_sim.json"):
-            trace = json.loads((out / name).read_text())
-            assert trace["otherData"]["schedule"] == schedule
-            computes = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-            assert len(computes) == (2 if schedule == "1f1b" else 3) * 4 * 2  # kinds x m x pp
-        fair = [(m, s) for m, s, share in rows if share >= FAIR_CPU_SHARE]
-        if not fair:
-            busy.append(f"{schedule}: CPU share {max(x[2] for x in rows):.2f} at best")
-            continue
-        best = min(abs(m - s) for m, s in fair)
-        assert best <= BUBBLE_TOL, f"{schedule}: (measured, simulated, cpu share) {rows}"
-    if busy:
-        pytest.skip(f"machine too busy to compare bubbles ({'; '.join(busy)})")
-
-
-def test_train_accepts_a_timeline_directory():
-    from tetrad.cli import parser
-
-    assert parser().parse_args(["train", "--pp", "2", "--timeline", "tl"]).timeline == "tl"
-
-
-def test_costs_read_off_a_timeline():
-    # rank 1 waits for rank 0's F (0.5 s transfer) and rank 0 for rank 1's B (0.25 s)
-    tl = Timeline(
+def _measured() -> Timeline:
+    """What a runtime would record: wall-clock seconds, starting anywhere."""
+    t0 = 1000.0
+    return Timeline(
         [
-            [Event("F", 0, 0, 0.0, 1.0), Event("B", 0, 0, 5.25, 6.25), Event("W", 0, 0, 6.25, 8)],
-            [Event("F", 1, 0, 1.5, 3.5), Event("B", 1, 0, 3.5, 5.0), Event("W", 1, 0, 5, 5.5)],
-        ]
+            [Event("F", 0, 0, t0, t0 + 1), Event("BW", 0, 0, t0 + 4, t0 + 6)],
+            [Event("F", 1, 0, t0 + 1, t0 + 2), Event("BW", 1, 0, t0 + 2, t0 + 4)],
+        ],
+        unit="s",
+        schedule="1f1b",
     )
-    c = estimate_costs(tl, 2)
-    assert (c.f, c.b, c.w) == ([1.0, 2.0], [1.0, 1.5], [1.75, 0.5])
-    assert c.comm == pytest.approx(0.375)  # median of the two waits
 
 
-def test_activation_meter_counts_saved_storages_once_and_releases_them():
-    lin = nn.Linear(16, 16, bias=False)
-    meter = ActivationMeter()
-    meter.reset(lin.parameters())
-    x = torch.randn(4, 16, requires_grad=True)
-    with meter.saving():
-        h = lin(x)  # saves x (the weight is a parameter: not counted)
-        y = (h * h).sum()  # saves h (once, though used twice)
-    assert meter.live == x.nbytes + h.nbytes == meter.peak
-    y.backward()
-    assert meter.live == 0 and meter.peak == x.nbytes + h.nbytes
-    meter.hold("k", [x, x[1:]])  # a view of the same storage counts once
-    assert meter.live == x.nbytes
-    meter.drop("k")
-    assert meter.live == 0
+def test_timeline_metrics():
+    t = _measured()
+    assert t.pp == 2 and t.makespan == 6
+    assert t.busy(0) == 3 and t.busy(1) == 3
+    assert t.bubble_fraction == pytest.approx(0.5)
+    assert t.bubble_time == 3
+    assert t.peak_activations() == [1, 1]
+    assert Timeline([[]]).bubble_fraction == 0.0
 
 
-def test_activation_meter_keeps_no_graph_alive():
-    # exp saves its own output: holding that output as is would tie the graph in a
-    # cycle the collector cannot see, and a dropped graph would never be freed
-    meter = ActivationMeter()
-    x = torch.randn(100, requires_grad=True)
-    with meter.saving():
-        y = torch.exp(x)
-    assert meter.live == y.nbytes
-    del y
-    gc.collect()
-    assert meter.live == 0
+def test_chrome_trace(tmp_path):
+    t = simulate_schedule("zb-h1", 3, 4, Costs(1, 1, 1))
+    trace = to_chrome_trace(t, us_per_unit=1000)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 3 * 4 * 3
+    assert {e["pid"] for e in spans} == {0, 1, 2}
+    assert {e["cat"] for e in spans} == {"F", "B", "W"}
+    first = min(spans, key=lambda e: (e["pid"], e["ts"]))
+    assert first == {
+        "name": "F0", "cat": "F", "ph": "X", "pid": 0, "tid": 0, "ts": 0.0, "dur": 1000.0,
+        "args": {"stage": 0, "microbatch": 0},
+    }  # fmt: skip
+    path = tmp_path / "trace.json"
+    save_chrome_trace(_measured(), str(path))
+    loaded = json.loads(path.read_text())
+    assert loaded["otherData"]["bubble_fraction"] == pytest.approx(0.5)
+    assert max(e.get("ts", 0) + e.get("dur", 0) for e in loaded["traceEvents"]) == 6e6
+
+
+def test_plot_png(tmp_path):
+    path = tmp_path / "timeline.png"
+    simulated = simulate_schedule("1f1b", 2, 1, Costs(1, 1, 1))
+    plot_timeline({"measured": _measured(), "simulated": simulated}, str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_communication_lane(tmp_path):
+    """Collectives form their own lane: in the trace as a "communication" thread of the
+    rank, in the picture as a strip; the bubble counts compute only."""
+    t = _measured()
+    t0 = 1000.0
+    t.comm = [[Event("RS", -1, -1, t0 + 5, t0 + 7)], [Event("AR", -1, -1, t0 + 3.5, t0 + 4.5)]]
+    assert t.bubble_fraction == pytest.approx(0.5) and t.makespan == 6
+    trace = to_chrome_trace(t)["traceEvents"]
+    lane = [e for e in trace if e.get("cat") == "comm"]
+    assert [(e["pid"], e["tid"], e["name"]) for e in lane] == [(0, 1, "RS"), (1, 1, "AR")]
+    assert lane[0]["ts"] == pytest.approx(5e6) and lane[0]["dur"] == pytest.approx(2e6)
+    names = [e for e in trace if e.get("name") == "thread_name"]
+    assert {e["pid"] for e in names} == {0, 1}
+    path = tmp_path / "lane.png"
+    plot_timeline({"with comm": t}, str(path))
+    assert path.stat().st_size > 0

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import assert_close_run, run_layouts, tiny_config, trainer_for
-from tetrad.testing import spawn
+from harness import Jobs, assert_close_run, tiny_config, trainer_for
 
 pytestmark = pytest.mark.distributed
 
@@ -24,15 +23,53 @@ def _cfg(schedule: str, model=MODEL, **par):
     return tiny_config(model=model, train=TRAIN, parallel={**base, **par})
 
 
-def _check_all(reference, cases: list[tuple[dict, dict]]) -> None:
-    """Run (model, parallel) cases of one world size in one spawn; each equals the
-    single process of its model accumulating the same 4 microbatches (so that the
-    round-off compared is what the layout adds, not a different accumulation: with the
-    tied embedding, 20 steps of one whole-batch single process leave an attention
-    weight 1.2e-5 away, norm-wise, from every pipelined layout, fsdp 1 or 2, while
-    against the 4-microbatch one the pipeline alone is 2e-7 and fsdp 2 x pp 2 4e-6)."""
-    cfgs = [_cfg(model=model, **par) for model, par in cases]
-    for (model, par), got in zip(cases, run_layouts(cfgs)):
+ZERO = [  # (model, layout): fsdp 2 x pp 2
+    (MODEL, {"schedule": "zb-h1", "fsdp": 2, "zero_stage": 3}),
+    (MODEL, {"schedule": "zb-v", "fsdp": 2, "zero_stage": 3}),
+    (MODEL, {"schedule": "zb-h1", "fsdp": 2, "zero_stage": 1}),
+    (MODEL, {"schedule": "zb-v", "fsdp": 2, "zero_stage": 2}),
+    (TIED, {"schedule": "zb-h1", "fsdp": 2, "zero_stage": 3}),
+    (TIED, {"schedule": "1f1b", "fsdp": 2, "zero_stage": 2}),
+    (TIED, {"schedule": "zb-v", "fsdp": 2, "zero_stage": 3}),
+]
+TP = [  # tp 2 x pp 2
+    (MODEL, {"schedule": "zb-h1", "tp": 2, "sp": True}),
+    (MODEL, {"schedule": "zb-v", "tp": 2}),
+    (KV1, {"schedule": "zb-h1", "tp": 2, "sp": True}),
+]
+HSDP = [  # 8 ranks
+    (MODEL, {"schedule": "zb-h1", "fsdp": 2, "tp": 2, "zero_stage": 3, "sp": True}),
+    (MODEL, {"schedule": "zb-v", "fsdp": 2, "tp": 2, "zero_stage": 3}),
+    # 4 data ranks: 3 microbatches of 2 sequences each
+    (MODEL, {"schedule": "zb-v", "dp": 2, "fsdp": 2, "zero_stage": 3, "microbatches": 3}),
+    (TIED, {"schedule": "zb-h1", "dp": 2, "fsdp": 2, "zero_stage": 1, "microbatches": 3}),
+]
+
+
+def _w_configs():
+    cfgs = [_cfg("zb-h1", model=KV1, tp=2, sp=True), _cfg("zb-h1", model=MODEL, dp=2)]
+    for c in cfgs:
+        c.train.loss_chunk = 0
+    return cfgs
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """The equivalence runs (4 and 8 ranks), and the W and launch probes (4)."""
+    for name, cases in (("zero", ZERO), ("tp", TP), ("hsdp", HSDP)):
+        jobs.add_training(name, [_cfg(model=model, **par) for model, par in cases])
+    jobs.add("w-work", 4, _w_work, [c.to_dict() for c in _w_configs()])
+    launches = [_cfg("zb-v", fsdp=2, zero_stage=3), _cfg("1f1b", dp=2)]
+    jobs.add("launches", 4, _launches, [c.to_dict() for c in launches])
+
+
+def _check_all(reference, cases: list[tuple[dict, dict]], runs: list[dict]) -> None:
+    """Each of the (model, parallel) cases' runs equals the single process of its model
+    accumulating the same 4 microbatches (so that the round-off compared is what the
+    layout adds, not a different accumulation: with the tied embedding, 20 steps of one
+    whole-batch single process leave an attention weight 1.2e-5 away, norm-wise, from
+    every pipelined layout, fsdp 1 or 2, while against the 4-microbatch one the pipeline
+    alone is 2e-7 and fsdp 2 x pp 2 4e-6)."""
+    for (model, par), got in zip(cases, runs, strict=True):
         try:
             ref = reference(model=model, train=TRAIN, parallel={"microbatches": 4})
             assert_close_run(got, ref)
@@ -40,47 +77,20 @@ def _check_all(reference, cases: list[tuple[dict, dict]]) -> None:
             raise AssertionError(f"model {model}, layout {par}: {e}") from None
 
 
-def test_zero_with_zero_bubble_and_tied_embeddings(reference):
+def test_zero_with_zero_bubble_and_tied_embeddings(reference, jobs):
     """fsdp 2 × pp 2: ZeRO-1/2/3 under zb-h1 and zb-v, the embedding tied across the
     pipeline's ends (summed before the scatter) and on one rank (zb-v's V)."""
-    _check_all(
-        reference,
-        [
-            (MODEL, {"schedule": "zb-h1", "fsdp": 2, "zero_stage": 3}),
-            (MODEL, {"schedule": "zb-v", "fsdp": 2, "zero_stage": 3}),
-            (MODEL, {"schedule": "zb-h1", "fsdp": 2, "zero_stage": 1}),
-            (MODEL, {"schedule": "zb-v", "fsdp": 2, "zero_stage": 2}),
-            (TIED, {"schedule": "zb-h1", "fsdp": 2, "zero_stage": 3}),
-            (TIED, {"schedule": "1f1b", "fsdp": 2, "zero_stage": 2}),
-            (TIED, {"schedule": "zb-v", "fsdp": 2, "zero_stage": 3}),
-        ],
-    )
+    _check_all(reference, ZERO, jobs["zero"][0])
 
 
-def test_tp_with_zero_bubble(reference):
+def test_tp_with_zero_bubble(reference, jobs):
     """tp 2 × pp 2: column, row, head and the gathered kv projection split into B and W."""
-    _check_all(
-        reference,
-        [
-            (MODEL, {"schedule": "zb-h1", "tp": 2, "sp": True}),
-            (MODEL, {"schedule": "zb-v", "tp": 2}),
-            (KV1, {"schedule": "zb-h1", "tp": 2, "sp": True}),
-        ],
-    )
+    _check_all(reference, TP, jobs["tp"][0])
 
 
-def test_hsdp_fsdp_tp_with_zero_bubble(reference):
+def test_hsdp_fsdp_tp_with_zero_bubble(reference, jobs):
     """8 ranks: fsdp × tp × pp with SP, and HSDP (dp × fsdp) × pp, ZeRO-3."""
-    _check_all(
-        reference,
-        [
-            (MODEL, {"schedule": "zb-h1", "fsdp": 2, "tp": 2, "zero_stage": 3, "sp": True}),
-            (MODEL, {"schedule": "zb-v", "fsdp": 2, "tp": 2, "zero_stage": 3}),
-            # 4 data ranks: 3 microbatches of 2 sequences each
-            (MODEL, {"schedule": "zb-v", "dp": 2, "fsdp": 2, "zero_stage": 3, "microbatches": 3}),
-            (TIED, {"schedule": "zb-h1", "dp": 2, "fsdp": 2, "zero_stage": 1, "microbatches": 3}),
-        ],
-    )
+    _check_all(reference, HSDP, jobs["hsdp"][0])
 
 
 # --- what W does ---------------------------------------------------------------------------
@@ -119,24 +129,18 @@ def _grad(module) -> torch.Tensor:
     return torch.zeros_like(module.weight) if g is None else g.detach().clone()
 
 
-def test_w_actions_do_the_weight_work_of_every_layer_type():
+def test_w_actions_do_the_weight_work_of_every_layer_type(jobs):
     """zb-h1 at pp 2: with tp 2 (+SP, kv_heads < tp) the column, row, vocabulary head and
     gathered kv layers, and with dp 2 the plain linears, get their weight gradients in W
     and never in B. (Full logits: the fused chunked loss makes the head's weight gradient
     in B, from its per-chunk recomputation.)"""
-    cfgs = [
-        _cfg("zb-h1", model=KV1, tp=2, sp=True),
-        _cfg("zb-h1", model=MODEL, dp=2),
-    ]
-    for c in cfgs:
-        c.train.loss_chunk = 0
-    per_rank = spawn(_w_work, 4, [c.to_dict() for c in cfgs], timeout=300)
+    runs = jobs["w-work"]
     expected = [
         {"ColumnParallelLinear", "RowParallelLinear", "ReplicatedKVLinear", "VocabParallelHead"},
         {"DeferredLinear"},
     ]
     for i, want in enumerate(expected):
-        ranks = [per_rank[r][i] for r in range(4)]
+        ranks = [runs[r][i] for r in range(4)]
         assert set().union(*(r["W"] for r in ranks)) == want, ranks
         assert all(not r["B"] for r in ranks), ranks  # B leaves every weight gradient to W
         assert all(r["flops"] > 0 for r in ranks), ranks
@@ -160,14 +164,11 @@ def _launches(rank: int, world: int, raws: list[dict]) -> list[dict]:
     return out
 
 
-def test_reductions_launch_inside_the_schedule():
+def test_reductions_launch_inside_the_schedule(jobs):
     """A stage's reductions are in flight before its rank's schedule is over: zb-v's
     later chunk reduce-scatters (ZeRO) before the rank's last action starts; 1F1B's dp
     buckets all-reduce during the rank's last backward (launched by autograd's hooks)."""
-    cfgs = [_cfg("zb-v", fsdp=2, zero_stage=3), _cfg("1f1b", dp=2)]
-    per_rank = spawn(_launches, 4, [c.to_dict() for c in cfgs], timeout=300)
-    for rank in range(4):
-        zbv, onef = per_rank[rank]
+    for rank, (zbv, onef) in enumerate(jobs["launches"]):
         last_start = zbv["compute"][-1][1]
         scatters = [f for f in zbv["flights"] if f[0] == "reduce_scatter" and f[1] == "fsdp"]
         assert scatters and min(f[2] for f in scatters) < last_start, (rank, zbv)

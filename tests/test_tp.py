@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import assert_close_run, one_step_comm, run_layouts, tiny_config
+from harness import Jobs, assert_close_run, one_step_comm, tiny_config
 from tetrad.layout import Layout
-from tetrad.testing import spawn
 
 # Layouts by world size, each group trained in one set of processes: name -> (parallel,
 # model overrides). kv_heads=2 is == tp at tp=2 and < tp at tp=4 (each kv head replicated
@@ -27,13 +26,33 @@ LAYOUTS = {
 }
 
 
+# the comm test's configs: whole kv heads per rank (no weight gathers), 1 and 2 layers
+COMM_T, COMM_MB, COMM_H = 4, 2, 32
+COMM = [
+    tiny_config(
+        model={"heads": 4, "kv_heads": 4, "dim": COMM_H, "layers": layers},
+        parallel={"tp": COMM_T, "sp": sp, "microbatches": COMM_MB},
+    )
+    for sp in (False, True)
+    for layers in (1, 2)
+]
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """The layouts of 2 and of 4 ranks, and the comm-volume step (4)."""
+    for world, cases in LAYOUTS.items():
+        cfgs = [tiny_config(parallel=par, model=model) for par, model in cases.values()]
+        jobs.add_training(f"layouts{world}", cfgs)
+    jobs.add("comm", COMM_T, one_step_comm, [c.to_dict() for c in COMM])
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_tp_matches_single_process(reference, world):
+def test_tp_matches_single_process(reference, jobs, world):
     cases = LAYOUTS[world]
-    runs = run_layouts([tiny_config(parallel=par, model=model) for par, model in cases.values()])
+    runs = jobs[f"layouts{world}"][0]
     failed = []
-    for (name, (par, model)), got in zip(cases.items(), runs):
+    for (name, (par, model)), got in zip(cases.items(), runs, strict=True):
         ref = reference(model=model, parallel={"microbatches": par.get("microbatches", 1)})
         try:
             assert_close_run(got, ref)
@@ -51,23 +70,15 @@ def _calls(summary: dict, op: str) -> int:
 
 
 @pytest.mark.distributed
-def test_tp_comm_volume_per_layer_is_megatron():
+def test_tp_comm_volume_per_layer_is_megatron(jobs):
     """Per layer per microbatch: 8·b·s·h·(t-1)/t elements on the bus, with SP or without.
 
     The per-layer share is the difference between a 2-layer and a 1-layer model (the
     embedding and the vocabulary-parallel loss have collectives of their own).
     """
-    t, mb, h = 4, 2, 32
-    model = {"heads": 4, "kv_heads": 4, "dim": h}  # whole kv heads per rank: no weight gathers
-    cfgs = [
-        tiny_config(
-            model={**model, "layers": layers}, parallel={"tp": t, "sp": sp, "microbatches": mb}
-        )
-        for sp in (False, True)
-        for layers in (1, 2)
-    ]
-    plain1, plain2, sp1, sp2 = spawn(one_step_comm, t, [c.to_dict() for c in cfgs])[0]
-    b, s = Layout.build(cfgs[0]).microbatch_size, cfgs[0].train.seq_len
+    t, mb, h = COMM_T, COMM_MB, COMM_H
+    plain1, plain2, sp1, sp2 = jobs["comm"][0]
+    b, s = Layout.build(COMM[0]).microbatch_size, COMM[0].train.seq_len
     megatron = 8 * b * s * h * (t - 1) / t * 4 * mb  # fp32 bytes per layer per step
 
     assert _bus(plain2, "all_reduce") - _bus(plain1, "all_reduce") == pytest.approx(megatron)

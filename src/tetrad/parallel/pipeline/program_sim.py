@@ -14,7 +14,7 @@ Here each rank walks its items: a Post marks each of its transfers as posted now
 costs `Costs.p2p` of host time per transfer); a Wait lasts until each transfer's both
 ends are posted and `Costs.comm` has passed since the later post; a compute starts
 `Costs.overhead` after the rank's host is free. With uniform costs and no overhead this
-agrees with `simulate.simulate` (tests/test_pipeline_simulate.py), so the difference
+agrees with `simulate.simulate` (tests/test_pp_simulate.py), so the difference
 between the two is exactly what the runtime's transfer placement costs.
 """
 

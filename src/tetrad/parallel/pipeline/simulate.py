@@ -3,7 +3,7 @@
 Each rank runs its list in order, one compute at a time. A send is non-blocking; a
 receive waits until the matching send has run plus `comm`. With uniform costs, comm = 0
 and no overhead this reproduces the textbook bubbles exactly (see
-tests/test_pipeline_simulate.py for the closed forms it is held to).
+tests/test_pp_simulate.py for the closed forms it is held to).
 
 A real runtime also spends host time between computes that no compute accounts for:
 posting and waiting for its transfers, its own bookkeeping. `Costs.overhead` (per

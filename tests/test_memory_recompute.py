@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import tiny_config
+from harness import Jobs, tiny_config
 from memory_helpers import by_layout, max_rel, predicted_activations, train_and_measure
-from tetrad.testing import spawn
 
 MODES = ("none", "selective", "full")
 DEEP = {"layers": 4}  # two chunks per rank for the interleaved schedules
@@ -60,10 +59,8 @@ def test_recompute_single_process_with_accumulation():
     _check_modes("single process, 2 microbatches", runs, cfgs)
 
 
-@pytest.mark.distributed
-def test_recompute_every_layout_and_schedule():
-    """dp, ZeRO-3 with accumulation, tp+sp, and the five pipeline schedules, on 2 ranks; in
-    the same ranks, the zero-bubble schedules count their recomputations."""
+def _configs() -> tuple[list, list]:
+    """The trained configs (each layout in each mode) and the counted ones."""
     cfgs = [  # 8 steps: recomputation changes no bit, so more steps would show nothing more
         tiny_config(parallel=par, model=model, train={"recompute": mode, "steps": 8})
         for par, model in LAYOUTS
@@ -77,8 +74,22 @@ def test_recompute_every_layout_and_schedule():
         )
         for name, v in (("zb-h1", 1), ("zb-v", 2))
     ]
-    per_rank = spawn(_train_and_count, 2, [c.to_dict() for c in cfgs],
-                     [c.to_dict() for c in counted], timeout=600)  # fmt: skip
+    return cfgs, counted
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """Every layout in every mode, then the recomputation counts: 2 ranks."""
+    cfgs, counted = _configs()
+    raws = [c.to_dict() for c in cfgs], [c.to_dict() for c in counted]
+    jobs.add("every-layout", 2, _train_and_count, *raws)
+
+
+@pytest.mark.distributed
+def test_recompute_every_layout_and_schedule(jobs):
+    """dp, ZeRO-3 with accumulation, tp+sp, and the five pipeline schedules, on 2 ranks; in
+    the same ranks, the zero-bubble schedules count their recomputations."""
+    cfgs, _ = _configs()
+    per_rank = jobs["every-layout"]
     results = by_layout([trained for trained, _ in per_rank])
     for i, (par, _) in enumerate(LAYOUTS):
         k = len(MODES) * i

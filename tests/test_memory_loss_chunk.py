@@ -8,11 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness import tiny_config
+from harness import Jobs, tiny_config
 from memory_helpers import by_layout, max_rel, predicted_activations, train_and_measure
 from tetrad.models.llama import cross_entropy_sum
 from tetrad.models.loss import linear_cross_entropy
-from tetrad.testing import spawn
 
 
 def _inputs(n_seq=3, seq=7, dim=16, vocab=50):
@@ -64,26 +63,42 @@ def test_never_builds_full_logits():
     assert fused.numel <= max(chunk * 200, w.numel(), h.numel()) < n * 200
 
 
+LAYOUTS = [  # (parallel, model), 2 ranks
+    ({"tp": 2}, {}),
+    ({"tp": 2, "sp": True}, {}),
+    ({"tp": 2}, {"tie_embeddings": True}),
+    ({"fsdp": 2, "zero_stage": 3}, {}),
+    ({"pp": 2, "microbatches": 2, "pp_schedule": "zb-h1"}, {}),
+]
+EVERY = [
+    tiny_config(parallel=par, model=model, train={"loss_chunk": chunk})
+    for par, model in LAYOUTS
+    for chunk in (0, 24)  # 24 does not divide a microbatch's 128 or 64 tokens
+]
+ZB_TP = [  # pp 2 x tp 2 with zb-h1, with and without sp, full and chunked loss
+    tiny_config(
+        parallel={"pp": 2, "tp": 2, "microbatches": 2, "pp_schedule": "zb-h1", "sp": sp},
+        train={"loss_chunk": chunk, "steps": 2},
+    )
+    for sp in (False, True)
+    for chunk in (0, 24)
+]
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """Each layout with the full and the chunked loss (2 ranks); pp x tp's peaks (4)."""
+    jobs.add("every-layout", 2, train_and_measure, [c.to_dict() for c in EVERY])
+    jobs.add("zb-tp", 4, train_and_measure, [c.to_dict() for c in ZB_TP])
+
+
 @pytest.mark.distributed
-def test_chunked_equals_unchunked_in_every_layout():
+def test_chunked_equals_unchunked_in_every_layout(jobs):
     """tp (vocabulary-parallel: one chunk's logits per rank) with and without sp and with
     a tied head, ZeRO-3, and a zero-bubble pipeline (whose deferred W then skips the
     head): 20 steps, losses and gradient norms within 1e-6, weights within 1e-5 norm-wise
     (Adam turns round-off in the weight gradient's chunked sum into weight noise); the
     last stage saves less, as the planner predicts."""
-    layouts = [
-        ({"tp": 2}, {}),
-        ({"tp": 2, "sp": True}, {}),
-        ({"tp": 2}, {"tie_embeddings": True}),
-        ({"fsdp": 2, "zero_stage": 3}, {}),
-        ({"pp": 2, "microbatches": 2, "pp_schedule": "zb-h1"}, {}),
-    ]
-    cfgs = [
-        tiny_config(parallel=par, model=model, train={"loss_chunk": chunk})
-        for par, model in layouts
-        for chunk in (0, 24)  # 24 does not divide a microbatch's 128 or 64 tokens
-    ]
-    results = by_layout(spawn(train_and_measure, 2, [c.to_dict() for c in cfgs], timeout=600))
+    layouts, cfgs, results = LAYOUTS, EVERY, by_layout(jobs["every-layout"])
     for i, (par, model) in enumerate(layouts):
         full, chunked = results[2 * i], results[2 * i + 1]
         try:
@@ -102,22 +117,13 @@ def test_chunked_equals_unchunked_in_every_layout():
 
 
 @pytest.mark.distributed
-def test_zero_bubble_tp_holds_what_the_planner_counts():
+def test_zero_bubble_tp_holds_what_the_planner_counts(jobs):
     """pp 2 x tp 2 with zb-h1, with and without sp, full and chunked loss: each rank's
     measured peak of saved activations, deferred weight-gradient inputs included, is the
     planner's within 10% (the column- and row-parallel linears keep different halves of
     their inputs and output gradients for W, and the vocabulary-parallel head keeps its
     input and its logits' gradient unless the chunked loss does its W in B)."""
-    layouts = [{"sp": False}, {"sp": True}]
-    cfgs = [
-        tiny_config(
-            parallel={"pp": 2, "tp": 2, "microbatches": 2, "pp_schedule": "zb-h1"} | par,
-            train={"loss_chunk": chunk, "steps": 2},
-        )
-        for par in layouts
-        for chunk in (0, 24)
-    ]
-    results = by_layout(spawn(train_and_measure, 4, [c.to_dict() for c in cfgs], timeout=600))
+    cfgs, results = ZB_TP, by_layout(jobs["zb-tp"])
     for cfg, ranks in zip(cfgs, results):
         got = [r["activations"] for r in ranks]
         want = [predicted_activations(cfg, rank) for rank in range(4)]

@@ -1,8 +1,8 @@
 """ZeRO-1/2/3 and HSDP reproduce the single process, hold the predicted bytes to the byte,
 and move exactly the theoretical volume.
 
-Spawning is the slow part on 2 cores, so each test runs several layouts of the same world
-size in one set of processes, one after the other, and checks each of them.
+Spawning is the slow part on 2 cores, so the layouts of one world size run in one set of
+processes, one after the other (conftest's `jobs`), and each test checks its own.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import math
 
 import pytest
 
-from harness import assert_close_run, tiny_config, trainer_for
+from harness import Jobs, assert_close_run, tiny_config, trainer_for
 from memory_helpers import check_bf16
-from tetrad.testing import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -100,18 +99,17 @@ def _check(cfg, results: list[dict], ref: dict) -> None:
         assert measured == predicted, f"rank {rank}: measured {measured} != {predicted}"
 
 
-def _spawn_check(reference, world: int, layouts: list[dict]) -> None:
-    """Run every layout in one set of `world` processes, then check each against the
-    single-process run of the same model, microbatch count and step count."""
-    cfgs = [tiny_config(**over) for over in layouts]
-    per_rank = spawn(_run, world, [c.to_dict() for c in cfgs], timeout=600)
-    for i, (cfg, over) in enumerate(zip(cfgs, layouts)):
+def _check_layouts(reference, layouts: list[dict], per_layout: list[list[dict]]) -> None:
+    """Check each layout's run (per rank) against the single-process run of the same
+    model, microbatch count and step count."""
+    for over, ranks in zip(layouts, per_layout, strict=True):
+        cfg = tiny_config(**over)
         ref_over = {"parallel": {"microbatches": cfg.parallel.microbatches}}
         ref_over.update({k: v for k, v in over.items() if k == "model"})
         ref = reference(**ref_over)
         ref = {**ref, "losses": ref["losses"][: cfg.train.steps]}
         try:
-            _check(cfg, [per_rank[r][i] for r in range(world)], ref)
+            _check(cfg, ranks, ref)
         except AssertionError as e:
             raise AssertionError(f"layout {over}: {e}") from e
 
@@ -120,70 +118,76 @@ BF16 = {"dtype": "bf16", "steps": 8}
 # dim 18 (3 heads of 6): every unit's size is 2 mod 4, so fsdp=4 pads every shard
 PADDED = {"dim": 18, "heads": 3, "kv_heads": 1}
 
+LAYOUTS = {  # test name -> layouts (tiny_config overrides) of one world size
+    "fsdp2": [
+        {"parallel": {"fsdp": 2, "zero_stage": 1}},
+        {"parallel": {"fsdp": 2, "zero_stage": 2}},
+        {"parallel": {"fsdp": 2, "zero_stage": 3}},
+        {"parallel": {"fsdp": 2, "zero_stage": 3, "microbatches": 2}},
+        {"parallel": {"fsdp": 2, "zero_stage": 2, "microbatches": 2}},
+        {"parallel": {"fsdp": 2, "zero_stage": 3, "microbatches": 2,
+                      "reshard_after_forward": False}},
+        {"parallel": {"fsdp": 2, "zero_stage": 1, "reduce_dtype": "bf16"}, "train": BF16},
+        {"parallel": {"fsdp": 2, "zero_stage": 3}, "train": BF16},
+    ],
+    "fsdp4": [
+        {"parallel": {"fsdp": 4, "zero_stage": 1}},
+        {"parallel": {"fsdp": 4, "zero_stage": 2}},
+        {"parallel": {"fsdp": 4, "zero_stage": 3}},
+        {"parallel": {"fsdp": 4, "zero_stage": 1}, "model": PADDED},
+        {"parallel": {"fsdp": 4, "zero_stage": 3}, "model": PADDED},
+    ],
+    "hsdp": [
+        {"parallel": {"dp": 2, "fsdp": 2, "zero_stage": 3}},
+        {"parallel": {"dp": 2, "fsdp": 2, "zero_stage": 3, "microbatches": 2}},
+        {"parallel": {"dp": 2, "fsdp": 2, "zero_stage": 1}},
+        {"parallel": {"fsdp": 2, "tp": 2, "zero_stage": 3}},
+        {"parallel": {"fsdp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2}},
+    ],
+}  # fmt: skip
 
-def test_zero_fsdp2_every_stage(reference):
-    _spawn_check(
-        reference,
-        2,
-        [
-            {"parallel": {"fsdp": 2, "zero_stage": 1}},
-            {"parallel": {"fsdp": 2, "zero_stage": 2}},
-            {"parallel": {"fsdp": 2, "zero_stage": 3}},
-            {"parallel": {"fsdp": 2, "zero_stage": 3, "microbatches": 2}},
-            {"parallel": {"fsdp": 2, "zero_stage": 2, "microbatches": 2}},
-            {
-                "parallel": {
-                    "fsdp": 2,
-                    "zero_stage": 3,
-                    "microbatches": 2,
-                    "reshard_after_forward": False,
-                }
-            },  # fmt: skip
-            {"parallel": {"fsdp": 2, "zero_stage": 1, "reduce_dtype": "bf16"}, "train": BF16},
-            {"parallel": {"fsdp": 2, "zero_stage": 3}, "train": BF16},
-        ],
-    )
-
-
-def test_zero_fsdp4_every_stage_and_padding(reference):
-    _spawn_check(
-        reference,
-        4,
-        [
-            {"parallel": {"fsdp": 4, "zero_stage": 1}},
-            {"parallel": {"fsdp": 4, "zero_stage": 2}},
-            {"parallel": {"fsdp": 4, "zero_stage": 3}},
-            {"parallel": {"fsdp": 4, "zero_stage": 1}, "model": PADDED},
-            {"parallel": {"fsdp": 4, "zero_stage": 3}, "model": PADDED},
-        ],
-    )
-
-
-def test_hsdp_and_fsdp_with_tp_and_pp(reference):
-    _spawn_check(
-        reference,
-        4,
-        [
-            {"parallel": {"dp": 2, "fsdp": 2, "zero_stage": 3}},
-            {"parallel": {"dp": 2, "fsdp": 2, "zero_stage": 3, "microbatches": 2}},
-            {"parallel": {"dp": 2, "fsdp": 2, "zero_stage": 1}},
-            {"parallel": {"fsdp": 2, "tp": 2, "zero_stage": 3}},
-            {"parallel": {"fsdp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2}},
-        ],
-    )
+# dp × fsdp × tp × pp = 2×2×2×2 on 16 ranks, ZeRO-3 under 1F1B in fp32 and bf16, and under
+# zb-h1 with SP in fp32
+PAR_4D = {"dp": 2, "fsdp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2}
+ZB_4D = {**PAR_4D, "pp_schedule": "zb-h1", "sp": True}  # the split backward, every layer type
+CFGS_4D = [
+    tiny_config(parallel=PAR_4D),
+    tiny_config(parallel=PAR_4D, train={"dtype": "bf16"}),
+    tiny_config(parallel=ZB_4D),
+]
 
 
-def test_4d_dp_fsdp_tp_pp(reference):
+def declare_jobs(jobs: Jobs) -> None:
+    """Every layout of this module (2, 4 and 16 ranks), each trained by `_run`."""
+    for name, layouts in LAYOUTS.items():
+        cfgs = [tiny_config(**over) for over in layouts]
+        world = cfgs[0].parallel.world_size
+        jobs.add(name, world, _run, [c.to_dict() for c in cfgs])
+    jobs.add("4d", 16, _run, [c.to_dict() for c in CFGS_4D])
+
+
+def _per_layout(per_rank: list[list[dict]]) -> list[list[dict]]:
+    return [list(ranks) for ranks in zip(*per_rank)]
+
+
+def test_zero_fsdp2_every_stage(reference, jobs):
+    _check_layouts(reference, LAYOUTS["fsdp2"], _per_layout(jobs["fsdp2"]))
+
+
+def test_zero_fsdp4_every_stage_and_padding(reference, jobs):
+    _check_layouts(reference, LAYOUTS["fsdp4"], _per_layout(jobs["fsdp4"]))
+
+
+def test_hsdp_and_fsdp_with_tp_and_pp(reference, jobs):
+    _check_layouts(reference, LAYOUTS["hsdp"], _per_layout(jobs["hsdp"]))
+
+
+def test_4d_dp_fsdp_tp_pp(reference, jobs):
     """dp × fsdp × tp × pp = 2×2×2×2 on 16 ranks, ZeRO-3 under the 1F1B schedule and
     under zb-h1 with SP: fp32 equal to the single process; bf16 (the same 16 ranks: they
     take a minute to start) within the stated tolerance of the bf16 single process
     (memory_helpers.py)."""
-    par = {"dp": 2, "fsdp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2}
-    zb = {**par, "pp_schedule": "zb-h1", "sp": True}  # the split backward, every layer type
-    cfgs = [tiny_config(parallel=par), tiny_config(parallel=par, train={"dtype": "bf16"})]
-    cfgs.append(tiny_config(parallel=zb))
-    per_rank = spawn(_run, 16, [c.to_dict() for c in cfgs], timeout=900)
-    fp32, bf16, fp32_zb = ([per_rank[r][i] for r in range(16)] for i in range(3))
-    _check(cfgs[0], fp32, reference(parallel={"microbatches": 2}))
-    check_bf16(par, bf16, reference(train={"dtype": "bf16"}), reference())
-    _check(cfgs[2], fp32_zb, reference(parallel={"microbatches": 2}))
+    fp32, bf16, fp32_zb = _per_layout(jobs["4d"])
+    _check(CFGS_4D[0], fp32, reference(parallel={"microbatches": 2}))
+    check_bf16(PAR_4D, bf16, reference(train={"dtype": "bf16"}), reference())
+    _check(CFGS_4D[2], fp32_zb, reference(parallel={"microbatches": 2}))

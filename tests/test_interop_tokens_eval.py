@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from harness import tiny_config, trainer_for
+from harness import Jobs, tiny_config, trainer_for
 from tetrad.cli import main as cli_main
 from tetrad.config import from_dict
-from tetrad.testing import spawn
 from tetrad.train.data import Loader, make_source
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -48,17 +47,21 @@ def train_bpe(path: Path, vocab: int = 300, text: str | None = None) -> Path:
     return path / "tokenizer.json"
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """(tokenizer.json, token file, text) made by `tetrad data prepare`."""
-    d = tmp_path_factory.mktemp("tokens")
-    text = corpus_text()
-    (d / "corpus.txt").write_text(text)
-    tok = train_bpe(d / "tok")
-    out = d / "corpus.u16"
-    assert cli_main(["data", "prepare", str(d / "corpus.txt"), "--tokenizer", str(tok),
-                     "--out", str(out)]) == 0  # fmt: skip
+def prepare(d: Path) -> tuple[Path, Path, str]:
+    """(tokenizer.json, token file, text) made by `tetrad data prepare` in `d` (once)."""
+    text, tok, out = corpus_text(), d / "tok" / "tokenizer.json", d / "corpus.u16"
+    if not out.exists():
+        (d / "corpus.txt").write_text(text)
+        train_bpe(d / "tok")
+        assert cli_main(["data", "prepare", str(d / "corpus.txt"), "--tokenizer", str(tok),
+                         "--out", str(out)]) == 0  # fmt: skip
     return tok, out, text
+
+
+@pytest.fixture(scope="module")
+def prepared(jobs):
+    """The prepared tokenizer, token file and text (made once, for the jobs too)."""
+    return prepare(jobs.tmp("tokens"))
 
 
 def test_prepare_writes_tokens_and_sidecar(prepared):
@@ -130,19 +133,31 @@ def _train_rows(rank: int, world: int, raws: list[dict]) -> list[list[dict]]:
     return out
 
 
+EVAL = {"steps": 6, "eval_every": 3, "eval_batches": 2}
+LAYOUTS = [
+    {"dp": 2},
+    {"tp": 2},
+    {"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"},
+    {"fsdp": 2, "zero_stage": 3},
+]
+
+
+def _base(out: Path) -> dict:
+    return {"data": {"source": str(out)}, "model": {"vocab": 300}}
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """Every layout trained and evaluated on the prepared token file: 2 ranks."""
+    _, out, _ = prepare(jobs.tmp("tokens"))
+    cfgs = [tiny_config(**_base(out), train=EVAL, parallel=p).to_dict() for p in LAYOUTS]
+    jobs.add("every-layout", 2, _train_rows, cfgs)
+
+
 @pytest.mark.distributed
-def test_eval_loss_is_the_same_in_every_layout(prepared):
+def test_eval_loss_is_the_same_in_every_layout(prepared, jobs):
     _, out, _ = prepared
-    base = {"data": {"source": str(out)}, "model": {"vocab": 300}}
-    ev = {"steps": 6, "eval_every": 3, "eval_batches": 2}
-    layouts = [
-        {"dp": 2},
-        {"tp": 2},
-        {"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"},
-        {"fsdp": 2, "zero_stage": 3},
-    ]
-    cfgs = [tiny_config(**base, train=ev, parallel=p).to_dict() for p in layouts]
-    got = spawn(_train_rows, 2, cfgs, timeout=300)[0]
+    base, ev, layouts = _base(out), EVAL, LAYOUTS
+    got = jobs["every-layout"][0]
     other = ev | {"eval_every": 4}  # the same split, evaluated at other steps
     ref, other_evals = _train_rows(
         0, 1, [tiny_config(**base, train=ev).to_dict(), tiny_config(**base, train=other).to_dict()]
@@ -164,7 +179,7 @@ def test_eval_loss_is_the_same_in_every_layout(prepared):
 def test_readme_flow_import_prepare_train_export(prepared, tmp_path, capsys):
     """The four README commands, then generate, report and the TensorBoard events."""
     transformers = pytest.importorskip("transformers")
-    from test_hf import hf_logits, save_hf_llama, tetrad_logits
+    from test_interop_hf import hf_logits, save_hf_llama, tetrad_logits
 
     tok, _, text = prepared
     hf_dir = tmp_path / "hf"

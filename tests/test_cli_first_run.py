@@ -35,7 +35,7 @@ def test_a_run_keeps_its_model_and_says_where(tmp_path, monkeypatch, capfd):
 def bpe(tmp_path_factory):
     """A 300-token tokenizer and a token file `tetrad data prepare` made with it."""
     pytest.importorskip("tokenizers")
-    from test_tokens_eval import corpus_text, train_bpe
+    from test_interop_tokens_eval import corpus_text, train_bpe
 
     d = tmp_path_factory.mktemp("bpe")
     (d / "notes.txt").write_text(corpus_text())

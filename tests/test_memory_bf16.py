@@ -1,7 +1,7 @@
 """bf16 mixed precision in every layout: bf16 compute parameters, fp32 masters and AdamW,
 gradients reduced in `reduce_dtype`, the loss in fp32. The tolerances, and how a test
 knows bf16 is really on, are stated in memory_helpers.py; the 2×2×2×2 mix in bf16 shares
-its 16 ranks with the fp32 one in test_zero.py.
+its 16 ranks with the fp32 one in test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import tiny_config
+from harness import Jobs, tiny_config
 from memory_helpers import BF16_VISIBLE, by_layout, check_bf16, max_rel, train_and_measure
 from tetrad.models.flops import param_count
 from tetrad.parallel.model_state import ModelState
-from tetrad.testing import spawn
 
 BF16 = {"dtype": "bf16"}
 
@@ -31,22 +30,29 @@ def test_bf16_single_process_keeps_fp32_masters(reference):
     assert max_rel(reference(train=BF16)["losses"], reference()["losses"]) > BF16_VISIBLE
 
 
+LAYOUTS = [
+    {"dp": 2},
+    {"dp": 2, "reduce_dtype": "bf16"},
+    {"fsdp": 2, "zero_stage": 1},
+    {"fsdp": 2, "zero_stage": 3, "microbatches": 2},
+    {"tp": 2},
+    {"tp": 2, "sp": True},
+    {"pp": 2, "microbatches": 2},
+    {"pp": 2, "microbatches": 2, "pp_schedule": "zb-h1"},
+]
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """Every layout in bf16, 2 ranks, 20 steps."""
+    cfgs = [tiny_config(train=BF16, parallel=p) for p in LAYOUTS]
+    jobs.add("every-axis", 2, train_and_measure, [c.to_dict() for c in cfgs])
+
+
 @pytest.mark.distributed
-def test_bf16_every_axis(reference):
+def test_bf16_every_axis(reference, jobs):
     """dp (gradients reduced in fp32, or in bf16), ZeRO-1 and -3, tp with and without sp,
     pp under 1F1B and zero-bubble: each on 2 ranks, 20 steps."""
-    layouts = [
-        {"dp": 2},
-        {"dp": 2, "reduce_dtype": "bf16"},
-        {"fsdp": 2, "zero_stage": 1},
-        {"fsdp": 2, "zero_stage": 3, "microbatches": 2},
-        {"tp": 2},
-        {"tp": 2, "sp": True},
-        {"pp": 2, "microbatches": 2},
-        {"pp": 2, "microbatches": 2, "pp_schedule": "zb-h1"},
-    ]
-    cfgs = [tiny_config(train=BF16, parallel=p) for p in layouts]
-    results = by_layout(spawn(train_and_measure, 2, [c.to_dict() for c in cfgs], timeout=600))
+    layouts, results = LAYOUTS, by_layout(jobs["every-axis"])
     for layout, ranks in zip(layouts, results):
         check_bf16(layout, ranks, reference(train=BF16), reference())
 

@@ -1,5 +1,5 @@
 """The model-state predictor against the ZeRO paper's formulas and the reference table, and
-against a live single-process run (the multi-process layouts are in test_zero.py)."""
+against a live single-process run (the multi-process layouts are in test_fsdp.py)."""
 
 from __future__ import annotations
 

@@ -14,14 +14,13 @@ import shutil
 import pytest
 import torch
 
-from harness import tiny_config, trainer_for
+from harness import Jobs, tiny_config, trainer_for
 from tetrad.cli import main as cli_main
 from tetrad.config import from_dict
 from tetrad.interop import hf
 from tetrad.layout import Layout
 from tetrad.models.init import build_model
 from tetrad.models.llama import meta_llama
-from tetrad.testing import spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -126,42 +125,58 @@ def _import_and_train(rank: int, world: int, raw: list[dict]) -> list[dict]:
 
     hf.HFWeights.read = counted
     out = []
-    for cfg_raw in raw:
-        cfg = from_dict(cfg_raw)
-        read[0] = 0
-        trainer = trainer_for(cfg, rank)
-        held = sum(
-            p.numel() for p in planned(Layout.build(cfg), cfg.model, rank).model.parameters()
-        )  # tp, pp slices
-        rows = trainer.fit()
-        state = trainer.engine.full_state_dict()
-        out.append(
-            {
-                "losses": [r["loss"] for r in rows],
-                "state": state if rank == 0 else None,
-                "read": read[0],
-                "held": held,
-            }
-        )
+    try:
+        for cfg_raw in raw:
+            cfg = from_dict(cfg_raw)
+            read[0] = 0
+            trainer = trainer_for(cfg, rank)
+            local = planned(Layout.build(cfg), cfg.model, rank).model  # tp, pp slices
+            held = sum(p.numel() for p in local.parameters())
+            rows = trainer.fit()
+            state = trainer.engine.full_state_dict()
+            out.append(
+                {
+                    "losses": [r["loss"] for r in rows],
+                    "state": state if rank == 0 else None,
+                    "read": read[0],
+                    "held": held,
+                }
+            )
+    finally:  # the ranks may go on to other modules' jobs
+        hf.HFWeights.read = original
     return out
 
 
-@pytest.mark.distributed
-def test_import_train_dp2_tp2_export(tmp_path):
-    src = tmp_path / "hf"
-    save_hf_llama(src)
-    layouts = [
-        {"dp": 2, "tp": 2},
-        {"pp": 2, "tp": 2, "microbatches": 2, "pp_schedule": "1f1b"},
-        {"fsdp": 2, "tp": 2, "zero_stage": 3},
-    ]
+LAYOUTS = [
+    {"dp": 2, "tp": 2},
+    {"pp": 2, "tp": 2, "microbatches": 2, "pp_schedule": "1f1b"},
+    {"fsdp": 2, "tp": 2, "zero_stage": 3},
+]
+
+
+def _configs(root) -> list:
+    """The layouts, each importing root/hf and writing its run to root/run<i>."""
     cfgs = []
-    for i, par in enumerate(layouts):
-        cfg = tiny_config(parallel=par, train={"steps": 5, "out": str(tmp_path / f"run{i}")})
-        cfg.model = hf.model_config(src)
+    for i, par in enumerate(LAYOUTS):
+        cfg = tiny_config(parallel=par, train={"steps": 5, "out": str(root / f"run{i}")})
+        cfg.model = hf.model_config(root / "hf")
         cfg.checkpoint.every = 5 if i == 0 else 0
         cfgs.append(cfg)
-    ranks = spawn(_import_and_train, 4, [c.to_dict() for c in cfgs], timeout=300)
+    return cfgs
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """The import trained in three 4-rank layouts (the HF directory is made here)."""
+    root = jobs.tmp("import")
+    save_hf_llama(root / "hf")
+    jobs.add("import", 4, _import_and_train, [c.to_dict() for c in _configs(root)])
+
+
+@pytest.mark.distributed
+def test_import_train_dp2_tp2_export(jobs):
+    tmp_path = jobs.tmp("import")
+    src, layouts, cfgs = tmp_path / "hf", LAYOUTS, _configs(tmp_path)
+    ranks = jobs["import"]
     results = ranks[0]
     total = sum(p.numel() for p in meta_llama(cfgs[0].model).parameters())
     for rank in ranks:  # each rank read exactly its own tp and pp slices, no more

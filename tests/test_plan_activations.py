@@ -1,0 +1,124 @@
+"""The planner's activation counts (plan/activations.py) against Korthikanti et al.'s
+formulas, a live count of what autograd saves, and the schedules' microbatches in flight;
+no processes.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+
+import pytest
+import torch
+
+from harness import reference_csv
+from tetrad.config import ModelConfig, model_preset
+from tetrad.models.llama_spec import LLAMA
+from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
+from tetrad.plan import activations as act
+from tetrad.plan.cost import Planner
+from tetrad.plan.engines import MEGATRON
+from tetrad.plan.hardware import cluster_preset
+from tetrad.plan.layouts import layout_config
+
+KORTHIKANTI = {  # activation_memory_formulas.csv, bytes per layer
+    ("none", 1, False): lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h),
+    ("none", "t", False): lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+    ("none", "t", True): lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h),
+    ("selective", "t", False): lambda s, b, h, a, t: s * b * h * (10 + 24 / t),
+    ("selective", "t", True): lambda s, b, h, a, t: s * b * h * 34 / t,
+    ("full", 1, False): lambda s, b, h, a, t: s * b * h * 2,
+}
+
+
+@pytest.mark.parametrize("key", list(KORTHIKANTI), ids=str)
+@pytest.mark.parametrize("s,b,h,a,t", [(2048, 1, 12288, 96, 8), (4096, 4, 4096, 32, 2)])
+def test_gpt_layer_reproduces_korthikanti(key, s, b, h, a, t):
+    recompute, tp, sp = key
+    t = t if tp == "t" else 1
+    got = act.total_bytes(act.gpt_layer(h, a, s, recompute), b, s, t, sp)
+    assert got == pytest.approx(KORTHIKANTI[key](s, b, h, a, t), rel=1e-12)
+
+
+def test_korthikanti_table_is_the_csv():
+    with open(reference_csv("activation_memory_formulas.csv")) as fh:
+        formulas = [r["bytes_per_transformer_layer"] for r in csv.DictReader(fh)]
+    assert "s*b*h*(34 + 5*a*s/h)" in formulas and "s*b*h*2" in formulas
+    assert "s*b*h*(10 + 24/t + 5*a*s/(h*t))" in formulas and "s*b*h*(10 + 24/t)" in formulas
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_llama_layer_is_what_autograd_saves(dtype):
+    """The Llama composition against a live count of the tensors autograd saves (tp=1)."""
+    from tetrad.models.llama import Llama, cross_entropy_sum
+    from tetrad.parallel.activation_meter import ActivationMeter
+
+    m = ModelConfig(layers=1, dim=64, heads=4, kv_heads=2, vocab=512, ffn_dim=96)
+    b, s = 2, 32
+    measured = []
+    for layers in (1, 2):
+        model = Llama(dataclasses.replace(m, layers=layers)).to(
+            torch.float32 if dtype == "fp32" else torch.bfloat16
+        )
+        meter = ActivationMeter()
+        meter.reset(model.parameters())
+        ids, targets = torch.randint(0, 512, (b, s)), torch.randint(0, 512, (b, s))
+        with meter.saving():
+            loss = cross_entropy_sum(model(ids), targets)
+        measured.append(meter.live)
+        del loss
+    family = LLAMA.activations
+    layer = act.total_bytes(family.layer(m, 1, dtype), b, s)
+    rest = act.total_bytes(family.head(m, 1, dtype) + family.embedding(1, dtype), b, s)
+    assert measured[1] - measured[0] == layer
+    assert measured[0] - layer == pytest.approx(rest, abs=8)  # the loss's scalar weight
+
+
+def test_microbatches_in_flight():
+    """1F1B: rank r holds p - r microbatches; GPipe m; interleaved rank 0 holds
+    L·(1 + (p-1)/(p·v)) layers (Korthikanti Sec. 4.2.3), with one unit per layer."""
+    p, m, v = 4, 8, 2
+    unit = Costs(1, 1, 1)
+    one = simulate_schedule("1f1b", p, m, unit)
+    assert [act.peak_in_flight(one, r, [1.0] * p) for r in range(p)] == [4, 3, 2, 1]
+    gpipe = simulate_schedule("gpipe", p, m, unit)
+    assert act.peak_in_flight(gpipe, 0, [1.0] * p) == m
+    inter = simulate_schedule("interleaved-1f1b", p, m, unit, virtual_stages=v)
+    layers_per_chunk = 3
+    got = act.peak_in_flight(inter, 0, [layers_per_chunk] * (p * v))
+    total_layers = layers_per_chunk * p * v
+    assert got == pytest.approx(total_layers * (1 + (p - 1) / (p * v)))
+
+
+def test_zero_bubble_keeps_weight_gradient_inputs():
+    """ZB-H1 holds 1F1B's activations plus, on later ranks, deferred W inputs."""
+    p, m = 4, 8
+    t = simulate_schedule("zb-h1", p, m, Costs(1, 1, 1))
+    plain = [act.peak_in_flight(t, r, [1.0] * p) for r in range(p)]
+    with_w = [act.peak_in_flight(t, r, [1.0] * p, [0.5] * p) for r in range(p)]
+    assert plain == [4, 3, 2, 1]
+    assert all(w >= a for w, a in zip(with_w, plain)) and with_w[-1] > plain[-1]
+
+
+def _cp_pair():
+    """llama3-8b at one sequence a microbatch, seq 8192: fsdp 8, and fsdp 4 x cp 2."""
+    m = model_preset("llama3-8b")
+    return layout_config(m, 8, 8192, fsdp=8), layout_config(m, 4, 8192, fsdp=4, cp=2)
+
+
+def test_cp_halves_activations_and_compute():
+    """cp 2 holds half of every sequence: a ring core (Megatron, torchtitan) keeps half
+    the activations of cp 1 and does half the compute (attention too: the chunks are
+    load-balanced); tetrad's all-gather core also keeps the other shard's keys and values
+    and the mask by global position, per layer."""
+    one, two = _cp_pair()
+    ring = Planner(cluster_preset("h100"), MEGATRON)
+    assert ring.rank_activations(two, 0) == pytest.approx(ring.rank_activations(one, 0) / 2)
+    tetrad = Planner(cluster_preset("h100"))
+    m = one.model
+    extra = act.total_bytes(LLAMA.activations.cp_gathered_kv(m, 1, "bf16", 2, 8192), 1, 4096)
+    want = tetrad.rank_activations(one, 0) / 2 + m.layers * extra
+    assert tetrad.rank_activations(two, 0) == pytest.approx(want)
+    assert extra == 2 * 2 * 4096 * 4096 + 4096 * 8192  # repeated k, v of 4096 more tokens; mask
+    c1, c2 = (tetrad.predict(c).breakdown["compute"] for c in (one, two))
+    assert c2 == pytest.approx(c1 / 2)
