@@ -230,8 +230,8 @@ class Planner:
     def _stage_seconds(self, cfg: Config) -> dict[str, list[float]]:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
         m, p, s, dt = cfg.model, cfg.parallel, cfg.train.seq_len, cfg.train.dtype
-        b = layout_of(cfg).microbatch_size
-        tokens = layout_of(cfg).microbatch_tokens  # this rank's: cp splits every sequence
+        lay = layout_of(cfg)
+        b, tokens = lay.microbatch_size, lay.microbatch_tokens  # tokens: cp splits sequences
         fwd = self.compute.block_forward(m, p.tp, p.sp, tokens, b, s, dt, p.cp)
         bwd = self.compute.backward(fwd)
         selective = self.compute.selective_redo(m, p.tp, tokens, dt, fwd)

@@ -172,7 +172,8 @@ class Footprint:
         """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
         deferred linears, and on the last stage the head's unless a chunked loss computes
         its weight gradient in B."""
-        p, b, s = cfg.parallel, layout_of(cfg).microbatch_size, layout_of(cfg).local_seq
+        lay = layout_of(cfg)
+        p, b, s = cfg.parallel, lay.microbatch_size, lay.local_seq
         family = spec_for(cfg.model).activations
         w = family.pending_w(cfg.model, p.tp, cfg.train.dtype)
         one = act.total_bytes(w, b, s, p.tp, p.sp)
@@ -226,7 +227,8 @@ class Footprint:
         """Workspace + transients (one block's backward, the loss gradient on the last
         stage, ZeRO's buffers) + the allocator's share of transients and activations."""
         m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        b, s, spec = layout_of(cfg).microbatch_size, layout_of(cfg).local_seq, spec_for(m)
+        lay, spec = layout_of(cfg), spec_for(m)
+        b, s = lay.microbatch_size, lay.local_seq
         transient = act.layer_grad_workspace(spec, m, p.tp, dt, b, s, p.sp, self.fused)
         if self.scores:  # the layer in backward (recomputed or kept) holds its scores
             scores = spec.activations.attention_scores(m, cfg.train.seq_len)
