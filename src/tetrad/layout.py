@@ -104,11 +104,6 @@ class Layout:
         return self.pp * self.virtual_stages
 
     @property
-    def split_backward(self) -> bool:
-        """Whether the schedule splits backward into B (inputs) and W (weights)."""
-        return self.schedule in SPLIT_BACKWARD
-
-    @property
     def act_seq(self) -> int:
         """The tokens of a sequence one rank's activations hold between blocks: under sp
         the tp ranks split this rank's share again."""
