@@ -23,6 +23,9 @@ DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 RECOMPUTE = ("none", "selective", "full")
 # context parallelism's attention: keys and values all-gathered, or passed around a ring
 CP_ATTENTION = ("allgather", "ring")
+# mixture of experts: how router scores become weights, and how experts' load is balanced
+ROUTERS = ("softmax", "sigmoid")
+BALANCE = ("aux", "bias", "none")
 
 
 @dataclass
@@ -44,10 +47,34 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     init_from_hf: str = ""  # a Hugging Face Llama directory: its shape and its weights
+    head_size: int = 0  # channels per attention head; 0: dim // heads (Qwen3 sets its own)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys before rotary (Qwen3)
+    # mixture of experts (family "moe"; docs/moe.md): from layer `dense_layers` on, the
+    # feed-forward is a router over `experts` SwiGLU experts of `moe_ffn_dim`, each token
+    # sent to `top_k` of them, plus `shared_experts` every token uses
+    experts: int = 0  # 0: dense
+    top_k: int = 2
+    moe_ffn_dim: int = 0  # 0: hidden_dim
+    shared_experts: int = 0
+    dense_layers: int = 0
+    router: str = "softmax"  # softmax then top-k, renormalised; or sigmoid (DeepSeek-V3)
+    balance: str = "aux"  # auxiliary loss, loss-free per-expert bias, or none
+    aux_loss_coef: float = 0.01
+    bias_rate: float = 0.001  # the loss-free bias's step per training step
+    capacity_factor: float = 0.0  # 0: dropless (every token reaches its top_k experts)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.heads
+        return self.head_size or self.dim // self.heads
+
+    @property
+    def expert_dim(self) -> int:
+        """One expert's SwiGLU inner size."""
+        return self.moe_ffn_dim or self.hidden_dim
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def hidden_dim(self) -> int:
@@ -81,7 +108,30 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),
-}
+    # mixtures of experts: the first two train here, the rest are for the planner
+    "moe-tiny": dict(
+        family="moe", layers=2, dim=32, heads=4, kv_heads=2, vocab=256,
+        experts=4, top_k=2, moe_ffn_dim=32, shared_experts=1,
+    ),
+    "moe-small": dict(
+        family="moe", layers=4, dim=128, heads=4, kv_heads=2, vocab=256,
+        experts=8, top_k=2, moe_ffn_dim=128, shared_experts=1, dense_layers=1,
+    ),
+    "mixtral-8x7b": dict(
+        family="moe", layers=32, dim=4096, heads=32, kv_heads=8, vocab=32000,
+        experts=8, top_k=2, moe_ffn_dim=14336, max_seq_len=32768, rope_theta=1e6,
+    ),
+    "qwen3-30b-a3b": dict(
+        family="moe", layers=48, dim=2048, heads=32, kv_heads=4, head_size=128,
+        vocab=151936, experts=128, top_k=8, moe_ffn_dim=768, max_seq_len=40960,
+        rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+    ),
+    "qwen3-235b-a22b": dict(
+        family="moe", layers=94, dim=4096, heads=64, kv_heads=4, head_size=128,
+        vocab=151936, experts=128, top_k=8, moe_ffn_dim=1536, max_seq_len=40960,
+        rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+    ),
+}  # fmt: skip
 
 
 def model_preset(name: str) -> ModelConfig:
@@ -101,6 +151,8 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (docs/cp.md)
     cp_attention: str = "allgather"  # how attention crosses the cp ranks: allgather or ring
+    ep: int = 1  # expert parallelism: experts sharded over ep ranks borrowed from the data
+    # (and tensor) ranks; not a mesh axis of its own, so it does not enlarge the world
     zero_stage: int = 3
     sp: bool = False
     pp_schedule: str = "1f1b"
@@ -266,6 +318,35 @@ def _validate_model(m: ModelConfig) -> None:
         f"model.heads={m.heads} is not divisible by kv_heads={m.kv_heads}",
     )
     _require(m.init_std > 0, f"model.init_std must be > 0, got {m.init_std}")
+    _require(m.head_size >= 0, f"model.head_size must be >= 0 (0: dim/heads), got {m.head_size}")
+    _validate_moe(m)
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    _require(
+        m.moe == (m.family == "moe"),
+        f"model.experts={m.experts} with family={m.family!r}: experts > 0 is the 'moe' family",
+    )
+    if not m.moe:
+        return
+    _require(
+        1 <= m.top_k <= m.experts,
+        f"model.top_k={m.top_k} must be in [1, experts={m.experts}]",
+    )
+    for name in ("moe_ffn_dim", "shared_experts", "dense_layers"):
+        _require(getattr(m, name) >= 0, f"model.{name} must be >= 0, got {getattr(m, name)}")
+    _require(
+        m.dense_layers < m.layers,
+        f"model.dense_layers={m.dense_layers} leaves no expert layer of layers={m.layers}",
+    )
+    _require(m.router in ROUTERS, f"model.router={m.router!r} is not one of {ROUTERS}")
+    _require(m.balance in BALANCE, f"model.balance={m.balance!r} is not one of {BALANCE}")
+    _require(m.aux_loss_coef >= 0, f"model.aux_loss_coef must be >= 0, got {m.aux_loss_coef}")
+    _require(m.bias_rate >= 0, f"model.bias_rate must be >= 0, got {m.bias_rate}")
+    _require(
+        m.capacity_factor >= 0,
+        f"model.capacity_factor must be >= 0 (0: dropless), got {m.capacity_factor}",
+    )
 
 
 def _validate_train(cfg: Config) -> None:
