@@ -50,7 +50,8 @@ def tiny_config(**overrides: dict[str, Any]) -> Config:
 
 def trainer_for(cfg: Config, rank: int) -> Trainer:
     """This rank's CPU trainer of `cfg` on the mesh of its degrees (process group joined)."""
-    return Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+    mesh = Mesh.build(cfg.parallel.degrees, rank, cfg.parallel.ep)
+    return Trainer(cfg, mesh, torch.device("cpu"))
 
 
 def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,13 @@ class Layout:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     master_dtype: torch.dtype = torch.float32  # the optimizer's copy of the weights
+    ep: int = 1  # expert parallelism: ranks one MoE layer's experts are sharded over
+
+    @property
+    def ep_spans_tp(self) -> bool:
+        """Whether the ep group borrows the tensor ranks: only when the data ranks
+        (dp*fsdp*cp) are too few, or do not divide into groups of ep (`check_ep`)."""
+        return self.ep > 1 and (self.data_ranks * self.cp) % self.ep != 0
 
     @classmethod
     def build(cls, cfg: Config, world: int | None = None) -> Layout:
@@ -58,6 +65,7 @@ class Layout:
         _check_parallel(p, world)
         split = _check_split(p, cfg.model.layers)
         _check_shapes(cfg)
+        check_ep(p.ep, cfg.model.experts, p.degrees, p.sp)
         return cls(
             degrees={axis: getattr(p, axis) for axis in AXES},
             microbatches=p.microbatches,
@@ -75,6 +83,7 @@ class Layout:
             split_measured=p.pp_split == "measured",
             compute_dtype=DTYPES[cfg.train.dtype],
             reduce_dtype=DTYPES[p.reduce_dtype],
+            ep=p.ep,
         )
 
     @property
@@ -168,6 +177,31 @@ def check_split(split: Sequence[int], n_layers: int | None, stages: int | None) 
         raise ValueError(f"pipeline split {list(split)} has {len(split)} stages, not {stages}")
     if n_layers is not None and sum(split) != n_layers:
         raise ValueError(f"pipeline split {list(split)} sums to {sum(split)}, not {n_layers}")
+
+
+def check_ep(ep: int, experts: int, degrees: dict[str, int], sp: bool = False) -> None:
+    """Raise ValueError naming the values unless `ep` ranks can share `experts` experts.
+
+    The ep group borrows ranks inside one pipeline stage: the data ranks first (fsdp, then
+    dp, then cp: `mesh.expert_groups`), and the tensor ranks only when those are not
+    enough; then it takes whole tp groups, so ep must be a multiple of tp."""
+    _require(ep >= 1, f"parallel.ep must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    _require(experts > 0, f"parallel.ep={ep} needs a mixture-of-experts model (model.experts > 0)")
+    _require(experts % ep == 0, f"model.experts={experts} is not divisible by parallel.ep={ep}")
+    data, tp = degrees["dp"] * degrees["fsdp"] * degrees["cp"], degrees["tp"]
+    borrows_data = data % ep == 0
+    _require(
+        borrows_data or (ep % tp == 0 and data % (ep // tp) == 0),
+        f"parallel.ep={ep} must divide the data ranks dp*fsdp*cp={data}, or be a multiple of"
+        f" tp={tp} dividing dp*fsdp*cp*tp={data * tp}",
+    )
+    _require(not sp, f"parallel.ep={ep} with sp=True is not supported yet (drop sp, or set ep=1)")
+    _require(
+        degrees["fsdp"] == 1,
+        f"parallel.ep={ep} with fsdp={degrees['fsdp']} (ZeRO) is not supported yet: use dp",
+    )
 
 
 def _check_parallel(p: ParallelConfig, world: int | None) -> None:

@@ -73,6 +73,36 @@ def axis_groups(degrees: dict[str, int], group: str) -> list[list[int]]:
     return list(buckets.values())
 
 
+def expert_groups(degrees: dict[str, int], ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The ep groups (ranks that together hold every expert, the i-th member the i-th
+    slice) and the expert-data groups (ranks of a stage holding the same slice: their
+    expert gradients are summed), each in ascending rank order as torch numbers a group.
+    The tp ranks of a stage split the tokens they hold alike before dispatching them
+    (`parallel.expert`), so an expert-data group spans tp too.
+
+    Inside a pipeline stage the data ranks are ordered fsdp fastest, then dp, then cp, and
+    an ep group is a run of them: it borrows sharded-data ranks first (they already split
+    the model state), then dp, then cp. When ep is more than those provide (`layout.check_ep`
+    allows it as a multiple of tp) the group takes whole tp groups, and the experts are no
+    longer replicated over tp. `Layout.check_ep` has checked `ep`."""
+    tp = degrees["tp"]
+    data = degrees["dp"] * degrees["fsdp"] * degrees["cp"]
+    spans_tp = ep > 1 and data % ep != 0
+    width = ep // tp if spans_tp else ep  # data ranks per ep group
+    ep_of: dict[tuple[int, ...], list[int]] = {}
+    for r in range(prod(degrees.values())):
+        c = coords(r, degrees)
+        b = (c["cp"] * degrees["dp"] + c["dp"]) * degrees["fsdp"] + c["fsdp"]
+        key = (c["pp"], b // width) if spans_tp else (c["pp"], c["tp"], b // width)
+        ep_of.setdefault(key, []).append(r)
+    edp_of: dict[tuple[int, ...], list[int]] = {}
+    for ranks in ep_of.values():
+        for slot, r in enumerate(ranks):
+            c = coords(r, degrees)
+            edp_of.setdefault((c["pp"], slot), []).append(r)
+    return list(ep_of.values()), list(edp_of.values())
+
+
 def pp_end_groups(degrees: dict[str, int]) -> list[list[int]]:
     """First and last rank of every pipeline group (they share a tied embedding)."""
     if degrees["pp"] == 1:
@@ -101,6 +131,7 @@ class Mesh:
     degrees: dict[str, int]
     rank: int
     groups: dict[str, Group] = field(default_factory=dict)
+    ep: int = 1  # expert parallelism: the "ep" and "ep_data" groups (`expert_groups`)
 
     @property
     def world_size(self) -> int:
@@ -112,6 +143,12 @@ class Mesh:
 
     def __getitem__(self, name: str) -> Group:
         return self.groups[name]
+
+    @property
+    def place(self) -> dict[str, int]:
+        """`coord` and this rank's index in the expert groups ("ep", "ep_data"): where a
+        parameter's replicas are counted once (the norm) and written once (checkpoints)."""
+        return {**self.coord, "ep": self["ep"].rank, "ep_data": self["ep_data"].rank}
 
     @property
     def pp_prev(self) -> int | None:
@@ -126,36 +163,42 @@ class Mesh:
         return g.ranks[g.rank + 1] if g.rank + 1 < g.size else None
 
     @classmethod
-    def plan(cls, degrees: dict[str, int], rank: int) -> Mesh:
+    def plan(cls, degrees: dict[str, int], rank: int, ep: int = 1) -> Mesh:
         """The mesh with every group's membership but no process groups (pure)."""
-        mesh = cls(dict(degrees), rank)
+        mesh = cls(dict(degrees), rank, ep=ep)
         for name in GROUP_AXES:
             for ranks in axis_groups(degrees, name):
                 if rank in ranks:
                     mesh.groups[name] = Group(name, ranks, ranks.index(rank))
+        for name, groups in zip(("ep", "ep_data"), expert_groups(degrees, ep)):
+            ranks = next(g for g in groups if rank in g)
+            mesh.groups[name] = Group(name, ranks, ranks.index(rank))
         ends = next((g for g in pp_end_groups(degrees) if rank in g), [rank])
         mesh.groups["pp_ends"] = Group("pp_ends", ends, ends.index(rank))
         return mesh
 
     @classmethod
-    def build(cls, degrees: dict[str, int], rank: int) -> Mesh:
+    def build(cls, degrees: dict[str, int], rank: int, ep: int = 1) -> Mesh:
         """Create the process groups. Every rank must call this with the same degrees."""
         import torch.distributed as dist
 
-        mesh = cls.plan(degrees, rank)
+        mesh = cls.plan(degrees, rank, ep)
         world = mesh.world_size
         made: dict[tuple[int, ...], Any] = {}  # groups of equal members share one handle
-        for name in GROUP_AXES:
-            for ranks in axis_groups(degrees, name):
-                # new_group is collective over the world: every rank creates every group,
-                # in the same order, so the reuse below happens alike on every rank.
-                if len(ranks) == 1:
-                    continue
-                if tuple(ranks) not in made:
-                    whole = len(ranks) == world
-                    made[tuple(ranks)] = dist.group.WORLD if whole else dist.new_group(ranks)
-                if rank in ranks:
-                    mesh.groups[name].pg = made[tuple(ranks)]
+        named = [(n, g) for n in GROUP_AXES for g in axis_groups(degrees, n)]
+        if ep > 1:  # only then: an unchanged job creates the same groups as before
+            ep_groups, edp_groups = expert_groups(degrees, ep)
+            named += [("ep", g) for g in ep_groups] + [("ep_data", g) for g in edp_groups]
+        for name, ranks in named:
+            # new_group is collective over the world: every rank creates every group,
+            # in the same order, so the reuse below happens alike on every rank.
+            if len(ranks) == 1:
+                continue
+            if tuple(ranks) not in made:
+                whole = len(ranks) == world
+                made[tuple(ranks)] = dist.group.WORLD if whole else dist.new_group(ranks)
+            if rank in ranks:
+                mesh.groups[name].pg = made[tuple(ranks)]
         for ranks in pp_end_groups(degrees):
             pg = dist.new_group(ranks)
             if rank in ranks:

@@ -167,11 +167,13 @@ class Comm:
             for (axis, op), s in sorted(self.stats.items())
         }
 
-    def _record(self, group: Group, op: str, nbytes: int) -> OpStats:
+    def _record(self, group: Group, op: str, nbytes: int, sent: float | None = None) -> OpStats:
+        """Count a call of `nbytes` buffer bytes; `sent`: the bytes this rank sends, when
+        no ring factor gives them (all-to-all: what leaves for the other ranks)."""
         s = self.stats[(group.name, op)]
         s.calls += 1
         s.bytes += nbytes
-        s.bus_bytes += bus_factor(op, group.size) * nbytes
+        s.bus_bytes += bus_factor(op, group.size) * nbytes if sent is None else sent
         return s
 
     def _run(self, stats: OpStats, fn, async_op: bool, what=None) -> Work | None:
@@ -238,6 +240,41 @@ class Comm:
             lambda a: dist.reduce_scatter_tensor(out, inp, group=group.pg, async_op=a),
             async_op,
             _what("reduce_scatter", group),
+        )
+
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Group,
+        op: str = "all_to_all",
+    ) -> None:
+        """Rows `in_splits[i]` of `inp` (dim 0, in group order) go to group rank i; rows
+        from rank i land in `out` in order, `out_splits[i]` of them. Counted as the bytes
+        handed in, and as sent the bytes that leave this rank (its own rows stay); `op`
+        names the record (the expert layer counts its token counts apart)."""
+        self.check_device(out, group, op)
+        self.check_device(inp, group, op)
+        if group.size == 1:
+            out.copy_(inp)
+            return
+        row = inp[0].numel() * inp.element_size() if inp.dim() > 1 else inp.element_size()
+        kept = in_splits[group.rank] * row
+        s = self._record(
+            group,
+            op,
+            inp.numel() * inp.element_size(),
+            sent=inp.numel() * inp.element_size() - kept,
+        )
+        self._run(
+            s,
+            lambda a: dist.all_to_all_single(
+                out, inp, out_splits, in_splits, group=group.pg, async_op=a
+            ),
+            False,
+            _what(op, group),
         )
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group) -> None:

@@ -7,12 +7,13 @@ import torch
 from tetrad.comm import Comm
 from tetrad.config import ModelConfig, TrainConfig
 from tetrad.layout import Layout
-from tetrad.mesh import Mesh
+from tetrad.mesh import Group, Mesh
 from tetrad.models.families import spec_for
 from tetrad.models.init import materialize
 from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
 from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads
 from tetrad.parallel.engine import Engine
+from tetrad.parallel.expert import EPLayout, ExpertGrads
 from tetrad.parallel.local import local_model
 from tetrad.parallel.pipeline.runtime import build_pipeline, tied_across_stages
 from tetrad.parallel.runner import GradSync, LossFn, MicrobatchLoop, Runner
@@ -47,10 +48,15 @@ def parallelize(
          mixed precision: compute parameters in `train.dtype` (cast here, from the fp32
          values just materialised, which become the fp32 master weights).
     """
+    if mesh.ep != layout.ep:
+        raise ValueError(f"the mesh has ep={mesh.ep} groups, the layout ep={layout.ep}")
     spec = spec_for(model_cfg)
     local = local_model(layout, model_cfg, mesh, comm)  # 1-3
     model, tp = local.model, local.tp
-    materialize(model, model_cfg, train.seed, device, tp.slicer if tp else None)
+    unshard, slicer = (tp.unshard, tp.slicer) if tp else (None, None)
+    if local.ep:  # the expert weights: this rank's experts, joined over ep
+        unshard, slicer = local.ep.unshard(unshard), local.ep.slicer(slicer)
+    materialize(model, model_cfg, train.seed, device, slicer)
     spec.set_recompute(model, train.recompute)
     loss_fn = _loss_fn(model, train.loss_chunk, tp)
     replicated = local.replicated
@@ -62,7 +68,6 @@ def parallelize(
         embed = spec.tied_weight
         if model_cfg.tie_embeddings and embed in replicated:  # held by both ends
             replicated[embed] = (*replicated[embed], "pp")  # counted once: on pp rank 0
-    unshard, slicer = (tp.unshard, tp.slicer) if tp else (None, None)
     grads: GradSync
     # first and last stage each hold the tied embedding: their gradients are summed
     tied_ends = tied_across_stages(layout, model_cfg.tie_embeddings, mesh)
@@ -74,17 +79,32 @@ def parallelize(
         state = ZeroAdapter(shards, model, *where)
         runner.meter.exclude(u.flat for u in shards.units)  # parameters, not activations
     else:
-        grads = _replicated_grads(model, layout, mesh, comm)
+        grads = _plain_grads(model, local.ep, layout, mesh, comm)
         state = PlainAdapter(model, *where, grads.params())
         if tied is not None:
             grads = TiedGrads(grads, *tied, comm)
     return Engine(model, mesh, comm, runner, grads, state, replicated)
 
 
-def _replicated_grads(model: torch.nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> LocalGrads:
-    """Without ZeRO: DP's bucketed all-reduce over the data ranks, or nothing to reduce."""
+def _plain_grads(
+    model: torch.nn.Module, ep: EPLayout | None, layout: Layout, mesh: Mesh, comm: Comm
+) -> GradSync:
+    """Without ZeRO: every parameter's gradient summed over the data ranks, except, under
+    expert parallelism, the expert weights': over their expert-data group."""
     named = list(model.named_parameters())
-    data, dtype = mesh["data"], layout.compute_dtype
+    if ep is None:
+        return _replicated_grads(named, layout, mesh["data"], comm)
+    experts = [(n, p) for n, p in named if n in ep.names]
+    rest = [(n, p) for n, p in named if n not in ep.names]
+    return ExpertGrads(
+        _replicated_grads(experts, layout, mesh["ep_data"], comm),
+        _replicated_grads(rest, layout, mesh["data"], comm),
+    )
+
+
+def _replicated_grads(named, layout: Layout, data: Group, comm: Comm) -> LocalGrads:
+    """Without ZeRO: DP's bucketed all-reduce over `data`, or nothing to reduce."""
+    dtype = layout.compute_dtype
     if data.size == 1:
         return LocalGrads(named, dtype)
     return GradBuckets(named, data, comm, layout.bucket_bytes, dtype, layout.reduce_dtype)

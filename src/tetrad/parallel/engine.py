@@ -79,7 +79,7 @@ class Engine:
     def grad_sq_norm(self) -> torch.Tensor:
         """Sum of squared gradient entries this rank owns (float64, on the device); summed
         over the world, the squared norm of the single-process gradient."""
-        coord = self.mesh.coord
+        coord = self.mesh.place  # the axes, and the expert groups' indices
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.named_parameters():
             if p.grad is not None and all(coord[a] == 0 for a in self.replicated[name]):

@@ -2,7 +2,7 @@
 
 `local_model` builds the whole model on the meta device (its family's `ModelSpec.build`),
 keeps this rank's pipeline stages, and shrinks each planned module to its tensor-parallel
-shard (the family's plan). `parallelize` then
+shard (the family's plan), and its experts to its expert-parallel slice. `parallelize` then
 materialises it; the memory model and the checkpoint gathers only read its names and
 shapes. Same code, so prediction and execution agree on what a rank holds.
 """
@@ -19,6 +19,7 @@ from tetrad.layout import Layout
 from tetrad.mesh import Mesh, rank_of
 from tetrad.models.families import spec_for
 from tetrad.parallel.context import apply_cp
+from tetrad.parallel.expert import EPLayout, apply_ep
 from tetrad.parallel.pipeline.stage import Chunk, prune, rank_chunks
 from tetrad.parallel.tensor import TPLayout, apply_tp
 
@@ -33,12 +34,14 @@ class LocalModel:
     model: nn.Module
     chunks: list[Chunk] | None  # its pipeline stages (None: no pipeline)
     tp: TPLayout | None  # its tensor-parallel layout (None: no tp)
+    ep: EPLayout | None = None  # its experts' layout (None: no ep)
 
     @property
     def replicated(self) -> dict[str, tuple[str, ...]]:
         """Parameter name -> the axes its value is replicated over (tp shards: not tp)."""
         out = {n: REPLICATED for n, _ in self.model.named_parameters()}
         out.update(self.tp.replicated if self.tp else {})
+        out.update(self.ep.replicated if self.ep else {})
         return out
 
 
@@ -54,12 +57,13 @@ def local_model(layout: Layout, m: ModelConfig, mesh: Mesh, comm: Comm) -> Local
     tp = apply_tp(model, spec.tp_plan, mesh, comm, m, layout.sp) if layout.tp > 1 else None
     if layout.cp > 1:
         apply_cp(model, mesh, comm, layout.cp_attention, spec.attention_core)
-    return LocalModel(model, chunks, tp)
+    ep = apply_ep(model, layout, mesh, comm) if layout.ep > 1 else None
+    return LocalModel(model, chunks, tp, ep)
 
 
 def planned(layout: Layout, m: ModelConfig, rank: int) -> LocalModel:
     """`local_model` of global `rank` without processes (a pure mesh, an idle Comm)."""
-    return local_model(layout, m, Mesh.plan(layout.degrees, rank), Comm())
+    return local_model(layout, m, Mesh.plan(layout.degrees, rank, layout.ep), Comm())
 
 
 def stage_param_names(layout: Layout, m: ModelConfig, pp_rank: int) -> list[str]:

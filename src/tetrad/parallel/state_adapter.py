@@ -112,7 +112,7 @@ class PlainAdapter:
     def writes(self, name: str, replicated: dict[str, tuple[str, ...]]) -> bool:
         """Whether this rank is the one writer of its copy of `name`: coordinate 0 on every
         axis the value is replicated over (the same rule that counts it once in the norm)."""
-        coord = self.mesh.coord
+        coord = self.mesh.place
         return all(coord[a] == 0 for a in replicated[name] if a != "fsdp")
 
     def owned_slices(

@@ -76,7 +76,7 @@ def init_distributed(
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"tetrad/attempt{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return Mesh.build(layout.degrees, rank), device
+    return Mesh.build(layout.degrees, rank, layout.ep), device
 
 
 def hf_weights(cfg: Config):

@@ -1,0 +1,108 @@
+"""Expert parallelism's collectives: tokens to the ranks of their experts and back.
+
+An all-to-all with uneven splits: each rank sends a different number of token rows to
+each rank of the ep group, so the counts go first (`exchange_counts`, an all-to-all of
+one integer per rank pair), then the rows (`all_to_all`, an autograd function whose
+backward is the reverse all-to-all: the gradient of each received row goes back to the
+rank that sent it). Both go through `Comm`, counted and under its watchdog.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tetrad.comm import Comm
+from tetrad.mesh import Group
+
+
+def exchange_counts(send: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """send[i]: how many rows this rank sends to group rank i; returns recv[i], how many
+    it receives from rank i (int64, on the device). The shapes of the next all-to-all."""
+    recv = torch.empty_like(send)
+    ones = [1] * group.size
+    comm.all_to_all(recv, send.contiguous(), ones, ones, group, op="all_to_all_counts")
+    return recv
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, comm, group):
+        ctx.splits, ctx.comm, ctx.group = (out_splits, in_splits), comm, group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group)
+        return back, None, None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: Comm, group: Group
+) -> torch.Tensor:
+    """Rows of `x` split by `in_splits` to each rank of `group`; what arrives, by
+    `out_splits`, concatenated in rank order. Backward sends the gradients back."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), comm, group)
+
+
+def tp_share(rows: int, tp: int, rank: int) -> tuple[int, int]:
+    """Rows [lo, hi) of `rows` that tp rank `rank` dispatches: near-equal runs in order."""
+    base, extra = divmod(rows, tp)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def _gather_shares(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torch.Tensor:
+    """Every tp rank's share of `rows` rows, concatenated in order (shares padded to the
+    largest for the all-gather, the padding dropped after)."""
+    n = group.size
+    width = tp_share(rows, n, 0)[1]
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = x.new_empty((n * width, *x.shape[1:]))
+    comm.all_gather(out, padded, group)
+    pieces = [
+        out[r * width : r * width + (hi - lo)]
+        for r, (lo, hi) in enumerate(tp_share(rows, n, r) for r in range(n))
+    ]
+    return torch.cat(pieces)
+
+
+class _ShareOfTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, group):
+        ctx.rows, ctx.comm, ctx.group = x.shape[0], comm, group
+        lo, hi = tp_share(x.shape[0], group.size, group.rank)
+        return x[lo:hi].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_shares(grad.contiguous(), ctx.rows, ctx.comm, ctx.group), None, None
+
+
+class _JoinOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows, comm, group):
+        ctx.group = group
+        return _gather_shares(x.contiguous(), rows, comm, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lo, hi = tp_share(grad.shape[0], ctx.group.size, ctx.group.rank)
+        return grad[lo:hi].clone(), None, None, None
+
+
+def share_of_tp(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """This tp rank's share of rows that every tp rank holds alike. Backward all-gathers
+    the shares' gradients: each rank then holds the gradient of every row."""
+    return _ShareOfTP.apply(x, comm, group)
+
+
+def join_over_tp(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torch.Tensor:
+    """Every tp rank's share joined into the `rows` rows (the inverse of `share_of_tp`).
+    Backward keeps this rank's share of the gradient: downstream of a tp-replicated
+    activation every tp rank holds the same gradient, so nothing is summed."""
+    return _JoinOverTP.apply(x, rows, comm, group)

@@ -1,0 +1,195 @@
+"""Expert parallelism, ours: each MoE layer's experts sharded over the `ep` ranks.
+
+Which ranks. The ep group borrows ranks of one pipeline stage (`mesh.expert_groups`):
+data ranks first, tensor ranks only when there are too few. Member i of an ep group holds
+the i-th run of experts/ep experts (a dim-0 slice of the stacked weights). The ranks of a
+stage holding the same slice form the expert-data group; expert gradients are summed over
+it alone, while every other parameter is reduced as without ep.
+
+Tokens. A layer's dispatcher (`AllToAllDispatch`, the MoE layer's dispatch protocol)
+sorts this rank's token copies by expert (stable, as the single process does), sends each
+run to the rank holding its expert (counts first, then rows: `comm.ep`), runs the local
+experts over what arrived, regrouped by expert, and sends the outputs back, where they
+are weighted and summed per token. The result equals the single process's: the same
+copies meet the same expert weights.
+
+Tensor parallelism. Without sequence parallelism every tp rank holds the same tokens. We
+do not compute them tp times: each tp rank dispatches its share of the tokens
+(`share_of_tp`) and the expert outputs are joined over tp before the weighting
+(`join_over_tp`), so the router's gradient is the same on every tp rank. Experts are then
+replicated over tp when ep does not span it, and their gradients (from different tokens)
+are summed over tp too: the expert-data group spans tp. Sequence parallelism is refused
+with ep for now (`layout.check_ep`).
+
+Loss. Nothing is rescaled: every token's loss is already divided by the global token
+count, and each expert gradient is a sum over the copies that reached it, so the sum over
+the expert-data group is the single-process gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tetrad.comm import Comm
+from tetrad.comm.ep import all_to_all, exchange_counts, join_over_tp, share_of_tp
+from tetrad.layout import Layout
+from tetrad.mesh import Group, Mesh
+from tetrad.models.init import Slicer
+from tetrad.parallel.runner import Held
+
+REPLICATED = ("ep_data",)  # what an expert weight's value is replicated over
+
+
+class AllToAllDispatch:
+    """The MoE layer's dispatch protocol over an ep group: `d(x [T, dim], ids [T, k],
+    weights [T, k], experts) -> [T, dim]`, `experts` holding this rank's slice."""
+
+    def __init__(self, experts_total: int, comm: Comm, ep: Group, tp: Group | None):
+        self.n, self.comm, self.ep, self.tp = experts_total, comm, ep, tp
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.Module
+    ) -> torch.Tensor:
+        tokens, k = ids.shape
+        if self.tp is not None:  # each tp rank sends its share of the (identical) tokens
+            x = share_of_tp(x, self.comm, self.tp)
+            ids = share_of_tp(ids, self.comm, self.tp)
+        copies = self._through_experts(x, ids.reshape(-1), k, experts)  # [t*k, dim]
+        if self.tp is not None:
+            copies = join_over_tp(copies.view(-1, k, x.shape[-1]), tokens, self.comm, self.tp)
+        copies = copies.view(tokens, k, -1)  # [T, k, dim], unweighted
+        return (copies * weights.unsqueeze(-1).to(copies.dtype)).sum(1)
+
+    def _through_experts(
+        self, x: torch.Tensor, flat_ids: torch.Tensor, k: int, experts: nn.Module
+    ) -> torch.Tensor:
+        """Each copy (token t, slot j: row t*k+j) through its expert, on whichever rank
+        holds it; the outputs in copy order."""
+        size, local = self.ep.size, self.n // self.ep.size
+        order = torch.argsort(flat_ids, stable=True)  # copies sorted by expert
+        send = torch.bincount(flat_ids, minlength=self.n).view(size, local)  # [rank, expert]
+        recv = exchange_counts(send, self.comm, self.ep)  # [source rank, local expert]
+        send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()  # the host sync
+        arrived = all_to_all(x[order // k], recv_rows, send_rows, self.comm, self.ep)
+        # arrived: by source rank, then by expert; the experts want them by expert
+        expert_of = torch.arange(local, device=x.device).repeat(size)
+        regroup = torch.argsort(expert_of.repeat_interleave(recv.reshape(-1)), stable=True)
+        out = experts(arrived[regroup], recv.sum(0))
+        back = all_to_all(out[torch.argsort(regroup)], send_rows, recv_rows, self.comm, self.ep)
+        return back[torch.argsort(order)]
+
+
+@dataclass
+class EPLayout:
+    """What `parallelize` needs after `apply_ep`: the expert weights' names, slices and
+    how to join them (checkpoints), and what they are replicated over (the norm)."""
+
+    names: frozenset[str]  # logical names of the expert weights
+    ep: Group
+    comm: Comm
+    rows: dict[str, int]  # name -> experts held here (the dim-0 rows of its slice)
+
+    def slicer(self, inner: Slicer | None) -> Slicer:
+        """`inner` (tp's) with the expert weights' dim-0 slice: this rank's experts."""
+
+        def index(name: str) -> tuple[slice, ...] | None:
+            if name not in self.names:
+                return inner(name) if inner else None
+            n = self.rows[name]
+            return (slice(self.ep.rank * n, (self.ep.rank + 1) * n),)
+
+        return index
+
+    def unshard(self, inner):
+        """`inner` (tp's) joining shards, and the experts all-gathered over ep."""
+
+        def full(name: str, local: torch.Tensor) -> torch.Tensor:
+            if name not in self.names:
+                return inner(name, local) if inner else local
+            local = local.detach().contiguous()
+            out = local.new_empty((self.ep.size * local.shape[0], *local.shape[1:]))
+            self.comm.all_gather(out, local, self.ep)
+            return out
+
+        return full
+
+    @property
+    def replicated(self) -> dict[str, tuple[str, ...]]:
+        return {name: REPLICATED for name in self.names}
+
+
+def expert_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The MoE layers of `model`, by name: the modules that take a dispatcher."""
+    for name, module in model.named_modules():
+        if callable(getattr(module, "use_dispatch", None)):
+            yield name, module
+
+
+def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayout:
+    """Shrink every MoE layer's experts (on the meta device) to this rank's slice and give
+    the layer the all-to-all dispatcher."""
+    ep, tp = mesh["ep"], (mesh["tp"] if layout.tp > 1 else None)
+    names, rows = set(), {}
+    for name, layer in expert_layers(model):
+        experts = layer.experts
+        for pname, p in list(experts.named_parameters(recurse=False)):
+            total = p.shape[0]
+            if total % ep.size:
+                raise ValueError(
+                    f"{name or 'model'}: {total} experts, not divisible by ep={ep.size}"
+                )
+            local = nn.Parameter(p.new_empty((total // ep.size, *p.shape[1:])))
+            setattr(experts, pname, local)
+            full_name = ".".join(filter(None, (name, "experts", pname)))
+            names.add(full_name)
+            rows[full_name] = total // ep.size
+        if hasattr(experts, "n"):  # the experts this module now runs
+            total_experts, experts.n = experts.n, experts.n // ep.size
+        else:
+            total_experts = next(iter(rows.values())) * ep.size
+        layer.use_dispatch(AllToAllDispatch(total_experts, comm, ep, tp))
+    return EPLayout(frozenset(names), ep, comm, rows)
+
+
+class ExpertGrads:
+    """A `GradSync` of two: one for the expert weights (over the expert-data group), one
+    for every other parameter (as without ep). Each call goes to both, the same order on
+    every rank."""
+
+    def __init__(self, experts, rest):
+        self.parts = (rest, experts)
+
+    def reduce_in_backward(self, on: bool) -> None:
+        for part in self.parts:
+            part.reduce_in_backward(on)
+
+    def params(self) -> list[tuple[str, nn.Parameter]]:
+        return [pair for part in self.parts for pair in part.params()]
+
+    @contextmanager
+    def final(self, names: Collection[str]) -> Iterator[None]:
+        with self.parts[0].final(names), self.parts[1].final(names):
+            yield
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def after_step(self) -> None:
+        for part in self.parts:
+            part.after_step()
+
+    def held(self) -> Held:
+        rest, experts = (part.held() for part in self.parts)
+        return Held(
+            rest.params + experts.params, rest.grads + experts.grads, rest.masters + experts.masters
+        )
