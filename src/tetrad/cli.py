@@ -31,6 +31,7 @@ TRAIN_FLAGS = {
     "pp": ("parallel", "pp", int),
     "cp": ("parallel", "cp", int),
     "cp_attention": ("parallel", "cp_attention", str),
+    "ep": ("parallel", "ep", int),
     "zero_stage": ("parallel", "zero_stage", int),
     "pp_schedule": ("parallel", "pp_schedule", str),
     "microbatches": ("parallel", "microbatches", int),
@@ -65,6 +66,9 @@ DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
 FLAG_HELP = {
     "cp": "context parallelism: split every sequence over N ranks (2N load-balanced chunks; "
     "seq-len must be divisible by 2N), attention exchanging keys and values (docs/cp.md)",
+    "ep": "expert parallelism (MoE models): shard each layer's experts over N ranks taken "
+    "from the data ranks (and the tensor ranks where there are too few); tokens reach their "
+    "experts by all-to-all (docs/moe.md). The world size is unchanged",
     "timeout": "seconds a collective may block before the job ends naming it, and a signalled "
     "rank may take to save and exit (default 600)",
     "data": "synthetic, stdlib (default), a text file or folder, or a prepared .u16/.u32 file",
@@ -129,7 +133,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": RECOMPUTE}
         if flag == "cp_attention":
             kw = {"choices": CP_ATTENTION}
-        if flag == "cp":
+        if flag in ("cp", "ep"):
             kw = {"metavar": "N"}
         if flag == "loss_chunk":
             kw = {"metavar": "TOKENS"}
