@@ -80,6 +80,8 @@ class AllToAllDispatch:
         expert_of = torch.arange(local, device=x.device).repeat(size)
         regroup = torch.argsort(expert_of.repeat_interleave(recv.reshape(-1)), stable=True)
         out = experts(arrived[regroup], recv.sum(0))
+        if not out.requires_grad:  # no rows arrived: still in the graph, so this rank
+            out = out + arrived.sum() * 0  # joins the backward all-to-alls like its peers
         back = all_to_all(out[torch.argsort(regroup)], send_rows, recv_rows, self.comm, self.ep)
         return back[torch.argsort(order)]
 
@@ -134,26 +136,18 @@ def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayo
     """Shrink every MoE layer's experts (on the meta device) to this rank's slice and give
     the layer the all-to-all dispatcher."""
     ep, tp = mesh["ep"], (mesh["tp"] if layout.tp > 1 else None)
-    names, rows = set(), {}
+    rows: dict[str, int] = {}  # expert weight -> experts held here
     for name, layer in expert_layers(model):
         experts = layer.experts
+        total = next(experts.parameters()).shape[0]
+        if total % ep.size:
+            raise ValueError(f"{name or 'model'}: {total} experts, not divisible by ep={ep.size}")
         for pname, p in list(experts.named_parameters(recurse=False)):
-            total = p.shape[0]
-            if total % ep.size:
-                raise ValueError(
-                    f"{name or 'model'}: {total} experts, not divisible by ep={ep.size}"
-                )
             local = nn.Parameter(p.new_empty((total // ep.size, *p.shape[1:])))
             setattr(experts, pname, local)
-            full_name = ".".join(filter(None, (name, "experts", pname)))
-            names.add(full_name)
-            rows[full_name] = total // ep.size
-        if hasattr(experts, "n"):  # the experts this module now runs
-            total_experts, experts.n = experts.n, experts.n // ep.size
-        else:
-            total_experts = next(iter(rows.values())) * ep.size
-        layer.use_dispatch(AllToAllDispatch(total_experts, comm, ep, tp))
-    return EPLayout(frozenset(names), ep, comm, rows)
+            rows[".".join(filter(None, (name, "experts", pname)))] = total // ep.size
+        layer.use_dispatch(AllToAllDispatch(total, comm, ep, tp))
+    return EPLayout(frozenset(rows), ep, comm, rows)
 
 
 class ExpertGrads:
