@@ -186,6 +186,11 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int], sp: bool = False) -
     dp, then cp: `mesh.expert_groups`), and the tensor ranks only when those are not
     enough; then it takes whole tp groups, so ep must be a multiple of tp."""
     _require(ep >= 1, f"parallel.ep must be >= 1, got {ep}")
+    _require(
+        not (sp and experts),
+        "sequence parallelism (sp) with a mixture-of-experts model is not"
+        f" supported yet (model.experts={experts}): drop sp",
+    )
     if ep == 1:
         return
     _require(experts > 0, f"parallel.ep={ep} needs a mixture-of-experts model (model.experts > 0)")
@@ -197,7 +202,6 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int], sp: bool = False) -
         f"parallel.ep={ep} must divide the data ranks dp*fsdp*cp={data}, or be a multiple of"
         f" tp={tp} dividing dp*fsdp*cp*tp={data * tp}",
     )
-    _require(not sp, f"parallel.ep={ep} with sp=True is not supported yet (drop sp, or set ep=1)")
     _require(
         degrees["fsdp"] == 1,
         f"parallel.ep={ep} with fsdp={degrees['fsdp']} (ZeRO) is not supported yet: use dp",

@@ -186,9 +186,8 @@ class Mesh:
         world = mesh.world_size
         made: dict[tuple[int, ...], Any] = {}  # groups of equal members share one handle
         named = [(n, g) for n in GROUP_AXES for g in axis_groups(degrees, n)]
-        if ep > 1:  # only then: an unchanged job creates the same groups as before
-            ep_groups, edp_groups = expert_groups(degrees, ep)
-            named += [("ep", g) for g in ep_groups] + [("ep_data", g) for g in edp_groups]
+        ep_groups, edp_groups = expert_groups(degrees, ep)  # mostly groups made above
+        named += [("ep", g) for g in ep_groups] + [("ep_data", g) for g in edp_groups]
         for name, ranks in named:
             # new_group is collective over the world: every rank creates every group,
             # in the same order, so the reuse below happens alike on every rank.

@@ -73,14 +73,17 @@ def _gather_shares(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torc
 
 class _ShareOfTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, group):
-        ctx.rows, ctx.comm, ctx.group = x.shape[0], comm, group
+    def forward(ctx, x, group):
+        ctx.rows, ctx.group = x.shape[0], group
         lo, hi = tp_share(x.shape[0], group.size, group.rank)
         return x[lo:hi].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_shares(grad.contiguous(), ctx.rows, ctx.comm, ctx.group), None, None
+        lo, hi = tp_share(ctx.rows, ctx.group.size, ctx.group.rank)
+        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        out[lo:hi] = grad
+        return out, None
 
 
 class _JoinOverTP(torch.autograd.Function):
@@ -95,10 +98,11 @@ class _JoinOverTP(torch.autograd.Function):
         return grad[lo:hi].clone(), None, None, None
 
 
-def share_of_tp(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
-    """This tp rank's share of rows that every tp rank holds alike. Backward all-gathers
-    the shares' gradients: each rank then holds the gradient of every row."""
-    return _ShareOfTP.apply(x, comm, group)
+def share_of_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This tp rank's share of rows that every tp rank holds alike. Backward gives the
+    rows of the share their gradient and the others zeros: a partial gradient, for inside
+    a tp region, whose backward sums the tp ranks' partial gradients (no communication)."""
+    return _ShareOfTP.apply(x, group)
 
 
 def join_over_tp(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torch.Tensor:

@@ -8,6 +8,7 @@ Each is a pair of conjugate operations: what forward does, backward does the tra
 | `reduce_from_tp` (g)  | all-reduce                  | identity                     |
 | `gather_from_tp`      | all-gather along `dim`      | reduce-scatter along `dim`   |
 | `scatter_to_tp`       | reduce-scatter along `dim`  | all-gather along `dim`       |
+| `once_in_tp`          | identity                    | tp rank 0 keeps it, others 0 |
 
 With sequence parallelism `gather_from_tp` replaces f (the sequence is gathered before
 the column-parallel matmuls) and `scatter_to_tp` replaces g (the row-parallel partial
@@ -89,6 +90,24 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_gather(grad, ctx.dim, ctx.comm, ctx.group), None, None, None
+
+
+class _OnceInTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.keep = group.rank == 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+def once_in_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """A replicated computation inside a tp region: every tp rank has the same input
+    gradient from it, so only tp rank 0 passes it on and the region's sum counts it once
+    (exactly: the others add zeros). No communication."""
+    return _OnceInTP.apply(x, group) if group.size > 1 else x
 
 
 def copy_to_tp(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:

@@ -14,7 +14,7 @@ from tetrad.models import llama_activations
 from tetrad.models.flops import llama_layer_costs
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.moe import keep_selective, meta_moe, param_shape, set_recompute
-from tetrad.models.plans import LLAMA_PLAN
+from tetrad.models.plans import MOE_PLAN
 from tetrad.models.spec import ModelSpec, Saved
 
 
@@ -143,7 +143,7 @@ MOE = ModelSpec(
     head="output",
     tied_weight="tok_embeddings.weight",
     attention_core="layers.*.attention.core",
-    tp_plan=LLAMA_PLAN,  # attention and the dense layers; the experts are not tp-planned
+    tp_plan=MOE_PLAN,  # attention, dense layers, shared experts; routed experts: parallel/expert
     selective=keep_selective(ModelConfig(family="moe", experts=2, shared_experts=1)),
     set_recompute=set_recompute,
     full_shape=param_shape,

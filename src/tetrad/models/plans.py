@@ -18,11 +18,14 @@ Styles:
 - `sequence`: a norm that works on s/tp of the sequence under SP (replicated otherwise);
   its weight's gradient is summed over tp.
 - `replicated`: identical on every tp rank; nothing to do.
+- `once`: a replicated module inside a region (an MoE layer's router): every tp rank
+  computes it alike, and its input gradient is counted on one tp rank only, so the
+  region's sum of partial gradients stays exact.
 """
 
 from __future__ import annotations
 
-STYLES = ("colwise", "kv", "rowwise", "vocab", "region", "sequence", "replicated")
+STYLES = ("colwise", "kv", "rowwise", "vocab", "region", "sequence", "replicated", "once")
 
 # Megatron's split of a pre-norm Llama block: q/k/v and gate/up column-wise, o and down
 # row-wise, so each half of the block costs one collective forward and one backward.
@@ -41,6 +44,20 @@ LLAMA_PLAN: dict[str, str] = {
     "layers.*.feed_forward.w2": "rowwise",
     "norm": "sequence",
     "output": "vocab",
+}
+
+
+# An MoE block (models/moe.py): attention and dense layers as Llama; in a mixture-of-experts
+# feed-forward (itself a region) the shared expert split as a dense SwiGLU, the router
+# replicated and counted once, and the routed experts left to the expert dispatcher, which
+# splits the tokens over tp and leaves each rank the gradient of its share
+# (parallel/expert.py).
+MOE_PLAN: dict[str, str] = {
+    **LLAMA_PLAN,
+    "layers.*.feed_forward.router": "once",
+    "layers.*.feed_forward.shared.w1": "colwise",
+    "layers.*.feed_forward.shared.w3": "colwise",
+    "layers.*.feed_forward.shared.w2": "rowwise",
 }
 
 

@@ -16,10 +16,13 @@ copies meet the same expert weights.
 Tensor parallelism. Without sequence parallelism every tp rank holds the same tokens. We
 do not compute them tp times: each tp rank dispatches its share of the tokens
 (`share_of_tp`) and the expert outputs are joined over tp before the weighting
-(`join_over_tp`), so the router's gradient is the same on every tp rank. Experts are then
-replicated over tp when ep does not span it, and their gradients (from different tokens)
-are summed over tp too: the expert-data group spans tp. Sequence parallelism is refused
-with ep for now (`layout.check_ep`).
+(`join_over_tp`), so the router's gradient is the same on every tp rank. The MoE layer is
+a tp region (models/plans.MOE_PLAN), whose backward sums the tp ranks' input gradients:
+each rank leaves the gradient of its share of the tokens (the router's, replicated, is
+counted on one rank: the `once` style). Experts are replicated over tp when ep does not
+span it, and their gradients (from different tokens) are summed over tp too: the
+expert-data group spans tp. So under tp this dispatcher is used even at ep 1. Sequence
+parallelism is refused with MoE for now (`layout.check_ep`).
 
 Loss. Nothing is rescaled: every token's loss is already divided by the global token
 count, and each expert gradient is a sum over the copies that reached it, so the sum over
@@ -36,7 +39,7 @@ import torch
 from torch import nn
 
 from tetrad.comm import Comm
-from tetrad.comm.ep import all_to_all, exchange_counts, join_over_tp, share_of_tp
+from tetrad.comm.ep import all_to_all, exchange_counts, join_over_tp, share_of_tp, tp_share
 from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.init import Slicer
@@ -57,8 +60,10 @@ class AllToAllDispatch:
     ) -> torch.Tensor:
         tokens, k = ids.shape
         if self.tp is not None:  # each tp rank sends its share of the (identical) tokens
-            x = share_of_tp(x, self.comm, self.tp)
-            ids = share_of_tp(ids, self.comm, self.tp)
+            x, ids = (
+                share_of_tp(x, self.tp),
+                ids[slice(*tp_share(tokens, self.tp.size, self.tp.rank))],
+            )
         copies = self._through_experts(x, ids.reshape(-1), k, experts)  # [t*k, dim]
         if self.tp is not None:
             copies = join_over_tp(copies.view(-1, k, x.shape[-1]), tokens, self.comm, self.tp)
@@ -132,9 +137,9 @@ def expert_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayout:
+def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayout | None:
     """Shrink every MoE layer's experts (on the meta device) to this rank's slice and give
-    the layer the all-to-all dispatcher."""
+    the layer the all-to-all dispatcher (None: no MoE layer here)."""
     ep, tp = mesh["ep"], (mesh["tp"] if layout.tp > 1 else None)
     rows: dict[str, int] = {}  # expert weight -> experts held here
     for name, layer in expert_layers(model):
@@ -147,7 +152,7 @@ def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayo
             setattr(experts, pname, local)
             rows[".".join(filter(None, (name, "experts", pname)))] = total // ep.size
         layer.use_dispatch(AllToAllDispatch(total, comm, ep, tp))
-    return EPLayout(frozenset(rows), ep, comm, rows)
+    return EPLayout(frozenset(rows), ep, comm, rows) if rows else None
 
 
 class ExpertGrads:

@@ -57,7 +57,8 @@ def local_model(layout: Layout, m: ModelConfig, mesh: Mesh, comm: Comm) -> Local
     tp = apply_tp(model, spec.tp_plan, mesh, comm, m, layout.sp) if layout.tp > 1 else None
     if layout.cp > 1:
         apply_cp(model, mesh, comm, layout.cp_attention, spec.attention_core)
-    ep = apply_ep(model, layout, mesh, comm) if layout.ep > 1 else None
+    # experts: sharded over ep, their tokens split over tp (at ep 1 too: parallel/expert.py)
+    ep = apply_ep(model, layout, mesh, comm) if layout.ep > 1 or layout.tp > 1 else None
     return LocalModel(model, chunks, tp, ep)
 
 

@@ -38,6 +38,7 @@ from tetrad.comm import Comm
 from tetrad.comm.tp import (
     copy_to_tp,
     gather_from_tp,
+    once_in_tp,
     reduce_from_tp,
     reduce_scatter_along,
     scatter_to_tp,
@@ -305,7 +306,7 @@ def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[
 
 def _tp_module(name: str, module: nn.Module, style: str, tp: TP, m: ModelConfig):
     """(replacement module, shard kind of its weight) for one planned module."""
-    if style in ("region", "replicated"):
+    if style in ("region", "replicated", "once"):
         return module, None
     device, t = module.weight.device, tp.group.size
     if style == "colwise":
@@ -356,6 +357,10 @@ def apply_tp(
         if style == "region":
             model.get_submodule(name).register_forward_pre_hook(
                 lambda _, args: (tp.enter(args[0]),)
+            )
+        if style == "once":
+            model.get_submodule(name).register_forward_pre_hook(
+                lambda _, args: (once_in_tp(args[0], tp.group),)
             )
     final = module_at(model, spec_for(m).final_norm)
     if m.tie_embeddings and final is not None:
