@@ -26,6 +26,8 @@ LAYOUTS = {
     # ep borrowing the tp ranks: every rank holds one expert
     "ep4-tp2": (BIAS, {"dp": 2, "tp": 2, "ep": 4}),
     "tp2": (AUX, {"tp": 2}),  # no ep: still the tokens split over tp
+    "ep2-pp2": (AUX, {"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "zb-h1", "microbatches": 2}),
+    "ep2-cp2": (AUX, {"dp": 2, "cp": 2, "ep": 2}),
 }
 
 

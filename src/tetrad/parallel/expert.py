@@ -155,6 +155,20 @@ def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayo
     return EPLayout(frozenset(rows), ep, comm, rows) if rows else None
 
 
+def sum_sequences_over(model: nn.Module, comm: Comm, group: Group) -> None:
+    """Tell every MoE layer that its sequences are split over `group` (context
+    parallelism): the per-sequence expert counts its auxiliary loss needs are summed over
+    it (counts only: no gradient flows through them)."""
+
+    def whole(part: torch.Tensor) -> torch.Tensor:
+        total = part.detach().clone()
+        comm.all_reduce(total, group)
+        return total
+
+    for _, layer in expert_layers(model):
+        layer.sequence_sum = whole
+
+
 class ExpertGrads:
     """A `GradSync` of two: one for the expert weights (over the expert-data group), one
     for every other parameter (as without ep). Each call goes to both, the same order on

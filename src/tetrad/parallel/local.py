@@ -19,7 +19,7 @@ from tetrad.layout import Layout
 from tetrad.mesh import Mesh, rank_of
 from tetrad.models.families import spec_for
 from tetrad.parallel.context import apply_cp
-from tetrad.parallel.expert import EPLayout, apply_ep
+from tetrad.parallel.expert import EPLayout, apply_ep, sum_sequences_over
 from tetrad.parallel.pipeline.stage import Chunk, prune, rank_chunks
 from tetrad.parallel.tensor import TPLayout, apply_tp
 
@@ -57,6 +57,7 @@ def local_model(layout: Layout, m: ModelConfig, mesh: Mesh, comm: Comm) -> Local
     tp = apply_tp(model, spec.tp_plan, mesh, comm, m, layout.sp) if layout.tp > 1 else None
     if layout.cp > 1:
         apply_cp(model, mesh, comm, layout.cp_attention, spec.attention_core)
+        sum_sequences_over(model, comm, mesh["cp"])  # MoE's per-sequence expert counts
     # experts: sharded over ep, their tokens split over tp (at ep 1 too: parallel/expert.py)
     ep = apply_ep(model, layout, mesh, comm) if layout.ep > 1 or layout.tp > 1 else None
     return LocalModel(model, chunks, tp, ep)
