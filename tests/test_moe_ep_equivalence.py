@@ -28,6 +28,8 @@ LAYOUTS = {
     "tp2": (AUX, {"tp": 2}),  # no ep: still the tokens split over tp
     "ep2-pp2": (AUX, {"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "zb-h1", "microbatches": 2}),
     "ep2-cp2": (AUX, {"dp": 2, "cp": 2, "ep": 2}),
+    # the mix, in the suite's 16-rank world: every axis but fsdp, ep over dp x cp
+    "mix16": (BIAS, {"pp": 2, "dp": 2, "cp": 2, "tp": 2, "ep": 4, "microbatches": 2}),
 }
 
 

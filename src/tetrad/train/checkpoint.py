@@ -281,7 +281,8 @@ def build_manifest(shards: list[dict], info: dict, cfg: Config) -> dict[str, Any
 def describe(step: int, adam_step: int, loader, cfg: Config) -> dict:
     """The manifest's state sections: training, data position, RNG, placement."""
     p = cfg.parallel
-    layout = ("dp", "fsdp", "tp", "pp", "cp", "zero_stage", "sp", "pp_schedule", "virtual_stages")
+    layout = ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero_stage", "sp", "pp_schedule")
+    layout += ("virtual_stages",)
     return {
         "training": {
             "step": step,
