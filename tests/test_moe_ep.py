@@ -13,7 +13,7 @@ from harness import Jobs
 from tetrad.layout import check_ep
 from tetrad.mesh import Mesh, expert_groups
 
-N, DIM, FFN, K, TOKENS = 4, 8, 6, 2, 10  # experts, width, expert ffn, top-k, tokens per rank
+N, DIM, FFN, K, TOKENS = 4, 8, 6, 2, 12  # experts, width, expert ffn, top-k, tokens per rank
 
 
 def deg(**kw: int) -> dict[str, int]:
@@ -95,14 +95,16 @@ class StandInLayer(nn.Module):
         self.dispatch = d
 
 
-def tokens(batch_rank: int):
-    """This data rank's tokens, routes (with ties to expert 0 to skew the load) and
-    routing weights; the same on every tp rank."""
+def tokens(batch_rank: int, uniform: bool = False):
+    """This data rank's tokens, routes (skewed toward expert 0, or `uniform`: every expert
+    gets the same number of copies) and routing weights; the same on every tp rank."""
     g = torch.Generator().manual_seed(100 + batch_rank)
     x = torch.randn(TOKENS, DIM, generator=g)
     ids = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(TOKENS)])
     ids[: batch_rank + 2, 0] = 0
     ids[: batch_rank + 2, 1] = 1 + batch_rank % (N - 1)
+    if uniform:  # token t to experts t and t+1 (mod N): TOKENS*K/N copies each
+        ids = (torch.arange(TOKENS)[:, None] + torch.arange(K)) % N
     return x, ids, torch.rand(TOKENS, K, generator=g), torch.randn(TOKENS, DIM, generator=g)
 
 
@@ -114,7 +116,9 @@ def per_token(x, ids, weights, experts):
     return torch.stack(rows)
 
 
-def _dispatch_worker(rank: int, world: int, degrees: dict[str, int], ep: int) -> dict:
+def _dispatch_worker(
+    rank: int, world: int, degrees: dict[str, int], ep: int, uniform: bool = False
+) -> dict:
     from tetrad.comm import Comm
     from tetrad.layout import Layout
     from tetrad.parallel.expert import apply_ep
@@ -129,7 +133,7 @@ def _dispatch_worker(rank: int, world: int, degrees: dict[str, int], ep: int) ->
     for name, p in layer.experts.named_parameters():
         p.data = full[name][index(f"experts.{name}")].clone()
     batch = mesh.coord["dp"]
-    x, ids, weights, grad = tokens(batch)
+    x, ids, weights, grad = tokens(batch, uniform)
     x.requires_grad_()
     out = layer.dispatch(x, ids, weights, layer.experts)
     out.backward(grad)
@@ -162,6 +166,7 @@ def declare_jobs(jobs: Jobs) -> None:
     for name, (degrees, ep) in DISPATCH.items():
         world = degrees["dp"] * degrees["tp"]
         jobs.add(f"dispatch-{name}", world, _dispatch_worker, degrees, ep)
+    jobs.add("uniform", 4, _dispatch_worker, deg(dp=4), 4, True)
 
 
 def _expected(degrees: dict[str, int]):
@@ -210,3 +215,14 @@ def test_all_to_all_bytes_are_the_copies_that_leave_the_rank(jobs):
         assert tokens_stat["bus_bytes"] == 2 * (leaving + arriving) * DIM * 4
         counts = got["comm"]["ep/all_to_all_counts"]
         assert counts["bus_bytes"] == (ep - 1) * (N // ep) * 8
+
+
+@pytest.mark.distributed
+def test_bytes_per_token_per_layer_formula(jobs):
+    """docs/moe.md: under uniform routing each rank sends, per MoE layer and step, 4 x T x
+    k x dim x bytes x (ep-1)/ep (dispatch and combine, forward and backward) for its T
+    tokens; the measured count equals it."""
+    ep, c = 4, 4  # fp32
+    for got in jobs["uniform"]:
+        formula = 4 * TOKENS * K * DIM * c * (ep - 1) / ep
+        assert got["comm"]["ep/all_to_all"]["bus_bytes"] == formula
