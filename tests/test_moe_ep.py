@@ -41,11 +41,9 @@ def test_ep_refused_with_the_values_named(ep, experts, degrees, words):
         check_ep(ep, experts, degrees)
 
 
-def test_ep_refuses_sp_and_zero_for_now():
+def test_moe_refuses_sequence_parallelism_for_now():
     with pytest.raises(ValueError, match="sequence parallelism"):
         check_ep(1, 4, deg(tp=2), sp=True)
-    with pytest.raises(ValueError, match="fsdp=2"):
-        check_ep(2, 4, deg(fsdp=2))
 
 
 def test_expert_groups_borrow_data_ranks_first():

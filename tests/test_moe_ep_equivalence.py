@@ -28,6 +28,10 @@ LAYOUTS = {
     "tp2": (AUX, {"tp": 2}),  # no ep: still the tokens split over tp
     "ep2-pp2": (AUX, {"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "zb-h1", "microbatches": 2}),
     "ep2-cp2": (AUX, {"dp": 2, "cp": 2, "ep": 2}),
+    # ep over the sharded-data ranks: ZeRO-3 shards the rest, each rank its own experts
+    "ep2-fsdp2": (BIAS, {"fsdp": 2, "ep": 2, "zero_stage": 3}),
+    # experts replicated over 2 fsdp ranks, all-reduced there; ZeRO-1 for the rest
+    "ep2-fsdp4": (AUX, {"fsdp": 4, "ep": 2, "zero_stage": 1, "microbatches": 2}),
     # the mix, in the suite's 16-rank world: every axis but fsdp, ep over dp x cp
     "mix16": (BIAS, {"pp": 2, "dp": 2, "cp": 2, "tp": 2, "ep": 4, "microbatches": 2}),
 }
@@ -50,6 +54,7 @@ def moe_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any
         "losses": [r["loss"] for r in rows],
         "grad_norms": [r["grad_norm"] for r in rows],
         "aux": [r.get("moe_aux_loss") for r in rows],
+        "model_state": [(r["model_state_bytes"], r["model_state_predicted_bytes"]) for r in rows],
         "bias": bias,
         "comm": trainer.comm.summary(),
         "state": state if rank == 0 else None,
@@ -89,5 +94,7 @@ def test_ep_matches_single_process(jobs, name):
         held = {n: b for rank in jobs[name] for n, b in rank["bias"].items()}
         for n, b in ref["bias"].items():
             torch.testing.assert_close(held[n], b, rtol=1e-5, atol=1e-7)
+    measured, predicted = got["model_state"][-1]  # the memory model knows what ep holds
+    assert measured == predicted
     if par.get("ep", 1) > 1:  # the experts really are split: tokens crossed ranks
         assert got["comm"]["ep/all_to_all"]["bus_bytes"] > 0

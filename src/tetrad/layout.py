@@ -202,10 +202,6 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int], sp: bool = False) -
         f"parallel.ep={ep} must divide the data ranks dp*fsdp*cp={data}, or be a multiple of"
         f" tp={tp} dividing dp*fsdp*cp*tp={data * tp}",
     )
-    _require(
-        degrees["fsdp"] == 1,
-        f"parallel.ep={ep} with fsdp={degrees['fsdp']} (ZeRO) is not supported yet: use dp",
-    )
 
 
 def _check_parallel(p: ParallelConfig, world: int | None) -> None:

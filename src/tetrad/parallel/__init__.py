@@ -20,7 +20,7 @@ from tetrad.parallel.runner import GradSync, LossFn, MicrobatchLoop, Runner
 from tetrad.parallel.state_adapter import PlainAdapter
 from tetrad.parallel.tensor import TPLayout
 from tetrad.parallel.zero import ZeroShards
-from tetrad.parallel.zero_adapter import ZeroAdapter
+from tetrad.parallel.zero_adapter import ZeroAdapter, ZeroWithExperts
 
 
 def parallelize(
@@ -74,10 +74,16 @@ def parallelize(
     tied = (spec.tied_weight, mesh["pp_ends"]) if tied_ends else None
     where = (layout, model_cfg, mesh, comm, unshard, slicer)
     if layout.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
-        shards = ZeroShards(model, mesh, comm, layout, replicated, spec, tied)  # tied: full grads
+        experts = local.ep.names if local.ep else frozenset()  # not ZeRO's: see below
+        shards = ZeroShards(model, mesh, comm, layout, replicated, spec, tied, experts)
         grads, replicated = shards, {**replicated, **shards.view_replicated()}
         state = ZeroAdapter(shards, model, *where)
         runner.meter.exclude(u.flat for u in shards.units)  # parameters, not activations
+        if experts:  # what ZeRO left in the model: the experts, reduced over ep_data
+            named = list(model.named_parameters())
+            expert_grads = _replicated_grads(named, layout, mesh["ep_data"], comm)
+            grads = ExpertGrads(expert_grads, shards)
+            state = ZeroWithExperts(shards, model, *where, expert_grads.params())
     else:
         grads = _plain_grads(model, local.ep, layout, mesh, comm)
         state = PlainAdapter(model, *where, grads.params())

@@ -30,6 +30,7 @@ from tetrad.config import ModelConfig
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.families import spec_for
+from tetrad.parallel.expert import REPLICATED as EXPERT_REPLICATED
 from tetrad.parallel.local import planned
 from tetrad.parallel.zero import UnitLayout, plan_units
 
@@ -107,8 +108,17 @@ def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelSta
     if fsdp == 1:
         return replicated_bytes(named, dtype)
     fsdp_rank = Mesh.plan(layout.degrees, rank).coord["fsdp"]
-    units = plan_units(named, replicated, fsdp, spec_for(m))
-    return zero_bytes(units, fsdp_rank, layout.zero_stage, dtype)
+    # expert weights under ep are not ZeRO's: held whole, reduced over their ep_data group
+    experts = [(n, s) for n, s in named if replicated[n] == EXPERT_REPLICATED]
+    rest = [(n, s) for n, s in named if replicated[n] != EXPERT_REPLICATED]
+    units = plan_units(rest, replicated, fsdp, spec_for(m))
+    zero = zero_bytes(units, fsdp_rank, layout.zero_stage, dtype)
+    if not experts:
+        return zero
+    plain = replicated_bytes(experts, dtype)
+    return ModelState(
+        *(getattr(zero, f) + getattr(plain, f) for f in ("params", "grads", "optimizer"))
+    )
 
 
 def zero_formula_bytes(

@@ -272,7 +272,9 @@ class ZeroShards:
         replicated,
         spec: ModelSpec,
         tied: tuple[str, Group] | None = None,
+        exclude: Collection[str] = (),
     ):
+        """`exclude`: parameters left as they are, for another sync (expert weights)."""
         self.mesh, self.comm = mesh, comm
         self.dtype = job.compute_dtype
         # (name, group): a parameter another rank also holds (the embedding tied across
@@ -285,7 +287,7 @@ class ZeroShards:
         self.reshard_after_forward = job.reshard_after_forward
         self.reduce_dtype = job.reduce_dtype
         self.device = next(model.parameters()).device
-        named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n not in exclude]
         self.spec = spec
         self.layouts = plan_units(named, replicated, self.group.size, self.spec)
         self.units = [self._build(u, model) for u in self.layouts]

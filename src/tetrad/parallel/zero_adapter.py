@@ -109,6 +109,35 @@ class ZeroAdapter(PlainAdapter):
         self.shards.after_step()
 
 
+class ZeroWithExperts(ZeroAdapter):
+    """ZeRO's units, and the parameters ZeRO left as they are in the model (expert
+    weights under ep, its `PlainAdapter` half): each method the union of both."""
+
+    def local_names(self) -> list[str]:
+        return super().local_names() + PlainAdapter.local_names(self)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        return super().local_state_dict() | PlainAdapter.local_state_dict(self)
+
+    def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
+        units, step = super().local_optimizer_state(optimizer)
+        plain, _ = PlainAdapter.local_optimizer_state(self, optimizer)
+        return {k: units[k] | plain[k] for k in MOMENTS}, step  # step: over every tensor
+
+    def load_local(self, params, moments, step: int, optimizer) -> None:
+        super().load_local(params, moments, step, optimizer)
+        PlainAdapter.load_local(self, params, moments, step, optimizer)
+
+    def owned_slices(self, optimizer, replicated) -> tuple[Owned, int]:
+        units, step = super().owned_slices(optimizer, replicated)
+        plain, _ = PlainAdapter.owned_slices(self, optimizer, replicated)
+        return units + plain, step
+
+    def load_owned(self, read: Reader, step: int, optimizer) -> None:
+        super().load_owned(read, step, optimizer)
+        PlainAdapter.load_owned(self, read, step, optimizer)
+
+
 @torch.no_grad()
 def gather_units(
     shards: ZeroShards, shard_of: Callable[[FlatUnit], torch.Tensor]
