@@ -93,16 +93,19 @@ class StandInLayer(nn.Module):
         self.dispatch = d
 
 
-def tokens(batch_rank: int, uniform: bool = False):
-    """This data rank's tokens, routes (skewed toward expert 0, or `uniform`: every expert
-    gets the same number of copies) and routing weights; the same on every tp rank."""
+def tokens(batch_rank: int, routing: str = "skewed"):
+    """This data rank's tokens, routes and routing weights, the same on every tp rank.
+    Routing "skewed": toward expert 0; "uniform": every expert the same number of copies;
+    "first": experts 0 and 1 only (at ep 2 the second rank's experts receive nothing)."""
     g = torch.Generator().manual_seed(100 + batch_rank)
     x = torch.randn(TOKENS, DIM, generator=g)
     ids = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(TOKENS)])
     ids[: batch_rank + 2, 0] = 0
     ids[: batch_rank + 2, 1] = 1 + batch_rank % (N - 1)
-    if uniform:  # token t to experts t and t+1 (mod N): TOKENS*K/N copies each
+    if routing == "uniform":  # token t to experts t and t+1 (mod N): TOKENS*K/N copies each
         ids = (torch.arange(TOKENS)[:, None] + torch.arange(K)) % N
+    if routing == "first":
+        ids = torch.arange(K).repeat(TOKENS, 1)
     return x, ids, torch.rand(TOKENS, K, generator=g), torch.randn(TOKENS, DIM, generator=g)
 
 
@@ -115,7 +118,7 @@ def per_token(x, ids, weights, experts):
 
 
 def _dispatch_worker(
-    rank: int, world: int, degrees: dict[str, int], ep: int, uniform: bool = False
+    rank: int, world: int, degrees: dict[str, int], ep: int, routing: str = "skewed"
 ) -> dict:
     from tetrad.comm import Comm
     from tetrad.layout import Layout
@@ -131,12 +134,14 @@ def _dispatch_worker(
     for name, p in layer.experts.named_parameters():
         p.data = full[name][index(f"experts.{name}")].clone()
     batch = mesh.coord["dp"]
-    x, ids, weights, grad = tokens(batch, uniform)
+    x, ids, weights, grad = tokens(batch, routing)
     x.requires_grad_()
     out = layer.dispatch(x, ids, weights, layer.experts)
     out.backward(grad)
     comm.all_reduce(x.grad, mesh["tp"])  # the MoE layer's tp region sums the shares' grads
     for _, p in layer.experts.named_parameters():
+        if p.grad is None:  # no token reached these experts
+            p.grad = torch.zeros_like(p)
         comm.all_reduce(p.grad, mesh["ep_data"])  # what the gradient sync does
     return {
         "out": out.detach(),
@@ -158,22 +163,23 @@ def _config(degrees: dict[str, int], ep: int):
 
 DISPATCH = {"ep2": (deg(dp=2), 2), "ep4": (deg(dp=4), 4), "ep2-tp2": (deg(dp=2, tp=2), 2)}
 DISPATCH["ep4-tp2"] = (deg(dp=2, tp=2), 4)
+DISPATCH["ep2-idle"] = (deg(dp=2), 2, "first")  # rank 1's experts receive no token
 
 
 def declare_jobs(jobs: Jobs) -> None:
-    for name, (degrees, ep) in DISPATCH.items():
+    for name, (degrees, ep, *routing) in DISPATCH.items():
         world = degrees["dp"] * degrees["tp"]
-        jobs.add(f"dispatch-{name}", world, _dispatch_worker, degrees, ep)
-    jobs.add("uniform", 4, _dispatch_worker, deg(dp=4), 4, True)
+        jobs.add(f"dispatch-{name}", world, _dispatch_worker, degrees, ep, *routing)
+    jobs.add("uniform", 4, _dispatch_worker, deg(dp=4), 4, "uniform")
 
 
-def _expected(degrees: dict[str, int]):
+def _expected(degrees: dict[str, int], routing: str = "skewed"):
     """Per data rank: the per-token outputs and input gradients; and the expert weights'
     gradients summed over every data rank (each token once)."""
     ref = StandInExperts(N)
     outs, x_grads = [], []
     for b in range(degrees["dp"]):
-        x, ids, weights, grad = tokens(b)
+        x, ids, weights, grad = tokens(b, routing)
         x.requires_grad_()
         out = per_token(x, ids, weights, ref)
         out.backward(grad)
@@ -185,8 +191,8 @@ def _expected(degrees: dict[str, int]):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(DISPATCH))
 def test_all_to_all_dispatch_equals_per_token_loop(jobs, name):
-    degrees, ep = DISPATCH[name]
-    outs, x_grads, grads = _expected(degrees)
+    degrees, ep, *routing = DISPATCH[name]
+    outs, x_grads, grads = _expected(degrees, *routing)
     local = N // ep
     for got in jobs[f"dispatch-{name}"]:
         b, slot = got["batch"], got["slot"]

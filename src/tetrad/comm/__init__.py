@@ -19,6 +19,7 @@ called (tests/test_torch_floor.py holds the code to that).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -260,7 +261,7 @@ class Comm:
         if group.size == 1:
             out.copy_(inp)
             return
-        row = inp[0].numel() * inp.element_size() if inp.dim() > 1 else inp.element_size()
+        row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes of one row
         kept = in_splits[group.rank] * row
         s = self._record(
             group,
