@@ -4,6 +4,9 @@ auxiliary losses and loss-free biases, each balance mode and both routers covere
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,9 +54,14 @@ def _moe_run(rank: int, world: int, cfg_dict: dict) -> dict:
     }
 
 
+SAVED = "fsdp2-bias-mb2"  # also checkpoints at step 10, with its biases
+
+
 def declare_jobs(jobs: Jobs) -> None:
     for name, (par, model, train) in CASES.items():
         cfg = _config(par, model, train)
+        if name == SAVED:
+            cfg.train.out, cfg.checkpoint.every = str(jobs.tmp(name)), 10
         jobs.add(name, cfg.parallel.world_size, _moe_run, cfg.to_dict())
 
 
@@ -86,3 +94,24 @@ def test_layout_matches_single_process(jobs, single, name):
             assert_close_run(got, ref)
     if CASES[name][1].get("balance") == "bias":
         assert all(b.abs().sum() > 0 for b in ref["biases"].values())
+
+
+def test_biases_resume_from_a_checkpoint_in_another_layout(jobs, single, tmp_path):
+    """Saved at step 10 under ZeRO-3 on 2 ranks, resumed on one process: the remaining
+    steps and the final biases are the uninterrupted run's (the bias is checkpointed)."""
+    jobs[SAVED]  # the run that saved (at steps 10 and 20): resume from the first
+    step = Path("checkpoints") / "step_00000010"
+    shutil.copytree(jobs.tmp(SAVED) / step, tmp_path / step)
+    cfg = _config(*CASES[SAVED], single=True)
+    cfg.train.out, cfg.checkpoint.resume = str(tmp_path), True
+    trainer = trainer_for(cfg, 0)
+    assert trainer.resume() == 10
+    rows = trainer.fit()
+    ref = single(SAVED)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in rows], dtype=torch.float64),
+        torch.tensor(ref["losses"][10:], dtype=torch.float64),
+        rtol=1e-5, atol=0,
+    )  # fmt: skip
+    for i, ffn in moe_layers(trainer.engine.model).items():
+        torch.testing.assert_close(ffn.router.expert_bias, ref["biases"][i], rtol=1e-5, atol=1e-7)
