@@ -14,6 +14,7 @@ from harness import Jobs, assert_close_run, tiny_config, trainer_for
 pytestmark = pytest.mark.distributed
 
 MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 32, "shared_experts": 1}
+MOE |= {"router": "sigmoid", "balance": "bias", "bias_rate": 0.01}  # the bias resumes too
 EXPERT = "layers.1.feed_forward.experts.w1"
 
 
