@@ -26,6 +26,8 @@ LAYOUTS = {
     # ep borrowing the tp ranks: every rank holds one expert
     "ep4-tp2": (BIAS, {"dp": 2, "tp": 2, "ep": 4}),
     "tp2": (AUX, {"tp": 2}),  # no ep: still the tokens split over tp
+    # recomputation reruns the all-to-alls inside backward, on every rank alike
+    "ep2-recompute": (BIAS, {"dp": 2, "ep": 2}, {"recompute": "selective"}),
     "ep2-pp2": (AUX, {"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "zb-h1", "microbatches": 2}),
     "ep2-cp2": (AUX, {"dp": 2, "cp": 2, "ep": 2}),
     # ep over the sharded-data ranks: ZeRO-3 shards the rest, each rank its own experts
@@ -37,8 +39,8 @@ LAYOUTS = {
 }
 
 
-def config(model: dict, parallel: dict):
-    return tiny_config(model=model, parallel=parallel)
+def config(model: dict, parallel: dict, train: dict | None = None):
+    return tiny_config(model=model, parallel=parallel, train=train or {})
 
 
 def moe_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
@@ -62,8 +64,8 @@ def moe_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any
 
 
 def declare_jobs(jobs: Jobs) -> None:
-    for name, (model, par) in LAYOUTS.items():
-        cfg = config(model, par)
+    for name, (model, par, *train) in LAYOUTS.items():
+        cfg = config(model, par, *train)
         jobs.add(name, cfg.parallel.world_size, moe_worker, cfg.to_dict())
 
 
@@ -80,7 +82,7 @@ _REFERENCES: dict = {}
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_ep_matches_single_process(jobs, name):
-    model, par = LAYOUTS[name]
+    model, par, *_ = LAYOUTS[name]
     ref = reference(model, par.get("microbatches", 1))
     got = jobs[name][0]
     assert_close_run(got, ref)
