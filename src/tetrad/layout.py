@@ -51,12 +51,6 @@ class Layout:
     master_dtype: torch.dtype = torch.float32  # the optimizer's copy of the weights
     ep: int = 1  # expert parallelism: ranks one MoE layer's experts are sharded over
 
-    @property
-    def ep_spans_tp(self) -> bool:
-        """Whether the ep group borrows the tensor ranks: only when the data ranks
-        (dp*fsdp*cp) are too few, or do not divide into groups of ep (`check_ep`)."""
-        return self.ep > 1 and (self.data_ranks * self.cp) % self.ep != 0
-
     @classmethod
     def build(cls, cfg: Config, world: int | None = None) -> Layout:
         """Validate `cfg` (for `world` ranks if given) and derive its layout."""

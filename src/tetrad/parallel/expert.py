@@ -31,7 +31,7 @@ the expert-data group is the single-process gradient.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -43,7 +43,9 @@ from tetrad.comm.ep import all_to_all, exchange_counts, join_over_tp, share_of_t
 from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.init import Slicer
-from tetrad.parallel.runner import Held
+from tetrad.parallel.runner import GradSync, Held
+
+Unshard = Callable[[str, torch.Tensor], torch.Tensor]  # name, local tensor -> full tensor
 
 REPLICATED = ("ep_data",)  # what an expert weight's value is replicated over
 
@@ -112,7 +114,7 @@ class EPLayout:
 
         return index
 
-    def unshard(self, inner):
+    def unshard(self, inner: Unshard | None) -> Unshard:
         """`inner` (tp's) joining shards, and the experts all-gathered over ep."""
 
         def full(name: str, local: torch.Tensor) -> torch.Tensor:
@@ -174,7 +176,7 @@ class ExpertGrads:
     for every other parameter (as without ep). Each call goes to both, the same order on
     every rank."""
 
-    def __init__(self, experts, rest):
+    def __init__(self, experts: GradSync, rest: GradSync):
         self.parts = (rest, experts)
 
     def reduce_in_backward(self, on: bool) -> None:
