@@ -67,6 +67,7 @@ def declare_jobs(jobs: Jobs) -> None:
     for name, (model, par, *train) in LAYOUTS.items():
         cfg = config(model, par, *train)
         jobs.add(name, cfg.parallel.world_size, moe_worker, cfg.to_dict())
+    declare_overlap(jobs)
 
 
 def reference(model: dict, microbatches: int = 1) -> dict:
@@ -100,3 +101,43 @@ def test_ep_matches_single_process(jobs, name):
     assert measured == predicted
     if par.get("ep", 1) > 1:  # the experts really are split: tokens crossed ranks
         assert got["comm"]["ep/all_to_all"]["bus_bytes"] > 0
+
+
+def _overlap_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """One step with every MoE layer's dispatcher noting what runs when, and the comm
+    layer tracing its async collectives."""
+    from tetrad.config import from_dict
+    from tetrad.parallel.expert import expert_layers
+
+    trainer = trainer_for(from_dict(cfg_dict), rank)
+    dispatchers = [layer.dispatch for _, layer in expert_layers(trainer.engine.model)]
+    for d in dispatchers:
+        d.events = []
+    flights: list = []
+    trainer.comm.trace_into(flights)
+    trainer.train_step()
+    trainer.comm.trace_into(None)
+    return {
+        "events": [d.events for d in dispatchers],
+        "flights": [(f.op, f.group) for f in flights],
+    }
+
+
+OVERLAP = config(AUX, {"dp": 2, "ep": 2, "microbatches": 2})
+
+
+def declare_overlap(jobs: Jobs) -> None:
+    jobs.add("overlap", 2, _overlap_worker, OVERLAP.to_dict())
+
+
+def test_shared_expert_runs_while_the_tokens_travel(jobs):
+    """Each MoE layer, each microbatch: the dispatch all-to-all is launched (async, traced
+    by Comm), the shared expert computes, and only then is the transfer waited for."""
+    for got in jobs["overlap"]:
+        layers = OVERLAP.model.layers - OVERLAP.model.dense_layers
+        assert len(got["events"]) == layers
+        for events in got["events"]:
+            step = ["dispatch launched", "shared expert", "dispatch waited"]
+            assert events == step * 2  # two microbatches
+        traced = [f for f in got["flights"] if f == ("all_to_all", "ep")]
+        assert len(traced) == layers * 2

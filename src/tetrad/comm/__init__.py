@@ -251,7 +251,8 @@ class Comm:
         in_splits: list[int],
         group: Group,
         op: str = "all_to_all",
-    ) -> None:
+        async_op: bool = False,
+    ) -> Work | None:
         """Rows `in_splits[i]` of `inp` (dim 0, in group order) go to group rank i; rows
         from rank i land in `out` in order, `out_splits[i]` of them. Counted as the bytes
         handed in, and as sent the bytes that leave this rank (its own rows stay); `op`
@@ -260,7 +261,7 @@ class Comm:
         self.check_device(inp, group, op)
         if group.size == 1:
             out.copy_(inp)
-            return
+            return Work(None, OpStats()) if async_op else None
         row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes of one row
         kept = in_splits[group.rank] * row
         s = self._record(
@@ -269,12 +270,12 @@ class Comm:
             inp.numel() * inp.element_size(),
             sent=inp.numel() * inp.element_size() - kept,
         )
-        self._run(
+        return self._run(
             s,
             lambda a: dist.all_to_all_single(
                 out, inp, out_splits, in_splits, group=group.pg, async_op=a
             ),
-            False,
+            async_op,
             _what(op, group),
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tetrad.comm import Comm
+from tetrad.comm import Comm, Work
 from tetrad.mesh import Group
 
 
@@ -26,10 +26,15 @@ def exchange_counts(send: torch.Tensor, comm: Comm, group: Group) -> torch.Tenso
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, comm, group):
+    def forward(ctx, x, out_splits, in_splits, comm, group, started=None):
         ctx.splits, ctx.comm, ctx.group = (out_splits, in_splits), comm, group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group)
+        ctx.sent = x.contiguous()  # kept alive until the transfer is waited for
+        work = comm.all_to_all(
+            out, ctx.sent, out_splits, in_splits, group, async_op=started is not None
+        )
+        if started is not None:
+            started.append(work)
         return out
 
     @staticmethod
@@ -37,7 +42,7 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group)
-        return back, None, None, None, None
+        return back, None, None, None, None, None
 
 
 def all_to_all(
@@ -46,6 +51,16 @@ def all_to_all(
     """Rows of `x` split by `in_splits` to each rank of `group`; what arrives, by
     `out_splits`, concatenated in rank order. Backward sends the gradients back."""
     return _AllToAll.apply(x, list(out_splits), list(in_splits), comm, group)
+
+
+def all_to_all_start(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: Comm, group: Group
+) -> tuple[torch.Tensor, Work]:
+    """`all_to_all`, launched and not waited for: what arrives (to read only after the
+    returned work's `wait()`), and that work. Backward is the same synchronous reverse."""
+    started: list[Work] = []
+    out = _AllToAll.apply(x, list(out_splits), list(in_splits), comm, group, started)
+    return out, started[0]
 
 
 def tp_share(rows: int, tp: int, rank: int) -> tuple[int, int]:

@@ -39,7 +39,14 @@ import torch
 from torch import nn
 
 from tetrad.comm import Comm
-from tetrad.comm.ep import all_to_all, exchange_counts, join_over_tp, share_of_tp, tp_share
+from tetrad.comm.ep import (
+    all_to_all,
+    all_to_all_start,
+    exchange_counts,
+    join_over_tp,
+    share_of_tp,
+    tp_share,
+)
 from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.init import Slicer
@@ -54,35 +61,62 @@ class AllToAllDispatch:
     """The MoE layer's dispatch protocol over an ep group: `d(x [T, dim], ids [T, k],
     weights [T, k], experts) -> [T, dim]`, `experts` holding this rank's slice."""
 
-    def __init__(self, experts_total: int, comm: Comm, ep: Group, tp: Group | None):
+    def __init__(
+        self,
+        experts_total: int,
+        comm: Comm,
+        ep: Group,
+        tp: Group | None,
+        shared: nn.Module | None = None,
+    ):
         self.n, self.comm, self.ep, self.tp = experts_total, comm, ep, tp
+        # the layer's shared expert, run while the tokens are in flight (`serve_early`)
+        self.shared = shared
+        self.early: tuple[torch.Tensor, torch.Tensor] | None = None  # (its input, output)
+        self.events: list[str] | None = None  # when a list: what ran in which order
 
     def __call__(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.Module
     ) -> torch.Tensor:
         tokens, k = ids.shape
+        layer_input = x
         if self.tp is not None:  # each tp rank sends its share of the (identical) tokens
             x, ids = (
                 share_of_tp(x, self.tp),
                 ids[slice(*tp_share(tokens, self.tp.size, self.tp.rank))],
             )
-        copies = self._through_experts(x, ids.reshape(-1), k, experts)  # [t*k, dim]
+        meanwhile = lambda: self._run_shared(layer_input)  # noqa: E731
+        copies = self._through_experts(x, ids.reshape(-1), k, experts, meanwhile)  # [t*k, d]
         if self.tp is not None:
             copies = join_over_tp(copies.view(-1, k, x.shape[-1]), tokens, self.comm, self.tp)
         copies = copies.view(tokens, k, -1)  # [T, k, dim], unweighted
         return (copies * weights.unsqueeze(-1).to(copies.dtype)).sum(1)
 
+    def _run_shared(self, x: torch.Tensor) -> None:
+        """The shared expert on the layer's input, kept for the layer's own call."""
+        if self.shared is not None:
+            self._note("shared expert")
+            self.early = (x, self.shared(x))
+
+    def _note(self, event: str) -> None:
+        if self.events is not None:
+            self.events.append(event)
+
     def _through_experts(
-        self, x: torch.Tensor, flat_ids: torch.Tensor, k: int, experts: nn.Module
+        self, x: torch.Tensor, flat_ids: torch.Tensor, k: int, experts: nn.Module, meanwhile
     ) -> torch.Tensor:
         """Each copy (token t, slot j: row t*k+j) through its expert, on whichever rank
-        holds it; the outputs in copy order."""
+        holds it; the outputs in copy order. `meanwhile()` runs while the copies travel."""
         size, local = self.ep.size, self.n // self.ep.size
         order = torch.argsort(flat_ids, stable=True)  # copies sorted by expert
         send = torch.bincount(flat_ids, minlength=self.n).view(size, local)  # [rank, expert]
         recv = exchange_counts(send, self.comm, self.ep)  # [source rank, local expert]
         send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()  # the host sync
-        arrived = all_to_all(x[order // k], recv_rows, send_rows, self.comm, self.ep)
+        arrived, travel = all_to_all_start(x[order // k], recv_rows, send_rows, self.comm, self.ep)
+        self._note("dispatch launched")
+        meanwhile()
+        travel.wait()  # only now may `arrived` be read
+        self._note("dispatch waited")
         # arrived: by source rank, then by expert; the experts want them by expert
         expert_of = torch.arange(local, device=x.device).repeat(size)
         regroup = torch.argsort(expert_of.repeat_interleave(recv.reshape(-1)), stable=True)
@@ -153,8 +187,28 @@ def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayo
             local = nn.Parameter(p.new_empty((total // ep.size, *p.shape[1:])))
             setattr(experts, pname, local)
             rows[".".join(filter(None, (name, "experts", pname)))] = total // ep.size
-        layer.use_dispatch(AllToAllDispatch(total, comm, ep, tp))
+        dispatch = AllToAllDispatch(total, comm, ep, tp, getattr(layer, "shared", None))
+        layer.use_dispatch(dispatch)
+        serve_early(dispatch)
     return EPLayout(frozenset(rows), ep, comm, rows) if rows else None
+
+
+def serve_early(dispatch: AllToAllDispatch) -> None:
+    """Let the layer's own call of its shared expert take the output the dispatcher
+    computed while the tokens were in flight (the same input tensor, the same module, so
+    the same values and graph); any other call computes as usual."""
+    shared = dispatch.shared
+    if shared is None:
+        return
+    compute = shared.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        early, dispatch.early = dispatch.early, None
+        if early is not None and early[0] is x:
+            return early[1]
+        return compute(x)
+
+    shared.forward = forward
 
 
 def sum_sequences_over(model: nn.Module, comm: Comm, group: Group) -> None:
