@@ -63,10 +63,11 @@ def top_k_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
 class Router(nn.Module):
     """Scores tokens against experts in fp32 and picks each token's top k.
 
-    softmax: probabilities over all experts, top k of them, renormalised (Mixtral,
-    Qwen3-MoE). sigmoid: independent scores; the top k are chosen on scores +
-    `expert_bias` (the loss-free balance's buffer), and weighted by their own scores
-    normalised to sum to one (DeepSeek-V3)."""
+    softmax: probabilities over all experts, the top k of them renormalised (Mixtral,
+    Qwen3-MoE). sigmoid: independent scores, the chosen ones normalised to sum to one
+    (DeepSeek-V3). Either way the k are chosen on the scores plus `expert_bias` (the
+    loss-free balance's buffer, zero unless balance is "bias") and weighted by the
+    scores alone."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -78,15 +79,10 @@ class Router(nn.Module):
         """x [T, d] -> (affinities [T, E] normalised over experts, ids [T, k], weights [T, k]),
         all fp32 but the int64 ids."""
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        if self.kind == "softmax":
-            probs = logits.softmax(dim=-1)
-            ids = top_k_stable(probs, self.top_k)
-            chosen = probs.gather(1, ids)
-        else:
-            scores = logits.sigmoid()
-            ids = top_k_stable(scores + self.expert_bias.float(), self.top_k)
-            chosen = scores.gather(1, ids)
-            probs = scores / scores.sum(dim=-1, keepdim=True)
+        scores = logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
+        ids = top_k_stable(scores + self.expert_bias.float(), self.top_k)
+        chosen = scores.gather(1, ids)
+        probs = scores if self.kind == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         return probs, ids, chosen / chosen.sum(dim=-1, keepdim=True)
 
     @torch.no_grad()

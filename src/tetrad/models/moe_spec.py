@@ -126,13 +126,33 @@ class MoEActivations:
         return llama_activations.stage_output(m, dtype)
 
 
-# tetrad parameter -> Hugging Face MixtralForCausalLM / Qwen3MoeForCausalLM parameter
-HF_NAMES = {
+# tetrad parameter -> Hugging Face name, as a MixtralForCausalLM checkpoint stores it
+# ("{j}": one tensor per expert, stacked along tetrad's first dimension)
+MIXTRAL_NAMES = {
+    **LLAMA_NAMES,
+    "layers.{i}.feed_forward.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
+    "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
+    "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight",
+}
+
+# ... and as a Qwen3MoeForCausalLM checkpoint does (its dense layers keep Llama's names)
+QWEN3_MOE_NAMES = {
     **LLAMA_NAMES,
     "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
     "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
+    "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+    "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.mlp.experts.{j}.down_proj.weight",
 }
+
+
+def hf_architecture(m: ModelConfig) -> str:
+    """The Hugging Face model an MoE config is written as: Qwen3-MoE with QK-norm, else
+    Mixtral."""
+    return "qwen3_moe" if m.qk_norm else "mixtral"
+
 
 MOE = ModelSpec(
     family="moe",
@@ -151,5 +171,5 @@ MOE = ModelSpec(
     flops_per_token=flops_per_token,
     block_linears=block_linears,
     activations=MoEActivations(),
-    hf_names=HF_NAMES,
+    hf_names=MIXTRAL_NAMES,  # Qwen3-MoE's: interop/hf.py, by `hf_architecture`
 )
