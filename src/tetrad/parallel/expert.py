@@ -11,7 +11,9 @@ sorts this rank's token copies by expert (stable, as the single process does), s
 run to the rank holding its expert (counts first, then rows: `comm.ep`), runs the local
 experts over what arrived, regrouped by expert, and sends the outputs back, where they
 are weighted and summed per token. The result equals the single process's: the same
-copies meet the same expert weights.
+copies meet the same expert weights. The dispatch all-to-all is launched asynchronously
+and the layer's shared expert computes while the copies travel (`serve_early` hands its
+output to the layer's own call), then the transfer is waited for.
 
 Tensor parallelism. Without sequence parallelism every tp rank holds the same tokens. We
 do not compute them tp times: each tp rank dispatches its share of the tokens
