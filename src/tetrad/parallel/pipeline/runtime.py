@@ -98,9 +98,10 @@ class PipelineStep(RunResult):
 
     @property
     def comm_events(self) -> list[Event]:
-        """The step's async collectives as timeline events (kind AR, RS or AG, on the
+        """The step's async collectives as timeline events (kind AR, RS, AG or A2A, on the
         host's clock; stage and microbatch -1), launched to completed."""
         kinds = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
+        kinds["all_to_all"] = "A2A"
         return [
             Event(kinds[f.op], -1, -1, f.start, f.end if f.end is not None else f.start)
             for f in self.flights
