@@ -26,8 +26,11 @@ before the loop, and receive buffers are reused across microbatches: a buffer re
 the pool once nothing the meter counts (autograd's saved tensors, deferred-W inputs)
 still refers to it, which is after the backward that consumed it. The meter's saved-tensor
 hooks run only on the steps that count (`train.meter_every`: the first, by default);
-the steps between free and pool by what the last counting step saw (the same code makes
-the same graph every step), and count only the runtime's own holds.
+the steps between free and pool by what the last counting step saw, and count only the
+runtime's own holds. A step's graph may differ from the counted one (a data-dependent
+branch), so each such decision is checked where it acts, by reference counts: an output
+is freed only if nothing else holds it, a pooled buffer reused only if nothing else refers
+to its storage; when a check fails the runtime does the safe thing and the next step counts.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.models.spec import ModelSpec
-from tetrad.parallel.activation_meter import ActivationMeter
+from tetrad.parallel.activation_meter import ActivationMeter, alone
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait, Wire, program
 from tetrad.parallel.pipeline.schedules import (
     Action,
@@ -201,13 +204,30 @@ class PipelineRuntime:
 
     def _frees(self, s: int, out: torch.Tensor) -> bool:
         """Whether stage s's sent output may give up its storage to the send buffer: only
-        our own hold counts it, autograd did not save it (learned on a counting step)."""
-        return not self.meter.learned(("saved", s), lambda: self.meter.references(out) != 1)
+        our own hold counts it, autograd did not save it (learned on a counting step),
+        and, checked on every step, nothing else holds the output itself (autograd saving
+        it as an input would read the emptied tensor) and it is not a received input
+        passed through (a leaf: emptying it would empty a pooled buffer)."""
+        if self.meter.learned(("saved", s), lambda: self.meter.references(out) != 1):
+            return False
+        if out.grad_fn is None or out._use_count() > 1:
+            self.meter.recount()  # not the counted step's graph
+            return False
+        return True
 
     def _buffer(self) -> torch.Tensor:
-        """A receive buffer: a free one from the pool, or a new one."""
-        if self.pool:
-            return self.pool.pop()
+        """A receive buffer: a free one from the pool, or a new one. The pool holds what
+        the counted step's graph let go of; a buffer that, on this step, something still
+        refers to (a different graph kept it) is left to the allocator instead of being
+        overwritten, and the next step counts again."""
+        while self.pool:
+            buf = self.pool.pop()
+            if alone(buf):
+                # autograd reading it as saved after all (held as is: `alone` cannot see
+                # that) now fails loudly on the version check instead of reading new data
+                torch.autograd.graph.increment_version(buf)
+                return buf
+            self.meter.recount()
         self.allocated += 1
         return torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
 
