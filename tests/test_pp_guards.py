@@ -61,9 +61,10 @@ def _padding() -> Iterator[None]:
 @contextlib.contextmanager
 def _carry() -> Iterator[None]:
     """From the second step on, every block adds to its output a scalar made from the
-    previous microbatch's block input (detached) times its norm's gain: the next
-    microbatch's backward reads that input's storage, a graph the first step never built.
-    Layout-invariant: each block sees the microbatches of a step in order, once each."""
+    previous microbatch's block input (detached) and its norm's gain: the next
+    microbatch's backward reads that input's storage (on a stage's first block, a receive
+    buffer), a graph the first step never built. Layout-invariant: each block sees the
+    microbatches of a step in order, once each."""
     original = Block.body
 
     def body(self: Block, x: torch.Tensor) -> torch.Tensor:

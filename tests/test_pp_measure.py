@@ -143,3 +143,29 @@ def test_activation_meter_keeps_no_graph_alive():
     del y
     gc.collect()
     assert meter.live == 0
+
+
+def test_alone_sees_every_other_reference_to_a_buffer():
+    from tetrad.parallel.activation_meter import alone, held_as_is
+
+    buf = torch.empty(4, 8)
+    assert alone(buf) and not held_as_is(buf)
+    view = buf[1:]
+    assert not alone(buf)
+    del view
+    w = torch.ones(8, requires_grad=True)
+    y = (buf.detach() * w).sum()  # autograd keeps a detached alias for w's gradient
+    assert not alone(buf)
+    y.backward()
+    assert alone(buf)
+    x = buf.requires_grad_(True)
+    z = (x * w).sum()  # saved as is: the storage has no other tensor, the tensor a holder
+    assert alone(buf) and held_as_is(buf)
+    del z
+
+
+def test_meter_counts_again_when_asked():
+    meter = ActivationMeter()
+    assert [meter.measure(0) for _ in range(3)] == [True, False, False]
+    meter.recount()
+    assert [meter.measure(0) for _ in range(2)] == [True, False]

@@ -154,6 +154,13 @@ def _storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def held_as_is(t: torch.Tensor) -> bool:
+    """Whether anything but its Python object holds the tensor `t` itself (autograd saves
+    an op's input as is). Yes where this torch cannot tell (the cautious answer)."""
+    count = getattr(t, "_use_count", None)
+    return count is None or count() > 1
+
+
 def _fresh_storage_refs() -> int:
     """A lone tensor's storage references (its own, and its Python storage object's)."""
     t = torch.empty(1)

@@ -47,7 +47,7 @@ from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.models.spec import ModelSpec
-from tetrad.parallel.activation_meter import ActivationMeter, alone
+from tetrad.parallel.activation_meter import ActivationMeter, alone, held_as_is
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait, Wire, program
 from tetrad.parallel.pipeline.schedules import (
     Action,
@@ -210,7 +210,7 @@ class PipelineRuntime:
         passed through (a leaf: emptying it would empty a pooled buffer)."""
         if self.meter.learned(("saved", s), lambda: self.meter.references(out) != 1):
             return False
-        if out.grad_fn is None or out._use_count() > 1:
+        if out.grad_fn is None or held_as_is(out):
             self.meter.recount()  # not the counted step's graph
             return False
         return True
