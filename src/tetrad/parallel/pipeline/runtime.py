@@ -45,6 +45,7 @@ from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.models.spec import ModelSpec
 from tetrad.parallel.activation_meter import ActivationMeter
+from tetrad.parallel.pipeline.edge import backward_from
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait, Wire, program
 from tetrad.parallel.pipeline.schedules import (
     Action,
@@ -314,8 +315,8 @@ class PipelineRuntime:
         with self.store.filing((s, i)) if self.store is not None else nullcontext():
             if chunk.last:
                 torch.autograd.backward(out)
-            else:  # from the gradient edge: `out`'s storage may already be freed
-                torch.autograd.backward(torch.autograd.graph.get_gradient_edge(out), grad)
+            else:  # from its autograd node: `out`'s storage may already be freed
+                backward_from(out, grad)
         if not chunk.last and ("F", s + 1, i) not in st.sends:
             self.meter.drop(("F", s + 1, i))  # handed to a local next stage, never sent
         if self.store is not None:
