@@ -45,7 +45,7 @@ from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.models.spec import ModelSpec
 from tetrad.parallel.activation_meter import ActivationMeter
-from tetrad.parallel.pipeline.edge import backward_from
+from tetrad.parallel.pipeline.edge import backward_from, backward_takes_edges
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait, Wire, program
 from tetrad.parallel.pipeline.schedules import (
     Action,
@@ -158,7 +158,6 @@ class PipelineRuntime:
         st.targets_of = [move(mb.targets) for mb in micro] if self.holds_loss else []
         self.meter.measure(self.meter_every)
         self.meter.reset(self.model.parameters())
-        self.clock.anchor()
         st.clock = self.clock
         for item in self.items:
             if isinstance(item, Post):
@@ -363,6 +362,7 @@ def build_pipeline(
         store = WeightGradStore()
         defer_weight_grads(model, store)
     names = [n for n, _ in model.named_parameters()]
+    backward_takes_edges()  # probed here, once: not a first call inside the schedule loop
     if comm.device.type == "cuda":
         # NCCL creates a communicator on its first use, with every member; torch requires
         # that batched p2p not be that first use unless every rank joins the same batch
