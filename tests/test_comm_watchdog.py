@@ -144,3 +144,29 @@ def test_a_skipped_collective_names_the_rank_behind_within_the_timeout(jobs):
 def test_every_new_group_gets_the_jobs_timeout(jobs):
     for rank_timeouts in jobs["timeouts"]:
         assert rank_timeouts == {"pp_ends": 123.0}
+
+
+def test_the_nccl_flight_recorder_lands_in_the_trace_as_json(monkeypatch, tmp_path):
+    """By reading torch: on NCCL the dump function returns bytes of JSON (its name differs
+    across versions); the trace parses it. Here the process group is faked."""
+    import json
+
+    from tetrad.comm import watchdog
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    c10d = torch._C._distributed_c10d
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        monkeypatch.delattr(c10d, name, raising=False)
+    assert watchdog.nccl_flight_record() is None  # no dump in this torch: nothing, no error
+    fake = lambda includeCollectives, onlyActive: b'{"entries": [{"collective_seq_id": 5}]}'  # noqa: E731
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", fake, raising=False)
+    monkeypatch.setenv(REPORT_DIR, str(tmp_path))
+    dog = Watchdog(10.0, on_stuck=lambda m: None)
+    try:
+        dog.trace(None)
+    finally:
+        dog.close()
+    (trace,) = read_traces(tmp_path)
+    assert trace["nccl_flight_recorder"] == {"entries": [{"collective_seq_id": 5}]}
+    assert json.dumps(trace)

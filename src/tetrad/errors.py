@@ -189,4 +189,4 @@ def _op_at(trace: dict[str, Any], group: str, seq: int) -> str:
 
 def _quiet() -> contextlib.suppress:
     """Swallow file errors: a failure report must never raise a second failure."""
-    return contextlib.suppress(OSError, ValueError, KeyError)
+    return contextlib.suppress(OSError, ValueError, KeyError, TypeError)

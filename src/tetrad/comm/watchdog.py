@@ -19,6 +19,7 @@ process group existed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -147,9 +148,10 @@ def nccl_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
     return set_now
 
 
-def nccl_flight_record() -> str | None:
-    """PyTorch's NCCL flight recorder as JSON (None off NCCL, or where this torch has no
-    JSON dump: the function's name changed across versions, so it is looked up)."""
+def nccl_flight_record() -> dict | str | None:
+    """PyTorch's NCCL flight recorder, parsed from its JSON dump (None off NCCL, or where
+    this torch has no JSON dump: the function's name changed across versions, so it is
+    looked up; a message if the dump failed)."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_backend() == "nccl"):
@@ -161,6 +163,7 @@ def nccl_flight_record() -> str | None:
     if dump is None:
         return None
     try:
-        return dump(includeCollectives=True, onlyActive=False)
+        raw = dump(includeCollectives=True, onlyActive=False)  # bytes of JSON
+        return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     except Exception as e:  # a failing dump must not hide the hang it reports
         return f"flight recorder dump failed: {e}"
