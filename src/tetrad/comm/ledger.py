@@ -50,8 +50,8 @@ class Ledger:
         """Record a call about to be issued on `group`; mark it `done` once it returned."""
         seq = 0
         if numbered:
+            self.ranks[group.name] = list(group.ranks)  # before seq: a snapshot reads seq
             seq = self.seq[group.name] = self.seq.get(group.name, 0) + 1
-            self.ranks[group.name] = list(group.ranks)
         call = Call(op, group.name, list(group.ranks), seq, nbytes)
         self.ring.append(call)
         return call
@@ -59,8 +59,11 @@ class Ledger:
     def snapshot(self, waiting: Call | None = None) -> dict:
         """What a trace holds: per group its ranks and last number, the recent calls, and
         the call this rank is blocked in (None: it is not blocked in one)."""
+        # copies first (taken whole under the GIL): the watchdog's thread reads while the
+        # main thread may be issuing the next call
+        seq, ranks, ring = dict(self.seq), dict(self.ranks), list(self.ring)
         return {
-            "groups": {g: {"ranks": self.ranks[g], "seq": s} for g, s in self.seq.items()},
-            "recent": [asdict(c) for c in list(self.ring)],
+            "groups": {g: {"ranks": ranks[g], "seq": s} for g, s in seq.items()},
+            "recent": [asdict(c) for c in ring],
             "waiting": asdict(waiting) if isinstance(waiting, Call) and waiting.seq else None,
         }
