@@ -50,9 +50,10 @@ class Ledger:
         """Record a call about to be issued on `group`; mark it `done` once it returned."""
         seq = 0
         if numbered:
-            self.ranks[group.name] = list(group.ranks)  # before seq: a snapshot reads seq
+            if group.name not in self.ranks:  # before its number: a snapshot reads that
+                self.ranks[group.name] = list(group.ranks)
             seq = self.seq[group.name] = self.seq.get(group.name, 0) + 1
-        call = Call(op, group.name, list(group.ranks), seq, nbytes)
+        call = Call(op, group.name, group.ranks, seq, nbytes)  # a group's ranks never change
         self.ring.append(call)
         return call
 
