@@ -64,6 +64,13 @@ def test_the_rank_whose_number_lags_is_named_with_the_op_the_others_wait_in():
     line = who_is_behind(traces)
     assert "behind on data (ranks [0, 1, 2]): rank 1 at #6" in line
     assert "ranks [0, 2] wait in reduce_scatter #7 over data" in line
+    # on NCCL the others may have enqueued more: they wait in the first the laggard lacks
+    ahead = [{**traces[0], "waiting": None}, traces[1], {**traces[2], "waiting": None}]
+    for t in (ahead[0], ahead[2]):
+        t["groups"] = {**t["groups"], "data": {"ranks": [0, 1, 2], "seq": 9}}
+        t["recent"] = [{"op": op, "group": "data", "seq": k} for k, op in
+                       ((7, "all_gather"), (8, "reduce_scatter"), (9, "all_reduce"))]  # fmt: skip
+    assert "ranks [0, 2] wait in all_gather #7 over data" in who_is_behind(ahead)
     # a rank that left no trace (dead) is named too
     assert "rank(s) [1] left no trace" in who_is_behind([traces[0], traces[2]])
     # everyone reached the collective: nobody is behind, the device or shapes are suspect

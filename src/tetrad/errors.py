@@ -168,14 +168,18 @@ def _lag_on(name: str, by_rank: dict[int, dict], waiting: list[dict]) -> str | N
     behind = sorted(r for r, s in seqs.items() if s < top)
     if not behind and not silent:
         return None
-    ahead = sorted(r for r, s in seqs.items() if s == top)
-    op = next((w["op"] for w in waiting if w["group"] == name and w["seq"] == top), None)
-    op = op or _op_at(by_rank[ahead[0]], name, top)
+    # the first collective a lagging rank has not issued: where the others wait (on NCCL
+    # they may have enqueued more behind it)
+    stuck = min(seqs[r] for r in behind) + 1 if behind else top
+    ahead = sorted(r for r, s in seqs.items() if s >= stuck)
+    op = next((w["op"] for w in waiting if w["group"] == name and w["seq"] == stuck), None)
+    op = op or _op_at(by_rank[ahead[0]], name, stuck)
     lags = ", ".join(f"rank {r} at #{seqs[r]}" for r in behind)
     if silent:
         lags = ", ".join(filter(None, [lags, f"rank(s) {silent} left no trace"]))
     return (
-        f"behind on {name} (ranks {members}): {lags}; ranks {ahead} wait in {op} #{top} over {name}"
+        f"behind on {name} (ranks {members}): {lags}; ranks {ahead} wait in {op} #{stuck} "
+        f"over {name}"
     )
 
 
