@@ -19,7 +19,7 @@ import ast
 import importlib
 import re
 import sys
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import pytest
@@ -93,8 +93,9 @@ def resolves(name: str) -> bool:
     return True
 
 
+@cache
 def used_names() -> dict[str, list[str]]:
-    """Every torch name src/tetrad uses -> the files that use it."""
+    """Every torch name src/tetrad uses -> the files that use it (read once a session)."""
     used: dict[str, list[str]] = {}
     for path in sorted((ROOT / "src/tetrad").rglob("*.py")):
         for name in torch_names(path.read_text()):
