@@ -6,13 +6,13 @@ import pytest
 
 from harness import valid_schedule as _valid
 from tetrad.layout import SCHEDULES
-from tetrad.parallel.pipeline.check import (
+from tetrad.parallel.pipeline.as_run import (
     Collective,
     as_run,
-    check_program,
     last_backward_work,
     with_collectives,
 )
+from tetrad.parallel.pipeline.check import check_program
 from tetrad.parallel.pipeline.p2p import Post, Wait, computes, program
 from tetrad.parallel.pipeline.runtime import EARLY, LATE_SENDS
 from tetrad.parallel.pipeline.schedules import (

@@ -41,7 +41,7 @@ waits, computes) against a transport's semantics:
   until the matching send is posted, waiting for a send until the matching receive is.
 
 `check_program(..., late=L, inner=..., finals=...)` models two more things the runtime does
-(`as_run` rewrites each program into what actually runs):
+(`as_run.py` rewrites each program into what actually runs):
 
 - late gradient sends: a SEND_B's wait is not where the program has it; the runtime keeps
   the send in flight and waits for it once more than L others are (or at the step's
@@ -66,8 +66,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
+from tetrad.parallel.pipeline.as_run import Collective, as_run, with_collectives
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait
 from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, compute_only, wire
 
@@ -273,16 +273,6 @@ def _check_channel_order(actions: list[list[Action]]) -> None:
 Op = tuple[int, int]  # (rank, index of the transfer in that rank's issue order)
 
 
-@dataclass(frozen=True)
-class Collective:
-    """A collective on another communicator than the pipeline's, in a rank's issue order:
-    inside the compute that follows (`needed`: TP/CP), or launched by the compute before
-    (DP/ZeRO reductions, waited for at the step's end)."""
-
-    group: str
-    needed: bool
-
-
 def check_program(
     actions: list[list[Action]],
     programs: list[list[Item]],
@@ -310,52 +300,6 @@ def check_program(
             _nccl_progress([with_collectives(p, inner, finals) for p in progs], match)
         else:
             _gloo_progress(progs, match)
-
-
-def as_run(items: list[Item], late: int) -> list[Item]:
-    """`items` with each gradient send's wait moved where the runtime does it when no send
-    reports done early: once more than `late` newer ones are in flight, or at the end."""
-    out: list[Item] = []
-    pending: list[Action] = []
-    for item in items:
-        if not isinstance(item, Wait):
-            out.append(item)
-            continue
-        now = tuple(a for a in item.ops if a.kind != "SEND_B")
-        pending += [a for a in item.ops if a.kind == "SEND_B"]
-        if now:
-            out.append(Wait(now))
-        if len(pending) > late:
-            out.append(Wait(tuple(pending[: len(pending) - late])))
-            pending = pending[len(pending) - late :]
-    if pending:
-        out.append(Wait(tuple(pending)))
-    return out
-
-
-def with_collectives(
-    items: list[Item], inner: Collection[str], finals: Collection[ActionKey]
-) -> list[Item | Collective]:
-    """`items` with the other communicators' collectives in issue order (see `Collective`)."""
-    out: list[Item | Collective] = []
-    for item in items:
-        is_compute = isinstance(item, Action)
-        if is_compute and item.kind in inner:
-            out.append(Collective("tp/cp", needed=True))
-        out.append(item)
-        if is_compute and (item.kind, item.stage, item.microbatch) in finals:
-            out.append(Collective("dp/fsdp", needed=False))
-    return out
-
-
-def last_backward_work(acts: list[Action]) -> set[ActionKey]:
-    """Per stage of a rank's actions, its last B, BW or W: where the runtime launches that
-    stage's gradient reductions (`runtime.final_actions`, parameters not shared)."""
-    last: dict[int, ActionKey] = {}
-    for a in acts:
-        if a.kind in ("B", "BW", "W"):
-            last[a.stage] = (a.kind, a.stage, a.microbatch)
-    return set(last.values())
 
 
 def _check_items(rank: int, acts: list[Action], items: list[Item]) -> None:
