@@ -48,6 +48,7 @@ from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.models.spec import ModelSpec
 from tetrad.parallel.activation_meter import ActivationMeter, alone, held_as_is
+from tetrad.parallel.pipeline.edge import backward_from, backward_takes_edges
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait, Wire, program
 from tetrad.parallel.pipeline.schedules import (
     Action,
@@ -160,7 +161,6 @@ class PipelineRuntime:
         st.targets_of = [move(mb.targets) for mb in micro] if self.holds_loss else []
         self.meter.measure(self.meter_every)
         self.meter.reset(self.model.parameters())
-        self.clock.anchor()
         st.clock = self.clock
         for item in self.items:
             if isinstance(item, Post):
@@ -334,8 +334,8 @@ class PipelineRuntime:
         with self.store.filing((s, i)) if self.store is not None else nullcontext():
             if chunk.last:
                 torch.autograd.backward(out)
-            else:  # from the gradient edge: `out`'s storage may already be freed
-                torch.autograd.backward(torch.autograd.graph.get_gradient_edge(out), grad)
+            else:  # from its autograd node: `out`'s storage may already be freed
+                backward_from(out, grad)
         if not chunk.last and ("F", s + 1, i) not in st.sends:
             self.meter.drop(("F", s + 1, i))  # handed to a local next stage, never sent
         if self.store is not None:
@@ -382,6 +382,7 @@ def build_pipeline(
         store = WeightGradStore()
         defer_weight_grads(model, store)
     names = [n for n, _ in model.named_parameters()]
+    backward_takes_edges()  # probed here, once: not a first call inside the schedule loop
     if comm.device.type == "cuda":
         # NCCL creates a communicator on its first use, with every member; torch requires
         # that batched p2p not be that first use unless every rank joins the same batch
