@@ -182,6 +182,11 @@ PEER_SCHEDULES = {
 }
 
 
+# (tetrad runner, the torch runner it is compared with)
+PAIRS = (("tetrad-1f1b", "torch-1f1b"), ("tetrad-zb-h1", "torch-zb"),
+         ("tetrad-zb-v", "torch-zbv"), ("tetrad-zb-v", "torch-dualpipev"))  # fmt: skip
+
+
 class PeerRunner:
     """The same step with torch.distributed.pipelining on the same stage split: torch's
     schedule `kind` (a PEER_SCHEDULES key) over tetrad's stages of `cfg` (whose schedule
@@ -417,9 +422,8 @@ def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict)
     # tokens/s ratio = work ratio x busy ratio, exactly, round by round: the peer's CPU
     # seconds over tetrad's (summed over ranks), and tetrad's busy share (1 - cpu bubble)
     # over the peer's; with more ranks than cores the second is capped by the cores
-    ratios["torch-1f1b / tetrad-1f1b cpu s (work)"] = _paired(
-        rows, "torch-1f1b", "tetrad-1f1b", "cpu"
-    )
+    for ours, peer in PAIRS:  # the work ratio of every pair (main-thread CPU, summed)
+        ratios[f"{peer} / {ours} cpu s (work)"] = _paired(rows, peer, ours, "cpu")
     ratios["tetrad-1f1b / torch-1f1b busy share"] = [
         (1 - b["bubble_cpu"]) / (1 - a["bubble_cpu"])
         for a, b in zip(rows["torch-1f1b"], rows["tetrad-1f1b"])
