@@ -27,7 +27,7 @@ from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
-from tetrad.plan.layouts import layout_of
+from tetrad.plan.layouts import layout_of, model_key
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
 # allocated and freed within a step. A stated share, not fitted per row (torchtitan's eager
@@ -105,7 +105,7 @@ class Footprint:
         stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
         held = sum(split[s] for s in stages)
         first, last = 0 in stages, len(split) - 1 in stages
-        key = (repr(cfg.model), p.tp, p.fsdp, p.zero_stage, cfg.train.dtype, held, first, last)
+        key = (model_key(cfg.model), p.tp, p.fsdp, p.zero_stage, cfg.train.dtype, held, first, last)
         if key not in self._facts:
             named, replicated = self._local_parameters(cfg, held, first, last)
             numel = {n: math.prod(s) for n, s in named}
@@ -119,7 +119,7 @@ class Footprint:
         """`memory.local_parameters` of a rank holding `held` blocks (and the embedding if
         `first`, the final norm and head if `last`), from a one-block model's: building
         the whole stack on the meta device for every layout would make a search slow."""
-        key = (repr(cfg.model), cfg.parallel.tp)
+        key = (model_key(cfg.model), cfg.parallel.tp)
         if key not in self._template:
             one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=1))
             one.parallel = dataclasses.replace(

@@ -87,6 +87,16 @@ def build_schedule(
     return [add_transfers(order, place, pp * virtual_stages) for order in orders]
 
 
+def compute_orders(
+    name: str, pp: int, microbatches: int, virtual_stages: int = 1
+) -> list[list[Action]]:
+    """Per-rank compute actions of schedule `name`, in the order each rank runs them: what
+    `build_schedule` returns without the transfers (the order alone fixes what a rank
+    holds when, so memory can be read off it without timing anything)."""
+    check_schedule(name, pp, microbatches, virtual_stages)
+    return _ORDERS[name](pp, microbatches, virtual_stages)
+
+
 def compute_only(rank_actions: list[Action]) -> list[Action]:
     """Drop the transfers: the compute order of one rank."""
     return [a for a in rank_actions if a.is_compute]
