@@ -129,7 +129,7 @@ class Planner:
             cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
             engine.kernels.fused, engine.kernels.gqa_native, engine.chunked_loss,
             live=(engine.max_live_params, engine.reduce_bucket), cp_gathers_kv=engine.cp_gathers_kv,
-            scores=engine.kernels.attention == "unfused",
+            scores=engine.kernels.attention == "unfused", shards_over_cp=engine.shards_over_cp,
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
@@ -146,9 +146,10 @@ class Planner:
         return out
 
     def schedule(self, cfg: Config) -> list:
-        """The schedule's action lists (built once per schedule, pp, m and v)."""
+        """The schedule's action lists (built once per schedule, pp, m, v and the engine's
+        interleaved warm-up)."""
         p = cfg.parallel
-        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
+        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages, self.engine.interleaved_lag)
         if key not in self._schedules:
             self._schedules[key] = build_schedule(*key)
         return self._schedules[key]
@@ -159,7 +160,7 @@ class Planner:
         whatever they cost, so what is in flight when, all that memory reads off a
         timeline, is read off this one without simulating the step."""
         p = cfg.parallel
-        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
+        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages, self.engine.interleaved_lag)
         if key not in self._orders:
             orders = compute_orders(*key)
             ranks = [[Event(a.kind, a.stage, a.microbatch, i, i + 1) for i, a in enumerate(acts)]
