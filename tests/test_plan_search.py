@@ -100,6 +100,7 @@ def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu):
     full = search(planner, base, gpus, top=6, prune=False)
     assert len(full) == 6
     assert _answer(search(planner, base, gpus, top=6)) == _answer(full)
+    assert search(planner, base, gpus, top=0) == []
 
 
 def test_step_floor_bounds_the_step_and_grows_with_the_count():

@@ -159,12 +159,14 @@ class _Ranking:
     def threshold(self) -> float:
         """The `top`-th best time found so far (inf until `top` are found): a layout
         slower than it cannot be in the answer, whatever comes later."""
+        if self.top <= 0:
+            return -math.inf  # nothing is asked for: nothing needs simulating
         if len(self.found) < self.top:
             return math.inf
         return heapq.nsmallest(self.top, (f[0] for f in self.found))[-1]
 
     def best(self) -> list[Config]:
-        return [f[-1] for f in sorted(self.found, key=lambda f: f[:4])[: self.top]]
+        return [f[-1] for f in sorted(self.found, key=lambda f: f[:4])[: max(self.top, 0)]]
 
 
 def _walk_family(
