@@ -27,7 +27,7 @@ from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
-from tetrad.plan.layouts import layout_of
+from tetrad.plan.layouts import layout_of, model_key
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
 # allocated and freed within a step. A stated share, not fitted per row (torchtitan's eager
@@ -79,9 +79,10 @@ class Footprint:
         self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool,
         fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
         live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
-        scores: bool = False,
+        scores: bool = False, shards_over_cp: bool = False,
     ):  # fmt: skip
         self.cp_gathers_kv = cp_gathers_kv
+        self.shards_over_cp = shards_over_cp  # ZeRO shards over fsdp x cp (torchtitan)
         self.scores = scores  # attention materialises the s x s scores (no flash kernel)
         self.device, self.recompute, self.fused = device, recompute, fused
         # (most gathered ZeRO-3 elements kept at once, gradient bucket): (0, _) whole units
@@ -105,21 +106,28 @@ class Footprint:
         stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
         held = sum(split[s] for s in stages)
         first, last = 0 in stages, len(split) - 1 in stages
-        key = (repr(cfg.model), p.tp, p.fsdp, p.zero_stage, cfg.train.dtype, held, first, last)
+        shards = self.shards(cfg)
+        key = (model_key(cfg.model), p.tp, shards, p.zero_stage, cfg.train.dtype, held, first, last)
         if key not in self._facts:
             named, replicated = self._local_parameters(cfg, held, first, last)
             numel = {n: math.prod(s) for n, s in named}
             blocks = spec_for(cfg.model).blocks + "."
             layers = sum(v for n, v in numel.items() if n.startswith(blocks))
-            state = _state(cfg, named, replicated)
+            state = _state(cfg, named, replicated, shards)
             self._facts[key] = RankFacts(layers, sum(numel.values()) - layers, held, state)
         return self._facts[key]
+
+    def shards(self, cfg: Config) -> int:
+        """Ranks the ZeRO state is sharded over: fsdp, or fsdp x cp for an engine whose
+        sharding group takes the cp ranks in (they hold the same weights)."""
+        p = cfg.parallel
+        return p.fsdp * p.cp if self.shards_over_cp and p.fsdp > 1 else p.fsdp
 
     def _local_parameters(self, cfg: Config, held: int, first: bool, last: bool):
         """`memory.local_parameters` of a rank holding `held` blocks (and the embedding if
         `first`, the final norm and head if `last`), from a one-block model's: building
         the whole stack on the meta device for every layout would make a search slow."""
-        key = (repr(cfg.model), cfg.parallel.tp)
+        key = (model_key(cfg.model), cfg.parallel.tp)
         if key not in self._template:
             one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=1))
             one.parallel = dataclasses.replace(
@@ -287,11 +295,12 @@ def _first_block_name(spec: ModelSpec, name: str) -> str:
     return spec.block_prefix(0) + name[len(block) + 1 :]
 
 
-def _state(cfg: Config, named, replicated) -> ModelState:
-    """`memory.model_state_bytes`'s arithmetic on given local parameters (fsdp rank 0)."""
+def _state(cfg: Config, named, replicated, shards: int) -> ModelState:
+    """`memory.model_state_bytes`'s arithmetic on given local parameters (shard rank 0 of
+    `shards`)."""
     p = cfg.parallel
     dtype = layout_of(cfg).compute_dtype
-    if p.fsdp == 1:
+    if shards == 1:
         return replicated_bytes(named, dtype)
-    units = plan_units(named, replicated, p.fsdp, spec_for(cfg.model))
+    units = plan_units(named, replicated, shards, spec_for(cfg.model))
     return zero_bytes(units, 0, p.zero_stage, dtype)
