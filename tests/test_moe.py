@@ -5,6 +5,7 @@ against a hand computation, the loss-free bias update, recomputation, the CLI fl
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -247,3 +248,16 @@ def test_experts_flag_makes_a_dense_preset_moe():
     assert (m.family, m.experts, m.top_k, m.router, m.balance) == ("moe", 4, 1, "sigmoid", "bias")
     args = parser().parse_args(["train", "--model", "moe-tiny", "--experts", "0"])
     assert build_config(args).model.family == "llama"
+
+
+def test_report_plots_expert_load(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tetrad.report import report
+
+    cfg = tiny_config(model={**MODEL_PRESETS["moe-tiny"], "vocab": 64}, train={"steps": 2})
+    rows = trainer_for(cfg, 0).fit()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text, files = report(tmp_path)
+    assert tmp_path / "report" / "experts.png" in files
+    worst = max(v["load_max"] / v["load_mean"] for v in rows[-1]["moe_layers"].values())
+    assert f"-> {worst:.2f} (the most imbalanced layer)" in text
