@@ -265,3 +265,22 @@ def test_report_plots_expert_load(tmp_path):
     assert tmp_path / "report" / "experts.png" in files
     worst = max(v["load_max"] / v["load_mean"] for v in rows[-1]["moe_layers"].values())
     assert f"-> {worst:.2f} (the most imbalanced layer)" in text
+
+
+def test_flops_count_the_active_parameters_of_the_built_model():
+    """6 x (matmul parameters a token uses, counted on the model: the top_k of E experts'
+    share of the stacked weights, all the rest but norms and the embedding lookup)
+    + attention's 12·L·(heads·hd)·s; Mixtral 8x7B's active count is its published ~12.9B."""
+    cfg = dataclasses.replace(CFG, layers=3, dense_layers=1, head_size=16)
+    active = 0.0
+    for name, p in spec_for(cfg).build(cfg).named_parameters():
+        if name.endswith("norm.weight") or name.startswith("tok_embeddings"):
+            continue
+        share = cfg.top_k / cfg.experts if ".experts." in name else 1.0
+        active += share * p.numel()
+    attention = 12.0 * cfg.layers * cfg.heads * cfg.head_dim * 64
+    assert spec_for(cfg).flops_per_token(cfg, 64) == pytest.approx(6 * active + attention)
+    mixtral = ModelConfig(**MODEL_PRESETS["mixtral-8x7b"])
+    embedding = mixtral.vocab * mixtral.dim  # a lookup, not a matmul: in the count, not FLOPs
+    per_token = spec_for(mixtral).flops_per_token(mixtral, 0) / 6 + embedding
+    assert per_token == pytest.approx(12.9e9, rel=0.01)
