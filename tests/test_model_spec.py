@@ -90,8 +90,8 @@ def test_the_scan_lets_generic_code_through():
 
 def test_registry():
     assert spec_for(CFG) is family("llama") is LLAMA
-    with pytest.raises(ValueError, match="unknown model family 'moe'.*llama"):
-        spec_for(ModelConfig(family="moe"))
+    with pytest.raises(ValueError, match="unknown model family 'gpt'.*llama"):
+        spec_for(ModelConfig(family="gpt"))
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -9,9 +9,11 @@ import traceback
 from pathlib import Path
 
 from tetrad.config import (
+    BALANCE,
     CP_ATTENTION,
     DTYPES,
     RECOMPUTE,
+    ROUTERS,
     Config,
     ModelConfig,
     load_raw,
@@ -42,6 +44,14 @@ TRAIN_FLAGS = {
     "heads": ("model", "heads", int),
     "kv_heads": ("model", "kv_heads", int),
     "vocab": ("model", "vocab", int),
+    "experts": ("model", "experts", int),
+    "top_k": ("model", "top_k", int),
+    "moe_ffn_dim": ("model", "moe_ffn_dim", int),
+    "shared_experts": ("model", "shared_experts", int),
+    "dense_layers": ("model", "dense_layers", int),
+    "router": ("model", "router", str),
+    "balance": ("model", "balance", str),
+    "aux_loss_coef": ("model", "aux_loss_coef", float),
     "seq_len": ("train", "seq_len", int),
     "global_batch": ("train", "global_batch", int),
     "steps": ("train", "steps", int),
@@ -63,6 +73,17 @@ TRAIN_FLAGS = {
 }
 DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
 FLAG_HELP = {
+    "experts": "routed experts per MoE layer (docs/moe.md); > 0 on a dense model makes it a "
+    "mixture of experts, 0 makes an MoE preset dense",
+    "top_k": "experts each token is sent to",
+    "moe_ffn_dim": "one expert's SwiGLU inner size (default: the dense ffn size)",
+    "shared_experts": "experts every token runs through, beside its top-k",
+    "dense_layers": "the first N layers keep a dense feed-forward",
+    "router": "softmax: top-k of the softmax, renormalised (Mixtral, Qwen3); sigmoid: "
+    "sigmoid scores, top-k normalised (DeepSeek-V3)",
+    "balance": "load balance: aux (sequence-wise auxiliary loss), bias (DeepSeek-V3's "
+    "loss-free per-expert bias) or none",
+    "aux_loss_coef": "the auxiliary loss's coefficient (default 0.01)",
     "cp": "context parallelism: split every sequence over N ranks (2N load-balanced chunks; "
     "seq-len must be divisible by 2N), attention exchanging keys and values (docs/cp.md)",
     "timeout": "seconds a collective may block before the job ends naming it, and a signalled "
@@ -114,7 +135,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="with --nnodes > 1: the c10d rendezvous every node's launcher meets at",
     )
-    p.add_argument("--model", help="model preset: tiny, small, base, llama3-8b, llama3-70b")
+    p.add_argument(
+        "--model",
+        help="model preset: tiny, small, base, llama3-8b, llama3-70b; mixtures of experts: "
+        "moe-tiny, moe-small, mixtral-8x7b, qwen3-30b-a3b, qwen3-235b-a22b",
+    )
     for flag, (_, _, typ) in TRAIN_FLAGS.items():
         kw = {"choices": SCHEDULES} if flag == "pp_schedule" else {}
         if flag == "dtype":
@@ -129,6 +154,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": RECOMPUTE}
         if flag == "cp_attention":
             kw = {"choices": CP_ATTENTION}
+        if flag == "router":
+            kw = {"choices": ROUTERS}
+        if flag == "balance":
+            kw = {"choices": BALANCE}
         if flag == "cp":
             kw = {"metavar": "N"}
         if flag == "loss_chunk":
@@ -192,6 +221,8 @@ def build_config(args: argparse.Namespace) -> Config:
         value = getattr(args, flag)
         if value is not None:
             setattr(getattr(cfg, section), name, value)
+    if args.experts is not None:  # experts make a mixture of experts, none a dense model
+        cfg.model.family = "moe" if args.experts > 0 else "llama"
     if args.sp:
         cfg.parallel.sp = True
     if args.tie_embeddings:

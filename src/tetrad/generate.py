@@ -27,7 +27,7 @@ def generate(
     greedy when temperature is 0, else sampled (from the top_k most likely, if > 0)."""
     if temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
-    cfg, state = load_model(run)
+    cfg, state = load_model(run, buffers=True)
     model = spec_for(cfg.model).build(cfg.model).to_empty(device="cpu")
     model.load_state_dict(state)
     model.eval()

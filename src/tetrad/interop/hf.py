@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints in and out: config.json <-> ModelConfig, weights by name.
+"""Hugging Face checkpoints in and out (Llama, Mixtral, Qwen3-MoE): config.json <->
+ModelConfig, weights by name.
 
 A Hugging Face Llama directory holds `config.json` and either one `model.safetensors` or
 shards listed in `model.safetensors.index.json`. Import reads headers first (every name,
@@ -10,11 +11,16 @@ them would run code from the file.
 Rotary layout: tetrad rotates interleaved channel pairs (2i, 2i+1) of each head; Hugging
 Face's `rotate_half` pairs channel i with i + head_dim/2. So the rows of q and k are
 permuted within each head on the way in and back on the way out:
-tetrad row 2i = HF row i, tetrad row 2i+1 = HF row i + head_dim/2.
+tetrad row 2i = HF row i, tetrad row 2i+1 = HF row i + head_dim/2. Qwen3's per-head
+QK-norm gains are permuted alike (their channels are q's and k's).
+
+Mixture of experts: a checkpoint stores one tensor per expert
+(`...experts.{j}.w1.weight`); tetrad stacks them along a first dimension of experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -27,16 +33,41 @@ from safetensors.torch import save_file
 from tetrad.config import ModelConfig
 from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
+from tetrad.models.moe_spec import QWEN3_MOE_NAMES, hf_architecture
+from tetrad.models.spec import ModelSpec
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+MODEL_TYPES = ("llama", "mixtral", "qwen3_moe")
+
+
+def _spec(model: ModelConfig) -> ModelSpec:
+    """The model's family spec, its names those of the Hugging Face model it is written as."""
+    spec = spec_for(model)
+    if model.moe and hf_architecture(model) == "qwen3_moe":
+        return dataclasses.replace(spec, hf_names=QWEN3_MOE_NAMES)
+    return spec
 
 
 def hf_name(name: str, model: ModelConfig) -> str:
-    """The Hugging Face name of tetrad parameter `name` (its family's `ModelSpec.hf_names`)."""
-    return spec_for(model).hf_name(name)
+    """The Hugging Face name of tetrad parameter `name` (its family's `ModelSpec.hf_names`);
+    "{j}" in it: a stack of per-expert tensors (`hf_keys`)."""
+    return _spec(model).hf_name(name)
+
+
+def stacked(name: str, model: ModelConfig) -> bool:
+    """Whether tetrad tensor `name` stacks one Hugging Face tensor per expert."""
+    return "{j}" in hf_name(name, model)
+
+
+def hf_keys(name: str, model: ModelConfig) -> list[str]:
+    """The Hugging Face tensors holding tetrad tensor `name`: one, or one per expert."""
+    key = hf_name(name, model)
+    if not stacked(name, model):
+        return [key]
+    return [key.replace("{j}", str(j)) for j in range(full_shape(name, model)[0])]
 
 
 # --- config.json --------------------------------------------------------------------------
@@ -54,8 +85,10 @@ def read_config(directory: str | Path) -> dict[str, Any]:
         raw = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{file} is unreadable: {e}") from e
-    if raw.get("model_type") != "llama":
-        raise ValueError(f"{file}: model_type={raw.get('model_type')!r}, expected 'llama'")
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ValueError(
+            f"{file}: model_type={raw.get('model_type')!r}, expected one of {MODEL_TYPES}"
+        )
     return raw
 
 
@@ -82,14 +115,15 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     heads = int(raw["num_attention_heads"])
     dim = int(raw["hidden_size"])
     head_dim = raw.get("head_dim") or dim // heads
-    if head_dim * heads != dim:
+    kind = raw["model_type"]
+    if head_dim * heads != dim and kind != "qwen3_moe":
         raise ValueError(f"{file}: head_dim={head_dim} x heads={heads} != hidden_size={dim}")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ValueError(f"{file}: {flag}=true is not supported (tetrad's Llama has none)")
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{file}: hidden_act={raw['hidden_act']!r}, expected 'silu'")
-    return {
+    fields = {
         "name": "hf",
         "layers": int(raw["num_hidden_layers"]),
         "dim": dim,
@@ -102,6 +136,52 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
     }
+    if kind == "llama":
+        return fields
+    moe = _mixtral_fields(raw, file) if kind == "mixtral" else _qwen3_moe_fields(raw, file)
+    return fields | {"family": "moe", "head_size": head_dim if head_dim * heads != dim else 0} | moe
+
+
+def _mixtral_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    """The MoE fields of a Mixtral config.json (every layer routed, softmax top-k)."""
+    if raw.get("sliding_window"):
+        raise ValueError(
+            f"{file}: sliding_window={raw['sliding_window']} is not supported (tetrad's "
+            "attention sees the whole sequence)"
+        )
+    return {
+        "experts": _int(raw, "num_local_experts", file),
+        "top_k": _int(raw, "num_experts_per_tok", file),
+        "moe_ffn_dim": _int(raw, "intermediate_size", file),
+    }
+
+
+def _qwen3_moe_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config.json: QK-norm, dense layers first, the top-k
+    weights renormalised (what tetrad computes; other settings are refused)."""
+    if not raw.get("norm_topk_prob", False):
+        raise ValueError(f"{file}: norm_topk_prob=false is not supported (tetrad renormalises)")
+    if int(raw.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"{file}: decoder_sparse_step={raw['decoder_sparse_step']} (only 1)")
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"{file}: use_sliding_window=true is not supported")
+    dense = sorted(raw.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise ValueError(f"{file}: mlp_only_layers={dense}: tetrad's dense layers come first")
+    return {
+        # "num_experts" in the published checkpoints; transformers 5 writes its alias
+        "experts": _int(raw, "num_experts" if "num_experts" in raw else "num_local_experts", file),
+        "top_k": _int(raw, "num_experts_per_tok", file),
+        "moe_ffn_dim": _int(raw, "moe_intermediate_size", file),
+        "dense_layers": len(dense),
+        "qk_norm": True,
+    }
+
+
+def _int(raw: dict[str, Any], key: str, file: Path) -> int:
+    if key not in raw:
+        raise ValueError(f"{file}: missing {key!r}")
+    return int(raw[key])
 
 
 HF_KEYS = {  # ModelConfig field -> its key in config.json, for error messages
@@ -115,6 +195,13 @@ HF_KEYS = {  # ModelConfig field -> its key in config.json, for error messages
     "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
     "tie_embeddings": "tie_word_embeddings",
+    "family": "model_type",
+    "head_size": "head_dim",
+    "experts": "num_local_experts (Mixtral) / num_experts (Qwen3-MoE)",
+    "top_k": "num_experts_per_tok",
+    "moe_ffn_dim": "intermediate_size (Mixtral) / moe_intermediate_size (Qwen3-MoE)",
+    "dense_layers": "mlp_only_layers",
+    "qk_norm": "model_type",
 }
 
 
@@ -122,10 +209,12 @@ def model_config(directory: str | Path, given: dict[str, Any] | None = None) -> 
     """The ModelConfig of a Hugging Face directory. `given`: values the user set (flag name ->
     (field, value)); one that contradicts config.json is an error naming both."""
     fields = model_fields(directory)
+    defaults = ModelConfig()
     for flag, (field, value) in (given or {}).items():
-        if fields[field] != value:
+        if fields.get(field, getattr(defaults, field)) != value:
             raise ValueError(
-                f"{flag}={value} contradicts {HF_KEYS[field]}={fields[field]} in "
+                f"{flag}={value} contradicts {HF_KEYS[field]}="
+                f"{fields.get(field, getattr(defaults, field))} in "
                 f"{Path(directory) / CONFIG}"
             )
     return ModelConfig(**fields, init_from_hf=str(directory))
@@ -181,15 +270,19 @@ class HFWeights(Mapping):
         self.names = [n for n, _ in spec_for(model).build(model).named_parameters()]
         headers = self._headers()
         for name in self.names:
-            key = hf_name(name, model)
-            if key not in self.files:
-                raise ValueError(f"{self.directory}: tensor {key} is missing")
-            dtype, shape = headers[key]
             want = tuple(full_shape(name, model))
-            if dtype not in FLOATS:
-                raise ValueError(f"{self.files[key]}: {key} has dtype {dtype}; expected a float")
-            if shape != want:
-                raise ValueError(f"{self.files[key]}: {key} has shape {shape}, expected {want}")
+            if stacked(name, model):
+                want = want[1:]  # each expert's
+            for key in hf_keys(name, model):
+                if key not in self.files:
+                    raise ValueError(f"{self.directory}: tensor {key} is missing")
+                dtype, shape = headers[key]
+                if dtype not in FLOATS:
+                    raise ValueError(
+                        f"{self.files[key]}: {key} has dtype {dtype}; expected a float"
+                    )
+                if shape != want:
+                    raise ValueError(f"{self.files[key]}: {key} has shape {shape}, expected {want}")
 
     def _headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         out = {}
@@ -213,6 +306,8 @@ class HFWeights(Mapping):
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """Elements `index` of tetrad tensor `name` (rows in tetrad's order), float32."""
+        if stacked(name, self.model):
+            return self._read_experts(name, index)
         key = hf_name(name, self.model)
         heads = _rotary_heads(name, self.model)
         rows, rest = index[0], index[1:]
@@ -229,6 +324,20 @@ class HFWeights(Mapping):
             if not aligned:
                 t = t[rows]
         return t
+
+    def _read_experts(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Elements `index` of a stack of per-expert tensors: the experts index[0] selects."""
+        keys = hf_keys(name, self.model)
+        shape = full_shape(name, self.model)
+        experts = range(*index[0].indices(len(keys)))
+        parts = []
+        for j in experts:
+            with safe_open(self.files[keys[j]], framework="pt") as fh:
+                parts.append(fh.get_slice(keys[j])[index[1:]].float())
+        if parts:
+            return torch.stack(parts)
+        rest = [len(range(*s.indices(n))) for s, n in zip(index[1:], shape[1:])]
+        return torch.zeros(0, *rest)
 
 
 class LazyParam:
@@ -251,6 +360,8 @@ def _rotary_heads(name: str, model: ModelConfig) -> int | None:
         return model.heads
     if name.endswith("attention.wk.weight"):
         return model.kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1  # one head's gains, in its channels' order
     return None
 
 
@@ -275,13 +386,18 @@ def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str,
     for name, t in state.items():
         if _rotary_heads(name, model) is not None:
             t = permute_to_hf(t, model.head_dim)
-        out[hf_name(name, model)] = t.contiguous()
+        keys = hf_keys(name, model)
+        if stacked(name, model):
+            out.update({key: t[j].contiguous() for j, key in enumerate(keys)})
+        else:
+            out[keys[0]] = t.contiguous()
     return out
 
 
 def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """A `config.json` that transformers' LlamaForCausalLM reads as this model."""
-    return {
+    """A `config.json` that transformers' LlamaForCausalLM (MixtralForCausalLM,
+    Qwen3MoeForCausalLM) reads as this model."""
+    dense = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": model.dim,
@@ -303,6 +419,60 @@ def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    return _moe_config(model, dense) if model.moe else dense
+
+
+def check_exportable(model: ModelConfig) -> None:
+    """Refuse an MoE model that neither Mixtral nor Qwen3-MoE can express."""
+    if not model.moe:
+        return
+    refuse = {
+        "shared_experts": (model.shared_experts > 0, "neither has shared experts"),
+        "router": (model.router != "softmax", "both route by softmax"),
+        "balance": (model.balance == "bias", "neither has a routing bias"),
+        "dense_layers": (
+            model.dense_layers > 0 and not model.qk_norm,
+            "Mixtral has no dense layers (a QK-norm model exports as Qwen3-MoE, which has)",
+        ),
+    }
+    for field, (bad, why) in refuse.items():
+        if bad:
+            raise ValueError(
+                f"model.{field}={getattr(model, field)!r} cannot be exported to Hugging Face "
+                f"Mixtral or Qwen3-MoE: {why}"
+            )
+
+
+def _moe_config(model: ModelConfig, dense: dict[str, Any]) -> dict[str, Any]:
+    """The Mixtral or Qwen3-MoE config.json of an MoE model (`hf_architecture`)."""
+    check_exportable(model)
+    routing = {"num_experts_per_tok": model.top_k, "output_router_logits": False}
+    routing |= {"router_aux_loss_coef": model.aux_loss_coef, "sliding_window": None}
+    if hf_architecture(model) == "mixtral":
+        return (
+            dense
+            | routing
+            | {
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "intermediate_size": model.expert_dim,
+                "num_local_experts": model.experts,
+            }
+        )
+    return (
+        dense
+        | routing
+        | {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "moe_intermediate_size": model.expert_dim,
+            "num_experts": model.experts,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(model.dense_layers)),
+            "use_sliding_window": False,
+        }
+    )
 
 
 # what a model imported from Hugging Face keeps on the way out: its special tokens
@@ -330,6 +500,7 @@ def save(
     Tensors are cut into shards of at most `max_shard_bytes` (a tensor larger than that gets
     a shard of its own), listed in model.safetensors.index.json when there is more than one.
     """
+    check_exportable(model)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype) for k, v in to_hf_state(state, model).items()}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from tetrad.config import ModelConfig
 from tetrad.models.llama_spec import LLAMA
+from tetrad.models.moe_spec import MOE
 from tetrad.models.spec import ModelSpec
 
-FAMILIES: dict[str, ModelSpec] = {spec.family: spec for spec in (LLAMA,)}
+FAMILIES: dict[str, ModelSpec] = {spec.family: spec for spec in (LLAMA, MOE)}
 
 
 def family(name: str) -> ModelSpec:

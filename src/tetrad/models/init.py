@@ -31,7 +31,7 @@ def init_std(name: str, cfg: ModelConfig) -> float | None:
     """Std of a normal init, or None for a ones-initialised norm gain."""
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         # residual-branch outputs scaled down with depth (GPT-2 / Megatron)
         return cfg.init_std / math.sqrt(2 * cfg.layers)
     return cfg.init_std
@@ -69,6 +69,8 @@ def materialize(
         if value.shape != p.shape:
             raise ValueError(f"{name}: slice {tuple(value.shape)} != local shape {tuple(p.shape)}")
         p.copy_(value.to(dtype))
+    for b in model.buffers():  # a family's running state (the MoE router's bias) starts at 0
+        b.zero_()
     return model
 
 

@@ -8,6 +8,8 @@ does not own set to None (`first`/`last` say whether it embeds tokens and comput
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,13 +85,23 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.heads * hd, cfg.dim, bias=False)
+        # Qwen3: each head's queries and keys RMS-normed over head_dim, before rotary
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.core: nn.Module = CausalCore(hd, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # with sequence parallelism x is [b, s/tp, h] and the projections gather the sequence,
         # so the sequence length is read from their outputs.
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [b, s, local (kv) heads · hd]
+        if self.q_norm is not None:
+            q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
         return self.wo(self.core(q, k, v))
+
+
+def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm` over each head's channels of x [b, s, heads · hd]."""
+    return norm(x.unflatten(-1, (-1, norm.weight.shape[0]))).flatten(-2)
 
 
 class CausalCore(nn.Module):
@@ -147,8 +159,12 @@ class Block(nn.Module):
         if self.recompute == "full":
             return recompute(self.body, x)
         if self.recompute == "selective":
-            return recompute(self.body, x, keep=KEEP_SELECTIVE, root=self)
+            return recompute(self.body, x, keep=self.selective_policy(), root=self)
         return self.body(x)
+
+    def selective_policy(self) -> Keep:
+        """The kernels selective recomputation keeps (and drops) in this block."""
+        return KEEP_SELECTIVE
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -158,8 +174,12 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """The decoder. Build it under `torch.device("meta")`, shard, then materialise."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(
+        self, cfg: ModelConfig, block: Callable[[ModelConfig, int], nn.Module] | None = None
+    ):
+        """`block(cfg, i)` builds block i (a family built on this decoder varies them)."""
         super().__init__()
+        block = block or (lambda c, i: Block(c))
         self.cfg = cfg
         self.first = True  # embeds token ids (a pipeline stage after the first gets hidden states)
         self.last = True  # applies the final norm and the output head
@@ -168,7 +188,7 @@ class Llama(nn.Module):
         self.logits = True
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
         # string keys keep parameter names ("layers.7....") stable when a stage drops layers
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.layers = nn.ModuleDict({str(i): block(cfg, i) for i in range(cfg.layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = (
             None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab, bias=False)
@@ -234,6 +254,8 @@ def param_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
         "w3": (f, d),
         "w2": (d, f),
     }
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (hd,)
     if name.endswith("norm.weight"):
         return (d,)
     if leaf not in shapes:

@@ -113,7 +113,9 @@ class ModelSpec:
     # (K, N) of each linear of a block on one tp rank, by module path, in forward order
     block_linears: Callable[[ModelConfig, int], dict[str, tuple[int, int]]]
     activations: ActivationFormulas
-    hf_names: Mapping[str, str]  # parameter -> Hugging Face name; "{i}" is a block index
+    # parameter -> Hugging Face name; "{i}" is a block index, and "{j}" (a stacked tensor,
+    # such as an MoE layer's experts) the index along its first dimension
+    hf_names: Mapping[str, str]
 
     @property
     def roots(self) -> tuple[str, ...]:
@@ -172,7 +174,10 @@ class ModelSpec:
         if block is None:
             raise KeyError(f"{self.family}: no Hugging Face name for {name!r}")
         index = block.rsplit(".", 1)[1]
-        return self.hf_names[self.block_prefix("{i}") + name[len(block) + 1 :]].format(i=index)
+        # replaced, not formatted: a name may hold other fields ("{j}": an expert's index)
+        return self.hf_names[self.block_prefix("{i}") + name[len(block) + 1 :]].replace(
+            "{i}", index
+        )
 
 
 def module_at(model: nn.Module, path: str) -> nn.Module | None:

@@ -119,11 +119,13 @@ class Engine:
 
     def owned_slices(self, optimizer: torch.optim.Optimizer):
         """The boxes of the logical state this rank alone writes, copied; and Adam's step."""
-        return self.state.owned_slices(optimizer, self.replicated)
+        owned, step = self.state.owned_slices(optimizer, self.replicated)
+        return owned + self.state.owned_buffers(), step
 
     def load_owned(self, read, step: int, optimizer: torch.optim.Optimizer) -> None:
         """Fill this rank's state box by box from `read(key, box)` (no collective)."""
         self.state.load_owned(read, step, optimizer)
+        self.state.load_buffers(read)
 
     def after_load(self) -> None:
         """The collective end of a load (ZeRO-1/2 gather their compute weights)."""

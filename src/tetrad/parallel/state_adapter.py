@@ -35,6 +35,7 @@ Unshard = Callable[[str, torch.Tensor], torch.Tensor]
 Moments = dict[str, dict[str, torch.Tensor]]  # kind -> name -> tensor
 Owned = list[tuple[str, Box, torch.Tensor]]  # (logical key, its box in the full tensor, data)
 Reader = Callable[[str, Box], torch.Tensor]  # (logical key, box) -> that box's values
+BUFFER = "buffer/"  # the key prefix of a model buffer's saved value
 
 
 class PlainAdapter:
@@ -128,6 +129,24 @@ class PlainAdapter:
                 out.append((name, box, snapshot(self.optimized[name])))  # fp32 master
                 out += [(f"{k}/{name}", box, snapshot(moments[k][name])) for k in MOMENTS]
         return out, step
+
+    def owned_buffers(self) -> Owned:
+        """The model's buffers (running state the optimizer does not step, such as an MoE
+        router's balancing bias) as "buffer/<name>" boxes, whole: written by the rank at
+        coordinate 0 of every axis but pp (each stage's own), the same on all of them."""
+        coord = self.mesh.coord
+        if any(coord[a] for a in coord if a != "pp"):
+            return []
+        return [
+            (f"{BUFFER}{name}", index_box(None, tuple(b.shape)), snapshot(b))
+            for name, b in self.model.named_buffers()
+        ]
+
+    @torch.no_grad()
+    def load_buffers(self, read: Reader) -> None:
+        """Fill every buffer of this rank's model from its saved "buffer/<name>" box."""
+        for name, b in self.model.named_buffers():
+            b.copy_(read(f"{BUFFER}{name}", index_box(None, tuple(b.shape))).view(b.shape))
 
     @torch.no_grad()
     def load_owned(self, read: Reader, step: int, optimizer: torch.optim.Optimizer) -> None:

@@ -40,6 +40,7 @@ from tetrad.config import Config, from_dict
 from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
 from tetrad.parallel.boxes import Box, box_numel, box_shape, intersect, relative
+from tetrad.parallel.state_adapter import BUFFER
 from tetrad.train.optim import lr_at
 
 FORMAT = "tetrad-checkpoint"
@@ -77,10 +78,16 @@ class Checkpoint:
         return {n: read.full(n) for n in read.tensors if "/" not in n}
 
     @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every model buffer (an MoE router's balancing bias), by its module path."""
+        read = self.reader
+        return {n[len(BUFFER) :]: read.full(n) for n in read.tensors if n.startswith(BUFFER)}
+
+    @property
     def optim(self) -> dict[str, torch.Tensor]:
         """AdamW's "exp_avg/<name>", "exp_avg_sq/<name>" full size, and "step"."""
         read = self.reader
-        out = {n: read.full(n) for n in read.tensors if "/" in n}
+        out = {n: read.full(n) for n in read.tensors if "/" in n and not n.startswith(BUFFER)}
         return out | {"step": torch.tensor(float(self.manifest["training"]["optimizer_step"]))}
 
 
@@ -526,13 +533,14 @@ def resolve(path: str | Path) -> Path:
     )
 
 
-def load_model(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
+def load_model(path: str | Path, buffers: bool = False) -> tuple[Config, dict[str, torch.Tensor]]:
     """The run's configuration and every logical parameter, full size, of a checkpoint (or
-    of a run's newest one), verified."""
+    of a run's newest one), verified; with `buffers`, the model's buffers too (a
+    `load_state_dict` of the whole model)."""
     ckpt = read(resolve(path))
     cfg = from_dict(ckpt.manifest["training"]["config"])
     check_model(ckpt.path, ckpt.reader.tensors, cfg)
-    return cfg, ckpt.model
+    return cfg, ckpt.model | (ckpt.buffers if buffers else {})
 
 
 # --- files --------------------------------------------------------------------------------

@@ -21,11 +21,12 @@ from tetrad.config import Config
 from tetrad.devices import peak_tflops, pick
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
-from tetrad.models.flops import flops_per_token
+from tetrad.models.families import spec_for
 from tetrad.parallel import parallelize
 from tetrad.parallel.model_state import measure_at_each_step, model_state_bytes
 from tetrad.parallel.pipeline.split_costs import resolve_split
 from tetrad.train import checkpoint
+from tetrad.train.balance import ExpertBalance
 from tetrad.train.data import Loader, source_of
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
@@ -136,6 +137,7 @@ class Trainer:
         if hf is not None:
             self.engine.load_full(hf)  # each rank reads only its slices
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
+        self.balance = ExpertBalance(self.engine, cfg, mesh, self.comm)  # MoE models only
         cp = mesh["cp"]  # each cp rank then keeps its two chunks of every sequence
         split = (batch.rank, batch.size, layout.microbatches, cp.rank, cp.size)
         self.loader = Loader(source, t.global_batch, t.seq_len, *split)
@@ -144,7 +146,7 @@ class Trainer:
             Loader(source.heldout_split(), t.global_batch, t.seq_len, *split) if heldout else None
         )
         self.step = 0
-        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.flops_per_token = spec_for(cfg.model).flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)
         self.model_state = model_state_bytes(layout, cfg.model, mesh.rank).total  # exact
         # measured at every optimizer step: the live model-state tensors at the step boundary
@@ -157,6 +159,7 @@ class Trainer:
         waits for the device once: when every rank reads the agreed loss, norm and token
         count to decide, alike, whether to step.
         """
+        self.balance.begin_step()
         agreed, count = self._forward_backward(self.loader.next())
         # the host sync (watched: on a GPU a hung collective shows here, not in its call);
         # the flags: a stop was asked for, a checkpoint writer is busy
@@ -230,7 +233,7 @@ class Trainer:
         tokens_per_s = result.tokens / step_time if step_time > 0 else 0.0
         world = self.mesh.world_size
         mfu = tokens_per_s * self.flops_per_token / (world * self.peak * 1e12)
-        return {
+        row = {
             "step": self.step - 1,
             "loss": result.loss,
             "grad_norm": result.grad_norm,
@@ -249,6 +252,7 @@ class Trainer:
             "comm_bytes": float(summed[0]),
             "skipped": result.skipped,
         } | self._epoch()
+        return row | self.balance.metrics()  # a collective too (MoE: expert load)
 
     def _epoch(self) -> dict[str, float]:
         """Passes made over a token corpus (synthetic data has none)."""

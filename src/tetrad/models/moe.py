@@ -1,0 +1,341 @@
+"""A mixture-of-experts decoder: the Llama decoder with routed SwiGLU experts (docs/moe.md).
+
+From layer `dense_layers` on, each block's feed-forward is a `MoEFeedForward`: a router
+scores every token against `experts` experts in fp32, the top `top_k` of them (ties to
+the lower index, the same everywhere) each run a SwiGLU on the token, and their outputs,
+weighted, are summed; `shared_experts` more run on every token. Dropless: every token
+reaches its k experts, whatever the batch.
+
+Free of parallelism like the dense family: how token copies reach the experts is the
+dispatcher's business (`LocalDispatch` here; expert parallelism swaps in one that moves
+tokens to the ranks holding their experts, through `MoEFeedForward.use_dispatch`), and
+the per-sequence reduction the auxiliary loss needs is a hook (`sequence_sum`) that
+context parallelism, which splits a sequence over ranks, sets.
+
+Load balance (`ModelConfig.balance`):
+- "aux": DeepSeek-V3's sequence-wise auxiliary loss, coef · Σ_e f_e · P_e per sequence,
+  averaged over the global batch's sequences and summed over layers. It is attached to
+  the layer's output by an autograd function that passes the activations through and
+  injects the loss's gradient in backward, so no schedule carries a second loss. Per
+  sequence, so the same in every grouping of sequences into microbatches and ranks.
+- "bias": DeepSeek-V3's loss-free balance: a per-expert bias added to the scores only to
+  choose the experts, nudged after each optimizer step toward the mean load.
+- "none".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tetrad.config import ModelConfig
+from tetrad.models.llama import KEEP_SELECTIVE, Block, Llama
+from tetrad.models.spec import Keep
+
+# A sum over the ranks that hold parts of the same sequences (identity: whole sequences)
+SequenceSum = Callable[[torch.Tensor], torch.Tensor]
+
+# Statistics one MoE layer accumulates over a step, [experts + STAT_EXTRA] float64:
+# tokens per expert, then the sum of per-sequence auxiliary losses (coef not applied),
+# the sum of per-token router entropies, and the tokens routed.
+STAT_EXTRA = 3
+
+
+def keep_selective(cfg: ModelConfig) -> Keep:
+    """Selective recomputation's policy for an MoE block: attention as in the dense block;
+    of the feed-forward the router's logits are kept (the routing is not recomputed from
+    scratch) and the shared expert's down projection dropped (it only feeds a sum); the
+    routed experts run again."""
+    keep = {k: v for k, v in KEEP_SELECTIVE.keep.items() if k.startswith("attention.")}
+    drop = {"feed_forward.shared.w2": "mm"} if cfg.shared_experts else {}
+    return Keep(keep={**keep, "feed_forward.router": "mm"}, drop=drop)
+
+
+def top_k_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] of each row's k largest scores, equal scores to the lower index
+    (a stable descending sort: the same choice on every device and in every layout)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+class Router(nn.Module):
+    """Scores tokens against experts in fp32 and picks each token's top k.
+
+    softmax: probabilities over all experts, the top k of them renormalised (Mixtral,
+    Qwen3-MoE). sigmoid: independent scores, the chosen ones normalised to sum to one
+    (DeepSeek-V3). Either way the k are chosen on the scores plus `expert_bias` (the
+    loss-free balance's buffer, zero unless balance is "bias") and weighted by the
+    scores alone."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind, self.top_k = cfg.router, cfg.top_k
+        self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.dim))
+        self.register_buffer("expert_bias", torch.zeros(cfg.experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d] -> (affinities [T, E] normalised over experts, ids [T, k], weights [T, k]),
+        all fp32 but the int64 ids."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        scores = logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
+        ids = top_k_stable(scores + self.expert_bias.float(), self.top_k)
+        chosen = scores.gather(1, ids)
+        probs = scores if self.kind == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        return probs, ids, chosen / chosen.sum(dim=-1, keepdim=True)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """The loss-free balance's step: raise underloaded experts' bias, lower overloaded
+        ones', by `rate` (`load`: tokens per expert over the step's global batch)."""
+        load = load.to(self.expert_bias.device, torch.float64)
+        self.expert_bias += (rate * torch.sign(load.mean() - load)).to(self.expert_bias.dtype)
+
+
+class Experts(nn.Module):
+    """`n` SwiGLU experts as stacked weights: w1 (gate) and w3 (up) [n, ffn, dim], w2
+    (down) [n, dim, ffn]. The input is token copies sorted by expert, `counts[e]` of them
+    for expert e, one contiguous group each."""
+
+    def __init__(self, n: int, dim: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, ffn, dim))
+        self.w3 = nn.Parameter(torch.empty(n, ffn, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, ffn))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] grouped by expert, counts [n] -> [N, dim]. On CPU one grouped matmul
+        per weight (`torch._grouped_mm`, fp32 throughout, measured fastest here; it equals
+        the loop to fp32 round-off, docs/moe.md); elsewhere, or where its kernel cannot
+        take the shapes, a loop over the groups."""
+        if _grouped_mm_fits(x, self.w2):
+            return self._grouped(x, counts)
+        return self._loop(x, counts)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = counts.cumsum(0).to(torch.int32)  # each group's end
+        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
+        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
+        out = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)
+        return _ContiguousGrad.apply(out)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        lo = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            h = x[lo : lo + n]
+            gate, up = F.linear(h, self.w1[e]), F.linear(h, self.w3[e])
+            outs.append(F.linear(F.silu(gate) * up, self.w2[e]))
+            lo += n
+        return torch.cat(outs) if outs else x.new_zeros(x.shape)
+
+
+def _grouped_mm_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the grouped matmul kernel takes these on this device: CPU (where it was
+    measured), rows whose bytes are a multiple of 16 (the kernel's stride rule), tokens."""
+    if x.device.type != "cpu" or not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
+        return False
+    return all(n * x.element_size() % 16 == 0 for n in w2.shape[1:])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (the grouped matmul's
+    backward refuses an expanded one, such as the gradient of a sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class LocalDispatch:
+    """Every expert on this rank: token copies sorted by expert (stable, so a token's
+    copies keep their order), the experts run over the groups, each copy weighted, and
+    the k copies of a token summed back in the order of its top-k list."""
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts
+    ) -> torch.Tensor:
+        t, k = ids.shape
+        flat = ids.reshape(-1)  # [T·k]: copy j of token i at i·k + j
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=experts.w1.shape[0])
+        y = experts(x[order // k], counts)  # [T·k, d], grouped by expert
+        back = torch.empty_like(y)
+        back[order] = y  # token-major again
+        return (back.view(t, k, -1) * weights[..., None]).sum(dim=1)
+
+
+class SwiGLU(nn.Module):
+    """The shared experts: one SwiGLU of inner size shared_experts · expert_dim."""
+
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inner, bias=False)
+        self.w3 = nn.Linear(dim, inner, bias=False)
+        self.w2 = nn.Linear(inner, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _WithAuxGrad(torch.autograd.Function):
+    """Passes `out` through; in backward, also gives `aux` (a scalar already scaled as
+    the loss counts it) the gradient 1, as if it had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+class MoEFeedForward(nn.Module):
+    """Router, routed experts, optional shared experts, and a swappable dispatcher."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg.experts, cfg.dim, cfg.expert_dim)
+        inner = cfg.shared_experts * cfg.expert_dim
+        self.shared: SwiGLU | None = SwiGLU(cfg.dim, inner) if inner else None
+        self.dispatch: Callable = LocalDispatch()
+        self.balance, self.aux_coef = cfg.balance, cfg.aux_loss_coef
+        # 1 / sequences in the global batch: the token loss's mean over the global batch,
+        # applied to the auxiliary loss's gradient (set by the trainer, `set_aux_scale`)
+        self.aux_scale = 1.0
+        self.sequence_sum: SequenceSum = _identity
+        # set under recomputation: a forward with gradients is then the rerun of one
+        # already recorded
+        self.recomputed = False
+        self.stats: torch.Tensor | None = None
+
+    def use_dispatch(self, dispatch: Callable) -> None:
+        """Route token copies through `dispatch` (the same protocol as `LocalDispatch`)."""
+        self.dispatch = dispatch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        flat = x.reshape(-1, d)  # [T, d]
+        probs, ids, weights = self.router(flat)
+        out = self.dispatch(flat, ids, weights.to(x.dtype), self.experts)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        out = out.view(b, s, d)
+        aux = self._aux_per_sequence(probs.view(b, s, -1), ids.view(b, s, -1))  # [b]
+        if not (self.recomputed and torch.is_grad_enabled()):
+            self._record(probs, ids, aux)
+        if self.balance == "aux" and self.aux_coef > 0 and torch.is_grad_enabled():
+            out = _WithAuxGrad.apply(out, aux.sum() * (self.aux_coef * self.aux_scale))
+        return out
+
+    def _aux_per_sequence(self, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Σ_e f_e · P_e of each sequence [b] (DeepSeek-V3's sequence-wise loss, no coef):
+        f_e = E / (k·T) · (tokens sent to e), P_e = mean over its T tokens of the
+        normalised affinity. With a sequence split over ranks (`sequence_sum`), the
+        counts are the whole sequence's and each rank adds its tokens' part of P."""
+        b, s, n = probs.shape
+        k = ids.shape[-1]
+        counts = torch.zeros(b, n, dtype=torch.float32, device=probs.device)
+        counts.scatter_add_(1, ids.reshape(b, -1), torch.ones(b, s * k, device=probs.device))
+        lengths = torch.full((b, 1), float(s), device=probs.device)
+        whole = self.sequence_sum(torch.cat([counts, lengths], dim=1))
+        counts, lengths = whole[:, :n], whole[:, n:]
+        f = counts * (n / k) / lengths
+        return (f * probs.sum(dim=1) / lengths).sum(dim=1)
+
+    @torch.no_grad()
+    def _record(self, probs: torch.Tensor, ids: torch.Tensor, aux: torch.Tensor) -> None:
+        """Add this forward's load, auxiliary loss and router entropy to `stats`."""
+        n = probs.shape[-1]
+        if self.stats is None:
+            self.stats = torch.zeros(n + STAT_EXTRA, dtype=torch.float64, device=probs.device)
+        load = torch.bincount(ids.reshape(-1), minlength=n).double()
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
+        extra = torch.stack([aux.sum().double(), entropy.double()])
+        tokens = torch.tensor([float(probs.shape[0])], dtype=torch.float64, device=probs.device)
+        self.stats += torch.cat([load, extra, tokens])
+
+    def reset_stats(self) -> None:
+        self.stats = None
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class MoEBlock(Block):
+    """A pre-norm block whose feed-forward is a `MoEFeedForward` (layers >= dense_layers)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.feed_forward = MoEFeedForward(cfg)
+        self.keep = keep_selective(cfg)
+
+    def selective_policy(self) -> Keep:
+        return self.keep
+
+
+class MoE(Llama):
+    """The decoder with MoE blocks from layer `dense_layers` on (dense `Block`s before)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, block=lambda c, i: MoEBlock(c) if i >= c.dense_layers else Block(c))
+
+
+def moe_layers(model: nn.Module) -> dict[int, MoEFeedForward]:
+    """The MoE feed-forwards of `model` (a pipeline stage holds some), by block index."""
+    blocks = model.layers.items()
+    return {int(i): b.feed_forward for i, b in blocks if isinstance(b.feed_forward, MoEFeedForward)}
+
+
+def set_recompute(model: nn.Module, mode: str) -> None:
+    """Recomputation for every block (see llama.set_recompute); the MoE feed-forwards are
+    told, so that a rerun does not count their routing twice."""
+    for block in model.modules():
+        if isinstance(block, Block):
+            block.recompute = mode
+    for ffn in moe_layers(model).values():
+        ffn.recomputed = mode != "none"
+
+
+def set_aux_scale(model: nn.Module, sequences: int) -> None:
+    """The auxiliary loss is a mean over the `sequences` of the global batch."""
+    for ffn in moe_layers(model).values():
+        ffn.aux_scale = 1.0 / sequences
+
+
+def meta_moe(cfg: ModelConfig) -> MoE:
+    """The whole model on the meta device (see llama.meta_llama)."""
+    if cfg.capacity_factor > 0:
+        raise ValueError(
+            f"model.capacity_factor={cfg.capacity_factor}: dropping tokens over an expert's "
+            "capacity decides by which tokens share a microbatch and a rank, so every "
+            "layout would train a different model; tetrad's MoE is dropless (set 0)"
+        )
+    with torch.device("meta"):
+        return MoE(cfg)
+
+
+def param_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """Shape of the logical parameter (or buffer) `name` of an MoE model with config `cfg`."""
+    from tetrad.models.llama import param_shape as dense_shape
+
+    parts = name.split(".")
+    n, d, f = cfg.experts, cfg.dim, cfg.expert_dim
+    if "router" in parts:
+        return (n, d) if parts[-1] == "weight" else (n,)
+    if "experts" in parts:
+        return (n, d, f) if parts[-1] == "w2" else (n, f, d)
+    if "shared" in parts:
+        inner = cfg.shared_experts * f
+        return (d, inner) if parts[-2] == "w2" else (inner, d)
+    return dense_shape(name, cfg)

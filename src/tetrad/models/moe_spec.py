@@ -1,0 +1,175 @@
+"""The MoE family's `ModelSpec`: FLOPs of active parameters, activation estimates, names.
+
+FLOPs count what a token computes: attention as in Llama, the dense layers' SwiGLU, and in
+an MoE layer the router (dim · experts) plus top_k routed and `shared_experts` shared
+SwiGLUs of `expert_dim` (the active parameters), times 6 for forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tetrad.config import DTYPE_BYTES, ModelConfig
+from tetrad.models import llama_activations
+from tetrad.models.flops import llama_layer_costs
+from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
+from tetrad.models.moe import keep_selective, meta_moe, param_shape, set_recompute
+from tetrad.models.plans import LLAMA_PLAN
+from tetrad.models.spec import ModelSpec, Saved
+
+
+def active_ffn(m: ModelConfig) -> int:
+    """The SwiGLU inner width one token runs through in an MoE layer: its top_k routed
+    experts and the shared ones."""
+    return (m.top_k + m.shared_experts) * m.expert_dim
+
+
+def moe_layers(m: ModelConfig) -> int:
+    return m.layers - m.dense_layers
+
+
+def matmul_params(m: ModelConfig) -> int:
+    """Parameters one token's matmuls use: attention, the dense SwiGLUs, the router and
+    the active experts of each MoE layer, and the head."""
+    d, hd = m.dim, m.head_dim
+    attn = d * hd * (2 * m.heads + 2 * m.kv_heads)
+    dense = m.dense_layers * 3 * d * m.hidden_dim
+    routed = moe_layers(m) * (3 * d * active_ffn(m) + d * m.experts)
+    return m.layers * attn + dense + routed + m.vocab * d
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token: 6·(active matmul params) + 12·L·(heads·hd)·s."""
+    return 6.0 * matmul_params(m) + 12.0 * m.layers * m.heads * m.head_dim * seq_len
+
+
+def layer_costs(m: ModelConfig, seq_len: int) -> list[float]:
+    """[embedding, layers..., head+loss] FLOPs of one sequence, forward + backward: a dense
+    layer is Llama's, an MoE layer has the active SwiGLU width and the router."""
+    dense = llama_layer_costs(m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads, m.vocab, seq_len)
+    moe = llama_layer_costs(1, m.dim, active_ffn(m), m.heads, m.kv_heads, m.vocab, seq_len)
+    router = 3.0 * 2 * seq_len * m.dim * m.experts
+    layers = [dense[1] if i < m.dense_layers else moe[1] + router for i in range(m.layers)]
+    return [dense[0], *layers, dense[-1]]
+
+
+def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
+    """(K, N) per token of an MoE block's matmuls on one tp rank (experts are not split by
+    tp): the k routed experts' matmuls as one of width k·expert_dim."""
+    h, hd = m.dim, m.head_dim
+    kv = max(m.kv_heads // t, 1) * hd
+    routed, shared = m.top_k * m.expert_dim, m.shared_experts * m.expert_dim
+    out = {
+        "attention.wq": (h, m.heads * hd // t),
+        "attention.wk": (h, kv),
+        "attention.wv": (h, kv),
+        "attention.wo": (m.heads * hd // t, h),
+        "feed_forward.router": (h, m.experts),
+        "feed_forward.experts.w1": (h, routed),
+        "feed_forward.experts.w3": (h, routed),
+        "feed_forward.experts.w2": (routed, h),
+    }
+    if shared:
+        out |= {
+            "feed_forward.shared.w1": (h, shared),
+            "feed_forward.shared.w3": (h, shared),
+            "feed_forward.shared.w2": (shared, h),
+        }
+    return out
+
+
+class MoEActivations:
+    """Saved-tensor estimates of an MoE block (models/spec.ActivationFormulas): the dense
+    formulas with the SwiGLU at the active width (each routed copy keeps its SwiGLU's
+    tensors) plus the routing's own (fp32 logits and probabilities, ids and weights, the
+    token copies gathered for the experts and their weighted outputs). Approximate: the
+    dense layers of `dense_layers` are priced as MoE layers, and the load is taken as
+    perfectly balanced."""
+
+    @staticmethod
+    def _dense(m: ModelConfig) -> ModelConfig:
+        return dataclasses.replace(m, family="llama", experts=0, ffn_dim=active_ffn(m))
+
+    def layer(self, m: ModelConfig, t: int, dtype: str, recompute: str = "none",
+              sp_shards: bool = False, fused: bool = False,
+              gqa_native: bool = False) -> list[Saved]:  # fmt: skip
+        items = llama_activations.layer(
+            self._dense(m), t, dtype, recompute, sp_shards, fused, gqa_native
+        )
+        if recompute == "full":
+            return items
+        c, k = DTYPE_BYTES[dtype], m.top_k
+        routing = 4 * 2 * m.experts + (8 + 4) * k + 2 * c * k * m.dim
+        return items + [Saved("routing: logits, probabilities, ids, copies", routing, "rank")]
+
+    def attention_scores(self, m: ModelConfig, seq_len: int) -> list[Saved]:
+        return llama_activations.attention_scores(m, seq_len)
+
+    def cp_gathered_kv(self, m: ModelConfig, t: int, dtype: str, cp: int, seq_len: int,
+                       gqa_native: bool = False) -> list[Saved]:  # fmt: skip
+        return llama_activations.cp_gathered_kv(m, t, dtype, cp, seq_len, gqa_native)
+
+    def head(self, m: ModelConfig, t: int, dtype: str, sp_shards: bool = False,
+             chunked: bool = False) -> list[Saved]:  # fmt: skip
+        return llama_activations.head(m, t, dtype, sp_shards, chunked)
+
+    def embedding(self, t: int, dtype: str) -> list[Saved]:
+        return llama_activations.embedding(t, dtype)
+
+    def pending_w(self, m: ModelConfig, t: int, dtype: str) -> list[Saved]:
+        return llama_activations.pending_w(self._dense(m), t, dtype)
+
+    def pending_w_head(self, m: ModelConfig, t: int, dtype: str) -> list[Saved]:
+        return llama_activations.pending_w_head(m, t, dtype)
+
+    def stage_output(self, m: ModelConfig, dtype: str) -> list[Saved]:
+        return llama_activations.stage_output(m, dtype)
+
+
+# tetrad parameter -> Hugging Face name, as a MixtralForCausalLM checkpoint stores it
+# ("{j}": one tensor per expert, stacked along tetrad's first dimension)
+MIXTRAL_NAMES = {
+    **LLAMA_NAMES,
+    "layers.{i}.feed_forward.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
+    "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
+    "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight",
+}
+
+# ... and as a Qwen3MoeForCausalLM checkpoint does (its dense layers keep Llama's names)
+QWEN3_MOE_NAMES = {
+    **LLAMA_NAMES,
+    "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
+    "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+    "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.mlp.experts.{j}.down_proj.weight",
+}
+
+
+def hf_architecture(m: ModelConfig) -> str:
+    """The Hugging Face model an MoE config is written as: Qwen3-MoE with QK-norm, else
+    Mixtral."""
+    return "qwen3_moe" if m.qk_norm else "mixtral"
+
+
+MOE = ModelSpec(
+    family="moe",
+    build=meta_moe,
+    embedding="tok_embeddings",
+    blocks="layers",
+    final_norm="norm",
+    head="output",
+    tied_weight="tok_embeddings.weight",
+    attention_core="layers.*.attention.core",
+    tp_plan=LLAMA_PLAN,  # attention and the dense layers; the experts are not tp-planned
+    selective=keep_selective(ModelConfig(family="moe", experts=2, shared_experts=1)),
+    set_recompute=set_recompute,
+    full_shape=param_shape,
+    layer_costs=layer_costs,
+    flops_per_token=flops_per_token,
+    block_linears=block_linears,
+    activations=MoEActivations(),
+    hf_names=MIXTRAL_NAMES,  # Qwen3-MoE's: interop/hf.py, by `hf_architecture`
+)
