@@ -2,7 +2,9 @@
 
 Enumerated: tp (a divisor of the world, at most one node), pp (a divisor of what is
 left, at most the layer count), cp (a divisor of what is left whose 2·cp chunks divide
-the sequence), the data ranks split into dp x fsdp, the ZeRO stage 2 or
+the sequence), the data ranks split into dp x fsdp, for a mixture of experts the ep
+degree (a divisor of the expert count the data ranks, or whole tp groups of them, can
+hold: `layout.check_ep`), the ZeRO stage 2 or
 3 (when fsdp > 1), the pipeline schedule with its virtual stages (interleaved: v from 2
 to 8 with even chunks, pp·v dividing the layers), and the microbatch count (a divisor of
 the batch per data rank; at least pp when pp > 1). Each candidate must pass
@@ -44,6 +46,7 @@ class Space:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     zero_stage: int | None = None
     pp_schedule: str | tuple[str, ...] | None = None
     microbatches: int | None = None
@@ -75,7 +78,19 @@ def degrees(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterat
                 data = rest // cp
                 for fsdp in _choices(space.fsdp, divisors(data)):
                     if data % fsdp == 0 and (space.dp is None or space.dp * fsdp == data):
-                        yield {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp}
+                        deg = {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp}
+                        for ep in _choices(space.ep, ep_degrees(cfg.model.experts, data, tp)):
+                            yield deg | {"ep": ep}
+
+
+def ep_degrees(experts: int, data: int, tp: int) -> list[int]:
+    """Expert-parallel degrees a stage of `data` data ranks and `tp` tensor ranks allows
+    (`layout.check_ep`): divisors of the expert count that divide the data ranks, or are
+    a multiple of tp dividing data·tp. [1] for a dense model."""
+    if not experts:
+        return [1]
+    return [e for e in divisors(experts)
+            if data % e == 0 or (e % tp == 0 and data % (e // tp) == 0)]  # fmt: skip
 
 
 def _schedules(cfg: Config, space: Space) -> list[tuple[str, int]]:
@@ -103,7 +118,8 @@ def families(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Itera
     for deg in degrees(cfg, world, gpus_per_node, space):
         zeros = _choices(space.zero_stage, [2, 3] if deg["fsdp"] > 1 else [3])
         for zero in zeros:
-            base = _with(cfg, **deg, zero_stage=zero, sp=deg["tp"] > 1)
+            sp = deg["tp"] > 1 and not cfg.model.moe  # MoE: tp without sp (layout.check_ep)
+            base = _with(cfg, **deg, zero_stage=zero, sp=sp)
             data = base.parallel.data_ranks
             if cfg.train.global_batch % data:
                 continue
@@ -162,7 +178,10 @@ def search(
         p = first.parallel
         if p.cp > 1 and space.cp is None and (p.tp, p.pp) in fitted:
             continue  # those ranks as data parallelism fit, and are faster (no exchange)
-        states = [planner.rank_facts(first, r).state.total for r in range(first.parallel.pp)]
+        try:
+            states = [planner.rank_facts(first, r).state.total for r in range(p.pp)]
+        except ValueError:
+            continue  # the runtime cannot build this model so (e.g. a module without a tp plan)
         if max(states) >= capacity:
             continue  # the model state alone overflows, whatever the microbatches
         for t, mem, cand in _best_of_family(planner, family):
