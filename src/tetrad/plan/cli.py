@@ -6,11 +6,12 @@
     tetrad plan --from-run runs/dp2 --from-run runs/fsdp2 --pp 2 --microbatches 4
                                               # fitted to this machine's runs
 
-A layout is the degrees (dp, fsdp, tp, pp, cp; the ones not given: dp takes what is left,
-the others are 1; ep, for a mixture of experts, borrows ranks of those) plus zero stage, sp, schedule, microbatches and virtual stages. With
---search the given flags are fixed and the rest is searched. A table by default; --json
-prints one JSON object: {"mode", "cluster", "model", "engine", "predictions": [...]}
-(and "calibration" with --from-run). Every shown prediction carries a step-time range.
+A layout is the degrees (dp, fsdp, tp, pp, cp; the ones not given: dp takes what is
+left, the others are 1; ep, for a mixture of experts, borrows ranks of those) plus zero
+stage, sp (off for MoE models), schedule, microbatches and virtual stages. With --search
+the given flags are fixed and the rest is searched. A table by default; --json prints one
+JSON object: {"mode", "cluster", "model", "engine", "predictions": [...]} (and
+"calibration" with --from-run). Every shown prediction carries a step-time range.
 """
 
 from __future__ import annotations

@@ -146,9 +146,7 @@ class Footprint:
         named, replicated = self._template[key]
         spec = spec_for(m)
         templates = [spec.block_prefix(i) for i in range(template_layers)]
-        block = [
-            [(n[len(pre) :], s) for n, s in named if n.startswith(pre)] for pre in templates
-        ]
+        block = [[(n[len(pre) :], s) for n, s in named if n.startswith(pre)] for pre in templates]
         root = [(n, s) for n, s in named if spec.block_of(n) is None]
         keep = _root_names(spec, named, first, last)
         out = [(n, s) for n, s in root if n.startswith(spec.embedding + ".") and n in keep]
