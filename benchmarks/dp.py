@@ -3,8 +3,11 @@
 Same model (tetrad's Llama, "small" preset: 4 layers, dim 128), same batches (16 x 128
 tokens of the standard-library corpus per step), same optimizer step (see harness.py),
 loss semantics and initial weights, same world (gloo, 1 thread per rank), in the same
-processes. Each side is built and warmed up (`--warmup` steps, peak memory measured), then
-timed rounds of `--steps` steps alternate between them (harness.py: ratios, spreads).
+processes. Same loss computation by default: tetrad with full logits (`--loss-chunk 0`),
+as DDP's users compute it, so what differs is the data parallelism alone; `--loss-chunk
+1024` runs tetrad's default chunked loss instead (its head matmul runs twice). Each side
+is built and warmed up (`--warmup` steps, peak memory measured), then timed rounds of
+`--steps` steps alternate between them (harness.py: ratios, spreads).
 
 The DDP side sums gradients with a comm hook that counts each bucket's bytes (DDP's own
 hook averages; tetrad divides the loss by the global token count, so the sum is the
@@ -26,6 +29,7 @@ import harness
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.models.flops import param_count
 from tetrad.models.llama import cross_entropy_sum
+from tetrad.parallel.data import FIRST_BUCKET_BYTES
 from tetrad.testing import spawn
 
 
@@ -101,16 +105,20 @@ def summarize(world: int, cfg: Config, out: dict, steps: int) -> dict[str, Any]:
 def main() -> None:
     p = harness.arguments(__doc__, "--worlds", steps=1, rounds=24, warmup=2)
     p.add_argument("--bucket-mb", type=float, help="tetrad's bucket size (default: its config)")
+    p.add_argument("--loss-chunk", type=int, default=0, help="tetrad's (0: full logits, as DDP)")
     args = p.parse_args()
     bucket = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
     rows = []
     for world in args.worlds:
         total = args.warmup + args.rounds * args.steps
         cfg = harness.job(asdict(model_preset("small")), {"dp": world} | bucket, total)
+        cfg.train.loss_chunk = args.loss_chunk
         out = spawn(worker, world, cfg.to_dict(), args.steps, args.warmup, args.rounds,
                     timeout=1200)[0]  # fmt: skip
         rows.append(summarize(world, cfg, out, args.steps))
     harness.report("dp", cfg, rows, tetrad_bucket_mb=cfg.parallel.bucket_mb,
+                   tetrad_first_bucket_mb=FIRST_BUCKET_BYTES / 2**20,
+                   tetrad_loss_chunk=args.loss_chunk, ddp_loss="full logits",
                    steps_per_round=args.steps, rounds=args.rounds)  # fmt: skip
 
 

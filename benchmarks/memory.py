@@ -15,7 +15,9 @@ and loss semantics (harness.py), in the same processes, for each recompute mode:
 - full: tetrad checkpoints every block (`--recompute full`); FSDP2 wraps every block in
   `checkpoint_wrapper` before `fully_shard` (torchtitan's full activation checkpointing).
 
-tetrad runs ZeRO-3 with its default chunked loss; FSDP2 the plain loss over full logits.
+tetrad runs ZeRO-3; FSDP2 the plain loss over full logits. Each mode runs twice: tetrad with
+full logits too (`--loss-chunk 0`: like for like, the same loss code on both sides), then
+with its default chunked loss (`loss_chunk` 1024: what the chunked loss adds).
 Each side is built and warmed up under harness.py's memory instrument (peak live tensor
 bytes per rank in the c10 CPU allocator, over the warm-up steps: one instrument for both),
 then timed rounds alternate (ratios with spreads over rounds). tetrad's own saved-tensor
@@ -74,13 +76,15 @@ def _op_sac_policy(every_matmul: bool = False):
     return policy
 
 
-# the peer's checkpointing per row: (tetrad's mode, the peer's)
-ROWS = (("none", "none"), ("selective", "op"), ("selective", "op, every matmul"),
-        ("full", "full"))  # fmt: skip
+# the peer's checkpointing per recompute mode: (tetrad's mode, the peer's)
+MODES = (("none", "none"), ("selective", "op"), ("selective", "op, every matmul"),
+         ("full", "full"))  # fmt: skip
+LOSS_CHUNKS = (0, 1024)  # tetrad's: full logits as the peer's (like for like), its default
+ROWS = tuple((mode, peer, chunk) for chunk in LOSS_CHUNKS for mode, peer in MODES)
 
 
 def checkpointed(peer: str):
-    """torchtitan's activation checkpointing `peer` (a ROWS entry), applied to each block
+    """torchtitan's activation checkpointing `peer` (of a MODES entry), applied to each block
     in place: "full" wraps every block in `checkpoint_wrapper`; "op" is its per-op
     selective policy (what its Llama 3 configurations use)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -102,12 +106,13 @@ def checkpointed(peer: str):
 
 
 def worker(rank: int, world: int, raw: dict, steps: int, warmup: int, rounds: int) -> list:
-    """Per recompute mode: both sides measured through warm-up, then timed rounds."""
+    """Per row (recompute mode, tetrad's loss chunk): both sides measured through
+    warm-up, then timed rounds."""
     out = []
-    for mode, peer in ROWS:
+    for row in ROWS:
         sides = None  # the last row's objects go before this row is measured (harness.start)
-        cfg = from_dict(raw)
-        cfg.train.recompute = mode
+        cfg = configured(from_dict(raw), row)
+        peer = row[1]
         makers = {
             "tetrad": lambda cfg=cfg: harness.tetrad_trainer(cfg, rank, fsdp=world),
             "fsdp2": lambda cfg=cfg, peer=peer: harness.side(
@@ -120,18 +125,25 @@ def worker(rank: int, world: int, raw: dict, steps: int, warmup: int, rounds: in
     return out
 
 
+def configured(cfg: Config, row: tuple[str, str, int]) -> Config:
+    """`cfg` with a ROWS entry's recompute mode and loss chunk."""
+    cfg.train.recompute, _, cfg.train.loss_chunk = row
+    return cfg
+
+
 def predicted_saved(cfg: Config, rank: int) -> float:
     planner = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute)
     return planner.rank_activations(cfg, Mesh.plan(cfg.parallel.degrees, rank).coord["pp"])
 
 
-def summarize(cfg: Config, row: tuple[str, str], out: dict, steps: int) -> dict[str, Any]:
-    cfg = from_dict(cfg.to_dict())
-    cfg.train.recompute = row[0]
+def summarize(cfg: Config, row: tuple[str, str, int], out: dict, steps: int) -> dict[str, Any]:
+    cfg = configured(from_dict(cfg.to_dict()), row)
     t_loss = out["losses"]["tetrad"]
     return {
         "recompute": row[0],
         "fsdp2_checkpointing": row[1],
+        "tetrad_loss_chunk": row[2],
+        "like_for_like": row[2] == 0,  # both sides compute full logits
         **harness.timing(out["seconds"], cfg, steps),
         **harness.memory(out["peaks"]),
         "tetrad_saved_activation_bytes_measured": out["tetrad_saved_bytes"],
@@ -150,7 +162,7 @@ def main() -> None:
         per_mode = spawn(worker, world, cfg.to_dict(), args.steps, args.warmup, args.rounds,
                          timeout=1800)[0]  # fmt: skip
         rows += [{"fsdp": world} | summarize(cfg, r, o, args.steps) for r, o in zip(ROWS, per_mode)]
-    harness.report("memory", cfg, rows, zero_stage=3, dtype="fp32", loss_chunk=cfg.train.loss_chunk,
+    harness.report("memory", cfg, rows, zero_stage=3, dtype="fp32", fsdp2_loss="full logits",
                    steps_per_round=args.steps, rounds=args.rounds, memory_measure="peak live "
                    "tensor bytes, c10 CPU allocator via torch.profiler")  # fmt: skip
 

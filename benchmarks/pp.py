@@ -12,9 +12,21 @@ clipping, same world (gloo, 1 thread per rank), in the same processes:
           microbatches (two sequences each): short actions, where per-action overhead
           shows
 
-  tetrad-1f1b, tetrad-zb-h1   tetrad's runtime
-  torch-1f1b, torch-zb        Schedule1F1B, ScheduleInterleavedZeroBubble (one stage per
-                              rank: its ZB-H1 equivalent)
+Each tetrad schedule against the torch schedule it is compared with (the ratios in the
+report pair exactly these):
+
+  tetrad-1f1b   (1 stage per rank)   torch-1f1b   Schedule1F1B
+  tetrad-zb-h1  (1 stage per rank)   torch-zb     ScheduleInterleavedZeroBubble with one
+                                                  stage per rank (torch's ZB-H1 equivalent)
+  tetrad-zb-v   (2 stages per rank,  torch-zbv    ScheduleZBVZeroBubble (the same V
+                 V placement)                     placement, the same stages)
+  tetrad-zb-v                        torch-dualpipev  ScheduleDualPipeV (V placement;
+                                                  DeepSeek's DualPipe folded onto pp ranks;
+                                                  tetrad has no DualPipe, its zb-v is the
+                                                  nearest schedule it runs)
+
+The V runners split the model into 2 x pp stages, tetrad's split for zb-v, which the peer's
+`PipelineStage`s wrap one chunk each.
 
 Phase 2, the bubbles (base shape, tetrad): every schedule (gpipe, 1f1b, interleaved-1f1b
 and zb-v with 2 stages per rank, zb-h1), each step's measured bubble against the
@@ -38,9 +50,11 @@ the step's measured median costs; "cpu": 1 - (main-thread CPU seconds summed ove
 / (pp x step wall time), which needs no instrumentation and so is measured for the peer
 too; it counts framework overhead as busy. Activation memory: the peak bytes of distinct
 tensors saved for backward (autograd's saved-tensor hooks), plus, for tetrad, stage
-outputs awaiting their send and inputs of deferred weight gradients. The peer is metered
-in its warm-up step only: its users run no meter, so its timed steps do not pay the hooks
-(tetrad's runtime always meters; it frees sent outputs and reuses buffers by the counts).
+outputs awaiting their send and inputs of deferred weight gradients. Both sides are
+metered in their first step only: tetrad's runtime counts on its first step (then every
+`meter_every` steps, 0 here: never again) and frees sent outputs and reuses buffers by
+what it learned; torch's users run no meter, so the peer's timed steps do not pay the
+hooks either.
 
 Each tokens/s ratio of the 1F1B runners is, round by round and exactly, a product of two
 measured factors: work (the peer's main-thread CPU seconds over tetrad's, summed over
@@ -143,50 +157,77 @@ class TetradRunner:
 
 
 class _Span(nn.Module):
-    """One rank's stage of tetrad's Llama as a plain module, for PipelineStage."""
+    """One stage (chunk) of tetrad's Llama as a plain module, for PipelineStage. It
+    registers only the chunk's own modules: a stage's parameters are its weights (a rank
+    holding two stages must not see the other's as this one's)."""
 
     def __init__(self, model: Llama, layers: tuple[str, ...], first: bool, last: bool):
         super().__init__()
-        self.model, self.layers, self.first, self.last = model, list(layers), first, last
+        object.__setattr__(self, "model", model)  # called, not registered
+        self.layers, self.first, self.last = list(layers), first, last
+        self.blocks = nn.ModuleList(model.layers[name] for name in layers)
+        ends = [model.tok_embeddings] if first else []
+        self.ends = nn.ModuleList(ends + ([model.norm, model.output] if last else []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.forward_span(x, self.layers, self.first, self.last)
 
 
-class PeerRunner:
-    """The same step with torch.distributed.pipelining on the same stage split."""
+# the torch schedule of each peer runner: (class name, stages per rank)
+PEER_SCHEDULES = {
+    "1f1b": ("Schedule1F1B", 1),
+    "zb": ("ScheduleInterleavedZeroBubble", 1),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+    "dualpipev": ("ScheduleDualPipeV", 2),
+}
 
-    def __init__(self, cfg: Config, rank: int, world: int, zero_bubble: bool):
-        from torch.distributed.pipelining import (
-            PipelineStage,
-            Schedule1F1B,
-            ScheduleInterleavedZeroBubble,
-        )
+
+# (tetrad runner, the torch runner it is compared with)
+PAIRS = (("tetrad-1f1b", "torch-1f1b"), ("tetrad-zb-h1", "torch-zb"),
+         ("tetrad-zb-v", "torch-zbv"), ("tetrad-zb-v", "torch-dualpipev"))  # fmt: skip
+
+
+class PeerRunner:
+    """The same step with torch.distributed.pipelining on the same stage split: torch's
+    schedule `kind` (a PEER_SCHEDULES key) over tetrad's stages of `cfg` (whose schedule
+    places them: one per rank, or zb-v's V of two per rank, torch's V placement too)."""
+
+    def __init__(self, cfg: Config, rank: int, world: int, kind: str):
+        from torch.distributed import pipelining
 
         self.rank, self.world = rank, world
         with torch.device("meta"):
             model = Llama(cfg.model)
-        (chunk,) = rank_chunks(Layout.build(cfg), cfg.model, rank)
-        prune(model, [chunk], LLAMA)
+        chunks = rank_chunks(Layout.build(cfg), cfg.model, rank)
+        name, per_rank = PEER_SCHEDULES[kind]
+        if len(chunks) != per_rank:
+            raise ValueError(f"{name} runs {per_rank} stages per rank, cfg gives {len(chunks)}")
+        prune(model, chunks, LLAMA)
         materialize(model, cfg.model, cfg.train.seed, "cpu")  # tetrad's exact initial weights
         self.model, self.meter, self.steps = model, ActivationMeter(), 0
-        span = _Span(model, chunk.layers, chunk.first, chunk.last)
-        span.forward = self._metered(span.forward)
-        stage = PipelineStage(span, rank, world, torch.device("cpu"))
+        self.ends = (chunks[0].first, chunks[-1].last)  # this rank feeds inputs / targets
+        stages = []
+        for c in chunks:
+            span = _Span(model, c.layers, c.first, c.last)
+            span.forward = self._metered(span.forward)
+            n = world * per_rank
+            stages.append(pipelining.PipelineStage(span, c.stage, n, torch.device("cpu")))
         # tetrad's loss semantics: every microbatch's token-loss sum over the step's token
         # count, so the microbatch losses add up to the global token mean (no rescaling)
         self.denom = 1.0
         loss = self._metered(lambda out, targets: cross_entropy_sum(out, targets) / self.denom)
         m = cfg.parallel.microbatches
-        kind = ScheduleInterleavedZeroBubble if zero_bubble else Schedule1F1B
-        self.schedule = kind([stage] if zero_bubble else stage, m, loss_fn=loss, scale_grads=False)
+        schedule = getattr(pipelining, name)
+        single = kind == "1f1b"  # Schedule1F1B takes one stage, the others a list
+        self.schedule = schedule(stages[0] if single else stages, m, loss_fn=loss,
+                                 scale_grads=False)  # fmt: skip
         self.optimizer = harness.PeerOptimizer(model, cfg.train, plain_sharded=True)
         self.loader = harness.peer_loader(cfg)
 
     def _metered(self, fn):
-        """`fn` with the meter's hooks in the warm-up step only: torch's users run no
-        meter, so the timed steps do not pay its hooks (tetrad's runtime always meters:
-        it frees sent outputs and reuses buffers by the meter's counts)."""
+        """`fn` with the meter's hooks in the warm-up step only, as tetrad's runtime
+        meters its first step only: torch's users run no meter, so the timed steps do not
+        pay its hooks."""
 
         def run(*args):
             if self.steps:
@@ -203,12 +244,12 @@ class PeerRunner:
         if not self.steps:
             self.meter.reset(self.model.parameters())
         losses: list[torch.Tensor] = []
-        if self.rank == 0:
-            self.schedule.step(batch.inputs)
-        elif self.rank == self.world - 1:
-            self.schedule.step(target=batch.targets, losses=losses)
+        first, last = self.ends
+        inputs = (batch.inputs,) if first else ()
+        if last:
+            self.schedule.step(*inputs, target=batch.targets, losses=losses)
         else:
-            self.schedule.step()
+            self.schedule.step(*inputs)
         own = torch.stack(losses).sum() if losses else torch.zeros(())
         return self.optimizer.step(own)
 
@@ -245,11 +286,15 @@ def worker(rank: int, world: int, rounds: int, timelines: str, phases: tuple[str
     out: dict[str, Any] = {"shapes": {}, "zb_costs": {}}
     for shape in SHAPES if "schedules" in phases else ():
         cfg = partial(bench_config, world, shape=shape)
+        zbv = cfg("zb-v", v=2)
         schedules = {
             "tetrad-1f1b": TetradRunner(cfg("1f1b"), rank),
             "tetrad-zb-h1": TetradRunner(cfg("zb-h1"), rank),
-            "torch-1f1b": PeerRunner(cfg(), rank, world, zero_bubble=False),
-            "torch-zb": PeerRunner(cfg(), rank, world, zero_bubble=True),
+            "tetrad-zb-v": TetradRunner(zbv, rank),
+            "torch-1f1b": PeerRunner(cfg(), rank, world, "1f1b"),
+            "torch-zb": PeerRunner(cfg(), rank, world, "zb"),
+            "torch-zbv": PeerRunner(zbv, rank, world, "zbv"),
+            "torch-dualpipev": PeerRunner(zbv, rank, world, "dualpipev"),
         }
         out["shapes"][shape] = _timed_rounds(schedules, rounds)
         if timelines and rank == 0 and shape == "base":  # the last round's tetrad steps
@@ -352,15 +397,17 @@ def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict)
     model, batch = SHAPES[shape]
     out: dict[str, Any] = {"model": model, "tokens_per_step": batch * 128}
     out["split"] = split_of(bench_config(pp, shape=shape))
-    out["step0_loss"] = {  # same weights, same batch
-        "tetrad": rows["tetrad-1f1b"][0]["loss"],
-        "torch": rows["torch-1f1b"][0]["loss"],
-    }
+    # same weights, same batch: every runner's first loss, which must agree
+    out["step0_loss"] = {name: steps[0]["loss"] for name, steps in rows.items()}
     rows = {name: steps[1:] for name, steps in rows.items()}
     out |= {name: _entry(steps, pp, batch * 128) for name, steps in rows.items()}
     ratios = {
         "tetrad-1f1b / torch-1f1b tokens/s": _paired(rows, "torch-1f1b", "tetrad-1f1b", "wall"),
         "tetrad-zb-h1 / torch-zb tokens/s": _paired(rows, "torch-zb", "tetrad-zb-h1", "wall"),
+        "tetrad-zb-v / torch-zbv tokens/s": _paired(rows, "torch-zbv", "tetrad-zb-v", "wall"),
+        "tetrad-zb-v / torch-dualpipev tokens/s": _paired(
+            rows, "torch-dualpipev", "tetrad-zb-v", "wall"
+        ),
         "tetrad-zb-h1 / tetrad-1f1b tokens/s": _paired(rows, "tetrad-1f1b", "tetrad-zb-h1", "wall"),
         "zb-h1 / 1f1b bubble, measured": _paired(
             rows, "tetrad-zb-h1", "tetrad-1f1b", "bubble_timeline"
@@ -375,9 +422,8 @@ def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict)
     # tokens/s ratio = work ratio x busy ratio, exactly, round by round: the peer's CPU
     # seconds over tetrad's (summed over ranks), and tetrad's busy share (1 - cpu bubble)
     # over the peer's; with more ranks than cores the second is capped by the cores
-    ratios["torch-1f1b / tetrad-1f1b cpu s (work)"] = _paired(
-        rows, "torch-1f1b", "tetrad-1f1b", "cpu"
-    )
+    for ours, peer in PAIRS:  # the work ratio of every pair (main-thread CPU, summed)
+        ratios[f"{peer} / {ours} cpu s (work)"] = _paired(rows, peer, ours, "cpu")
     ratios["tetrad-1f1b / torch-1f1b busy share"] = [
         (1 - b["bubble_cpu"]) / (1 - a["bubble_cpu"])
         for a, b in zip(rows["torch-1f1b"], rows["tetrad-1f1b"])

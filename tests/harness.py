@@ -50,7 +50,7 @@ def tiny_config(**overrides: dict[str, Any]) -> Config:
 
 def trainer_for(cfg: Config, rank: int) -> Trainer:
     """This rank's CPU trainer of `cfg` on the mesh of its degrees (process group joined)."""
-    mesh = Mesh.build(cfg.parallel.degrees, rank, cfg.parallel.ep)
+    mesh = Mesh.build(cfg.parallel.degrees, rank, ep=cfg.parallel.ep)
     return Trainer(cfg, mesh, torch.device("cpu"))
 
 

@@ -13,6 +13,10 @@ pytestmark = pytest.mark.distributed
 LAYOUTS = [(2, 1), (4, 1), (2, 2), (4, 2)]  # (dp, microbatches)
 COMM = tiny_config(parallel={"dp": 4, "bucket_mb": 0.01}, train={"steps": 2})
 NAN = tiny_config(parallel={"dp": 2}, train={"steps": 2})
+# wide enough (about 1.6 MB of gradients) that the default buckets are two: the small first
+# one (FIRST_BUCKET_BYTES) and the rest (bucket_mb 25)
+WIDE = {"dim": 128}
+OVERLAP = tiny_config(model=WIDE, parallel={"dp": 2})
 
 
 def declare_jobs(jobs: Jobs) -> None:
@@ -22,6 +26,7 @@ def declare_jobs(jobs: Jobs) -> None:
         jobs.add_training(f"dp{dp}-mb{m}", [tiny_config(parallel=par)])
     jobs.add_training("comm", [COMM])
     jobs.add("nan", 2, _nan_worker, NAN.to_dict())
+    jobs.add("overlap", 2, _overlap_worker, OVERLAP.to_dict())
 
 
 @pytest.mark.parametrize("dp,microbatches", LAYOUTS, ids=lambda v: str(v))
@@ -62,3 +67,53 @@ def _nan_worker(rank: int, world: int, cfg_dict: dict) -> list[bool]:
 
 def test_nan_on_one_rank_skips_on_every_rank(jobs):
     assert jobs["nan"] == [[True, True, True, False]] * 2
+
+
+def _overlap_worker(rank: int, world: int, cfg_dict: dict) -> dict:
+    """Train 20 steps; at each step, what the data group had launched (all-reduce calls and
+    bytes) when backward reached the embedding's output: every block's backward done, the
+    embedding's (the last gradient) still to come."""
+    from tetrad.config import from_dict
+
+    trainer = trainer_for(from_dict(cfg_dict), rank)
+    seen = []
+
+    def record(_):
+        stats = trainer.comm.summary().get("data/all_reduce", {"calls": 0, "bytes": 0})
+        seen.append((stats["calls"], stats["bytes"]))
+
+    def watch(_module, _inputs, out) -> None:
+        out.register_hook(record)
+
+    trainer.engine.model.tok_embeddings.register_forward_hook(watch)
+    steps = []
+    for _ in range(trainer.cfg.train.steps):
+        trainer.comm.reset()
+        result = trainer.train_step()
+        steps.append((result.loss, result.grad_norm))
+    buckets = [b.buffer.numel() * 4 for b in trainer.engine.grads.buckets]
+    state = trainer.engine.full_state_dict()
+    return {
+        "losses": [loss for loss, _ in steps],
+        "grad_norms": [norm for _, norm in steps],
+        "state": state if rank == 0 else None,
+        "seen_at_embedding_grad": seen,
+        "bucket_bytes": buckets,
+    }
+
+
+def test_first_bucket_is_reduced_during_backward(jobs):
+    """When backward reaches the embedding, the small first bucket's all-reduce is already
+    launched, the other's not: with one bucket of the whole model, nothing would be."""
+    from tetrad.parallel.data import FIRST_BUCKET_BYTES
+
+    for got in jobs["overlap"]:
+        # the first bucket closes at the parameter that takes it to FIRST_BUCKET_BYTES
+        first, *rest = got["bucket_bytes"]
+        assert len(rest) == 1 and FIRST_BUCKET_BYTES <= first < 1.1 * FIRST_BUCKET_BYTES
+        # every step: the token count (8 bytes), then the first bucket, nothing else yet
+        assert got["seen_at_embedding_grad"] == [(2, 8 + first)] * OVERLAP.train.steps
+
+
+def test_dp_with_a_small_first_bucket_matches_single_process(reference, jobs):
+    assert_close_run(jobs["overlap"][0], reference(model=WIDE))

@@ -29,6 +29,8 @@ def test_defaults():
         (["--layout-steps", "0"], ["--layout-steps 0"]),
         (["--gpus", "0"], ["--gpus must be >= 1, got 0"]),
         (["--rtol", "0"], ["--rtol must be > 0"]),
+        (["--mfu-floor", "1.5"], ["--mfu-floor 1.5"]),
+        (["--memory-tol", "0"], ["--memory-tol 0"]),
     ],
 )
 def test_bad_flags_name_the_values(argv, words):
@@ -64,10 +66,15 @@ def test_parts_on_one_and_two_gpus(tmp_path):
     assert bf16[bf16.index("--dtype") + 1] == "bf16" and bf16[bf16.index("--steps") + 1] == "50"
     two, skipped = gc.plan_parts(gc.parse_args(["--skip-tests"]), 2, tmp_path)
     names = [p.name for p in two]
-    assert names == ["train_bf16_100m", "layout_single"] + [
-        f"layout_{n}" for n in ("dp", "fsdp", "tp", "pp-1f1b", "pp-zb-h1")
-    ] + ["bench_comm"]
-    assert skipped == ["cuda_tests: --skip-tests"]
+    layouts = ("dp", "fsdp", "tp", "pp-1f1b", "pp-zb-h1", "pp-interleaved", "cp-ring")
+    assert names == ["train_bf16_100m", "layout_single"] + [f"layout_{n}" for n in layouts] + [
+        "bench_comm"
+    ]
+    assert skipped[0] == "cuda_tests: --skip-tests" and "ep all-to-all" in skipped[1]
+    assert "--peak-tflops" not in two[0].argv  # a declared peak: the trainer's own
+    measured, _ = gc.plan_parts(args, 1, tmp_path, peak=512.34)
+    bf16 = measured[1].argv
+    assert bf16[bf16.index("--peak-tflops") + 1] == "512.3"
     # every part has a timeout, so a hang is reported: on one GPU 8 minutes at most
     assert sum(p.timeout_s for p in one) <= 8 * 60 and sum(p.timeout_s for p in two) <= 20 * 60
     for p in two[2:-1]:  # every layout runs the same job on 2 ranks as the single GPU
@@ -99,6 +106,22 @@ def test_judging_runs():
     assert not gc.compare_losses([2.0, 1.0], [2.0], rtol=1e-4)["ok"]
 
 
+def test_the_bf16_run_is_judged_on_mfu_and_memory():
+    limits = gc.thresholds(gc.parse_args([]))
+    assert limits == {"mfu_floor": 0.10, "memory_tol": 0.10, "loss_rtol": 1e-4}
+    good = {"finite": True, "steps": 50, "mfu": 0.31, "memory": {"measured_over_predicted": 1.04}}
+    assert gc.judge_bf16(good, 50, limits) == {"ok": True, "failed": []}
+    slow = gc.judge_bf16({**good, "mfu": 0.04}, 50, limits)
+    assert not slow["ok"] and "MFU 0.04 under the floor 0.1" in slow["failed"][0]
+    fat = gc.judge_bf16({**good, "memory": {"measured_over_predicted": 1.2}}, 50, limits)
+    assert not fat["ok"] and "1.200x the plan's" in fat["failed"][0]
+    thin = gc.judge_bf16({**good, "memory": {"measured_over_predicted": 0.85}}, 50, limits)
+    assert not thin["ok"]
+    unplanned = gc.judge_bf16({**good, "memory": {"error": "no planner preset"}}, 50, limits)
+    assert not unplanned["ok"] and "not compared" in unplanned["failed"][0]
+    assert not gc.judge_bf16({**good, "steps": 49}, 50, limits)["ok"]
+
+
 def test_junit_counts(tmp_path):
     xml = tmp_path / "j.xml"
     xml.write_text(
@@ -112,7 +135,9 @@ def test_junit_counts(tmp_path):
 
 def test_summary_and_writer(tmp_path):
     parts = [gc.Part("a", [], 1, {"ok": True}), gc.Part("b", [], 1, {"ok": False, "error": "x"})]
-    s = gc.summarize({"gpus": ["NVIDIA H100"]}, parts, ["layouts: need 2 GPUs"], 12.34)
+    limits = gc.thresholds(gc.parse_args([]))
+    s = gc.summarize({"gpus": ["NVIDIA H100"]}, parts, ["layouts: need 2 GPUs"], 12.34, limits)
+    assert s["thresholds"] == limits
     assert s["ok"] is False and s["results"]["b"]["error"] == "x" and s["seconds"] == 12.3
     assert gc.summarize({}, parts[:1], [], 1.0)["ok"] is True
     assert gc.summarize({}, [], [], 1.0)["ok"] is False  # nothing ran: nothing passed

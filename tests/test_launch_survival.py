@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def error_lines(text: str) -> list[str]:
 
 
 def reports(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in (out / "logs").glob("reports-*/*.json")]
+    return [json.loads(p.read_text()) for p in (out / "logs").glob("reports-*/attempt*-rank*.json")]
 
 
 def weights(out: Path, step: int) -> dict[str, torch.Tensor]:
@@ -132,6 +133,12 @@ def test_watchdog_names_the_stuck_collective(tmp_path):
     assert code == 1
     (line,) = error_lines(err)
     assert "rank 0: all_reduce over data (ranks [0, 1]) did not complete within 3 s" in line
+    # rank 1 never issued step 2's first collective (the token count over data): every
+    # rank's trace says so, and the launcher names it and what rank 0 waits in
+    (behind,) = [x for x in err.splitlines() if x.startswith("tetrad: behind on data")]
+    assert "rank 1 at #" in behind and "ranks [0] wait in all_reduce #" in behind, behind
+    mine, theirs = (int(x) for x in re.findall(r"#(\d+)", behind))
+    assert theirs == mine + 1
     cause = [r for r in reports(out) if r["kind"] == "error"]
     assert ended - min(r["time"] for r in cause) < ENDS_WITHIN_S
     assert not processes_of(out)

@@ -39,22 +39,34 @@ LAYOUTS = [
     {"tp": 2, "sp": True},
     {"pp": 2, "microbatches": 2},
     {"pp": 2, "microbatches": 2, "pp_schedule": "zb-h1"},
+    {"fsdp": 2, "zero_stage": 2, "microbatches": 2},
+    {"pp": 2, "microbatches": 2, "pp_schedule": "gpipe"},
+]
+# two stages a rank: 4 layers (held to the 4-layer single process)
+MODEL4 = {"layers": 4}
+LAYOUTS4 = [
+    {"pp": 2, "microbatches": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 2},
+    {"pp": 2, "microbatches": 2, "pp_schedule": "zb-v", "virtual_stages": 2},
 ]
 
 
 def declare_jobs(jobs: Jobs) -> None:
     """Every layout in bf16, 2 ranks, 20 steps."""
     cfgs = [tiny_config(train=BF16, parallel=p) for p in LAYOUTS]
+    cfgs += [tiny_config(model=MODEL4, train=BF16, parallel=p) for p in LAYOUTS4]
     jobs.add("every-axis", 2, train_and_measure, [c.to_dict() for c in cfgs])
 
 
 @pytest.mark.distributed
 def test_bf16_every_axis(reference, jobs):
-    """dp (gradients reduced in fp32, or in bf16), ZeRO-1 and -3, tp with and without sp,
-    pp under 1F1B and zero-bubble: each on 2 ranks, 20 steps."""
-    layouts, results = LAYOUTS, by_layout(jobs["every-axis"])
-    for layout, ranks in zip(layouts, results):
+    """dp (gradients reduced in fp32, or in bf16), ZeRO-1, -2 and -3, tp with and without
+    sp, pp under GPipe, 1F1B, interleaved 1F1B and the zero-bubble schedules (zb-h1, zb-v):
+    each on 2 ranks, 20 steps, against the bf16 single process of the same model."""
+    results = by_layout(jobs["every-axis"])
+    for layout, ranks in zip(LAYOUTS, results[: len(LAYOUTS)], strict=True):
         check_bf16(layout, ranks, reference(train=BF16), reference())
+    for layout, ranks in zip(LAYOUTS4, results[len(LAYOUTS) :], strict=True):
+        check_bf16(layout, ranks, reference(model=MODEL4, train=BF16), reference(model=MODEL4))
 
 
 def test_bf16_resume_is_exact(reference, tmp_path):

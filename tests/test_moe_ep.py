@@ -124,7 +124,7 @@ def _dispatch_worker(
     from tetrad.layout import Layout
     from tetrad.parallel.expert import apply_ep
 
-    mesh = Mesh.build(degrees, rank, ep)
+    mesh = Mesh.build(degrees, rank, ep=ep)
     comm = Comm("cpu")
     layout = Layout.build(_config(degrees, ep), world)
     layer = StandInLayer()

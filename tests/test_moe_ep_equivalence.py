@@ -59,6 +59,7 @@ def moe_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any
         "model_state": [(r["model_state_bytes"], r["model_state_predicted_bytes"]) for r in rows],
         "bias": bias,
         "comm": trainer.comm.summary(),
+        "lane": sorted({e.kind for e in trainer.engine.last_run.comm_events}),
         "state": state if rank == 0 else None,
     }
 
@@ -101,6 +102,8 @@ def test_ep_matches_single_process(jobs, name):
     assert measured == predicted
     if par.get("ep", 1) > 1:  # the experts really are split: tokens crossed ranks
         assert got["comm"]["ep/all_to_all"]["bus_bytes"] > 0
+    if par.get("pp", 1) > 1:  # the dispatch shows in the pipeline's communication lane
+        assert "A2A" in got["lane"]
 
 
 def _overlap_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:

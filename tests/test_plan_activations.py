@@ -122,3 +122,29 @@ def test_cp_halves_activations_and_compute():
     assert extra == 2 * 2 * 4096 * 4096 + 4096 * 8192  # repeated k, v of 4096 more tokens; mask
     c1, c2 = (tetrad.predict(c).breakdown["compute"] for c in (one, two))
     assert c2 == pytest.approx(c1 / 2)
+
+
+def test_interleaved_with_one_warm_up_per_rank_holds_1f1b_layers():
+    """With one warm-up forward per downstream rank (`lag` 1) instead of Megatron's two,
+    the interleaved schedule's rank 0 holds v·p chunks, L layers (1F1B's), and every
+    rank fewer than at lag 2. The lists stay complete and deadlock-free with
+    asynchronous sends (a transfer then stalls the next chunk round: slower, not stuck),
+    not with blocking ones: Llama 3 ran asynchronous p2p."""
+    from tetrad.parallel.pipeline.check import check_schedule
+    from tetrad.parallel.pipeline.schedules import build_schedule, placement
+    from tetrad.parallel.pipeline.simulate import simulate
+
+    p, m, v, per_chunk = 4, 8, 2, 3
+    peaks = {}
+    for lag in (1, 2):
+        actions = build_schedule("interleaved-1f1b", p, m, v, lag)
+        check_schedule(actions, p, m, v, placement(p, v, "interleaved-1f1b"))
+        timed = simulate(actions, Costs(1, 1, 1, comm=0.3))
+        peaks[lag] = [act.peak_in_flight(timed, r, [per_chunk] * (p * v)) for r in range(p)]
+    assert peaks[1][0] == per_chunk * p * v
+    with pytest.raises(ValueError, match="deadlock with blocking sends"):  # async p2p only
+        lag1 = build_schedule("interleaved-1f1b", p, m, v, 1)
+        check_schedule(lag1, p, m, v, placement(p, v, "interleaved-1f1b"), rendezvous=True)
+    assert all(a < b for a, b in zip(peaks[1][:-1], peaks[2][:-1]))
+    with pytest.raises(ValueError, match="lag"):
+        build_schedule("interleaved-1f1b", p, m, v, 3)

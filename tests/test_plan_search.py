@@ -81,3 +81,69 @@ def test_cli_search_json_and_table(capsys):
     assert "not divisible" in capsys.readouterr().err
     assert main([*base, "--dp", "2", "--tp", "1"]) == 2  # 2 ranks on 4 GPUs
     assert "!= --gpus 4" in capsys.readouterr().err
+
+
+# --- pruning: the same answer, fewer simulations -------------------------------------------
+
+
+def _answer(preds):
+    return [(p.layout, p.step_time_s, p.memory.total) for p in preds]
+
+
+@pytest.mark.parametrize(
+    "model,gpus,batch,seq,gpu",
+    [("llama3-8b", 16, 64, 4096, "h100"), ("small", 8, 32, 128, "cpu")],
+)
+def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu):
+    planner = Planner(cluster_preset(gpu))
+    base = layout_config(model_preset(model), batch, seq)
+    full = search(planner, base, gpus, top=6, prune=False)
+    assert len(full) == 6
+    assert _answer(search(planner, base, gpus, top=6)) == _answer(full)
+    assert search(planner, base, gpus, top=0) == []
+
+
+def test_step_floor_bounds_the_step_and_grows_with_the_count():
+    """What pruning relies on: `step_floor` is at most the predicted step, and within a
+    family (everything but the microbatch count fixed) it never falls as the count grows."""
+    from tetrad.plan.search import families, valid
+
+    planner = Planner(cluster_preset("h100"))
+    base = layout_config(model_preset("llama3-8b"), 64, 4096)
+    checked = 0
+    for family in families(base, 16, 8, Space()):
+        floors = []
+        for _, cand in valid(family):
+            floor = planner.step_floor(cand)
+            if checked % 7 == 0:  # a sample: predicting every layout is the slow path
+                assert floor <= planner.predict(cand, detail=False).step_time_s * (1 + 1e-9)
+            floors.append(floor)
+            checked += 1
+        assert floors == sorted(floors), family[0].parallel
+    assert checked > 100
+
+
+def test_search_table_is_one_row_a_layout_in_80_columns(capsys):
+    from tetrad.cli import main
+
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--global-batch",
+            "64", "--seq-len", "4096", "--search", "--top", "8"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + 8  # title, header, one line a layout
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert "…" not in "".join(lines)
+    assert all(line.split()[0] == str(i) for i, line in enumerate(lines[2:], 1))
+
+
+def test_layout_code():
+    from tetrad.plan.cli import layout_code
+
+    lay = dict(dp=1, fsdp=32, tp=1, pp=1, cp=2, zero_stage=2, sp=False, pp_schedule="1f1b",
+               virtual_stages=1, microbatches=32, microbatch_size=1)  # fmt: skip
+    assert layout_code(lay) == "fsdp32·cp2·z2 m32"
+    lay.update(tp=8, pp=16, fsdp=1, cp=1, pp_schedule="interleaved-1f1b", virtual_stages=2,
+               microbatch_size=2, sp=True)  # fmt: skip
+    assert layout_code(lay) == "tp8·pp16 i1f1b/v2 m32x2"
+    lay.update(sp=False, tp=2, pp=1)
+    assert layout_code(lay) == "tp2·nosp m32x2"

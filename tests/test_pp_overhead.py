@@ -12,6 +12,50 @@ pytestmark = pytest.mark.distributed
 
 # Python-visible ways a tensor's value reaches the host (each one a device sync on a GPU)
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+# ...and the ways the host waits for the device directly
+CUDA_WAITS = ("synchronize", "current_stream", "default_stream", "Stream")
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event on CPU, so the runtime's clock takes its GPU path:
+    recording is free, any wait for one (or reading a time, which needs it done) counts."""
+
+    log = None  # log(name): set by _gpu_clock
+
+    def __init__(self, enable_timing: bool = False):
+        self.t = None
+
+    def record(self, stream=None) -> None:
+        import time
+
+        self.t = time.time()
+
+    def query(self) -> bool:
+        FakeEvent.log("Event.query")
+        return True
+
+    def synchronize(self) -> None:
+        FakeEvent.log("Event.synchronize")
+
+    def wait(self, stream=None) -> None:
+        FakeEvent.log("Event.wait")
+
+    def elapsed_time(self, end) -> float:
+        FakeEvent.log("Event.elapsed_time")
+        return (end.t - self.t) * 1e3
+
+
+def _gpu_clock(runtime, log) -> None:
+    """Give the runtime a GPU-mode clock on fake events; every CUDA wait from here on is
+    passed to `log(name)`."""
+    import torch
+
+    from tetrad.devices import Clock
+
+    torch.cuda.Event, FakeEvent.log = FakeEvent, log
+    for name in CUDA_WAITS:
+        setattr(torch.cuda, name, lambda *a, _n=name, **k: log(f"cuda.{_n}"))
+    runtime.clock = Clock(torch.device("cuda", 0))
 
 
 def _worker(rank: int, world: int, raw: dict) -> dict:
@@ -22,7 +66,10 @@ def _worker(rank: int, world: int, raw: dict) -> dict:
 
     trainer = trainer_for(from_dict(raw), rank)
     runtime = trainer.engine.runner
-    calls: list[str] = []
+    calls: list[str] = []  # host waits inside the schedule loop
+    outside: list[str] = []  # CUDA waits elsewhere (the clock's making, reading its times)
+    looping = [False]
+    _gpu_clock(runtime, lambda name: (calls if looping[0] else outside).append(name))
     originals = {name: getattr(torch.Tensor, name) for name in SYNCS}
 
     def counting(name):
@@ -37,23 +84,35 @@ def _worker(rank: int, world: int, raw: dict) -> dict:
     def watched(*args):  # only the schedule loop itself is watched
         for name in SYNCS:
             setattr(torch.Tensor, name, counting(name))
+        looping[0] = True
         try:
             return run(*args)
         finally:
+            looping[0] = False
             for name, fn in originals.items():
                 setattr(torch.Tensor, name, fn)
 
     runtime.run = watched
-    allocated = []
+    allocated, marks = [], []
     for _ in range(3):
         trainer.train_step()
         allocated.append(runtime.allocated)
+        marks.append(sum(isinstance(m[3], FakeEvent) for m in trainer.engine.last_run.marks))
+    before = len(outside)
+    times = trainer.engine.last_run.events  # read after the step, as the timeline does
     receives = sum(
         len([a for a in item.ops if a.kind.startswith("RECV")])
         for item in runtime.items
         if type(item).__name__ == "Post"
     )
-    return {"syncs": calls, "allocated": allocated, "receives": receives}
+    return {
+        "syncs": calls,
+        "allocated": allocated,
+        "receives": receives,
+        "marks": marks,
+        "computes": len(times),
+        "read": len(outside) - before,
+    }
 
 
 SYNC_SCHEDULES = ["1f1b", "zb-h1"]
@@ -85,6 +144,9 @@ def declare_jobs(jobs: Jobs) -> None:
 def test_schedule_loop_has_no_host_sync_and_reuses_buffers(jobs, schedule):
     for rank, out in enumerate(jobs[f"sync-{schedule}"]):
         assert out["syncs"] == [], f"rank {rank}: host syncs in the loop: {out['syncs']}"
+        # the loop did take GPU timings (an event per compute) and waits only when read
+        assert out["marks"] == [out["computes"]] * 3 and out["computes"] > 0, out
+        assert out["read"] > 0
         first, *later = out["allocated"]
         assert all(n == first for n in later), out["allocated"]  # no new buffer after step 1
         assert 0 < first < out["receives"], (first, out["receives"])  # reused within a step

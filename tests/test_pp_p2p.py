@@ -6,9 +6,15 @@ import pytest
 
 from harness import valid_schedule as _valid
 from tetrad.layout import SCHEDULES
+from tetrad.parallel.pipeline.as_run import (
+    Collective,
+    as_run,
+    last_backward_work,
+    with_collectives,
+)
 from tetrad.parallel.pipeline.check import check_program
 from tetrad.parallel.pipeline.p2p import Post, Wait, computes, program
-from tetrad.parallel.pipeline.runtime import EARLY
+from tetrad.parallel.pipeline.runtime import EARLY, LATE_SENDS
 from tetrad.parallel.pipeline.schedules import (
     Action,
     build_schedule,
@@ -40,6 +46,55 @@ def test_runtime_program_is_deadlock_free(transport):
         actions = build_schedule(name, pp, m, v)
         check_program(actions, program(actions), transport)
         check_program(actions, program(actions, early=early), transport)
+
+
+@pytest.mark.parametrize("transport", ["nccl", "gloo"])
+def test_runtime_program_with_late_sends_and_other_communicators(transport):
+    """The grid again, as it runs: gradient sends waited for late (LATE_SENDS in flight),
+    TP/CP collectives inside every F, B and BW, and DP/ZeRO reductions launched from each
+    stage's last backward work, on the same stream as the transfers (NCCL's worst case)."""
+    early = EARLY["cuda" if transport == "nccl" else "cpu"]
+    for name, pp, m, v in GRID:
+        actions = build_schedule(name, pp, m, v)
+        finals = set().union(*(last_backward_work(acts) for acts in actions))
+        try:
+            check_program(
+                actions,
+                program(actions, early=early),
+                transport,
+                late=LATE_SENDS,
+                inner={"F", "B", "BW"},
+                finals=finals,
+            )
+        except ValueError as e:
+            raise AssertionError(f"{name} pp={pp} m={m} v={v}: {e}") from None
+
+
+def test_the_model_sees_what_it_adds():
+    """as_run moves only gradient sends' waits, keeping LATE_SENDS in flight, and the
+    collectives land where the runtime issues them."""
+    actions = build_schedule("1f1b", 2, 4, 1)
+    prog = program(actions)[1]
+    run = as_run(prog, LATE_SENDS)
+    waits = [a for i in run if isinstance(i, Wait) for a in i.ops]
+    assert sorted(map(wire, waits)) == sorted(
+        wire(a) for i in prog if isinstance(i, Wait) for a in i.ops
+    )
+    assert [i for i in run if not isinstance(i, Wait)] == [
+        i for i in prog if not isinstance(i, Wait)
+    ]
+    late = [i for i in run if isinstance(i, Wait) and all(a.kind == "SEND_B" for a in i.ops)]
+    assert late and late[-1] is run[-1]  # the last ones at the step's end
+    full = with_collectives(prog, {"F"}, {("BW", 1, 3)})
+    f = [k for k, i in enumerate(full) if isinstance(i, Action) and i.kind == "F"]
+    assert all(full[k - 1] == Collective("tp/cp", needed=True) for k in f)
+    k = next(
+        k
+        for k, i in enumerate(full)
+        if isinstance(i, Action) and i.kind == "BW" and i.microbatch == 3
+    )
+    assert full[k + 1] == Collective("dp/fsdp", needed=False)
+    assert sum(isinstance(i, Collective) for i in full) == len(f) + 1
 
 
 def test_early_receives_are_for_gloo_only():

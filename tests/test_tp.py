@@ -36,6 +36,15 @@ COMM = [
     for sp in (False, True)
     for layers in (1, 2)
 ]
+# the 2-layer SP step again in bf16 compute, its gradients reduced in fp32, then in bf16
+COMM_BF16 = [
+    tiny_config(
+        model={"heads": 4, "kv_heads": 4, "dim": COMM_H, "layers": 2},
+        parallel={"tp": COMM_T, "sp": True, "microbatches": COMM_MB, "reduce_dtype": reduce},
+        train={"dtype": "bf16"},
+    )
+    for reduce in ("fp32", "bf16")
+]
 
 
 def declare_jobs(jobs: Jobs) -> None:
@@ -43,7 +52,7 @@ def declare_jobs(jobs: Jobs) -> None:
     for world, cases in LAYOUTS.items():
         cfgs = [tiny_config(parallel=par, model=model) for par, model in cases.values()]
         jobs.add_training(f"layouts{world}", cfgs)
-    jobs.add("comm", COMM_T, one_step_comm, [c.to_dict() for c in COMM])
+    jobs.add("comm", COMM_T, one_step_comm, [c.to_dict() for c in COMM + COMM_BF16])
 
 
 @pytest.mark.distributed
@@ -77,7 +86,7 @@ def test_tp_comm_volume_per_layer_is_megatron(jobs):
     embedding and the vocabulary-parallel loss have collectives of their own).
     """
     t, mb, h = COMM_T, COMM_MB, COMM_H
-    plain1, plain2, sp1, sp2 = jobs["comm"][0]
+    plain1, plain2, sp1, sp2, *_ = jobs["comm"][0]
     b, s = Layout.build(COMM[0]).microbatch_size, COMM[0].train.seq_len
     megatron = 8 * b * s * h * (t - 1) / t * 4 * mb  # fp32 bytes per layer per step
 
@@ -93,6 +102,21 @@ def test_tp_comm_volume_per_layer_is_megatron(jobs):
     # besides: the two norm weights' gradients, summed over tp (h elements each)
     norm_grads = 2 * h * 4 * 2 * (t - 1) / t * mb
     assert _bus(sp2, "all_reduce") - _bus(sp1, "all_reduce") == pytest.approx(norm_grads)
+
+
+@pytest.mark.distributed
+def test_sp_norm_gradients_are_summed_in_the_reduce_dtype(jobs):
+    """Under bf16 compute, the SP norm weights' gradients cross tp in `reduce_dtype`: fp32
+    by default (the fp32 run's bytes exactly), bf16 when asked (half of theirs). Every
+    other tp all-reduce (the loss's statistics) is fp32 either way."""
+    t, mb, h = COMM_T, COMM_MB, COMM_H
+    sp2, bf16_fp32, bf16_bf16 = (jobs["comm"][0][i] for i in (3, 4, 5))
+    norms = 2 * 2 + 1  # two per block, and the final norm
+    norm_grads = norms * h * 4 * 2 * (t - 1) / t * mb  # fp32 bytes on the bus per step
+    assert _bus(bf16_fp32, "all_reduce") == pytest.approx(_bus(sp2, "all_reduce"))
+    assert _bus(bf16_fp32, "all_reduce") - _bus(bf16_bf16, "all_reduce") == pytest.approx(
+        norm_grads / 2
+    )
 
 
 @pytest.mark.parametrize(

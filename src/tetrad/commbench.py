@@ -31,9 +31,12 @@ import torch
 import torch.distributed as dist
 
 from tetrad.comm import Comm, bus_factor
+from tetrad.comm.watchdog import Watchdog, nccl_environment
 from tetrad.devices import Clock
 from tetrad.launch import launch, under_torchrun
 from tetrad.mesh import Group, Mesh
+
+TIMEOUT_S = 600.0  # the process group's, and the closing barrier's watchdog
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
@@ -106,7 +109,7 @@ def _slowest(seconds: float, comm: Comm, group: Group) -> float:
 def _timed(run: Callable[[], None], iters: int, clock: Clock) -> float:
     """Mean seconds per call. On a GPU the calls only enqueue work, so, as nccl-tests
     does, time them with events on the stream around all `iters` of them."""
-    clock.anchor()  # drains the device's queue before the first timed call
+    clock.drain()  # the device's queue empty before the first timed call
     t0 = clock.mark()
     for _ in range(iters):
         run()
@@ -244,14 +247,20 @@ def worker(args: argparse.Namespace) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=600))
+    if cuda:
+        nccl_environment()  # before the process group: async error handling, flight recorder
+    timeout = timedelta(seconds=TIMEOUT_S)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    watchdog = Watchdog(TIMEOUT_S)
     try:
-        group = Mesh.build({"pp": 1, "dp": world, "fsdp": 1, "cp": 1, "tp": 1}, rank)["world"]
+        degrees = {"pp": 1, "dp": world, "fsdp": 1, "cp": 1, "tp": 1}
+        group = Mesh.build(degrees, rank, timeout)["world"]
         report = run_bench(args, group, device or torch.device("cpu"))
         if rank == 0:
             emit(report, args.json)
-        dist.barrier()
+        Comm(device or "cpu", watchdog).barrier(group)  # counted, numbered and watched
     finally:
+        watchdog.close()
         dist.destroy_process_group()
     return 0
 

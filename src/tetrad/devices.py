@@ -117,22 +117,29 @@ class Clock:
     """Timestamps of device work, in seconds on the host's clock.
 
     On CPU a mark is the host's time. On a GPU the host only enqueues work, so its clock
-    would time kernel launches: a mark is a CUDA event recorded on the current stream,
-    read after the work ran, against an anchor taken once per measured span (the
-    stream drained by a synchronize, then the host's time and an event recorded at once;
-    a synchronize serves where no event can: placing a GPU's times on the host's clock).
+    would time kernel launches: a mark is a CUDA event recorded on the current stream and
+    read after the work ran (after the step's own host sync, so reading waits for
+    nothing). Events are placed on the host's clock through one origin taken when the
+    clock is made: the device drained once, then an event and the host's time at once (a
+    synchronize serves where no event can). Nothing after that drains the device: a
+    pipeline step's marks cost an event each, and no step waits for the device beyond its
+    one host sync. (The GPU's and the host's clocks drift apart by parts per million: a
+    millisecond an hour, well under a step; `drain` re-takes the origin.)
     """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._host, self._event = 0.0, None
+        self._host, self._origin = 0.0, None
+        if self.cuda:
+            self.drain()
 
-    def anchor(self) -> None:
-        """Start a measured span (on a GPU: wait for the device once)."""
+    def drain(self) -> None:
+        """Wait for the device's queued work and re-take the origin (benchmarks: before a
+        timed run; never on the training path, which waits only in its host sync)."""
         if self.cuda:
             torch.cuda.synchronize()
-            self._event = self.mark()
-        self._host = time.time()
+            self._origin = self.mark()
+            self._host = time.time()
 
     def mark(self) -> Any:
         """Now, on the device's timeline."""
@@ -147,7 +154,7 @@ class Clock:
         if not self.cuda:
             return mark
         mark.synchronize()
-        return self._host + self._event.elapsed_time(mark) / 1e3
+        return self._host + self._origin.elapsed_time(mark) / 1e3
 
     def interval(self, start: Any, end: Any) -> float:
         """Seconds between two marks (on a GPU, waits for the later one)."""

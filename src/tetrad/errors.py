@@ -9,6 +9,7 @@ torchrun) nothing is written and each rank prints its own line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -68,3 +69,128 @@ def root_cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         if found:
             return found[0]
     return None
+
+
+# --- hangs: which rank is behind ---------------------------------------------------------
+# When a collective outlives --timeout, the rank that saw it asks every rank for its recent
+# collectives (a request file in the report directory, which every rank's watchdog looks
+# for); each answers with a trace file; the launcher compares the sequence numbers.
+
+
+def _attempt_dir() -> tuple[Path | None, int, int]:
+    directory = os.environ.get(REPORT_DIR)
+    rank, attempt = rank_and_attempt()
+    return (Path(directory) if directory else None), rank, attempt
+
+
+def request_traces() -> bool:
+    """Ask every rank of this attempt to write its trace (False: no launcher to read them)."""
+    directory, _, attempt = _attempt_dir()
+    if directory is None:
+        return False
+    with _quiet():
+        (directory / f"attempt{attempt:03d}.traces-requested").touch()
+    return True
+
+
+def traces_requested() -> bool:
+    """Whether some rank of this attempt asked for every rank's trace."""
+    directory, _, attempt = _attempt_dir()
+    return directory is not None and (directory / f"attempt{attempt:03d}.traces-requested").exists()
+
+
+def write_trace(record: dict[str, Any]) -> Path | None:
+    """This rank's trace (its recent collectives, see `comm.ledger`) for the launcher."""
+    directory, rank, attempt = _attempt_dir()
+    if directory is None:
+        return None
+    path = directory / f"trace-attempt{attempt:03d}-rank{rank:05d}.json"
+    with _quiet():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": rank, "attempt": attempt, **record}))
+        os.replace(tmp, path)
+        return path
+    return None
+
+
+def traces_written() -> int:
+    """How many ranks of this attempt have written their trace."""
+    directory, _, attempt = _attempt_dir()
+    if directory is None:
+        return 0
+    return len(list(directory.glob(f"trace-attempt{attempt:03d}-rank*.json")))
+
+
+def read_traces(directory: Path) -> list[dict[str, Any]]:
+    """The traces of the newest attempt found in `directory`, by rank."""
+    found = []
+    for path in sorted(Path(directory).glob("trace-attempt*-rank*.json")):
+        with _quiet():
+            found.append(json.loads(path.read_text()))
+    if not found:
+        return []
+    last = max(t["attempt"] for t in found)
+    return sorted((t for t in found if t["attempt"] == last), key=lambda t: t["rank"])
+
+
+def who_is_behind(traces: list[dict[str, Any]]) -> str | None:
+    """One sentence naming the rank whose collective sequence number lags on a group, and
+    the collective the others wait in there; None without traces.
+
+    A trace holds, per group name, the group's ranks and the last sequence number this
+    rank issued on it (`groups`), and the collective it is blocked in, if any
+    (`waiting`: op, group, seq). Every rank issues the same collectives on a group in the
+    same order, so on a group whose members disagree, the lower numbers are behind."""
+    if not traces:
+        return None
+    by_rank = {t["rank"]: t for t in traces}
+    waiting = [t["waiting"] for t in traces if t.get("waiting")]
+    names = [w["group"] for w in waiting] + sorted({g for t in traces for g in t["groups"]})
+    for name in dict.fromkeys(names):  # the groups someone waits in first
+        line = _lag_on(name, by_rank, waiting)
+        if line:
+            return line
+    if waiting:
+        w = waiting[0]
+        return (
+            f"no rank is behind in the collectives it issued: ranks wait in {w['op']} "
+            f"#{w['seq']} over {w['group']}, which every member reached (a slow or stuck "
+            "device, or a mismatch of shapes; on GPUs see the NCCL flight recorder dumps)"
+        )
+    return None
+
+
+def _lag_on(name: str, by_rank: dict[int, dict], waiting: list[dict]) -> str | None:
+    members = next(t["groups"][name]["ranks"] for t in by_rank.values() if name in t["groups"])
+    seqs = {r: by_rank[r]["groups"].get(name, {}).get("seq", 0) for r in members if r in by_rank}
+    silent = [r for r in members if r not in by_rank]
+    top = max(seqs.values(), default=0)
+    behind = sorted(r for r, s in seqs.items() if s < top)
+    if not behind and not silent:
+        return None
+    # the first collective a lagging rank has not issued: where the others wait (on NCCL
+    # they may have enqueued more behind it)
+    stuck = min(seqs[r] for r in behind) + 1 if behind else top
+    ahead = sorted(r for r, s in seqs.items() if s >= stuck)
+    op = next((w["op"] for w in waiting if w["group"] == name and w["seq"] == stuck), None)
+    op = op or _op_at(by_rank[ahead[0]], name, stuck)
+    lags = ", ".join(f"rank {r} at #{seqs[r]}" for r in behind)
+    if silent:
+        lags = ", ".join(filter(None, [lags, f"rank(s) {silent} left no trace"]))
+    return (
+        f"behind on {name} (ranks {members}): {lags}; ranks {ahead} wait in {op} #{stuck} "
+        f"over {name}"
+    )
+
+
+def _op_at(trace: dict[str, Any], group: str, seq: int) -> str:
+    """The op of `trace`'s collective number `seq` on `group` (its recent ones)."""
+    for call in trace.get("recent", []):
+        if call["group"] == group and call["seq"] == seq:
+            return call["op"]
+    return "a collective"
+
+
+def _quiet() -> contextlib.suppress:
+    """Swallow file errors: a failure report must never raise a second failure."""
+    return contextlib.suppress(OSError, ValueError, KeyError, TypeError)

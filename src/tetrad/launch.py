@@ -8,6 +8,9 @@ its command line and stands between it and the user:
   stdout, but rank 0's) to OUT/logs/rank<R>.{stderr,stdout}.log, so the console shows the
   progress and, on failure, one line: the root cause from the ranks' reports
   (`tetrad.errors`), with its rank;
+- hangs: when a collective outlives --timeout every rank leaves a trace of its recent
+  collectives (`tetrad.comm.ledger`), and a second line names the rank that is behind and
+  the collective the others wait in;
 - signals: SIGTERM or SIGINT to this process is forwarded once, as SIGTERM, to torchrun,
   whose agent passes it to every worker; the workers save and exit (`tetrad.train.stop`).
   torchrun runs in its own session (a terminal's Ctrl-C reaches it only through us) and
@@ -36,7 +39,9 @@ from tetrad.errors import (
     EXIT_PREEMPTED,
     REPORT_DIR,
     read_reports,
+    read_traces,
     root_cause,
+    who_is_behind,
 )
 
 LOG_DIR = "TETRAD_LOG_DIR"
@@ -170,6 +175,9 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path) -> int:
         return EXIT_PREEMPTED
     if cause is not None:
         print(f"tetrad: error: {cause['message']} (logs: {logs})", file=sys.stderr, flush=True)
+        behind = who_is_behind(read_traces(reports))
+        if behind:  # a timed-out collective: the ranks' traces say who did not arrive
+            print(f"tetrad: {behind} (traces: {reports})", file=sys.stderr, flush=True)
         return int(cause.get("code") or EXIT_FAILED)
     if signalled is not None:
         name = signal.Signals(signalled).name

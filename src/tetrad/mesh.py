@@ -178,8 +178,11 @@ class Mesh:
         return mesh
 
     @classmethod
-    def build(cls, degrees: dict[str, int], rank: int, ep: int = 1) -> Mesh:
-        """Create the process groups. Every rank must call this with the same degrees."""
+    def build(cls, degrees: dict[str, int], rank: int, timeout: Any = None, ep: int = 1) -> Mesh:
+        """Create the process groups. Every rank must call this with the same degrees.
+        `timeout` (a timedelta): every group's, as the world's (torch gives a new group
+        its own default otherwise, not the world's); None: torch's default. `ep`: the
+        expert-parallel degree (the "ep" and "ep_data" groups)."""
         import torch.distributed as dist
 
         mesh = cls.plan(degrees, rank, ep)
@@ -195,11 +198,17 @@ class Mesh:
                 continue
             if tuple(ranks) not in made:
                 whole = len(ranks) == world
-                made[tuple(ranks)] = dist.group.WORLD if whole else dist.new_group(ranks)
+                made[tuple(ranks)] = dist.group.WORLD if whole else _new_group(ranks, timeout)
             if rank in ranks:
                 mesh.groups[name].pg = made[tuple(ranks)]
         for ranks in pp_end_groups(degrees):
-            pg = dist.new_group(ranks)
+            pg = _new_group(ranks, timeout)
             if rank in ranks:
                 mesh.groups["pp_ends"].pg = pg
         return mesh
+
+
+def _new_group(ranks: list[int], timeout: Any):
+    import torch.distributed as dist
+
+    return dist.new_group(ranks) if timeout is None else dist.new_group(ranks, timeout=timeout)

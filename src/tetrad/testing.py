@@ -20,7 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tetrad.comm import Comm
+from tetrad.comm.watchdog import Watchdog
 from tetrad.launch import free_port
+from tetrad.mesh import Group
 
 
 class _Array:
@@ -70,13 +73,23 @@ def _entry(fn, rank, world, port, results, threads, timeout, args) -> None:
             )
         out = fn(rank, world, *args)
         if world > 1:
-            dist.barrier()
+            _leave_together(rank, world, timeout)
         results.put((rank, True, _pack(out)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave_together(rank: int, world: int, timeout: float) -> None:
+    """The closing barrier, through `Comm` (counted and watched: a rank that never
+    arrives is named by the others' watchdogs)."""
+    watchdog = Watchdog(timeout)
+    try:
+        Comm("cpu", watchdog).barrier(Group("world", list(range(world)), rank, dist.group.WORLD))
+    finally:
+        watchdog.close()
 
 
 def spawn(

@@ -14,6 +14,9 @@ blocked" is host time on CPU; on a GPU, where `wait()` only makes the compute st
 wait, it is the time that stream stalls, measured with CUDA events around the wait.
 Only `torch.distributed` functions that exist since the declared floor (torch 2.6) are
 called (tests/test_torch_floor.py holds the code to that).
+
+Every collective is also numbered per group in a `Ledger` (the last ones kept in a ring),
+which the watchdog dumps on a timeout so the launcher can name the rank that is behind.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tetrad.comm.ledger import Call, Ledger
 from tetrad.comm.watchdog import Watchdog
 from tetrad.devices import Clock
 from tetrad.mesh import Group
@@ -88,7 +92,9 @@ class Flight:
 class Work:
     """An in-flight async collective; `wait()` charges its blocking time to the stats."""
 
-    def __init__(self, handle, stats: OpStats, watch: Watchdog | None = None, what=None):
+    def __init__(
+        self, handle, stats: OpStats, watch: Watchdog | None = None, what: Call | None = None
+    ):
         self._handle, self._stats = handle, stats
         self._watch, self._what = watch, what
         self.flight: Flight | None = None  # when traced
@@ -108,6 +114,8 @@ class Work:
                 self._watch.disarm()
             self._stats.blocked(t0, clock.mark())
             self._handle = None
+            if self._what is not None:
+                self._what.done = True
             if self.flight is not None and self.flight.end is None:
                 self.flight.end = time.time()
 
@@ -121,14 +129,16 @@ class Comm:
     """The collectives, with accounting. One per process, passed explicitly.
 
     device: the compute device; every tensor handed to a collective must live there. With a
-    `watchdog`, every blocking call (a synchronous collective, an async one's wait) is armed
-    with its name and group, so a call that never completes is named.
+    `watchdog`, every blocking call (a synchronous collective, an async one's wait, a host
+    sync in `watching`) is armed with its name and group, so a call that never completes is
+    named; the calls are numbered in the watchdog's ledger (else in one of its own).
     """
 
     def __init__(
         self, device: torch.device | str = "cpu", watchdog: Watchdog | None = None
     ) -> None:
         self.watchdog = watchdog
+        self.ledger = watchdog.ledger if watchdog is not None else Ledger()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -168,7 +178,18 @@ class Comm:
             for (axis, op), s in sorted(self.stats.items())
         }
 
-    def _record(self, group: Group, op: str, nbytes: int, sent: float | None = None) -> OpStats:
+    @contextlib.contextmanager
+    def watching(self, what: str):
+        """Watch a blocking point that is not a collective call (on a GPU, a host sync that
+        waits for enqueued collectives): named by `what` and the last collective issued."""
+        if self.watchdog is None:
+            yield
+            return
+        last = self.ledger.ring[-1].describe() if self.ledger.ring else "none yet"
+        with self.watchdog.watching(f"{what} (the last collective issued: {last})"):
+            yield
+
+    def _count(self, group: Group, op: str, nbytes: int, sent: float | None = None) -> OpStats:
         """Count a call of `nbytes` buffer bytes; `sent`: the bytes this rank sends, when
         no ring factor gives them (all-to-all: what leaves for the other ranks)."""
         s = self.stats[(group.name, op)]
@@ -177,19 +198,26 @@ class Comm:
         s.bus_bytes += bus_factor(op, group.size) * nbytes if sent is None else sent
         return s
 
-    def _run(self, stats: OpStats, fn, async_op: bool, what=None) -> Work | None:
-        t0 = self.clock.mark()
+    def _record(
+        self, group: Group, op: str, nbytes: int, sent: float | None = None
+    ) -> tuple[OpStats, Call]:
+        """Count a collective and number it in the ledger."""
+        return self._count(group, op, nbytes, sent), self.ledger.issue(op, group, nbytes)
+
+    def _run(self, recorded: tuple[OpStats, Call], fn, async_op: bool) -> Work | None:
+        (stats, call), t0 = recorded, self.clock.mark()
         if async_op:
-            work = Work(fn(True), stats, self.watchdog, what)
-            if self.trace is not None and work._handle is not None and what is not None:
-                work.flight = _flight(work._handle, what)
+            work = Work(fn(True), stats, self.watchdog, call)
+            if self.trace is not None and work._handle is not None:
+                work.flight = _flight(work._handle, call)
                 self.trace.append(work.flight)
             return work
         if self.watchdog:
-            self.watchdog.arm(what)
+            self.watchdog.arm(call)
         fn(False)
         if self.watchdog:
             self.watchdog.disarm()
+        call.done = True
         stats.blocked(t0, self.clock.mark())
         return None
 
@@ -206,7 +234,6 @@ class Comm:
             s,
             lambda a: dist.all_reduce(t, op=red, group=group.pg, async_op=a),
             async_op,
-            _what("all_reduce", group),
         )
 
     def all_gather(
@@ -223,7 +250,6 @@ class Comm:
             s,
             lambda a: dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=a),
             async_op,
-            _what("all_gather", group),
         )
 
     def reduce_scatter(
@@ -240,7 +266,6 @@ class Comm:
             s,
             lambda a: dist.reduce_scatter_tensor(out, inp, group=group.pg, async_op=a),
             async_op,
-            _what("reduce_scatter", group),
         )
 
     def all_to_all(
@@ -276,7 +301,6 @@ class Comm:
                 out, inp, out_splits, in_splits, group=group.pg, async_op=a
             ),
             async_op,
-            _what(op, group),
         )
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group) -> None:
@@ -290,7 +314,6 @@ class Comm:
             s,
             lambda a: dist.broadcast(t, src_global, group=group.pg, async_op=a),
             False,
-            _what("broadcast", group),
         )
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[Work]:
@@ -302,7 +325,7 @@ class Comm:
         for kind, t, peer in ops:
             self.check_device(t, group, kind)
             if kind == "send":
-                stats = self._record(group, "send", t.numel() * t.element_size())
+                self._count(group, "send", t.numel() * t.element_size())
                 p2p.append(dist.P2POp(dist.isend, t, peer, group=group.pg))
             else:
                 stats = self.stats[(group.name, "recv")]
@@ -313,18 +336,24 @@ class Comm:
         handles = dist.batch_isend_irecv(p2p)
         if len(handles) != len(p2p):  # coalesced (NCCL): one work for the whole batch
             handles = [handles[0] if handles else None] * len(p2p)
-        stats, what = self.stats[(group.name, "p2p_wait")], _what("send/recv", group)
-        return [Work(h, stats, self.watchdog, what) for h in handles]
+        nbytes = sum(t.numel() * t.element_size() for _, t, _ in ops)
+        call = self.ledger.issue("send/recv", group, nbytes, numbered=False)
+        stats = self.stats[(group.name, "p2p_wait")]
+        return [Work(h, stats, self.watchdog, call) for h in handles]
 
     def barrier(self, group: Group) -> None:
-        if group.size > 1:
-            barrier = lambda a: dist.barrier(group=group.pg)  # noqa: E731
-            self._run(OpStats(), barrier, False, _what("barrier", group))
+        """Every member of `group` reaches this point (counted, numbered and watched)."""
+        if group.size == 1:
+            return
+        # NCCL: name the device, or torch guesses one per rank and may pick a shared GPU
+        ids = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        barrier = lambda a: dist.barrier(group=group.pg, **ids)  # noqa: E731
+        self._run(self._record(group, "barrier", 0), barrier, False)
 
 
-def _flight(handle, what: tuple[str, Group]) -> Flight:
+def _flight(handle, call: Call) -> Flight:
     """A Flight for `handle`, its end stamped by the work's future on completion."""
-    flight = Flight(what[0], what[1].name, time.time())
+    flight = Flight(call.op, call.group, time.time())
 
     def land(_) -> None:
         flight.end = time.time()
@@ -332,8 +361,3 @@ def _flight(handle, what: tuple[str, Group]) -> Flight:
     with contextlib.suppress(RuntimeError):  # no future on this work: its wait stamps the end
         handle.get_future().then(land)
     return flight
-
-
-def _what(op: str, group: Group) -> tuple[str, Group]:
-    """What the watchdog names if a call hangs (formatted only then: this runs per call)."""
-    return op, group

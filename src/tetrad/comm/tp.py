@@ -51,13 +51,15 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torc
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, group):
-        ctx.comm, ctx.group = comm, group
+    def forward(ctx, x, comm, group, reduce_dtype):
+        ctx.comm, ctx.group, ctx.reduce_dtype = comm, group, reduce_dtype
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.comm, ctx.group), None, None
+        dtype = ctx.reduce_dtype or grad.dtype
+        summed = _all_reduce(grad.to(dtype), ctx.comm, ctx.group).to(grad.dtype)
+        return summed, None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -110,9 +112,12 @@ def once_in_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _OnceInTP.apply(x, group) if group.size > 1 else x
 
 
-def copy_to_tp(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
-    """f: enter the tp region with a replicated input; its gradients are summed over tp."""
-    return _CopyToTP.apply(x, comm, group) if group.size > 1 else x
+def copy_to_tp(
+    x: torch.Tensor, comm: Comm, group: Group, reduce_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """f: enter the tp region with a replicated input; its gradients are summed over tp,
+    in `reduce_dtype` if given (a weight's gradient, summed as the data axis sums it)."""
+    return _CopyToTP.apply(x, comm, group, reduce_dtype) if group.size > 1 else x
 
 
 def reduce_from_tp(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:

@@ -24,7 +24,8 @@ class ActivationMeter:
 
     `counting` off makes `saving()` a no-op (no hooks, none of their cost: about 3 us per
     saved tensor); holds are still counted, so `references` then sees only them.
-    `measure(every)` says which steps count: the first, and one of every `every` after.
+    `measure(every)` says which steps count: the first, one of every `every` after, and
+    the one after a `recount()` (a cheap check saw a step differ from the counted one).
     """
 
     def __init__(self) -> None:
@@ -39,22 +40,29 @@ class ActivationMeter:
         self.measured = 0  # the peak of the latest step that counted
         self.steps = 0
         self.decisions: dict[object, bool] = {}  # see `learned`
+        self.again = False  # count the next step (see `recount`)
 
     def measure(self, every: int) -> bool:
         """Start a step: count saved tensors in it if it is the first, or one of every
-        `every` (0: the first only). Returns whether it counts."""
-        self.counting = self.steps == 0 or (every > 0 and self.steps % every == 0)
+        `every` (0: the first only), or if a recount was asked for. Returns whether it counts."""
+        self.counting = self.again or self.steps == 0 or (every > 0 and self.steps % every == 0)
+        self.again = False
         self.steps += 1
         return self.counting
 
     def learned(self, key: object, seen: Callable[[], bool]) -> bool:
         """A yes/no read off the counts, for the steps that count none: on a counting
         step `seen()`, and once it has said yes the answer stays yes; on the other steps
-        the remembered answer, yes if it was never counted (the cautious one). The same
-        code builds the same graph every step, so the answer does not change."""
+        the remembered answer, yes if it was never counted (the cautious one). A step's
+        graph may differ from the counted one (a data-dependent branch): whoever acts on a
+        "no" checks, cheaply, that acting is safe (`alone`), and calls `recount` when not."""
         if self.counting:
             self.decisions[key] = self.decisions.get(key, False) or seen()
         return self.decisions.get(key, True)
+
+    def recount(self) -> None:
+        """Count the next step: a remembered answer did not hold on this one."""
+        self.again = True
 
     def finish(self) -> int:
         """End a step: the latest counted peak (this step's, if it counted)."""
@@ -131,10 +139,35 @@ class ActivationMeter:
             del self.refs[ptr]
 
 
+def alone(t: torch.Tensor) -> bool:
+    """Whether nothing but `t` itself refers to its storage: no view, no detached alias,
+    no tensor autograd saved as its own output or packed through a hook (all of which a
+    later backward may read). Two reference counts, so cheap on every step. `t` itself
+    may still be held (autograd saving it as is, or its gradient accumulator): not seen
+    here, those keep its version counter, which reuse bumps (`autograd.graph.increment_version`)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= _ALONE
+
+
 def _storage_id(t: torch.Tensor) -> int:
     """The storage's identity: unlike its data pointer, it survives a resize (ZeRO-3 frees
     and re-gathers a buffer in place)."""
     return t.untyped_storage()._cdata
+
+
+def held_as_is(t: torch.Tensor) -> bool:
+    """Whether anything but its Python object holds the tensor `t` itself (autograd saves
+    an op's input as is). Yes where this torch cannot tell (the cautious answer)."""
+    count = getattr(t, "_use_count", None)
+    return count is None or count() > 1
+
+
+def _fresh_storage_refs() -> int:
+    """A lone tensor's storage references (its own, and its Python storage object's)."""
+    t = torch.empty(1)
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_ALONE = _fresh_storage_refs()
 
 
 class _Saved:

@@ -4,8 +4,11 @@ Each parameter's `.grad` is a view into a flat bucket buffer, so a bucket is all
 place with no copies. A post-accumulate-grad hook marks a parameter ready; when every
 parameter of a bucket is ready the bucket's all-reduce is launched asynchronously, while
 backward keeps computing the layers before them. Buckets are launched strictly in index order,
-so every rank issues the same collectives in the same order. On accumulation microbatches
-(`sync=False`) the hooks do nothing: gradients accumulate locally (`no_sync`).
+so every rank issues the same collectives in the same order. The first bucket (the last
+layers, whose gradients backward produces first) closes at `FIRST_BUCKET_BYTES`: with one
+big bucket nothing could launch before backward ends, and the whole reduction would wait
+after it; a small first bucket starts it a few layers into backward. On accumulation
+microbatches (`sync=False`) the hooks do nothing: gradients accumulate locally (`no_sync`).
 
 No averaging: the trainer divides every microbatch's summed token loss by the token count
 of the *global* batch, so the sum over data ranks is already the single-process gradient.
@@ -31,6 +34,10 @@ from tetrad.mesh import Group
 from tetrad.parallel.runner import Held
 
 Named = list[tuple[str, nn.Parameter]]
+
+# DDP's first bucket too: small enough to fill early in backward, big enough that one
+# all-reduce's fixed cost stays small beside its bytes
+FIRST_BUCKET_BYTES = 2**20
 
 
 class Masters:
@@ -134,11 +141,13 @@ class GradBuckets(LocalGrads):
         bucket_bytes: int,
         dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
+        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
     ):
         super().__init__(named, dtype)  # casts the parameters first: buckets take their dtype
         self.group, self.comm, self.reduce_dtype = group, comm, reduce_dtype
         params = [p for _, p in named if p.requires_grad]
-        self.buckets = self._make_buckets(params, bucket_bytes)
+        first = min(bucket_bytes, first_bucket_bytes)
+        self.buckets = self._make_buckets(params, first, bucket_bytes)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.launched = 0  # buckets [0, launched) have their all-reduce in flight
         self.by_name = {n: p for n, p in named}
@@ -149,13 +158,15 @@ class GradBuckets(LocalGrads):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @staticmethod
-    def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
-        # Backward produces gradients roughly in reverse order of definition.
+    def _make_buckets(params: list[nn.Parameter], first: int, rest: int) -> list[Bucket]:
+        """Consecutive parameters in reverse order of definition (roughly the order backward
+        produces their gradients): the first bucket closes at `first` bytes, the others at
+        `rest`."""
         buckets, current, size = [], [], 0
         for p in reversed(params):
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
+            if size >= (rest if buckets else first):
                 buckets.append(current)
                 current, size = [], 0
         if current:

@@ -54,7 +54,9 @@ def local_model(layout: Layout, m: ModelConfig, mesh: Mesh, comm: Comm) -> Local
     if layout.pp > 1:
         chunks = rank_chunks(layout, m, mesh["pp"].rank)
         prune(model, chunks, spec)
-    tp = apply_tp(model, spec.tp_plan, mesh, comm, m, layout.sp) if layout.tp > 1 else None
+    tp = None
+    if layout.tp > 1:
+        tp = apply_tp(model, spec.tp_plan, mesh, comm, m, layout.sp, layout.reduce_dtype)
     if layout.cp > 1:
         apply_cp(model, mesh, comm, layout.cp_attention, spec.attention_core)
         sum_sequences_over(model, comm, mesh["cp"])  # MoE's per-sequence expert counts

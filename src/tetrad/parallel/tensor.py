@@ -59,11 +59,13 @@ SHARDED = ("dp", "fsdp", "cp")  # a tp-sharded parameter is still replicated ove
 
 @dataclass
 class TP:
-    """What the tp layers need: the collectives, the tp group, and whether SP is on."""
+    """What the tp layers need: the collectives, the tp group, whether SP is on, and the
+    dtype a replicated weight's gradient is summed in (`parallel.reduce_dtype`)."""
 
     comm: Comm
     group: Group
     sp: bool
+    reduce_dtype: torch.dtype = torch.float32
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Enter the tp region: replicate [b,s,h], or gather the sequence [b,s/t,h] -> [b,s,h]."""
@@ -184,7 +186,9 @@ class SequenceParallelRMSNorm(RMSNorm):
 
     Each rank sees a different part of the sequence, so each holds a partial gradient of
     the (replicated) weight: forgetting this sum is the bug that shipped in Megatron and
-    GPT-NeoX. It is done in the graph (f on the weight), so it is right with accumulation.
+    GPT-NeoX. It is done in the graph (f on the weight), so it is right with accumulation,
+    and in `reduce_dtype`, as the data axis sums every other gradient (under bf16 compute,
+    fp32 by default: one rounding to bf16 after the sum, not one per ring step).
     """
 
     def __init__(self, dim: int, eps: float, tp: TP, device=None):
@@ -196,7 +200,8 @@ class SequenceParallelRMSNorm(RMSNorm):
         # the same arithmetic as llama.RMSNorm, with the weight entering the tp region
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * copy_to_tp(self.weight, self.tp.comm, self.tp.group)
+        weight = copy_to_tp(self.weight, self.tp.comm, self.tp.group, self.tp.reduce_dtype)
+        return normed.type_as(x) * weight
 
 
 # --- the loss -----------------------------------------------------------------------------
@@ -337,11 +342,18 @@ def _check_coverage(model: nn.Module, styles: dict[str, str]) -> None:
 
 
 def apply_tp(
-    model: nn.Module, plan: dict[str, str], mesh: Mesh, comm: Comm, m: ModelConfig, sp: bool
+    model: nn.Module,
+    plan: dict[str, str],
+    mesh: Mesh,
+    comm: Comm,
+    m: ModelConfig,
+    sp: bool,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> TPLayout:
     """Shrink `model` (on the meta device) to this rank's tp shards, following `plan`;
-    `sp`: sequence parallelism in the norms and between the blocks."""
-    tp = TP(comm, mesh["tp"], sp)
+    `sp`: sequence parallelism in the norms and between the blocks; `reduce_dtype`: what
+    the norm weights' gradients are summed over tp in, with SP."""
+    tp = TP(comm, mesh["tp"], sp, reduce_dtype)
     styles = assign([n for n, _ in model.named_modules() if n], plan)
     _check_coverage(model, styles)
     kinds: dict[str, str] = {}  # parameter name -> shard kind

@@ -200,18 +200,28 @@ def main(args: argparse.Namespace) -> int:
 # --- tables -------------------------------------------------------------------------------
 
 
-def _layout_text(lay: dict[str, Any]) -> str:
+SCHEDULE_CODES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "i1f1b",
+                  "zb-h1": "zb-h1", "zb-v": "zb-v"}  # fmt: skip
+
+
+def layout_code(lay: dict[str, Any]) -> str:
+    """A layout in one short string: the degrees over 1 joined by a dot, the ZeRO stage
+    (z2) where fsdp > 1, `nosp` for tp without SP, the schedule (with its virtual stages)
+    where pp > 1, then m microbatches (x their size when over 1): `fsdp32·cp2·z2 m32`."""
     axes = ("dp", "fsdp", "tp", "pp", "cp", "ep")
-    parts = [f"{a}={lay[a]}" for a in axes if lay.get(a, 1) > 1] or ["single"]
+    parts = [f"{a}{lay[a]}" for a in axes if lay.get(a, 1) > 1] or ["single"]
     if lay["fsdp"] > 1:
-        parts.append(f"zero{lay['zero_stage']}")
-    if lay["sp"]:
-        parts.append("sp")
+        parts.append(f"z{lay['zero_stage']}")
+    if lay["tp"] > 1 and not lay["sp"]:
+        parts.append("nosp")
+    words = ["·".join(parts)]
     if lay["pp"] > 1:
-        v = f" v={lay['virtual_stages']}" if lay["virtual_stages"] > 1 else ""
-        parts.append(f"{lay['pp_schedule']}{v}")
-    parts.append(f"m={lay['microbatches']}x{lay['microbatch_size']}")
-    return " ".join(parts)
+        v = lay["virtual_stages"]
+        interleaved = lay["pp_schedule"] == "interleaved-1f1b"
+        words.append(SCHEDULE_CODES[lay["pp_schedule"]] + (f"/v{v}" if interleaved else ""))
+    size = lay["microbatch_size"]
+    words.append(f"m{lay['microbatches']}" + (f"x{size}" if size > 1 else ""))
+    return " ".join(words)
 
 
 def print_prediction(answer: dict[str, Any]) -> None:
@@ -225,7 +235,7 @@ def print_prediction(answer: dict[str, Any]) -> None:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     rows = [
-        ("layout", _layout_text(pred["layout"])),
+        ("layout", layout_code(pred["layout"])),
         ("step time", f"{pred['step_time_s']:.3f} s"),
         ("  range", "{:.3f} - {:.3f} s".format(*pred["step_time_range_s"])),
         ("tokens/s", f"{pred['tokens_per_s']:,.0f}"),
@@ -247,24 +257,40 @@ def print_prediction(answer: dict[str, Any]) -> None:
     Console().print(table)
 
 
-def print_search(answer: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+SEARCH_COLUMNS = ("#", "layout", "step", "range", "tokens/s", "MFU", "bubble", "GiB")
 
+
+def search_table(answer: dict[str, Any]) -> list[str]:
+    """The search's answer as plain lines, one layout a row (step and range in seconds):
+    in 80 columns for layout strings of up to 27 characters, never wrapped or cut (a
+    longer layout widens its column)."""
     preds = answer["predictions"]
-    if not preds:
+    where = f"{preds[0]['layout']['world']} x {answer['cluster']['device']['name']}"
+    rows = [
+        (
+            str(i),
+            layout_code(p["layout"]),
+            f"{p['step_time_s']:.2f}",
+            "{:.1f}-{:.1f}".format(*p["step_time_range_s"]),
+            f"{p['tokens_per_s']:,.0f}",
+            f"{100 * p['mfu']:.1f}%",
+            f"{100 * p['bubble_fraction']:.1f}%",
+            f"{p['memory']['total'] / GiB:.1f}",
+        )  # fmt: skip
+        for i, p in enumerate(preds, 1)
+    ]
+    widths = [max(len(r[c]) for r in [SEARCH_COLUMNS, *rows]) for c in range(len(SEARCH_COLUMNS))]
+
+    def line(cells) -> str:
+        out = [c.ljust(w) if k == 1 else c.rjust(w) for k, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    title = f"tetrad plan --search: {answer['model']['name']} on {where} (seconds, GiB)"
+    return [title, line(SEARCH_COLUMNS), *(line(r) for r in rows)]
+
+
+def print_search(answer: dict[str, Any]) -> None:
+    if not answer["predictions"]:
         print("no layout fits in memory")
         return
-    where = f"{preds[0]['layout']['world']} x {answer['cluster']['device']['name']}"
-    table = Table(title=f"tetrad plan --search: {answer['model']['name']} on {where}")
-    cols = ("#", "layout", "step (s)", "range (s)", "tokens/s", "MFU", "bubble", "memory (GiB)")
-    for col in cols:
-        table.add_column(col, justify="left" if col == "layout" else "right")
-    for i, p in enumerate(preds, 1):
-        table.add_row(
-            str(i), _layout_text(p["layout"]), f"{p['step_time_s']:.3f}",
-            "{:.3f}-{:.3f}".format(*p["step_time_range_s"]),
-            f"{p['tokens_per_s']:,.0f}", f"{100 * p['mfu']:.1f}%",
-            f"{100 * p['bubble_fraction']:.1f}%", f"{p['memory']['total'] / GiB:.1f}",
-        )  # fmt: skip
-    Console().print(table)
+    print("\n".join(search_table(answer)))

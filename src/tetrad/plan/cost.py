@@ -48,11 +48,13 @@ from tetrad.models.families import spec_for
 from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
     build_schedule,
+    compute_orders,
     rank_stages,
     stage_to_rank,
 )
 from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import layer_split
+from tetrad.parallel.pipeline.timeline import Event, Timeline
 from tetrad.plan import activations as act
 from tetrad.plan.compute import ComputeModel
 from tetrad.plan.engines import TETRAD, Implementation
@@ -66,6 +68,7 @@ from tetrad.plan.layouts import (
     ep_groups,
     layout_of,
     local_tokens,
+    model_key,
 )
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
@@ -131,44 +134,61 @@ class Planner:
             cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
             engine.kernels.fused, engine.kernels.gqa_native, engine.chunked_loss,
             live=(engine.max_live_params, engine.reduce_bucket), cp_gathers_kv=engine.cp_gathers_kv,
-            scores=engine.kernels.attention == "unfused",
+            scores=engine.kernels.attention == "unfused", shards_over_cp=engine.shards_over_cp,
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}
+        self._orders: dict[tuple, Timeline] = {}
 
     def on(self, cluster: Cluster) -> Planner:
         """A planner for `cluster` (the same engine and recompute) that shares this one's
         caches: layer splits, schedules and model facts do not depend on the device's
         speed, and rebuilding them is most of a small model's prediction."""
         out = Planner(cluster, self.engine, self.recompute)
-        out._splits, out._schedules = self._splits, self._schedules
+        out._splits, out._schedules, out._orders = self._splits, self._schedules, self._orders
         out.footprint.share_caches(self.footprint)
         return out
 
     def schedule(self, cfg: Config) -> list:
-        """The schedule's action lists (built once per schedule, pp, m and v)."""
+        """The schedule's action lists (built once per schedule, pp, m, v and the engine's
+        interleaved warm-up)."""
         p = cfg.parallel
-        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
+        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages, self.engine.interleaved_lag)
         if key not in self._schedules:
             self._schedules[key] = build_schedule(*key)
         return self._schedules[key]
 
+    def order(self, cfg: Config) -> Timeline:
+        """Each rank's compute actions in the order it runs them, one unit of time each
+        (built once per schedule, pp, m and v): a rank runs its actions in one order
+        whatever they cost, so what is in flight when, all that memory reads off a
+        timeline, is read off this one without simulating the step."""
+        p = cfg.parallel
+        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages, self.engine.interleaved_lag)
+        if key not in self._orders:
+            orders = compute_orders(*key)
+            ranks = [[Event(a.kind, a.stage, a.microbatch, i, i + 1) for i, a in enumerate(acts)]
+                     for acts in orders]  # fmt: skip
+            self._orders[key] = Timeline(ranks, unit="cost", schedule=p.pp_schedule)
+        return self._orders[key]
+
     def split(self, cfg: Config) -> list[int]:
         """Layers per global stage, as the runtime splits them (`stage.layer_split`)."""
         p = cfg.parallel
-        key = (repr(cfg.model), p.pp, p.virtual_stages, p.pp_split, cfg.train.seq_len)
+        key = (model_key(cfg.model), p.pp, p.virtual_stages, p.pp_split, cfg.train.seq_len)
         if key not in self._splits:
             uniform = self.engine.split == "uniform" and not p.pp_split
             split = (uniform and _uniform_split(cfg)) or layer_split(layout_of(cfg), cfg.model)
             self._splits[key] = split
         return self._splits[key]
 
-    def predict(self, cfg: Config, detail: bool = True) -> Prediction:
+    def predict(self, cfg: Config, detail: bool = True, memory: Memory | None = None) -> Prediction:
         """Step time, throughput, MFU, memory and breakdown of `cfg`'s layout.
 
         detail=False skips the second simulation (without transfer delays) that splits
-        the pipeline's idle time into bubble and p2p: the search's fast path.
+        the pipeline's idle time into bubble and p2p: the search's fast path. `memory`:
+        `self.memory(cfg)` where the caller has it already.
         """
         Layout.build(cfg, cfg.parallel.world_size)  # the runtime's every rule
         p = cfg.parallel
@@ -183,15 +203,34 @@ class Planner:
         pipe = {"makespan": timeline.makespan, "free": free.makespan, "busy": busy[busiest]}
         breakdown = self._breakdown(cfg, times, busiest, pipe, tails)
         step = sum(breakdown.values())
-        memory = self.footprint.memory(cfg, self.split(cfg), facts, timeline, self._w_deferred(cfg))
+        memory = memory or self.memory(cfg, facts)
         return self._prediction(cfg, step, timeline.bubble_fraction, memory, breakdown)
 
+    def memory(self, cfg: Config, facts: list[RankFacts] | None = None) -> Memory:
+        """The fullest rank's memory (what `predict` reports), without timing the step."""
+        facts = facts or [self.rank_facts(cfg, r) for r in range(cfg.parallel.pp)]
+        order, deferred = self.order(cfg), self._w_deferred(cfg)
+        return self.footprint.memory(cfg, self.split(cfg), facts, order, deferred)
+
+    def step_floor(self, cfg: Config) -> float:
+        """A lower bound of `predict(cfg).step_time_s` without simulating the schedule: no
+        rank finishes before its own work is done (the makespan is at least any rank's
+        busy time), and the step adds the longest tail after the schedule."""
+        p = cfg.parallel
+        facts = [self.rank_facts(cfg, r) for r in range(p.pp)]
+        times = self.stage_times(cfg, facts)
+        busy = tail = 0.0
+        for r in range(p.pp):
+            stages = rank_stages(r, p.pp, p.virtual_stages, p.pp_schedule)
+            work = sum(times.total(k, s) for k in "FBW" for s in stages)
+            busy = max(busy, p.microbatches * work)
+            tail = max(tail, sum(self.after_schedule(cfg, r, facts[r], times).values()))
+        return busy + tail
+
     def rank_activations(self, cfg: Config, pp_rank: int) -> float:
-        """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory;
-        a rank runs its actions in one order whatever they cost, so unit costs do)."""
-        timeline = simulate(self.schedule(cfg), Costs(1.0, 1.0, 1.0), cfg.parallel.pp_schedule)
+        """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory)."""
         split, deferred = self.split(cfg), self._w_deferred(cfg)
-        return self.footprint.rank_activations(cfg, split, timeline, pp_rank, deferred)
+        return self.footprint.rank_activations(cfg, split, self.order(cfg), pp_rank, deferred)
 
     def with_range(self, cfg: Config, pred: Prediction) -> Prediction:
         """`pred` with a step-time range: the layout predicted at the lowest and highest

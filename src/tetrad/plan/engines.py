@@ -42,6 +42,13 @@ class Implementation:
     Transformer Engine, torchtitan); tetrad's default all-gather core waits for it.
     cp_gathers_kv: attention keeps the all-gathered keys and values of the whole
     sequence for its backward (tetrad's all-gather core); a ring keeps only its own.
+    interleaved_lag: warm-up forwards of the interleaved schedule per downstream rank:
+    2 (Megatron, tetrad) also covers a p2p round trip, at L·(1 + (p-1)/(p·v)) layers of
+    activations on rank 0; 1 holds 1F1B's L (an engine that overlaps its transfers
+    otherwise: Llama 3's asynchronous p2p).
+    shards_over_cp: the ZeRO state is sharded over fsdp x cp (torchtitan's FSDP mesh takes
+    the cp ranks in: they hold the same weights); tetrad shards over fsdp alone. Memory
+    only: the traffic is still priced over the fsdp group.
     """
 
     name: str
@@ -61,6 +68,8 @@ class Implementation:
     max_live_params: float = 0.0
     cp_overlap: bool = False
     cp_gathers_kv: bool = True
+    interleaved_lag: int = 2
+    shards_over_cp: bool = False
 
 
 # Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
@@ -74,7 +83,7 @@ MEGATRON = Implementation(  # --overlap-grad-reduce --overlap-param-gather --tp-
     split="uniform", cp_overlap=True, cp_gathers_kv=False,
 )  # fmt: skip
 TORCHTITAN = Implementation("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True,
-                    cp_overlap=True, cp_gathers_kv=False)  # fmt: skip
+                    cp_overlap=True, cp_gathers_kv=False, shards_over_cp=True)  # fmt: skip
 TORCHTITAN_COMPILE = dataclasses.replace(
     TORCHTITAN, name="torchtitan-compile", kernels=Kernels(fused=True)
 )
@@ -99,8 +108,18 @@ MEGATRON_2021 = Implementation(
     "megatron-2021", grad_overlap=False, kernels=Kernels(True, "unfused"), split="uniform",
     split_w_with_tp=True,
 )  # fmt: skip
+# Llama 3's own 4D training stack as its paper describes it (Llama 3 Herd, section 3.3.2):
+# Megatron-class fused kernels and sequence shards, one layer fewer on the first and last
+# stages (the uniform split with the embedding and the loss counted), asynchronous p2p
+# with an interleaved schedule that keeps fewer warm-up microbatches than Megatron's, and
+# FSDP that keeps gradients sharded (reduce-scattered as each backward makes them) and
+# the bf16 weights whole through the step (ZeRO-2), sharded over the data and cp ranks as
+# torchtitan's (the paper does not say; docs/plan.md)
+LLAMA3 = dataclasses.replace(
+    MEGATRON, name="llama3", interleaved_lag=1, reduce_every_microbatch=True, shards_over_cp=True
+)
 ENGINES = {
     e.name: e
     for e in (TETRAD, MEGATRON, MEGATRON_2021, TORCHTITAN, TORCHTITAN_COMPILE,
-              TORCHTITAN_ASYNC_TP, DEEPSPEED)
+              TORCHTITAN_ASYNC_TP, DEEPSPEED, LLAMA3)
 }  # fmt: skip

@@ -28,7 +28,7 @@ from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
-from tetrad.plan.layouts import layout_of
+from tetrad.plan.layouts import layout_of, model_key
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
 # allocated and freed within a step. A stated share, not fitted per row (torchtitan's eager
@@ -88,9 +88,10 @@ class Footprint:
         self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool,
         fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
         live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
-        scores: bool = False,
+        scores: bool = False, shards_over_cp: bool = False,
     ):  # fmt: skip
         self.cp_gathers_kv = cp_gathers_kv
+        self.shards_over_cp = shards_over_cp  # ZeRO shards over fsdp x cp (torchtitan)
         self.scores = scores  # attention materialises the s x s scores (no flash kernel)
         self.device, self.recompute, self.fused = device, recompute, fused
         # (most gathered ZeRO-3 elements kept at once, gradient bucket): (0, _) whole units
@@ -114,18 +115,25 @@ class Footprint:
         stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
         kinds = _block_kinds(cfg.model, split, stages)
         first, last = 0 in stages, len(split) - 1 in stages
-        key = (repr(cfg.model), p.tp, p.fsdp, p.zero_stage, cfg.train.dtype, kinds, first, last,
-               _ep_shape(cfg))  # fmt: skip
+        shards = self.shards(cfg)
+        key = (model_key(cfg.model), p.tp, shards, p.zero_stage, cfg.train.dtype, kinds, first,
+               last, _ep_shape(cfg))  # fmt: skip
         if key not in self._facts:
             named, replicated = self._local_parameters(cfg, kinds, first, last)
             numel = {n: math.prod(s) for n, s in named}
             blocks = spec_for(cfg.model).blocks + "."
             layers = sum(v for n, v in numel.items() if n.startswith(blocks))
             experts = sum(numel[n] for n in numel if replicated[n] == EXPERT_REPLICATED)
-            state = _state(cfg, named, replicated)
+            state = _state(cfg, named, replicated, shards)
             held = sum(kinds)
             self._facts[key] = RankFacts(layers, sum(numel.values()) - layers, held, state, experts)
         return self._facts[key]
+
+    def shards(self, cfg: Config) -> int:
+        """Ranks the ZeRO state is sharded over: fsdp, or fsdp x cp for an engine whose
+        sharding group takes the cp ranks in (they hold the same weights)."""
+        p = cfg.parallel
+        return p.fsdp * p.cp if self.shards_over_cp and p.fsdp > 1 else p.fsdp
 
     def _local_parameters(self, cfg: Config, kinds: tuple[int, int], first: bool, last: bool):
         """`memory.local_parameters` of a rank holding `kinds` = (dense, MoE) blocks (and
@@ -135,7 +143,7 @@ class Footprint:
         so its experts are the slice a rank holds (spanning tp where the layout's does)."""
         m, p = cfg.model, cfg.parallel
         template_layers = min(m.layers, m.dense_layers + 1) if m.moe else 1
-        key = (repr(m), p.tp, _ep_shape(cfg))
+        key = (model_key(m), p.tp, _ep_shape(cfg))
         if key not in self._template:
             one = dataclasses.replace(cfg, model=dataclasses.replace(m, layers=template_layers))
             ep_data = p.ep // p.tp if _ep_shape(cfg)[1] else p.ep
@@ -320,16 +328,16 @@ def _ep_shape(cfg: Config) -> tuple[int, bool]:
     return p.ep, p.ep > 1 and (p.dp * p.fsdp * p.cp) % p.ep != 0
 
 
-def _state(cfg: Config, named, replicated) -> ModelState:
-    """`model_state.model_state_bytes`'s arithmetic on given local parameters (fsdp rank
-    0): under ep the experts are held whole, beside ZeRO's units of the rest."""
+def _state(cfg: Config, named, replicated, shards: int) -> ModelState:
+    """`model_state.model_state_bytes`'s arithmetic on given local parameters (shard rank 0
+    of `shards`): under ep the experts are held whole, beside ZeRO's units of the rest."""
     p = cfg.parallel
     dtype = layout_of(cfg).compute_dtype
-    if p.fsdp == 1:
+    if shards == 1:
         return replicated_bytes(named, dtype)
     experts = [(n, s) for n, s in named if replicated[n] == EXPERT_REPLICATED]
     rest = [(n, s) for n, s in named if replicated[n] != EXPERT_REPLICATED]
-    units = plan_units(rest, replicated, p.fsdp, spec_for(cfg.model))
+    units = plan_units(rest, replicated, shards, spec_for(cfg.model))
     zero = zero_bytes(units, 0, p.zero_stage, dtype)
     if not experts:
         return zero

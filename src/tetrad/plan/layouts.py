@@ -19,6 +19,11 @@ def layout_of(cfg: Config) -> Layout:
     return Layout.build(cfg)
 
 
+def model_key(model: ModelConfig) -> tuple:
+    """`model`'s fields as a key for the planner's caches (its repr cost a search seconds)."""
+    return tuple(vars(model).values())
+
+
 def local_tokens(cfg: Config) -> int:
     """Tokens of one microbatch on one rank: cp splits every sequence."""
     return layout_of(cfg).microbatch_tokens

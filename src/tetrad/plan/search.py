@@ -22,11 +22,20 @@ microbatch count) counts are walked upward: activation memory falls as microbatc
 shrink, so counts whose memory floor overflows are skipped unsimulated, and the walk
 stops at the first count slower than the one before (time is taken to be unimodal in the
 count: the bubble shrinks, per-microbatch overheads grow).
+
+Pruned, as unable to win (the answer is the unpruned search's, tested): a count whose
+`Planner.step_floor` (the busiest rank's own work plus the longest tail, no simulation)
+is slower than the `top`-th best time found so far ends its family's walk, since the
+floor does not fall as the count grows. Memory is read off each rank's action order
+(`Planner.order`), not a simulated timeline, and candidates are validated only when a
+walk reaches them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -113,8 +122,10 @@ def _schedules(cfg: Config, space: Space) -> list[tuple[str, int]]:
 
 
 def families(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterator[list[Config]]:
-    """Valid layouts of `cfg`'s model and batch on `world` ranks, grouped into families
-    that differ only in the microbatch count (ascending)."""
+    """Candidate layouts of `cfg`'s model and batch on `world` ranks, grouped into
+    families that differ only in the microbatch count (ascending). Not yet validated:
+    `valid` picks those that pass `Layout.build`, as a walk reaches them (validating
+    every count up front was a search's largest cost)."""
     for deg in degrees(cfg, world, gpus_per_node, space):
         zeros = _choices(space.zero_stage, [2, 3] if deg["fsdp"] > 1 else [3])
         for zero in zeros:
@@ -126,67 +137,147 @@ def families(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Itera
             counts = [m for m in divisors(cfg.train.global_batch // data) if m >= deg["pp"]]
             for name, v in _schedules(base, space):
                 family = [
-                    c
+                    _with(base, microbatches=m, pp_schedule=name, virtual_stages=v)
                     for m in _choices(space.microbatches, counts)
-                    if _valid(
-                        c := _with(base, microbatches=m, pp_schedule=name, virtual_stages=v),
-                        world,
-                    )  # fmt: skip
                 ]
                 if family:
                     yield family
 
 
-def _valid(cfg: Config, world: int) -> bool:
-    try:
-        Layout.build(cfg, world)
-    except ValueError:
-        return False
-    return True
+def valid(family: list[Config]) -> Iterator[tuple[int, Config]]:
+    """(index, layout) of the family's layouts that pass `Layout.build`, in order."""
+    for k, cand in enumerate(family):
+        try:
+            Layout.build(cand, cand.parallel.world_size)
+        except ValueError:
+            continue
+        yield k, cand
 
 
 def _with(cfg: Config, **parallel) -> Config:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
 
 
-def _best_of_family(planner: Planner, family: list[Config]) -> list[tuple[float, float, Config]]:
-    """(step time, memory, layout) of the family's counts that fit, walked upward until
-    the time stops improving."""
-    out: list[tuple[float, float, Config]] = []
+class _Ranking:
+    """The layouts found so far, and the time a layout must beat to enter the top.
+
+    Entries are keyed (time, memory, family, count): the last two are the enumeration
+    order, so ties break the same way whichever layouts pruning left unsimulated."""
+
+    def __init__(self, top: int):
+        self.top = top
+        self.found: list[tuple[float, float, int, int, Config]] = []
+
+    def add(self, t: float, mem: float, family: int, count: int, cand: Config) -> None:
+        self.found.append((t, mem, family, count, cand))
+
+    @property
+    def threshold(self) -> float:
+        """The `top`-th best time found so far (inf until `top` are found): a layout
+        slower than it cannot be in the answer, whatever comes later."""
+        if self.top <= 0:
+            return -math.inf  # nothing is asked for: nothing needs simulating
+        if len(self.found) < self.top:
+            return math.inf
+        return heapq.nsmallest(self.top, (f[0] for f in self.found))[-1]
+
+    def best(self) -> list[Config]:
+        return [f[-1] for f in sorted(self.found, key=lambda f: f[:4])[: max(self.top, 0)]]
+
+
+def _walk_family(
+    planner: Planner, family: list[Config], index: int, ranking: _Ranking, prune: bool
+) -> None:
+    """Add the family's counts that fit to `ranking`, walked upward until the time stops
+    improving.
+
+    With `prune`, the walk ends at the first count whose `Planner.step_floor` (a lower
+    bound of its step, unsimulated) is slower than the ranking's threshold: the floor
+    does not fall as the count grows (every per-microbatch term is a fixed cost plus
+    one that shrinks with the microbatch, and the hidden windows shrink with it:
+    `tests/test_plan_search.py` checks it), so no later count can enter the answer
+    either, and the answer is the unpruned walk's."""
     capacity = planner.cluster.device.hbm_bytes
-    for cand in family:
+    last, first = math.inf, True
+    for k, cand in valid(family):
+        if first and not _state_fits(planner, cand):
+            return  # the model state alone overflows, whatever the microbatches
+        first = False
+        if prune and planner.step_floor(cand) * (1 - 1e-9) > ranking.threshold:
+            break
         if planner.memory_floor(cand) > capacity:
             continue
-        pred = planner.predict(cand, detail=False)
-        if not pred.memory.fits:
+        memory = planner.memory(cand)
+        if not memory.fits:
             continue
-        if out and pred.step_time_s >= out[-1][0]:
+        pred = planner.predict(cand, detail=False, memory=memory)
+        if pred.step_time_s >= last:
             break
-        out.append((pred.step_time_s, pred.memory.total, cand))
-    return out
+        last = pred.step_time_s
+        ranking.add(pred.step_time_s, memory.total, index, k, cand)
+
+
+def _hopeful(planner: Planner, family: list[Config], ranking: _Ranking) -> bool:
+    """Whether the family's first valid count could beat the threshold (later counts
+    cannot if it cannot: `_walk_family`)."""
+    first = next(valid(family), None)
+    return first is not None and planner.step_floor(first[1]) * (1 - 1e-9) <= ranking.threshold
+
+
+def _buildable(planner: Planner, family: list[Config]) -> bool:
+    """Whether the runtime can build the family's model on its ranks (a family none of
+    whose counts is valid has nothing to walk): a model with a module its tp plan lacks
+    (Qwen3's QK-norm under tp, today) cannot, and is left out rather than failing the
+    search."""
+    first = next(valid(family), None)
+    if first is None:
+        return False
+    try:
+        for r in range(first[1].parallel.pp):
+            planner.rank_facts(first[1], r)
+    except ValueError:
+        return False
+    return True
+
+
+def _state_fits(planner: Planner, cfg: Config) -> bool:
+    """Whether every pp rank's model state alone fits (it does not depend on the count)."""
+    states = [planner.rank_facts(cfg, r).state.total for r in range(cfg.parallel.pp)]
+    return max(states) < planner.cluster.device.hbm_bytes
+
+
+def _fits_somewhere(planner: Planner, families: list[list[Config]]) -> bool:
+    """Whether any count of any of `families` fits in memory."""
+    capacity = planner.cluster.device.hbm_bytes
+    return any(
+        planner.memory_floor(c) <= capacity and planner.memory(c).fits
+        for family in families
+        for _, c in valid(family)
+    )
 
 
 def search(
-    planner: Planner, cfg: Config, world: int, space: Space = Space(), top: int = 10
-) -> list[Prediction]:
-    """The `top` fastest predicted layouts that fit in memory, fastest first."""
-    found: list[tuple[float, float, int, Config]] = []
-    capacity = planner.cluster.device.hbm_bytes
-    fitted: set[tuple[int, int]] = set()  # (tp, pp) with a layout that fits at cp = 1
-    for family in families(cfg, world, planner.cluster.gpus_per_node, space):
-        first = family[0]
-        p = first.parallel
-        if p.cp > 1 and space.cp is None and (p.tp, p.pp) in fitted:
-            continue  # those ranks as data parallelism fit, and are faster (no exchange)
-        try:
-            states = [planner.rank_facts(first, r).state.total for r in range(p.pp)]
-        except ValueError:
-            continue  # the runtime cannot build this model so (e.g. a module without a tp plan)
-        if max(states) >= capacity:
-            continue  # the model state alone overflows, whatever the microbatches
-        for t, mem, cand in _best_of_family(planner, family):
-            found.append((t, mem, len(found), cand))
-            if p.cp == 1:
-                fitted.add((p.tp, p.pp))
-    found.sort(key=lambda x: x[:3])
-    return [planner.predict(cand) for *_, cand in found[:top]]
+    planner: Planner, cfg: Config, world: int, space: Space = Space(), top: int = 10,
+    prune: bool = True,
+) -> list[Prediction]:  # fmt: skip
+    """The `top` fastest predicted layouts that fit in memory, fastest first.
+
+    prune=False simulates every count the walk reaches (the reference the pruned search is
+    tested against: the same answer)."""
+    ranking = _Ranking(top)
+    at_cp1: dict[tuple[int, int], list[list[Config]]] = {}  # (tp, pp) -> cp = 1 families
+    fitted: dict[tuple[int, int], bool] = {}  # (tp, pp): a cp = 1 layout fits
+    for index, family in enumerate(families(cfg, world, planner.cluster.gpus_per_node, space)):
+        if not _buildable(planner, family):
+            continue
+        p = family[0].parallel
+        key = (p.tp, p.pp)
+        if p.cp == 1:
+            at_cp1.setdefault(key, []).append(family)
+        elif space.cp is None and (not prune or _hopeful(planner, family, ranking)):
+            if key not in fitted:  # asked only where the answer could change the result
+                fitted[key] = _fits_somewhere(planner, at_cp1.get(key, []))
+            if fitted[key]:
+                continue  # those ranks as data parallelism fit, and are faster (no exchange)
+        _walk_family(planner, family, index, ranking, prune)
+    return [planner.predict(cand) for cand in ranking.best()]

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad.comm import Comm
+from tetrad.comm.watchdog import nccl_environment
 from tetrad.config import Config
 from tetrad.devices import peak_tflops, pick
 from tetrad.layout import Layout
@@ -61,23 +62,27 @@ def init_distributed(
     """Join the process group torchrun set up (if any) and build the mesh of `layout`
     (validated for this world: `Layout.build`, before the first collective).
 
-    `timeout_s` bounds the process group's own waits; tetrad's watchdog (`--timeout`), set
-    shorter, names a stuck collective first."""
+    `timeout_s` bounds the process group's own waits, every group's (a `new_group` without
+    one would get torch's default, 30 minutes); tetrad's watchdog (`--timeout`), set
+    shorter, names a stuck collective first. On NCCL, async error handling and the flight
+    recorder are switched on before the group exists (`nccl_environment`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    timeout = timedelta(seconds=timeout_s)
     if layout.world != world:
         raise ValueError(f"the layout is for {layout.world} ranks, torchrun started {world}")
     device = pick_device(cfg)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            nccl_environment()  # read by the process group when it is created
         # keys of this torchrun attempt only: a restarted rank must never find the address
         # a killed rank of an earlier attempt published in a store that outlived it
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"tetrad/attempt{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return Mesh.build(layout.degrees, rank, layout.ep), device
+    return Mesh.build(layout.degrees, rank, timeout, ep=layout.ep), device
 
 
 def hf_weights(cfg: Config):
@@ -156,8 +161,10 @@ class Trainer:
         """
         self.balance.begin_step()
         agreed, count = self._forward_backward(self.loader.next())
-        # the host sync; the flags: a stop was asked for, a checkpoint writer is busy
-        loss, sq_norm, stops, writing, tokens = torch.cat([agreed, count.view(1)]).tolist()
+        # the host sync (watched: on a GPU a hung collective shows here, not in its call);
+        # the flags: a stop was asked for, a checkpoint writer is busy
+        with self.comm.watching("the step's host sync"):
+            loss, sq_norm, stops, writing, tokens = torch.cat([agreed, count.view(1)]).tolist()
         norm = math.sqrt(sq_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if not skipped:
@@ -196,7 +203,8 @@ class Trainer:
             self.engine.zero_grad()
             total += torch.stack([agreed[0] * count, count])
         self.engine.last_run = last_step
-        loss_sum, tokens = total.tolist()
+        with self.comm.watching("evaluation's host sync"):
+            loss_sum, tokens = total.tolist()
         return loss_sum / max(tokens, 1.0)
 
     def _apply(self, norm: float) -> None:

@@ -44,20 +44,21 @@ def run(
         stop.install()
     mesh, device = init_distributed(cfg, layout, timeout_s=cfg.train.timeout + 60)
     watchdog = Watchdog(cfg.train.timeout)
+    comm = Comm(device, watchdog)
     clean = False
     try:
-        rows = _train(cfg, layout, mesh, device, Comm(device, watchdog), stop, timeline)
+        rows = _train(cfg, layout, mesh, device, comm, stop, timeline)
         clean = True
         return rows
     except Preempted:
         clean = True  # every rank agreed and saved: they leave together
         raise
     finally:
-        watchdog.close()
         stop.uninstall()
         if clean and dist.is_initialized():
-            dist.barrier()
+            comm.barrier(mesh["world"])  # watched: a peer that never arrives is named
             dist.destroy_process_group()
+        watchdog.close()
 
 
 def _train(

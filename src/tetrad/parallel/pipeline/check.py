@@ -39,13 +39,35 @@ waits, computes) against a transport's semantics:
   batch). Messages on a link match in issue order, whatever their tags.
 - "gloo": one host thread per rank; posting never blocks; waiting for a receive blocks
   until the matching send is posted, waiting for a send until the matching receive is.
+
+`check_program(..., late=L, inner=..., finals=...)` models two more things the runtime does
+(`as_run.py` rewrites each program into what actually runs):
+
+- late gradient sends: a SEND_B's wait is not where the program has it; the runtime keeps
+  the send in flight and waits for it once more than L others are (or at the step's
+  end). Its `done()` poll may wait for it sooner: both the program's point and the
+  latest point are checked, and waiting between the two adds no constraint the first
+  lacks (progress here is monotone: every event's preconditions are conjunctions).
+- other communicators: the collectives of TP and CP inside a compute (the compute needs
+  them: `inner`), and the DP/ZeRO reductions a stage's last backward work launches
+  (`finals`: nothing in the schedule waits for them; the step's end does). Under "nccl"
+  each is a batch of its own on the rank's one stream, in issue order with the p2p
+  batches: the worst case, in which the GPU runs one communicator's kernels at a time.
+  Its group peers (the same pipeline rank of another tp, cp or dp index) run the same
+  program, so it completes once this rank starts it. Under gloo a collective blocks only
+  its own caller until those same peers arrive, which they do: nothing is added.
+  On one in-order stream such a collective only makes the compute after it wait for the
+  batches posted before it, and every batch a peer could be waiting for from this rank is
+  queued behind those same batches anyway: the grid passing with them is expected, and
+  the check keeps it so should the runtime start waiting in a new place.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
+from tetrad.parallel.pipeline.as_run import Collective, as_run, with_collectives
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait
 from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, compute_only, wire
 
@@ -252,10 +274,19 @@ Op = tuple[int, int]  # (rank, index of the transfer in that rank's issue order)
 
 
 def check_program(
-    actions: list[list[Action]], programs: list[list[Item]], transport: str = "nccl"
+    actions: list[list[Action]],
+    programs: list[list[Item]],
+    transport: str = "nccl",
+    *,
+    late: int | None = None,
+    inner: Collection[str] = (),
+    finals: Collection[ActionKey] = (),
 ) -> None:
     """Raise ValueError unless `programs` run `actions` to the end on `transport`
-    ("nccl" or "gloo"; see the module docstring)."""
+    ("nccl" or "gloo"; see the module docstring). `late`: the runtime's bound on gradient
+    sends left in flight (None: waited where the program says); `inner`: the compute
+    kinds holding collectives of another communicator; `finals`: the computes that
+    launch reductions of another communicator."""
     if transport not in ("nccl", "gloo"):
         raise ValueError(f"unknown transport {transport!r}; expected 'nccl' or 'gloo'")
     if len(programs) != len(actions):
@@ -263,10 +294,12 @@ def check_program(
     for rank, (acts, items) in enumerate(zip(actions, programs)):
         _check_items(rank, acts, items)
     match = _match(programs)
-    if transport == "nccl":
-        _nccl_progress(programs, match)
-    else:
-        _gloo_progress(programs, match)
+    variants = [programs] if late is None else [programs, [as_run(p, late) for p in programs]]
+    for progs in variants:
+        if transport == "nccl":
+            _nccl_progress([with_collectives(p, inner, finals) for p in progs], match)
+        else:
+            _gloo_progress(progs, match)
 
 
 def _check_items(rank: int, acts: list[Action], items: list[Item]) -> None:
@@ -343,15 +376,21 @@ def _match(programs: list[list[Item]]) -> dict[Op, Op]:
     return match
 
 
-def _batches(items: list[Item]) -> tuple[list[int], list[int], list[int]]:
+def _batches(items: list[Item | Collective]) -> tuple[list[int], list[int], list[int]]:
     """Per batch: its first op's index and the computes issued before it; per compute:
-    the last batch waited for before it (-1: none)."""
+    the last batch waited for before it (-1: none). A collective is a batch of no p2p op
+    (it starts when the stream reaches it; its peers, in step, start it too)."""
     first, before, need = [], [], []
     n_ops = n_comp = 0
     batch_of: dict[ActionKey, int] = {}
     last = -1
     for item in items:
-        if isinstance(item, Post):
+        if isinstance(item, Collective):
+            if item.needed:
+                last = len(first)
+            first.append(n_ops)
+            before.append(n_comp)
+        elif isinstance(item, Post):
             for a in item.ops:
                 batch_of[(a.kind, a.stage, a.microbatch)] = len(first)
             first.append(n_ops)
@@ -368,7 +407,14 @@ def _batches(items: list[Item]) -> tuple[list[int], list[int], list[int]]:
 def _nccl_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
     """Run the streams (see the module docstring) to the end, or report where they stop."""
     shape = [_batches(items) for items in programs]
-    sizes = [[len(i.ops) for i in items if isinstance(i, Post)] for items in programs]
+    sizes = [
+        [
+            0 if isinstance(i, Collective) else len(i.ops)
+            for i in items
+            if isinstance(i, Post | Collective)
+        ]
+        for items in programs
+    ]
     head = [0] * len(programs)  # per rank: the batch its stream runs now
     done = [0] * len(programs)  # per rank: computes run
 

@@ -26,8 +26,11 @@ before the loop, and receive buffers are reused across microbatches: a buffer re
 the pool once nothing the meter counts (autograd's saved tensors, deferred-W inputs)
 still refers to it, which is after the backward that consumed it. The meter's saved-tensor
 hooks run only on the steps that count (`train.meter_every`: the first, by default);
-the steps between free and pool by what the last counting step saw (the same code makes
-the same graph every step), and count only the runtime's own holds.
+the steps between free and pool by what the last counting step saw, and count only the
+runtime's own holds. A step's graph may differ from the counted one (a data-dependent
+branch), so each such decision is checked where it acts, by reference counts: an output
+is freed only if nothing else holds it, a pooled buffer reused only if nothing else refers
+to its storage; when a check fails the runtime does the safe thing and the next step counts.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
 from tetrad.models.spec import ModelSpec
-from tetrad.parallel.activation_meter import ActivationMeter
+from tetrad.parallel.activation_meter import ActivationMeter, alone, held_as_is
+from tetrad.parallel.pipeline.edge import backward_from, backward_takes_edges
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait, Wire, program
 from tetrad.parallel.pipeline.schedules import (
     Action,
@@ -98,9 +102,10 @@ class PipelineStep(RunResult):
 
     @property
     def comm_events(self) -> list[Event]:
-        """The step's async collectives as timeline events (kind AR, RS or AG, on the
+        """The step's async collectives as timeline events (kind AR, RS, AG or A2A, on the
         host's clock; stage and microbatch -1), launched to completed."""
         kinds = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
+        kinds["all_to_all"] = "A2A"
         return [
             Event(kinds[f.op], -1, -1, f.start, f.end if f.end is not None else f.start)
             for f in self.flights
@@ -157,7 +162,6 @@ class PipelineRuntime:
         st.targets_of = [move(mb.targets) for mb in micro] if self.holds_loss else []
         self.meter.measure(self.meter_every)
         self.meter.reset(self.model.parameters())
-        self.clock.anchor()
         st.clock = self.clock
         for item in self.items:
             if isinstance(item, Post):
@@ -201,13 +205,30 @@ class PipelineRuntime:
 
     def _frees(self, s: int, out: torch.Tensor) -> bool:
         """Whether stage s's sent output may give up its storage to the send buffer: only
-        our own hold counts it, autograd did not save it (learned on a counting step)."""
-        return not self.meter.learned(("saved", s), lambda: self.meter.references(out) != 1)
+        our own hold counts it, autograd did not save it (learned on a counting step),
+        and, checked on every step, nothing else holds the output itself (autograd saving
+        it as an input would read the emptied tensor) and it is not a received input
+        passed through (a leaf: emptying it would empty a pooled buffer)."""
+        if self.meter.learned(("saved", s), lambda: self.meter.references(out) != 1):
+            return False
+        if out.grad_fn is None or held_as_is(out):
+            self.meter.recount()  # not the counted step's graph
+            return False
+        return True
 
     def _buffer(self) -> torch.Tensor:
-        """A receive buffer: a free one from the pool, or a new one."""
-        if self.pool:
-            return self.pool.pop()
+        """A receive buffer: a free one from the pool, or a new one. The pool holds what
+        the counted step's graph let go of; a buffer that, on this step, something still
+        refers to (a different graph kept it) is left to the allocator instead of being
+        overwritten, and the next step counts again."""
+        while self.pool:
+            buf = self.pool.pop()
+            if alone(buf):
+                # autograd reading it as saved after all (held as is: `alone` cannot see
+                # that) now fails loudly on the version check instead of reading new data
+                torch.autograd.graph.increment_version(buf)
+                return buf
+            self.meter.recount()
         self.allocated += 1
         return torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
 
@@ -314,8 +335,8 @@ class PipelineRuntime:
         with self.store.filing((s, i)) if self.store is not None else nullcontext():
             if chunk.last:
                 torch.autograd.backward(out)
-            else:  # from the gradient edge: `out`'s storage may already be freed
-                torch.autograd.backward(torch.autograd.graph.get_gradient_edge(out), grad)
+            else:  # from its autograd node: `out`'s storage may already be freed
+                backward_from(out, grad)
         if not chunk.last and ("F", s + 1, i) not in st.sends:
             self.meter.drop(("F", s + 1, i))  # handed to a local next stage, never sent
         if self.store is not None:
@@ -362,6 +383,7 @@ def build_pipeline(
         store = WeightGradStore()
         defer_weight_grads(model, store)
     names = [n for n, _ in model.named_parameters()]
+    backward_takes_edges()  # probed here, once: not a first call inside the schedule loop
     if comm.device.type == "cuda":
         # NCCL creates a communicator on its first use, with every member; torch requires
         # that batched p2p not be that first use unless every rank joins the same batch

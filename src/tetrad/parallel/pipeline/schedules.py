@@ -78,13 +78,27 @@ def placement(pp: int, v: int, name: str) -> Callable[[int], int]:
 
 
 def build_schedule(
-    name: str, pp: int, microbatches: int, virtual_stages: int = 1
+    name: str, pp: int, microbatches: int, virtual_stages: int = 1, lag: int = 2
 ) -> list[list[Action]]:
-    """Per-rank action lists (compute and transfers interleaved) for schedule `name`."""
-    check_schedule(name, pp, microbatches, virtual_stages)
-    orders = _ORDERS[name](pp, microbatches, virtual_stages)
+    """Per-rank action lists (compute and transfers interleaved) for schedule `name`.
+    `lag`: interleaved warm-up forwards per downstream rank (`_interleaved`)."""
+    orders = compute_orders(name, pp, microbatches, virtual_stages, lag)
     place = placement(pp, virtual_stages, name)
     return [add_transfers(order, place, pp * virtual_stages) for order in orders]
+
+
+def compute_orders(
+    name: str, pp: int, microbatches: int, virtual_stages: int = 1, lag: int = 2
+) -> list[list[Action]]:
+    """Per-rank compute actions of schedule `name`, in the order each rank runs them: what
+    `build_schedule` returns without the transfers (the order alone fixes what a rank
+    holds when, so memory can be read off it without timing anything)."""
+    check_schedule(name, pp, microbatches, virtual_stages)
+    if lag not in (1, 2):
+        raise ValueError(f"interleaved warm-up lag must be 1 or 2, got lag={lag}")
+    if name == "interleaved-1f1b":
+        return _interleaved(pp, microbatches, virtual_stages, lag)
+    return _ORDERS[name](pp, microbatches, virtual_stages)
 
 
 def compute_only(rank_actions: list[Action]) -> list[Action]:
@@ -152,7 +166,7 @@ def _1f1b(pp: int, m: int, v: int) -> list[list[Action]]:
     return orders
 
 
-def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
+def _interleaved(pp: int, m: int, v: int, lag: int = 2) -> list[list[Action]]:
     """Megatron's interleaved 1F1B over v chunks per rank (looped placement).
 
     Microbatches go through the chunks in groups of pp: forward k of a rank is chunk
@@ -160,12 +174,16 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
     in reverse. Warm-up covers the v-1 extra chunk rounds plus 2 per downstream rank:
     one would do if transfers were free; the second hides the p2p round trip when they
     are not, at the memory Korthikanti et al. give: rank 0 holds v*pp + pp - 1 chunks
-    (L·(1 + (pp-1)/(pp·v)) layers).
+    (L·(1 + (pp-1)/(pp·v)) layers). That is the runtime's (`lag` 2); lag 1 keeps one
+    per downstream rank, rank 0 then holding v*pp chunks (L layers, 1F1B's), and its
+    transfers stall the next chunk round unless they are hidden otherwise, and it needs
+    non-blocking sends (with blocking ones it deadlocks): the planner's description of
+    an engine that runs so (`Implementation.interleaved_lag`), not tetrad's runtime.
     """
     total = m * v
     orders = []
     for r in range(pp):
-        warm = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+        warm = min((pp - r - 1) * lag + (v - 1) * pp, total)
         fwd = [_interleaved_action("F", k, r, pp, v) for k in range(total)]
         bwd = [_interleaved_action("BW", k, r, pp, v) for k in range(total)]
         order = fwd[:warm]

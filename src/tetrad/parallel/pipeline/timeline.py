@@ -10,9 +10,10 @@ import json
 from dataclasses import dataclass, field
 
 _COLOURS = {"F": "#4c78c8", "B": "#7fc9d9", "W": "#8cc97e", "BW": "#e8a05c"}
-# the communication lane: async collectives (all-reduce, reduce-scatter, all-gather)
-COMM_KINDS = ("AR", "RS", "AG")
-_COMM_COLOURS = {"AR": "#c0392b", "RS": "#8e44ad", "AG": "#7f8c8d"}
+# the communication lane: async collectives (all-reduce, reduce-scatter, all-gather, and
+# expert parallelism's dispatch all-to-all)
+COMM_KINDS = ("AR", "RS", "AG", "A2A")
+_COMM_COLOURS = {"AR": "#c0392b", "RS": "#8e44ad", "AG": "#7f8c8d", "A2A": "#d4ac0d"}
 
 
 @dataclass(frozen=True)
