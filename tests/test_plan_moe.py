@@ -5,6 +5,7 @@ and the links it is priced on, and the search choosing ep when the experts do no
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -225,3 +226,20 @@ def test_search_proposes_ep_when_the_experts_do_not_fit_replicated():
     assert all(p.memory.fits for p in found)
     alone = planner.predict(layout_config(m, 16, 2048, "bf16", dp=8, microbatches=2))
     assert not alone.memory.fits
+
+
+def test_cli_predicts_an_ep_layout(capsys):
+    """`tetrad plan --ep` with the MoE flags: the layout carries ep, tp runs without SP
+    (tetrad's MoE refuses it), the model override reaches the model, and the all-to-all
+    shows in the breakdown."""
+    from tetrad.cli import main
+
+    argv = ["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--gpu", "h100",
+            "--global-batch", "32", "--seq-len", "2048", "--fsdp", "8", "--tp", "2",
+            "--ep", "8", "--top-k", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    pred = out["predictions"][0]
+    assert pred["layout"]["ep"] == 8 and pred["layout"]["sp"] is False
+    assert out["model"]["top_k"] == 1
+    assert pred["breakdown"]["ep"] > 0
