@@ -290,7 +290,7 @@ class Footprint:
         if p.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
             # with pp > 1 a stage reduces at its last backward work (whatever m): whole
             whole = (p.microbatches > 1 or p.pp > 1) and not self.reduce_every_micro
-            grads = fa.psi if whole else units
+            grads = fa.psi_dense if whole else units  # experts under ep: in the state
             if self.max_live and self.reduce_bucket and not whole:
                 grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(cfg))
             extra += c * grads
