@@ -355,19 +355,19 @@ class Planner:
         all-to-all moves T·k·dim·c bytes per rank of which (ep - 1)/ep leave it, T the
         rank's tokens (1/tp of the microbatch's under tp, each tp rank dispatching its
         share), on the links the ep group spans (`Cluster.all_to_all`); before the
-        dispatch the ranks exchange their per-expert counts (latency only). Forward, the
+        dispatch the ranks exchange their per-expert counts (8·E bytes). Forward, the
         layer's shared experts compute while the dispatch travels (where communication
         runs beside compute): only what the dispatch takes beyond them shows."""
         p, m, split = cfg.parallel, cfg.model, self.split(cfg)
         out = {k: [0.0] * len(split) for k in "FBW"}
         if p.ep == 1:
             return out
-        tokens = local_tokens(cfg) / p.tp
-        group = ep_groups(cfg)[0][0]
+        group = ep_groups(cfg)[0][0]  # every group spans the same links
         buffer = ep_bytes_per_layer(cfg) / 4 * p.ep / (p.ep - 1)  # one call's copies
         one = self.cluster.all_to_all(group, buffer)
         counts = self.cluster.all_to_all(group, 8.0 * m.experts)
-        shared = self._shared_expert_seconds(cfg, tokens * p.tp) if self.cluster.overlap else 0.0
+        overlap = self.cluster.overlap
+        shared = self._shared_expert_seconds(cfg, local_tokens(cfg)) if overlap else 0.0
         forward = max(0.0, one - shared) + one + counts
         starts = [sum(split[:s]) for s in range(len(split))]
         for stage, layers in enumerate(split):
