@@ -67,7 +67,18 @@ def summary(rows: list[dict[str, Any]]) -> str:
         )
     if "epoch" in rows[-1]:
         lines.append(f"epochs               {rows[-1]['epoch']:.3f}")
+    if "moe_layers" in rows[-1]:
+        first, last = _worst_load(rows[0]), _worst_load(rows[-1])
+        lines += [
+            f"moe aux loss         {rows[0]['moe_aux_loss']:.4f} -> {rows[-1]['moe_aux_loss']:.4f}",
+            f"expert load max/mean {first:.2f} -> {last:.2f} (the most imbalanced layer)",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _worst_load(row: dict[str, Any]) -> float:
+    """The largest max/mean tokens-per-expert ratio over a row's MoE layers."""
+    return max(v["load_max"] / v["load_mean"] for v in row["moe_layers"].values())
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -104,6 +115,36 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return written
 
 
+def plot_experts(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """experts.png, for a mixture of experts: per MoE layer over the steps, the busiest
+    expert's tokens over the mean (1: balanced), the auxiliary loss and router entropy."""
+    rows = [r for r in rows if "moe_layers" in r]
+    if not rows:
+        return []
+    import matplotlib.pyplot as plt  # plot() has checked it is there
+
+    layers = list(rows[-1]["moe_layers"])
+    quantities = [
+        ("max / mean tokens per expert", lambda v: v["load_max"] / v["load_mean"]),
+        ("auxiliary loss", lambda v: v["aux_loss"]),
+        ("router entropy (nats)", lambda v: v["router_entropy"]),
+    ]
+    fig, axes = plt.subplots(len(quantities), 1, figsize=(7, 2.8 * len(quantities)))
+    for ax, (ylabel, value) in zip(axes, quantities):
+        for layer in layers:
+            pts = [(r["step"], value(r["moe_layers"][layer])) for r in rows]
+            ax.plot(*zip(*pts), label=f"layer {layer}")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small", ncol=4)
+    axes[0].set_title("expert load")
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "experts.png", dpi=100)
+    plt.close(fig)
+    return [out / "experts.png"]
+
+
 def report(run: str | Path, out: str | Path | None = None) -> tuple[str, list[Path]]:
     """Write RUN/report/ (or `out`): the PNGs and summary.txt; return the summary text."""
     rows = read_metrics(run)
@@ -111,4 +152,4 @@ def report(run: str | Path, out: str | Path | None = None) -> tuple[str, list[Pa
     out.mkdir(parents=True, exist_ok=True)
     text = summary(rows)
     (out / "summary.txt").write_text(text)
-    return text, [*plot(rows, out), out / "summary.txt"]
+    return text, [*plot(rows, out), *plot_experts(rows, out), out / "summary.txt"]

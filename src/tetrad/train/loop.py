@@ -233,29 +233,26 @@ class Trainer:
         tokens_per_s = result.tokens / step_time if step_time > 0 else 0.0
         world = self.mesh.world_size
         mfu = tokens_per_s * self.flops_per_token / (world * self.peak * 1e12)
-        return (
-            {
-                "step": self.step - 1,
-                "loss": result.loss,
-                "grad_norm": result.grad_norm,
-                "lr": lr_at(self.step - 1, self.cfg.train),
-                "tokens": result.tokens,
-                "step_time_s": step_time,
-                "tokens_per_s": tokens_per_s,
-                "mfu": mfu,
-                "peak_mem_bytes": int(maxed[0]),
-                # saved for backward, at the step's peak (a saved-tensor meter, any device)
-                "peak_activation_bytes": int(maxed[4]),
-                # parameters, gradients, optimizer state: the live tensors after the optimizer
-                # step, and what parallel/memory predicts for them (equal, to the byte)
-                "model_state_bytes": int(maxed[3]),
-                "model_state_predicted_bytes": int(maxed[2]),
-                "comm_bytes": float(summed[0]),
-                "skipped": result.skipped,
-            }
-            | self._epoch()
-            | self.balance.metrics()
-        )
+        row = {
+            "step": self.step - 1,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": lr_at(self.step - 1, self.cfg.train),
+            "tokens": result.tokens,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "peak_mem_bytes": int(maxed[0]),
+            # saved for backward, at the step's peak (a saved-tensor meter, any device)
+            "peak_activation_bytes": int(maxed[4]),
+            # parameters, gradients, optimizer state: the live tensors after the optimizer
+            # step, and what parallel/memory predicts for them (equal, to the byte)
+            "model_state_bytes": int(maxed[3]),
+            "model_state_predicted_bytes": int(maxed[2]),
+            "comm_bytes": float(summed[0]),
+            "skipped": result.skipped,
+        } | self._epoch()
+        return row | self.balance.metrics()  # a collective too (MoE: expert load)
 
     def _epoch(self) -> dict[str, float]:
         """Passes made over a token corpus (synthetic data has none)."""
