@@ -54,11 +54,14 @@ def layer_costs(m: ModelConfig, seq_len: int) -> list[float]:
 
 
 def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
-    """(K, N) per token of an MoE block's matmuls on one tp rank (experts are not split by
-    tp): the k routed experts' matmuls as one of width k·expert_dim."""
+    """(K, N) per token of an MoE block's matmuls on one tp rank: the k routed experts'
+    matmuls as one of width k·expert_dim/t (experts are not split by tp, but each tp rank
+    runs them for 1/t of the tokens, parallel/expert.py), the shared ones split like a
+    dense SwiGLU."""
     h, hd = m.dim, m.head_dim
     kv = max(m.kv_heads // t, 1) * hd
-    routed, shared = m.top_k * m.expert_dim, m.shared_experts * m.expert_dim
+    routed = m.top_k * m.expert_dim // t
+    shared = m.shared_experts * m.expert_dim // t
     out = {
         "attention.wq": (h, m.heads * hd // t),
         "attention.wk": (h, kv),

@@ -6,11 +6,12 @@
     tetrad plan --from-run runs/dp2 --from-run runs/fsdp2 --pp 2 --microbatches 4
                                               # fitted to this machine's runs
 
-A layout is the degrees (dp, fsdp, tp, pp; the ones not given: dp takes what is left,
-the others are 1) plus zero stage, sp, schedule, microbatches and virtual stages. With
---search the given flags are fixed and the rest is searched. A table by default; --json
-prints one JSON object: {"mode", "cluster", "model", "engine", "predictions": [...]}
-(and "calibration" with --from-run). Every shown prediction carries a step-time range.
+A layout is the degrees (dp, fsdp, tp, pp, cp; the ones not given: dp takes what is
+left, the others are 1; ep, for a mixture of experts, borrows ranks of those) plus zero
+stage, sp (off for MoE models), schedule, microbatches and virtual stages. With --search
+the given flags are fixed and the rest is searched. A table by default; --json prints one
+JSON object: {"mode", "cluster", "model", "engine", "predictions": [...]} (and
+"calibration" with --from-run). Every shown prediction carries a step-time range.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from tetrad.plan.layouts import layout_config
 from tetrad.plan.search import Space, search
 
 GiB = 2**30
-MODEL_FLAGS = ("layers", "dim", "heads", "kv_heads", "vocab", "ffn_dim")
-LAYOUT_FLAGS = ("dp", "fsdp", "tp", "pp", "cp", "zero_stage", "pp_schedule", "microbatches",
-                "virtual_stages")  # fmt: skip
+MODEL_FLAGS = ("layers", "dim", "heads", "kv_heads", "vocab", "ffn_dim",
+               "experts", "top_k", "moe_ffn_dim", "shared_experts", "dense_layers")  # fmt: skip
+LAYOUT_FLAGS = ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero_stage", "pp_schedule",
+                "microbatches", "virtual_stages")  # fmt: skip
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +58,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "machine to fit efficiency and links to; repeatable")  # fmt: skip
     for flag in ("dp", "fsdp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
         p.add_argument("--" + flag.replace("_", "-"), type=int)
+    p.add_argument("--ep", type=int,
+                   help="expert parallelism: ranks each MoE layer's experts are sharded over, "
+                        "borrowed from the data (or tensor) ranks (docs/moe.md)")  # fmt: skip
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3))
     p.add_argument("--pp-schedule", choices=SCHEDULES)
     p.add_argument("--no-sp", action="store_true", help="tp > 1 without sequence parallelism")
@@ -132,7 +137,7 @@ def build_layout(args: argparse.Namespace, model: ModelConfig) -> Config:
         given.setdefault("virtual_stages", 2)
     if given.get("pp_schedule") == "zb-v":
         given.setdefault("virtual_stages", 2)
-    given["sp"] = given.get("tp", 1) > 1 and not args.no_sp
+    given["sp"] = given.get("tp", 1) > 1 and not args.no_sp and not model.moe
     return layout_config(model, args.global_batch, args.seq_len, args.dtype, **given)
 
 
@@ -173,8 +178,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _config_of(pred: Any, model: ModelConfig, args: argparse.Namespace) -> Config:
     """The Config a prediction's layout describes."""
     lay = pred.layout
-    keys = ("dp", "fsdp", "tp", "pp", "cp", "zero_stage", "sp", "pp_schedule", "microbatches",
-            "virtual_stages")  # fmt: skip
+    keys = ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero_stage", "sp", "pp_schedule",
+            "microbatches", "virtual_stages")  # fmt: skip
     return layout_config(model, lay["global_batch"], lay["seq_len"], lay["dtype"],
                          **{k: lay[k] for k in keys})  # fmt: skip
 
@@ -203,7 +208,8 @@ def layout_code(lay: dict[str, Any]) -> str:
     """A layout in one short string: the degrees over 1 joined by a dot, the ZeRO stage
     (z2) where fsdp > 1, `nosp` for tp without SP, the schedule (with its virtual stages)
     where pp > 1, then m microbatches (x their size when over 1): `fsdp32·cp2·z2 m32`."""
-    parts = [f"{a}{lay[a]}" for a in ("dp", "fsdp", "tp", "pp", "cp") if lay[a] > 1] or ["single"]
+    axes = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+    parts = [f"{a}{lay[a]}" for a in axes if lay.get(a, 1) > 1] or ["single"]
     if lay["fsdp"] > 1:
         parts.append(f"z{lay['zero_stage']}")
     if lay["tp"] > 1 and not lay["sp"]:

@@ -64,6 +64,8 @@ from tetrad.plan.layouts import (
     cbytes,
     cp_exchange_bytes,
     describe,
+    ep_bytes_per_layer,
+    ep_groups,
     layout_of,
     local_tokens,
     model_key,
@@ -102,10 +104,13 @@ class StageTimes:
     tp: dict[str, list[float]]
     fsdp: dict[str, list[float]]
     cp: dict[str, list[float]] = field(default_factory=dict)
+    ep: dict[str, list[float]] = field(default_factory=dict)
 
     def total(self, kind: str, stage: int) -> float:
         cp = self.cp[kind][stage] if self.cp else 0.0
-        return self.compute[kind][stage] + self.tp[kind][stage] + self.fsdp[kind][stage] + cp
+        ep = self.ep[kind][stage] if self.ep else 0.0
+        comm = self.tp[kind][stage] + self.fsdp[kind][stage] + cp + ep
+        return self.compute[kind][stage] + comm
 
     def costs(self, comm: float) -> Costs:
         n = len(self.compute["F"])
@@ -262,9 +267,10 @@ class Planner:
             for s, seconds in enumerate(self._per_micro_reduction(cfg, facts, compute)):
                 fsdp["B"][s] += seconds
         cp = self._cp_times(cfg)
+        ep = self._ep_times(cfg)
         if p.pp_schedule in SPLIT_BACKWARD and not self._w_deferred(cfg):
-            return _fold_w(compute, tp, fsdp, cp)
-        return StageTimes(compute, tp, fsdp, cp)
+            return _fold_w(compute, tp, fsdp, cp, ep)
+        return StageTimes(compute, tp, fsdp, cp, ep)
 
     def _w_deferred(self, cfg: Config) -> bool:
         """Whether the schedule's W actions hold deferred weight gradients."""
@@ -342,6 +348,45 @@ class Planner:
             out[kind] = [n * exposed for n in split]
         return out
 
+    def _ep_times(self, cfg: Config) -> dict[str, list[float]]:
+        """Exposed expert-parallel seconds per microbatch per stage. Every MoE layer sends
+        its tokens' k copies to their experts and the outputs back (dispatch and combine)
+        forward, and both again backward (docs/moe.md, "Bytes per token per layer"): each
+        all-to-all moves T·k·dim·c bytes per rank of which (ep - 1)/ep leave it, T the
+        rank's tokens (1/tp of the microbatch's under tp, each tp rank dispatching its
+        share), on the links the ep group spans (`Cluster.all_to_all`); before the
+        dispatch the ranks exchange their per-expert counts (8·E bytes). Forward, the
+        layer's shared experts compute while the dispatch travels (where communication
+        runs beside compute): only what the dispatch takes beyond them shows."""
+        p, m, split = cfg.parallel, cfg.model, self.split(cfg)
+        out = {k: [0.0] * len(split) for k in "FBW"}
+        if p.ep == 1:
+            return out
+        group = ep_groups(cfg)[0][0]  # every group spans the same links
+        buffer = ep_bytes_per_layer(cfg) / 4 * p.ep / (p.ep - 1)  # one call's copies
+        one = self.cluster.all_to_all(group, buffer)
+        counts = self.cluster.all_to_all(group, 8.0 * m.experts)
+        overlap = self.cluster.overlap
+        shared = self._shared_expert_seconds(cfg, local_tokens(cfg)) if overlap else 0.0
+        forward = max(0.0, one - shared) + one + counts
+        starts = [sum(split[:s]) for s in range(len(split))]
+        for stage, layers in enumerate(split):
+            moe = sum(1 for i in range(starts[stage], starts[stage] + layers)
+                      if i >= m.dense_layers)  # fmt: skip
+            out["F"][stage] = moe * forward
+            out["B"][stage] = moe * 2 * one
+        return out
+
+    def _shared_expert_seconds(self, cfg: Config, tokens: float) -> float:
+        """Forward GEMM seconds of one layer's shared experts on one rank (split over tp
+        like a dense SwiGLU): the compute a dispatch all-to-all hides behind."""
+        m, p = cfg.model, cfg.parallel
+        width = m.shared_experts * m.expert_dim / p.tp
+        if width == 0:
+            return 0.0
+        rate = self.cluster.device.flops_per_s(cfg.train.dtype)
+        return 3 * 2 * tokens * m.dim * width / rate
+
     def _zero3_gathers(
         self, cfg: Config, facts: list[RankFacts], compute: dict[str, list[float]]
     ) -> dict[str, list[float]]:
@@ -399,22 +444,34 @@ class Planner:
         the replicas (plain DP's whole gradients, or HSDP's shard)."""
         p = cfg.parallel
         reps = p.dp * p.cp  # the replicas: cp ranks hold different tokens, the same weights
+        experts = self._expert_grad_reduction(cfg, fa)
+        psi = fa.psi_dense
         if reps * p.fsdp == 1:
-            return {"dp": 0.0, "fsdp": 0.0}
+            return {"dp": experts, "fsdp": 0.0}
         bucket = self.engine.reduce_bucket
         if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients; dp x cp is contiguous
-            n = _calls(fa.psi, 1, bucket)
-            ar = n * self.cluster.link(p.tp, reps).time("all_reduce", reps, fa.psi * 4 / n)
-            return {"dp": ar, "fsdp": 0.0}
+            n = _calls(psi, 1, bucket)
+            ar = n * self.cluster.link(p.tp, reps).time("all_reduce", reps, psi * 4 / n)
+            return {"dp": ar + experts, "fsdp": 0.0}
         rb = DTYPE_BYTES[p.reduce_dtype]
-        n = _calls(fa.psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
+        n = _calls(psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
         link = self.cluster.link(p.tp * p.cp, p.fsdp)
-        rs = n * link.time("reduce_scatter", p.fsdp, fa.psi * rb / n)
+        rs = n * link.time("reduce_scatter", p.fsdp, psi * rb / n)
         # the replica group dp x cp: cp ranks tp apart, dp ranks tp·cp·fsdp apart; priced
         # as one group over the span it covers
         outer = self.cluster.link(p.tp * (p.fsdp if p.dp > 1 else 1), reps)
-        hsdp = outer.time("all_reduce", reps, fa.psi / p.fsdp * 4)
-        return {"dp": hsdp, "fsdp": rs}
+        hsdp = outer.time("all_reduce", reps, psi / p.fsdp * 4)
+        return {"dp": hsdp + experts, "fsdp": rs}
+
+    def _expert_grad_reduction(self, cfg: Config, fa: RankFacts) -> float:
+        """Seconds of the all-reduce of the ep-sharded expert gradients (fp32, whole
+        parameters, ZeRO or not) over the expert-data group: the dp·fsdp·cp·tp / ep ranks
+        of a stage that hold the same slice (`mesh.expert_groups`)."""
+        if not fa.psi_experts:
+            return 0.0
+        group = ep_groups(cfg)[1][0]
+        n = len(group)
+        return self.cluster.group_link(group).time("all_reduce", n, fa.psi_experts * 4)
 
     def after_schedule(self, cfg: Config, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
         """Exposed seconds of one pp rank after its pipeline work: gradient reduction,
@@ -436,11 +493,11 @@ class Planner:
         if p.fsdp > 1:
             link = self.cluster.link(p.tp * p.cp, p.fsdp)
             if p.zero_stage < 3:
-                seconds = link.time("all_gather", p.fsdp, fa.psi * cbytes(cfg))
+                seconds = link.time("all_gather", p.fsdp, fa.psi_dense * cbytes(cfg))
                 gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
             else:  # the root unit: gathered once per step, before the first forward
                 gather = link.time("all_gather", p.fsdp, fa.psi_root * cbytes(cfg))
-        shard = fa.psi / p.fsdp
+        shard = fa.psi_dense / p.fsdp + fa.psi_experts
         optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
         return {"dp": grad["dp"], "fsdp": gather + grad["fsdp"], "optimizer": optimizer}
 
@@ -458,6 +515,7 @@ class Planner:
             "compute": part(times.compute),
             "tp": part(times.tp),
             "cp": part(times.cp),
+            "ep": part(times.ep),
             "fsdp": part(times.fsdp) + tail["fsdp"],
             "pp": pipe["makespan"] - pipe["free"],
             "bubble": pipe["free"] - pipe["busy"],
@@ -498,11 +556,11 @@ def _calls(elems: float, units: int, bucket: float) -> int:
     return max(1, math.ceil(elems / bucket)) if bucket else units
 
 
-def _fold_w(compute, tp, fsdp, cp) -> StageTimes:
+def _fold_w(compute, tp, fsdp, cp, ep) -> StageTimes:
     """A split schedule whose W is not deferred: B does the weight gradients itself."""
     moved = {"F": compute["F"], "W": [0.0] * len(compute["W"])}
     moved["B"] = [b + w for b, w in zip(compute["B"], compute["W"])]
-    return StageTimes(moved, tp, fsdp, cp)
+    return StageTimes(moved, tp, fsdp, cp, ep)
 
 
 def _uniform_split(cfg: Config) -> list[int] | None:

@@ -18,10 +18,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from tetrad.config import DTYPE_BYTES, Config
+from tetrad.config import DTYPE_BYTES, Config, ModelConfig
 from tetrad.devices import Device
 from tetrad.models.families import spec_for
 from tetrad.models.spec import ModelSpec
+from tetrad.parallel.expert import REPLICATED as EXPERT_REPLICATED
 from tetrad.parallel.model_state import ModelState, local_parameters, replicated_bytes, zero_bytes
 from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.parallel.pipeline.timeline import Timeline
@@ -61,15 +62,23 @@ class RankFacts:
     psi_root: int
     layer_units: int
     state: ModelState
+    # elements of expert weights under ep (in psi_layers): held whole, outside ZeRO's
+    # units, their gradients reduced over the expert-data group (docs/moe.md)
+    psi_experts: int = 0
 
     @property
     def psi(self) -> int:
         return self.psi_layers + self.psi_root
 
     @property
+    def psi_dense(self) -> int:
+        """Elements the data axes reduce and ZeRO shards: all but the ep-sharded experts."""
+        return self.psi - self.psi_experts
+
+    @property
     def block(self) -> float:
-        """Elements of one block."""
-        return self.psi_layers / max(self.layer_units, 1)
+        """Elements of one block's ZeRO unit (the experts under ep are not in it)."""
+        return (self.psi_layers - self.psi_experts) / max(self.layer_units, 1)
 
 
 class Footprint:
@@ -104,17 +113,20 @@ class Footprint:
         axes; fsdp rank 0 holds the most elements)."""
         p = cfg.parallel
         stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
-        held = sum(split[s] for s in stages)
+        kinds = _block_kinds(cfg.model, split, stages)
         first, last = 0 in stages, len(split) - 1 in stages
         shards = self.shards(cfg)
-        key = (model_key(cfg.model), p.tp, shards, p.zero_stage, cfg.train.dtype, held, first, last)
+        key = (model_key(cfg.model), p.tp, shards, p.zero_stage, cfg.train.dtype, kinds, first,
+               last, _ep_shape(cfg))  # fmt: skip
         if key not in self._facts:
-            named, replicated = self._local_parameters(cfg, held, first, last)
+            named, replicated = self._local_parameters(cfg, kinds, first, last)
             numel = {n: math.prod(s) for n, s in named}
             blocks = spec_for(cfg.model).blocks + "."
             layers = sum(v for n, v in numel.items() if n.startswith(blocks))
+            experts = sum(numel[n] for n in numel if replicated[n] == EXPERT_REPLICATED)
             state = _state(cfg, named, replicated, shards)
-            self._facts[key] = RankFacts(layers, sum(numel.values()) - layers, held, state)
+            held = sum(kinds)
+            self._facts[key] = RankFacts(layers, sum(numel.values()) - layers, held, state, experts)
         return self._facts[key]
 
     def shards(self, cfg: Config) -> int:
@@ -123,28 +135,37 @@ class Footprint:
         p = cfg.parallel
         return p.fsdp * p.cp if self.shards_over_cp and p.fsdp > 1 else p.fsdp
 
-    def _local_parameters(self, cfg: Config, held: int, first: bool, last: bool):
-        """`memory.local_parameters` of a rank holding `held` blocks (and the embedding if
-        `first`, the final norm and head if `last`), from a one-block model's: building
-        the whole stack on the meta device for every layout would make a search slow."""
-        key = (model_key(cfg.model), cfg.parallel.tp)
+    def _local_parameters(self, cfg: Config, kinds: tuple[int, int], first: bool, last: bool):
+        """`memory.local_parameters` of a rank holding `kinds` = (dense, MoE) blocks (and
+        the embedding if `first`, the final norm and head if `last`), from a model of one
+        block of each kind: building the whole stack on the meta device for every layout
+        would make a search slow. Under ep the template's data ranks are one ep group's,
+        so its experts are the slice a rank holds (spanning tp where the layout's does)."""
+        m, p = cfg.model, cfg.parallel
+        template_layers = min(m.layers, m.dense_layers + 1) if m.moe else 1
+        key = (model_key(m), p.tp, _ep_shape(cfg))
         if key not in self._template:
-            one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=1))
+            one = dataclasses.replace(cfg, model=dataclasses.replace(m, layers=template_layers))
+            ep_data = p.ep // p.tp if _ep_shape(cfg)[1] else p.ep
             one.parallel = dataclasses.replace(
-                cfg.parallel, pp=1, dp=1, fsdp=1, virtual_stages=1, pp_split=""
+                p, pp=1, dp=ep_data, fsdp=1, cp=1, virtual_stages=1, pp_split=""
             )
             self._template[key] = local_parameters(layout_of(one), one.model, 0)
         named, replicated = self._template[key]
-        spec = spec_for(cfg.model)
-        first_block = spec.block_prefix(0)
-        block = [(n[len(first_block) :], s) for n, s in named if n.startswith(first_block)]
+        spec = spec_for(m)
+        templates = [spec.block_prefix(i) for i in range(template_layers)]
+        block = [[(n[len(pre) :], s) for n, s in named if n.startswith(pre)] for pre in templates]
         root = [(n, s) for n, s in named if spec.block_of(n) is None]
         keep = _root_names(spec, named, first, last)
         out = [(n, s) for n, s in root if n.startswith(spec.embedding + ".") and n in keep]
-        for k in range(held):
-            out += [(spec.block_prefix(k) + rest, s) for rest, s in block]
+        reps = {}
+        kind_of = [0] * kinds[0] + [len(templates) - 1] * kinds[1]  # dense blocks first
+        for k, kind in enumerate(kind_of):
+            for rest, s in block[kind]:
+                out.append((spec.block_prefix(k) + rest, s))
+                reps[out[-1][0]] = replicated[templates[kind] + rest]
         out += [(n, s) for n, s in root if not n.startswith(spec.embedding + ".") and n in keep]
-        reps = {n: replicated.get(n) or replicated[_first_block_name(spec, n)] for n, _ in out}
+        reps |= {n: replicated[n] for n, _ in out if n not in reps}
         return out, reps
 
     # --- activations and the total ----------------------------------------------------------
@@ -269,7 +290,7 @@ class Footprint:
         if p.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
             # with pp > 1 a stage reduces at its last backward work (whatever m): whole
             whole = (p.microbatches > 1 or p.pp > 1) and not self.reduce_every_micro
-            grads = fa.psi if whole else units
+            grads = fa.psi_dense if whole else units  # experts under ep: in the state
             if self.max_live and self.reduce_bucket and not whole:
                 grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(cfg))
             extra += c * grads
@@ -289,18 +310,37 @@ def _root_names(spec: ModelSpec, named, first: bool, last: bool) -> set[str]:
     return spec.stage_parameters(names, [], first, last)
 
 
-def _first_block_name(spec: ModelSpec, name: str) -> str:
-    """`name` of a block, as the same parameter of block 0 (every block has its shapes)."""
-    block = spec.block_of(name)
-    return spec.block_prefix(0) + name[len(block) + 1 :]
+def _block_kinds(m: ModelConfig, split: list[int], stages: list[int]) -> tuple[int, int]:
+    """(dense, MoE) blocks a rank holding global `stages` has: an MoE model's first
+    `dense_layers` blocks are dense (Llama's SwiGLU); a dense model's are all dense."""
+    starts = [sum(split[:s]) for s in range(len(split))]
+    held = [i for s in stages for i in range(starts[s], starts[s] + split[s])]
+    if not m.moe:
+        return len(held), 0
+    dense = sum(1 for i in held if i < m.dense_layers)
+    return dense, len(held) - dense
+
+
+def _ep_shape(cfg: Config) -> tuple[int, bool]:
+    """(ep, whether the ep group spans the tp ranks): what a rank's expert slice depends
+    on (`mesh.expert_groups`)."""
+    p = cfg.parallel
+    return p.ep, p.ep > 1 and (p.dp * p.fsdp * p.cp) % p.ep != 0
 
 
 def _state(cfg: Config, named, replicated, shards: int) -> ModelState:
-    """`memory.model_state_bytes`'s arithmetic on given local parameters (shard rank 0 of
-    `shards`)."""
+    """`model_state.model_state_bytes`'s arithmetic on given local parameters (shard rank 0
+    of `shards`): under ep the experts are held whole, beside ZeRO's units of the rest."""
     p = cfg.parallel
     dtype = layout_of(cfg).compute_dtype
     if shards == 1:
         return replicated_bytes(named, dtype)
-    units = plan_units(named, replicated, shards, spec_for(cfg.model))
-    return zero_bytes(units, 0, p.zero_stage, dtype)
+    experts = [(n, s) for n, s in named if replicated[n] == EXPERT_REPLICATED]
+    rest = [(n, s) for n, s in named if replicated[n] != EXPERT_REPLICATED]
+    units = plan_units(rest, replicated, shards, spec_for(cfg.model))
+    zero = zero_bytes(units, 0, p.zero_stage, dtype)
+    if not experts:
+        return zero
+    plain = replicated_bytes(experts, dtype)
+    return ModelState(zero.params + plain.params, zero.grads + plain.grads,
+                      zero.optimizer + plain.optimizer)  # fmt: skip

@@ -122,6 +122,33 @@ class Cluster:
             return out
         return replace(out, bw_Bps=min(self.intra.bw_Bps, k * self.inter.bw_Bps))
 
+    def group_link(self, ranks: list[int]) -> Link:
+        """The link a collective over these global ranks (ascending) runs at: NVLink when
+        they share a node, else as `link` prices a group of their first stride."""
+        if ranks[-1] // self.gpus_per_node == ranks[0] // self.gpus_per_node:
+            return self.intra
+        stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+        return self.link(stride, len(ranks))
+
+    def all_to_all(self, ranks: list[int], nbytes: float) -> float:
+        """Seconds of an all-to-all over these global ranks in which each sends `nbytes`
+        spread evenly over the group ((n - 1)/n of it leaves the rank).
+
+        Every pair exchanges at once (NCCL posts all the sends and receives of one call
+        together), so the latency is one call on the slowest link kind the group spans,
+        and the transfer the slower of the two paths: what stays in the node over NVLink,
+        what leaves it over the rank's own NIC (each GPU has one)."""
+        n = len(ranks)
+        if n <= 1:
+            return 0.0
+        node = ranks[0] // self.gpus_per_node
+        local = sum(1 for r in ranks if r // self.gpus_per_node == node)
+        inside = (local - 1) / n * nbytes / self.intra.bw_Bps
+        if local == n:
+            return self.intra.base_s + self.intra.alpha_s + inside
+        outside = (n - local) / n * nbytes / self.inter.bw_Bps
+        return self.inter.base_s + self.inter.alpha_s + max(inside, outside)
+
     def p2p_link(self, distance: int) -> Link:
         """The link between two ranks `distance` apart (a pipeline boundary): one NIC when
         they sit on different nodes."""

@@ -5,10 +5,12 @@ shapes (`gpt_as_llama`), and per-rank sizes the cost and memory models share."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from tetrad.config import DTYPE_BYTES, Config, ModelConfig
 from tetrad.layout import Layout
+from tetrad.mesh import expert_groups
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -37,6 +39,27 @@ def cp_exchange_bytes(cfg: Config) -> float:
     return (p.cp - 1) / p.cp * whole
 
 
+def ep_bytes_per_layer(cfg: Config) -> float:
+    """All-to-all bytes one rank sends per MoE layer per microbatch under expert
+    parallelism, forward and backward (docs/moe.md): 4·T·k·dim·c·(ep - 1)/ep, the
+    dispatch and the combine each way, T the tokens the rank dispatches (1/tp of its
+    microbatch's under tp), uniform routing. The counts' exchange is not included."""
+    p, m = cfg.parallel, cfg.model
+    tokens = local_tokens(cfg) / p.tp
+    return 4 * tokens * m.top_k * m.dim * cbytes(cfg) * (p.ep - 1) / p.ep
+
+
+@functools.cache
+def _expert_groups(degrees: tuple[tuple[str, int], ...], ep: int) -> tuple[list, list]:
+    return expert_groups(dict(degrees), ep)
+
+
+def ep_groups(cfg: Config) -> tuple[list[list[int]], list[list[int]]]:
+    """The ep groups and expert-data groups of `cfg`'s layout, in global ranks
+    (`mesh.expert_groups`; cached: a search asks for the same degrees often)."""
+    return _expert_groups(tuple(layout_of(cfg).degrees.items()), cfg.parallel.ep)
+
+
 def cbytes(cfg: Config) -> int:
     """Bytes of one element in the compute dtype."""
     return DTYPE_BYTES[cfg.train.dtype]
@@ -46,7 +69,7 @@ def describe(cfg: Config, recompute: str = "none") -> dict[str, Any]:
     """The layout fields of `cfg` a prediction is about."""
     p = cfg.parallel
     return {
-        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
+        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
         "zero_stage": p.zero_stage,
         "sp": p.sp, "pp_schedule": p.pp_schedule, "microbatches": p.microbatches,
         "virtual_stages": p.virtual_stages, "microbatch_size": layout_of(cfg).microbatch_size,

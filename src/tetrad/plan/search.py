@@ -2,7 +2,9 @@
 
 Enumerated: tp (a divisor of the world, at most one node), pp (a divisor of what is
 left, at most the layer count), cp (a divisor of what is left whose 2·cp chunks divide
-the sequence), the data ranks split into dp x fsdp, the ZeRO stage 2 or
+the sequence), the data ranks split into dp x fsdp, for a mixture of experts the ep
+degree (a divisor of the expert count the data ranks, or whole tp groups of them, can
+hold: `layout.check_ep`), the ZeRO stage 2 or
 3 (when fsdp > 1), the pipeline schedule with its virtual stages (interleaved: v from 2
 to 8 with even chunks, pp·v dividing the layers), and the microbatch count (a divisor of
 the batch per data rank; at least pp when pp > 1). Each candidate must pass
@@ -53,6 +55,7 @@ class Space:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     zero_stage: int | None = None
     pp_schedule: str | tuple[str, ...] | None = None
     microbatches: int | None = None
@@ -84,7 +87,19 @@ def degrees(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterat
                 data = rest // cp
                 for fsdp in _choices(space.fsdp, divisors(data)):
                     if data % fsdp == 0 and (space.dp is None or space.dp * fsdp == data):
-                        yield {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp}
+                        deg = {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp}
+                        for ep in _choices(space.ep, ep_degrees(cfg.model.experts, data, tp)):
+                            yield deg | {"ep": ep}
+
+
+def ep_degrees(experts: int, data: int, tp: int) -> list[int]:
+    """Expert-parallel degrees a stage of `data` data ranks and `tp` tensor ranks allows
+    (`layout.check_ep`): divisors of the expert count that divide the data ranks, or are
+    a multiple of tp dividing data·tp. [1] for a dense model."""
+    if not experts:
+        return [1]
+    return [e for e in divisors(experts)
+            if data % e == 0 or (e % tp == 0 and data % (e // tp) == 0)]  # fmt: skip
 
 
 def _schedules(cfg: Config, space: Space) -> list[tuple[str, int]]:
@@ -114,7 +129,8 @@ def families(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Itera
     for deg in degrees(cfg, world, gpus_per_node, space):
         zeros = _choices(space.zero_stage, [2, 3] if deg["fsdp"] > 1 else [3])
         for zero in zeros:
-            base = _with(cfg, **deg, zero_stage=zero, sp=deg["tp"] > 1)
+            sp = deg["tp"] > 1 and not cfg.model.moe  # MoE: tp without sp (layout.check_ep)
+            base = _with(cfg, **deg, zero_stage=zero, sp=sp)
             data = base.parallel.data_ranks
             if cfg.train.global_batch % data:
                 continue
@@ -208,6 +224,22 @@ def _hopeful(planner: Planner, family: list[Config], ranking: _Ranking) -> bool:
     return first is not None and planner.step_floor(first[1]) * (1 - 1e-9) <= ranking.threshold
 
 
+def _buildable(planner: Planner, family: list[Config]) -> bool:
+    """Whether the runtime can build the family's model on its ranks (a family none of
+    whose counts is valid has nothing to walk): a model with a module its tp plan lacks
+    (Qwen3's QK-norm under tp, today) cannot, and is left out rather than failing the
+    search."""
+    first = next(valid(family), None)
+    if first is None:
+        return False
+    try:
+        for r in range(first[1].parallel.pp):
+            planner.rank_facts(first[1], r)
+    except ValueError:
+        return False
+    return True
+
+
 def _state_fits(planner: Planner, cfg: Config) -> bool:
     """Whether every pp rank's model state alone fits (it does not depend on the count)."""
     states = [planner.rank_facts(cfg, r).state.total for r in range(cfg.parallel.pp)]
@@ -236,6 +268,8 @@ def search(
     at_cp1: dict[tuple[int, int], list[list[Config]]] = {}  # (tp, pp) -> cp = 1 families
     fitted: dict[tuple[int, int], bool] = {}  # (tp, pp): a cp = 1 layout fits
     for index, family in enumerate(families(cfg, world, planner.cluster.gpus_per_node, space)):
+        if not _buildable(planner, family):
+            continue
         p = family[0].parallel
         key = (p.tp, p.pp)
         if p.cp == 1:
