@@ -60,6 +60,11 @@ class Layout:
         split = _check_split(p, cfg.model.layers)
         _check_shapes(cfg)
         check_ep(p.ep, cfg.model.experts, p.degrees, p.sp)
+        _require(
+            not (cfg.model.qk_norm and p.tp > 1),
+            f"model.qk_norm with tp={p.tp} is not supported yet: each tp rank normalises other"
+            " heads, and the norms' gradients are not summed over tp; use tp=1",
+        )
         return cls(
             degrees={axis: getattr(p, axis) for axis in AXES},
             microbatches=p.microbatches,
