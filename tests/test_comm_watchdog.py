@@ -79,13 +79,15 @@ def test_the_rank_whose_number_lags_is_named_with_the_op_the_others_wait_in():
     assert who_is_behind([]) is None
 
 
-def test_nccl_settings_are_made_where_unset_and_the_users_kept():
-    env = {REPORT_DIR: "/reports", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+def test_nccl_settings_are_made_where_unset_and_the_users_kept(tmp_path):
+    env = {REPORT_DIR: str(tmp_path), "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
     made = nccl_environment(env)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and "TORCH_NCCL_DUMP_ON_TIMEOUT" not in made
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith("/reports/nccl-flight-attempt000")
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(
+        str(tmp_path / "nccl-flight-attempt000")
+    )
 
 
 def _skip_one(rank: int, world: int, report_dir: str) -> dict:

@@ -178,6 +178,12 @@ def check_split(split: Sequence[int], n_layers: int | None, stages: int | None) 
         raise ValueError(f"pipeline split {list(split)} sums to {sum(split)}, not {n_layers}")
 
 
+def ep_fits(ep: int, data: int, tp: int) -> bool:
+    """Whether an ep group of `ep` ranks can be taken from a stage's `data` data ranks
+    (dp*fsdp*cp), or from whole groups of its `tp` tensor ranks over some of them."""
+    return data % ep == 0 or (ep % tp == 0 and data % (ep // tp) == 0)
+
+
 def check_ep(ep: int, experts: int, degrees: dict[str, int], sp: bool = False) -> None:
     """Raise ValueError naming the values unless `ep` ranks can share `experts` experts.
 
@@ -195,9 +201,8 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int], sp: bool = False) -
     _require(experts > 0, f"parallel.ep={ep} needs a mixture-of-experts model (model.experts > 0)")
     _require(experts % ep == 0, f"model.experts={experts} is not divisible by parallel.ep={ep}")
     data, tp = degrees["dp"] * degrees["fsdp"] * degrees["cp"], degrees["tp"]
-    borrows_data = data % ep == 0
     _require(
-        borrows_data or (ep % tp == 0 and data % (ep // tp) == 0),
+        ep_fits(ep, data, tp),
         f"parallel.ep={ep} must divide the data ranks dp*fsdp*cp={data}, or be a multiple of"
         f" tp={tp} dividing dp*fsdp*cp*tp={data * tp}",
     )

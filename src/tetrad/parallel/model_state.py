@@ -51,6 +51,11 @@ class ModelState:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
 
+    def __add__(self, other: ModelState) -> ModelState:
+        return ModelState(
+            self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer
+        )
+
 
 # --- prediction ---------------------------------------------------------------------------
 
@@ -115,10 +120,7 @@ def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelSta
     zero = zero_bytes(units, fsdp_rank, layout.zero_stage, dtype)
     if not experts:
         return zero
-    plain = replicated_bytes(experts, dtype)
-    return ModelState(
-        *(getattr(zero, f) + getattr(plain, f) for f in ("params", "grads", "optimizer"))
-    )
+    return zero + replicated_bytes(experts, dtype)
 
 
 def zero_formula_bytes(

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tetrad.config import Config
-from tetrad.layout import Layout
+from tetrad.layout import Layout, ep_fits
 from tetrad.plan.cost import Planner, Prediction
 
 
@@ -98,8 +98,7 @@ def ep_degrees(experts: int, data: int, tp: int) -> list[int]:
     a multiple of tp dividing data·tp. [1] for a dense model."""
     if not experts:
         return [1]
-    return [e for e in divisors(experts)
-            if data % e == 0 or (e % tp == 0 and data % (e // tp) == 0)]  # fmt: skip
+    return [e for e in divisors(experts) if ep_fits(e, data, tp)]
 
 
 def _schedules(cfg: Config, space: Space) -> list[tuple[str, int]]:
