@@ -12,10 +12,10 @@ import dataclasses
 from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import llama_activations
 from tetrad.models.flops import llama_layer_costs
-from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
+from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES, LLAMA
 from tetrad.models.moe import keep_selective, meta_moe, param_shape, set_recompute
 from tetrad.models.plans import MOE_PLAN
-from tetrad.models.spec import ModelSpec, Saved
+from tetrad.models.spec import Saved
 
 
 def active_ffn(m: ModelConfig) -> int:
@@ -157,15 +157,12 @@ def hf_architecture(m: ModelConfig) -> str:
     return "qwen3_moe" if m.qk_norm else "mixtral"
 
 
-MOE = ModelSpec(
+# Llama's decoder with expert feed-forwards: its module roles (embedding, blocks, norm,
+# head, tied weight, attention core) are Llama's, the rest is the family's own
+MOE = dataclasses.replace(
+    LLAMA,
     family="moe",
     build=meta_moe,
-    embedding="tok_embeddings",
-    blocks="layers",
-    final_norm="norm",
-    head="output",
-    tied_weight="tok_embeddings.weight",
-    attention_core="layers.*.attention.core",
     tp_plan=MOE_PLAN,  # attention, dense layers, shared experts; routed experts: parallel/expert
     selective=keep_selective(ModelConfig(family="moe", experts=2, shared_experts=1)),
     set_recompute=set_recompute,
