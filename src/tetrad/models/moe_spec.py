@@ -12,7 +12,8 @@ import dataclasses
 from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import llama_activations
 from tetrad.models.flops import llama_layer_costs
-from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES, LLAMA
+from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
+from tetrad.models.llama_spec import LLAMA
 from tetrad.models.moe import keep_selective, meta_moe, param_shape, set_recompute
 from tetrad.models.plans import MOE_PLAN
 from tetrad.models.spec import Saved
