@@ -40,11 +40,11 @@ class ExpertBalance:
     def _local(self) -> torch.Tensor:
         """[MoE layers of the whole model, experts + STAT_EXTRA]: this rank's rows filled."""
         m = self.model_cfg
-        out = torch.zeros(m.layers, m.experts + STAT_EXTRA, dtype=torch.float64)
+        out = torch.zeros(m.layers, m.experts + STAT_EXTRA, dtype=torch.float64, device=self.device)
         for i, ffn in self.layers.items():
             if ffn.stats is not None:
-                out[i] = ffn.stats.cpu()
-        return out[m.dense_layers :].to(self.device)
+                out[i] = ffn.stats  # a device copy: no host sync per layer
+        return out[m.dense_layers :]
 
     @torch.no_grad()
     def update_bias(self) -> None:
