@@ -70,6 +70,8 @@ TRAIN_FLAGS = {
     "eval_every": ("train", "eval_every", int),
     "eval_batches": ("train", "eval_batches", int),
     "checkpoint_every": ("checkpoint", "every", int),
+    "local_checkpoint_every": ("checkpoint", "local_every", int),
+    "local_dir": ("checkpoint", "local_dir", str),
     "timeout": ("train", "timeout", float),
 }
 DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
@@ -90,6 +92,11 @@ FLAG_HELP = {
     "ep": "expert parallelism (MoE models): shard each layer's experts over N ranks taken "
     "from the data ranks (and the tensor ranks where there are too few); tokens reach their "
     "experts by all-to-all (docs/moe.md). The world size is unchanged",
+    "local_checkpoint_every": "every K steps keep each rank's state in node-local memory, with "
+    "a copy on a partner rank of another node; a restart resumes from it first, losing at "
+    "most K steps (docs/checkpoint.md; default 0: off)",
+    "local_dir": "where in-memory checkpoints live, per node (default /dev/shm/tetrad-<hash "
+    "of --out>)",
     "timeout": "seconds a collective may block before the job ends naming it, and a signalled "
     "rank may take to save and exit (default 600)",
     "data": "synthetic, stdlib (default), a text file or folder, or a prepared .u16/.u32 file",
@@ -166,8 +173,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"metavar": "N"}
         if flag == "loss_chunk":
             kw = {"metavar": "TOKENS"}
-        if flag == "meter_every":
-            kw = {"metavar": "N"}
+        if flag in ("meter_every", "local_checkpoint_every"):
+            kw = {"metavar": "N" if flag == "meter_every" else "K"}
+        if flag == "local_dir":
+            kw = {"metavar": "DIR"}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)
@@ -344,8 +353,20 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
         HFWeights(cfg.model.init_from_hf, cfg.model)
     if nproc > 1 or args.nnodes > 1 or args.max_restarts > 0:
-        return launch_train(nproc, argv, cfg, args)
+        try:
+            return launch_train(nproc, argv, cfg, args)
+        finally:
+            free_local_checkpoints(cfg)
     return worker(cfg, args, layout)
+
+
+def free_local_checkpoints(cfg: Config) -> None:
+    """This node's in-memory checkpoints, once the job is over however it ended: memory
+    that nothing after the job reads (the durable checkpoints are what --resume uses)."""
+    if cfg.checkpoint.local_every > 0:
+        from tetrad.train.local_checkpoint import clear, local_root
+
+        clear(local_root(cfg))
 
 
 def own_torchrun_rank0() -> bool:

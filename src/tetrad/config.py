@@ -227,6 +227,10 @@ class CheckpointConfig:
     keep: int = 2
     async_save: bool = False  # write in a background thread while training goes on
     final: bool = True  # save the last step's state (a run leaves a model to sample from)
+    # in-memory checkpoints with a partner copy (train/local_checkpoint.py): every K steps,
+    # 0 = off; in local_dir ("" = /dev/shm/tetrad-<hash of train.out>, one per node)
+    local_every: int = 0
+    local_dir: str = ""
 
 
 @dataclass
@@ -413,3 +417,8 @@ def _cuda_name() -> str:
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     _require(c.every >= 0, f"checkpoint.every must be >= 0 (0: never), got {c.every}")
     _require(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
+    _require(
+        c.local_every >= 0,
+        f"checkpoint.local_every (--local-checkpoint-every) must be >= 0 (0: off), "
+        f"got {c.local_every}",
+    )

@@ -28,6 +28,7 @@ from tetrad.parallel.pipeline.split_costs import resolve_split
 from tetrad.train import checkpoint
 from tetrad.train.balance import ExpertBalance
 from tetrad.train.data import Loader, source_of
+from tetrad.train.local_checkpoint import LocalCheckpoints
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 from tetrad.train.stop import Preempted, StopRequest
@@ -146,6 +147,10 @@ class Trainer:
             Loader(source.heldout_split(), t.global_batch, t.seq_len, *split) if heldout else None
         )
         self.step = 0
+        # in-memory checkpoints with a partner copy (a collective: the partner group)
+        local = cfg.checkpoint.local_every > 0
+        self.local = LocalCheckpoints(cfg, self.engine, self.comm) if local else None
+        self.resumed: dict[str, Any] = {}  # how this run resumed: in its first metrics row
         self.flops_per_token = spec_for(cfg.model).flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)
         self.model_state = model_state_bytes(layout, cfg.model, mesh.rank).total  # exact
@@ -283,6 +288,10 @@ class Trainer:
             every = self.cfg.train.eval_every
             if every and (self.step % every == 0 or self.step == self.cfg.train.steps):
                 row["eval_loss"] = self.evaluate()
+            if self.local is not None:  # a due generation: the one in flight committed first
+                row |= self.local.after_step(self.step, self.optimizer, self.loader)
+            if not rows and self.resumed:
+                row |= self.resumed | {"first_step_at": time.time()}
             rows.append(row)
             if writer is not None and self.mesh.rank == 0:
                 writer.write(row)
@@ -291,9 +300,13 @@ class Trainer:
             if self._checkpoint_due():
                 self.save_checkpoint()
             if result.stop:
+                if self.local is not None:
+                    self.local.close(finished=False)
                 path = self.save_checkpoint(wait=True)
                 raise Preempted(self.step, path, self.stop.signum or signal.SIGTERM)
         self.saver.finish(self.engine, self.cfg)
+        if self.local is not None:  # a finished run's in-memory generations are freed
+            self.local.close(finished=self.step == self.cfg.train.steps)
         return rows
 
     def _checkpoint_due(self) -> bool:
@@ -312,9 +325,36 @@ class Trainer:
     def resume(self) -> int | None:
         """Continue from the newest valid checkpoint if `checkpoint.resume` (every rank calls):
         parameters and AdamW state resliced for this layout, the step (and with it the LR
-        schedule), the data position and the RNG. Returns its step; None: a fresh start."""
+        schedule), the data position and the RNG. An in-memory generation at least as new
+        as the newest durable checkpoint is taken first. Returns its step; None: a fresh
+        start."""
+        t0 = time.perf_counter()
         root = checkpoint.checkpoint_root(self.cfg)
-        step = checkpoint.restore_newest(root, self.engine, self.optimizer, self.loader, self.cfg)
+        step, source = self._resume_from_memory(root), "memory"
+        if step is None:
+            step, source = self._restore_durable(root), "checkpoint"
         if step is not None:
             self.step = step
+            self.resumed = {"resumed_from": source, "resumed_step": step}
+            self.resumed["resume_load_s"] = time.perf_counter() - t0
+        return step
+
+    def _restore_durable(self, root: Path) -> int | None:
+        return checkpoint.restore_newest(root, self.engine, self.optimizer, self.loader, self.cfg)
+
+    def _resume_from_memory(self, root: Path) -> int | None:
+        """The newest complete in-memory generation, if there is one at least as new as the
+        newest durable checkpoint (agreed by every rank); None otherwise."""
+        if self.local is None or not self.cfg.checkpoint.resume:
+            return None
+        durable = checkpoint.committed(root)
+        newest = int(durable[-1].name[5:]) if durable else -1
+        try:
+            step = self.local.restore(self.optimizer, self.loader, newer_than=newest - 1)
+        except checkpoint.CorruptCheckpoint as e:  # agreed: every rank falls back alike
+            self.local.warn(f"tetrad: warning: in-memory checkpoint unusable ({e}); "
+                            "resuming from the durable checkpoint")  # fmt: skip
+            return None
+        if step is not None and self.mesh.rank == 0:
+            print(f"tetrad: resumed from memory at step {step} ({self.local.root})", flush=True)
         return step

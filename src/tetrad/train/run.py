@@ -75,7 +75,8 @@ def _train(
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             if resumed is not None:
-                keep_metrics_before(out / "metrics.jsonl", resumed)
+                replayed = keep_metrics_before(out / "metrics.jsonl", resumed)
+                trainer.resumed["replayed_steps"] = replayed
             elif cfg.checkpoint.resume:
                 print(f"tetrad: no checkpoint under {out / 'checkpoints'}; starting afresh")
             writer = MetricsWriter(
@@ -105,19 +106,23 @@ def say_where(out: Path, step: int, saved: bool) -> None:
     print(f"  plot it:        tetrad report {out}", flush=True)
 
 
-def keep_metrics_before(path: Path, step: int) -> None:
+def keep_metrics_before(path: Path, step: int) -> int:
     """Drop metrics rows of steps >= `step`: a resumed run appends its own for them (rows
-    written after the checkpoint, before the job died, would otherwise appear twice)."""
+    written after the checkpoint, before the job died, would otherwise appear twice).
+    Returns how many were dropped: the steps the resumed run will do again."""
     if not path.exists():
-        return
-    kept = []
+        return 0
+    kept, dropped = [], 0
     for line in path.read_text().splitlines():
         try:
             if json.loads(line)["step"] < step:
                 kept.append(line + "\n")
+            else:
+                dropped += 1
         except (ValueError, KeyError, TypeError):
             pass  # a row the dying job left half-written
     path.write_text("".join(kept))
+    return dropped
 
 
 def write_step_timeline(trainer: Trainer, out_dir: str) -> None:

@@ -1,0 +1,506 @@
+"""In-memory checkpoints with a partner copy: a failure costs at most K steps, not a save interval.
+
+Every K steps (`--local-checkpoint-every K`) each rank snapshots the boxes it owns (the
+sharded checkpoint's: model, AdamW moments, and in the JSON the step, data position and
+RNG) on the training thread, and a background thread then
+
+  1. serialises them and writes LOCAL/step_S/rank-R.safetensors, then rank-R.json (last,
+     by rename: the sha256 of the tensor file, the boxes, the training state);
+  2. swaps them with its partners through `Comm` (counted): sends its own to
+     `partner_of(R)`, the rank `local_world_size` ahead (on another node, so that losing
+     a node loses no rank's only copy; on one node, the next rank), and receives, and
+     writes as copy-Q.*, the state of the rank Q whose partner it is.
+
+LOCAL is node-local memory (/dev/shm by default). At most one generation is in flight:
+when the next is due, every rank first waits for its writer (counted when it had to
+wait) and one small all-reduce agrees whether every rank wrote both copies; only then is
+that generation committed, and older ones deleted. So a node holds at most two: the
+committed one and the one being written.
+
+Restart (`--max-restarts`, or `--resume` on the same nodes): every rank checks which
+generations its own files and the partner copies it holds cover (sha256 against their
+JSON: a bad copy is skipped with a warning); one all-gather of those lists lets every
+rank pick the same newest generation that every rank's state is complete in, held by the
+rank itself or by its partner. Each rank's state is then broadcast from whichever rank
+holds it (every rank reads the boxes it needs, as from a durable checkpoint, so replicas
+are filled too), and loaded. A generation older than the newest durable checkpoint, or
+none complete, falls back to the durable checkpoint. A failed write (a full /dev/shm)
+turns in-memory checkpoints off for the rest of the run with one warning; durable
+checkpoints go on.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
+
+from tetrad.comm import Comm
+from tetrad.config import Config
+from tetrad.mesh import Group
+from tetrad.parallel.boxes import Box, box_numel, box_shape, intersect, relative
+from tetrad.train.checkpoint import CorruptCheckpoint, agree, describe, gather_json
+
+FORMAT = "tetrad-local-checkpoint"
+_GEN = re.compile(r"step_(\d{8})")
+_HEADER = struct.Struct("<Q")  # a swapped blob: JSON length, JSON, tensor file
+
+
+def local_root(cfg: Config) -> Path:
+    """The node-local directory of this run's in-memory checkpoints: `checkpoint.local_dir`,
+    or /dev/shm/tetrad-<hash of the run's --out> (the temporary directory where there is
+    no /dev/shm), the same on every node and across restarts of the run."""
+    if cfg.checkpoint.local_dir:
+        return Path(cfg.checkpoint.local_dir)
+    run = hashlib.sha256(os.path.abspath(cfg.train.out).encode()).hexdigest()[:12]
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"tetrad-{run}"
+
+
+def partner_shift(world: int, local_world: int) -> int:
+    """How far ahead a rank's partner is: a node's worth of ranks (the same local rank on
+    the next node), or, on one node, the next rank."""
+    return local_world if world > local_world else 1
+
+
+def partner_of(rank: int, world: int, local_world: int) -> int:
+    """The rank that holds `rank`'s copy."""
+    return (rank + partner_shift(world, local_world)) % world
+
+
+def source_of(rank: int, world: int, local_world: int) -> int:
+    """The rank whose copy `rank` holds."""
+    return (rank - partner_shift(world, local_world)) % world
+
+
+def newest_complete(
+    held: list[dict[str, list[bool]]], local_world: int
+) -> tuple[int | None, list[int]]:
+    """The newest generation every rank's state is in, and for each rank the rank that
+    provides it (itself if its own copy is good, else its partner); (None, []) if none.
+
+    held[r] maps a generation's step (a JSON key: a string) to [r's own copy good, the copy
+    r holds of `source_of(r)` good]. Pure: every rank computes it from the same gather."""
+    world = len(held)
+    steps = sorted({int(s) for h in held for s in h}, reverse=True)
+    for step in steps:
+        key, providers = str(step), []
+        for q in range(world):
+            partner = partner_of(q, world, local_world)
+            if held[q].get(key, [False, False])[0]:
+                providers.append(q)
+            elif held[partner].get(key, [False, False])[1]:
+                providers.append(partner)
+            else:
+                break
+        if len(providers) == world:
+            return step, providers
+    return None, []
+
+
+@dataclass
+class Generation:
+    """A generation being written by this rank's background thread."""
+
+    step: int
+    thread: threading.Thread
+    result: dict = field(default_factory=dict)  # "error" if it failed
+
+
+class LocalCheckpoints:
+    """This rank's in-memory checkpoints: start a generation, commit it, restore from one.
+
+    Built by every rank (with `checkpoint.local_every` > 0) before its first step: the
+    partner group it makes is a collective."""
+
+    def __init__(self, cfg: Config, engine, comm: Comm):
+        self.cfg, self.engine, self.comm = cfg, engine, comm
+        self.every = cfg.checkpoint.local_every
+        self.root = local_root(cfg)
+        mesh = engine.mesh
+        self.rank, self.world = mesh.rank, mesh.world_size
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.partner = partner_of(self.rank, self.world, self.local_world)
+        self.source = source_of(self.rank, self.world, self.local_world)
+        # the swaps run on a thread of their own: their own group and `Comm` (no watchdog:
+        # its one armed slot is the training thread's; the group's timeout bounds a wait)
+        self.group = _partner_group(mesh.rank, self.world, cfg.train.timeout + 60)
+        self.swap_comm = Comm(comm.device)
+        self.enabled = True
+        self.pending: Generation | None = None
+        self.committed: int | None = None
+        self.waits, self.waited_s = 0, 0.0
+        self.warnings: list[str] = []  # what this rank printed (tests read them)
+        if not cfg.checkpoint.resume and int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+            clear(self.root)  # a fresh run: an earlier run's generations are not ours
+
+    # --- writing ------------------------------------------------------------------------
+
+    def after_step(self, step: int, optimizer, loader) -> dict[str, Any]:
+        """At a due step (every rank alike): commit the generation in flight, then start
+        the one of `step`. Returns the metrics fields of a commit ({} otherwise)."""
+        if not self.enabled or step % self.every:
+            return {}
+        row = self.finish()
+        if self.enabled:
+            self.start(step, optimizer, loader)
+        return row
+
+    def start(self, step: int, optimizer, loader) -> None:
+        """Snapshot this rank's boxes (copies) and write them in the background."""
+        owned, adam_step = self.engine.owned_slices(optimizer)
+        info = describe(step, adam_step, loader, self.cfg)
+        gen = Generation(step, threading.Thread(target=lambda: None))
+
+        def work() -> None:
+            try:
+                self._write(step, owned, info)
+            except BaseException as e:  # reported at the commit, agreed by every rank
+                gen.result["error"] = e
+
+        gen.thread = threading.Thread(target=work, name="tetrad-local-checkpoint", daemon=True)
+        gen.thread.start()
+        self.pending = gen
+
+    def _write(self, step: int, owned: list, info: dict) -> None:
+        """The background half: own files, the swap with the partners, the copy held."""
+        if self.comm.device.type == "cuda":
+            torch.cuda.set_device(self.comm.device)  # this thread's current device
+        directory = self.root / f"step_{step:08d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        blob = pack(self.rank, owned, info)
+        store(directory, f"rank-{self.rank:05d}", blob)
+        held = blob if self.world == 1 else self._swap(blob)
+        store(directory, f"copy-{self.source:05d}", held)
+
+    def _swap(self, blob: bytes) -> bytes:
+        """Send `blob` to the partner and receive the source's (sizes first)."""
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=self.comm.device)
+        theirs = torch.zeros(1, dtype=torch.int64, device=self.comm.device)
+        self._exchange(size, theirs)
+        mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.comm.device)
+        got = torch.empty(int(theirs), dtype=torch.uint8, device=self.comm.device)
+        self._exchange(mine, got)
+        return got.cpu().numpy().tobytes()
+
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        ops = [("send", send, self.partner), ("recv", recv, self.source)]
+        for work in self.swap_comm.batch_p2p(ops, self.group):
+            work.wait()
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for the generation in flight and commit it if every rank wrote both of its
+        copies (one all-reduce; every rank calls); a failure anywhere turns in-memory
+        checkpoints off, with one warning. Returns its metrics fields."""
+        gen, self.pending = self.pending, None
+        if gen is None:
+            return {}
+        waited = 0.0
+        if gen.thread.is_alive():
+            t0 = time.perf_counter()
+            gen.thread.join()
+            waited = time.perf_counter() - t0
+            self.waits, self.waited_s = self.waits + 1, self.waited_s + waited
+        error = gen.result.get("error")
+        os_error = isinstance(error, OSError)
+        flags = [float(os_error), float(error is not None and not os_error)]
+        failed = torch.tensor(flags, dtype=torch.float64, device=self.comm.device)
+        self.comm.all_reduce(failed, self.engine.mesh["world"])
+        n_os, n_other = (int(x) for x in failed.tolist())
+        if n_other:  # not a fault of the medium: a bug, raised alike on every rank
+            if error is not None and not os_error:
+                raise error
+            raise RuntimeError(f"an in-memory checkpoint failed on {n_other} other rank(s)")
+        if n_os:
+            self._give_up(gen.step, error, n_os)
+            return {"local_checkpoint_failed": gen.step}
+        self.committed = gen.step
+        prune(self.root, gen.step, self.rank, self.source)
+        return {
+            "local_checkpoint": gen.step,
+            "local_checkpoint_waited_s": waited,
+            "local_checkpoint_sent_bytes": self.swap_comm.total_bus_bytes(),
+        }
+
+    def _give_up(self, step: int, error: OSError | None, ranks: int) -> None:
+        """Off for the rest of the run, this generation's files removed; one warning (rank
+        0), naming the first failing rank's reason (gathered: this path is rare)."""
+        self.enabled = False
+        discard(self.root, self.rank, self.source, step)
+        reasons = gather_json(self.engine, _describe_error(error) if error else None)
+        first = next((r, why) for r, why in enumerate(reasons) if why)
+        durable = "durable checkpoints go on" if self.cfg.checkpoint.every else (
+            "and no durable checkpoints are set (--checkpoint-every)"
+        )  # fmt: skip
+        message = (
+            f"tetrad: warning: the in-memory checkpoint of step {step} failed on {ranks} "
+            f"rank(s) (rank {first[0]}: {first[1]}); in-memory checkpoints are off for the "
+            f"rest of the run, {durable}"
+        )
+        self.warnings.append(message)
+        if self.rank == 0:
+            print(message, flush=True)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        print(message, flush=True)
+
+    def close(self, finished: bool) -> None:
+        """Wait for (and commit) the generation in flight; a finished run's files are
+        removed (they are memory, and no restart needs them)."""
+        self.finish()
+        if finished:
+            discard(self.root, self.rank, self.source)
+
+    # --- restoring ----------------------------------------------------------------------
+
+    def restore(self, optimizer, loader, newer_than: int = -1) -> int | None:
+        """Load the newest generation that every rank's state is complete in, if newer than
+        `newer_than` (every rank calls; the choice is agreed). Returns its step, or None."""
+        held, metas = self.scan()
+        step, providers = newest_complete(gather_json(self.engine, held), self.local_world)
+        if step is None or step <= newer_than:
+            return None
+        blobs = self._gather_states(step, providers, metas)
+        error = None
+        try:
+            self._load(blobs, optimizer, loader)
+        except Exception as e:  # a rank that cannot load must not leave the others waiting
+            error = e
+        agree(self.engine, error, f"loading the in-memory checkpoint of step {step}")
+        self.engine.after_load()
+        return step
+
+    def scan(self) -> tuple[dict[str, list[bool]], dict[tuple[int, str], bytes]]:
+        """Which generations this rank's own files, and the copy it holds, cover (each
+        verified: format, this run's layout and model, sha256); and those blobs."""
+        held: dict[str, list[bool]] = {}
+        blobs: dict[tuple[int, str], bytes] = {}
+        for directory in generations(self.root):
+            step = int(directory.name[5:])
+            row = []
+            for kind, rank in (("rank", self.rank), ("copy", self.source)):
+                blob = self._verified(directory / f"{kind}-{rank:05d}", step, rank)
+                if blob is not None:
+                    blobs[(step, kind)] = blob
+                row.append(blob is not None)
+            held[str(step)] = row
+        return held, blobs
+
+    def _verified(self, stem: Path, step: int, rank: int) -> bytes | None:
+        """The blob of `stem` (.json + .safetensors) if it is whole and this run's; a
+        present but bad one is skipped with a warning."""
+        if not stem.with_suffix(".json").is_file():
+            return None
+        try:
+            blob = read_blob(stem)
+            check_meta(unpack(blob)[0], step, rank, self.cfg)
+            return blob
+        except CorruptCheckpoint as e:
+            self.warn(f"tetrad: warning: skipping the in-memory checkpoint {stem}: {e}")
+            return None
+
+    def _gather_states(
+        self, step: int, providers: list[int], held: dict[tuple[int, str], bytes]
+    ) -> list[bytes]:
+        """Every rank's blob of generation `step` on every rank: each broadcast from its
+        provider (its own rank, or its partner)."""
+        world, out = self.engine.mesh["world"], []
+        for q, provider in enumerate(providers):
+            blob = b""
+            if provider == self.rank:
+                blob = held[(step, "rank" if q == self.rank else "copy")]
+            size = torch.tensor([len(blob)], dtype=torch.int64, device=self.comm.device)
+            self.comm.broadcast(size, provider, world)
+            buf = torch.zeros(int(size), dtype=torch.uint8)
+            if provider == self.rank:
+                buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            buf = buf.to(self.comm.device)
+            self.comm.broadcast(buf, provider, world)
+            out.append(blob if provider == self.rank else buf.cpu().numpy().tobytes())
+        return out
+
+    def _load(self, blobs: list[bytes], optimizer, loader) -> None:
+        """Install this rank's boxes from every rank's blob, and its own training state."""
+        metas, tensors = zip(*(unpack(b) for b in blobs))
+        for meta, data in zip(metas, tensors):
+            check_sha(meta, data)
+        reader = BlobReader(list(metas), [load_bytes(d) for d in tensors])
+        mine = metas[self.rank]
+        self.engine.load_owned(reader, int(mine["training"]["optimizer_step"]), optimizer)
+        loader.load_state_dict(mine["data"])
+        state = bytes.fromhex(mine["rng"]["torch_cpu_state"])
+        torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+# --- blobs and files ------------------------------------------------------------------------
+
+
+def pack(rank: int, owned: list, info: dict) -> bytes:
+    """One rank's state as a blob: its JSON (boxes, sha256, training state), then its
+    safetensors bytes."""
+    tensors, slices = {}, {}
+    for key, box, t in owned:
+        pieces = slices.setdefault(key, [])
+        skey = f"{key}#{len(pieces)}"
+        tensors[skey] = t
+        pieces.append({"key": skey, "box": [list(b) for b in box]})
+    data = save_bytes(tensors, metadata={"format": "pt"})
+    meta = {"format": FORMAT, "rank": rank, "sha256": hashlib.sha256(data).hexdigest()}
+    meta |= {"bytes": len(data), "slices": slices} | info
+    head = json.dumps(meta).encode()
+    return _HEADER.pack(len(head)) + head + data
+
+
+def unpack(blob: bytes) -> tuple[dict, bytes]:
+    """(JSON, tensor bytes) of a blob; a malformed one is a CorruptCheckpoint."""
+    try:
+        (n,) = _HEADER.unpack_from(blob)
+        return json.loads(blob[_HEADER.size : _HEADER.size + n]), blob[_HEADER.size + n :]
+    except (struct.error, ValueError) as e:
+        raise CorruptCheckpoint(f"unreadable: {e}") from e
+
+
+def store(directory: Path, stem: str, blob: bytes) -> None:
+    """The blob as STEM.safetensors, then STEM.json by rename (a JSON means both whole)."""
+    meta, data = unpack(blob)
+    write_file(directory / f"{stem}.safetensors", data)
+    tmp = directory / f".{stem}.json"
+    write_file(tmp, json.dumps(meta).encode())
+    os.replace(tmp, directory / f"{stem}.json")
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write `data` (memory-backed: no fsync). Where a full /dev/shm shows, as ENOSPC."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
+def read_blob(stem: Path) -> bytes:
+    """STEM.json and STEM.safetensors as one blob, the tensor file's sha256 checked."""
+    try:
+        meta = json.loads(stem.with_suffix(".json").read_text())
+        data = stem.with_suffix(".safetensors").read_bytes()
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"unreadable: {e}") from e
+    check_sha(meta, data)
+    head = json.dumps(meta).encode()
+    return _HEADER.pack(len(head)) + head + data
+
+
+def check_sha(meta: dict, data: bytes) -> None:
+    got = hashlib.sha256(data).hexdigest()
+    if got != meta.get("sha256"):
+        raise CorruptCheckpoint(f"sha256 {got} != {meta.get('sha256')} in its JSON")
+
+
+def check_meta(meta: dict, step: int, rank: int, cfg: Config) -> None:
+    """The blob is rank `rank`'s state after `step` steps of this run's model and layout."""
+    if meta.get("format") != FORMAT or meta.get("rank") != rank:
+        raise CorruptCheckpoint(f"not rank {rank}'s {FORMAT} (format {meta.get('format')!r})")
+    if meta["training"]["step"] != step:
+        raise CorruptCheckpoint(f"holds step {meta['training']['step']}, not {step}")
+    saved = meta["training"]["config"]
+    now = cfg.to_dict()
+    if saved["model"] != now["model"] or saved["parallel"] != now["parallel"]:
+        raise CorruptCheckpoint("written by another model or layout")
+
+
+def generations(root: Path) -> list[Path]:
+    """Generation directories under `root`, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _GEN.fullmatch(p.name)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def prune(root: Path, committed: int, rank: int, source: int) -> None:
+    """Remove this rank's files of generations older than `committed`."""
+    for directory in generations(root):
+        if int(directory.name[5:]) < committed:
+            _remove(directory, rank, source)
+
+
+def discard(root: Path, rank: int, source: int, step: int | None = None) -> None:
+    """Remove this rank's files of generation `step` (of every one when None)."""
+    for directory in generations(root):
+        if step is None or int(directory.name[5:]) == step:
+            _remove(directory, rank, source)
+
+
+def _remove(directory: Path, rank: int, source: int) -> None:
+    for stem in (f"rank-{rank:05d}", f"copy-{source:05d}"):
+        for suffix in (".json", ".safetensors"):  # the JSON first: no half a copy
+            (directory / f"{stem}{suffix}").unlink(missing_ok=True)
+    try:
+        directory.rmdir()  # the last rank out removes it
+        directory.parent.rmdir()
+    except OSError:
+        pass
+
+
+def clear(root: Path) -> None:
+    """Remove every generation under `root` (a fresh run), and `root` if it is empty."""
+    for directory in generations(root):
+        shutil.rmtree(directory, ignore_errors=True)
+    try:
+        root.rmdir()
+    except OSError:
+        pass
+
+
+class BlobReader:
+    """Boxes of logical tensors from every rank's in-memory state (the `read(key, box)` a
+    state adapter's `load_owned` asks), assembled from the saved boxes that overlap."""
+
+    def __init__(self, metas: list[dict], tensors: list[dict[str, torch.Tensor]]):
+        self.pieces: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+        for meta, named in zip(metas, tensors):
+            for key, pieces in meta["slices"].items():
+                for p in pieces:
+                    box = tuple(tuple(b) for b in p["box"])
+                    self.pieces.setdefault(key, []).append((box, named[p["key"]]))
+
+    def __call__(self, key: str, box: Box) -> torch.Tensor:
+        out, covered = torch.empty(box_shape(box)), 0
+        for saved, values in self.pieces.get(key, []):
+            common = intersect(saved, box)
+            if common is None:
+                continue
+            out[relative(common, box)] = values[relative(common, saved)]
+            covered += box_numel(common)
+        if covered != box_numel(box):
+            raise CorruptCheckpoint(f"the in-memory state misses part of {key} {box}")
+        return out
+
+
+def _partner_group(rank: int, world: int, timeout_s: float) -> Group:
+    """Every rank, in a process group of its own (a collective: every rank makes it)."""
+    ranks = list(range(world))
+    if world == 1:
+        return Group("partner", ranks, 0)
+    import torch.distributed as dist
+
+    pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+    return Group("partner", ranks, rank, pg)
+
+
+def _describe_error(error: OSError) -> str:
+    if error.errno == errno.ENOSPC:
+        return f"no space left in {error.filename or 'the local directory'}"
+    return f"{type(error).__name__}: {error}"
