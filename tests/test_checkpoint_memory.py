@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,15 +77,17 @@ def _damage(rank: int, out: Path, drop_own: int | None, corrupt_copy_on: int | N
 
 
 def _jobs(rank: int, world: int, out: Path) -> dict:
-    """The 2-rank runs: straight with local checkpoints; stopped at 12, resumed with rank
-    1's own copy lost; again, with its partner copy corrupt too (durable fallback)."""
+    """The 2-rank runs: straight with local checkpoints; stopped at 12 (durable and
+    in-memory checkpoints at 5 and 10), then resumed twice from copies of that state: with
+    rank 1's own copy lost, and with its partner copy corrupt too (durable fallback)."""
     straight = _run(rank, _cfg(out / "straight", ZERO3, local_every=3))
-    lost = out / "lost"
-    first = _run(rank, _cfg(lost, ZERO3), stop=12)
+    lost, bad = out / "lost", out / "bad"
+    first = _run(rank, _cfg(lost, ZERO3, every=5), stop=12)
+    if rank == 0:
+        shutil.copytree(lost, bad)
+    dist.barrier()
     _damage(rank, lost, drop_own=1, corrupt_copy_on=None)
-    from_partner = _run(rank, _cfg(lost, ZERO3, resume=True))
-    bad = out / "bad"
-    _run(rank, _cfg(bad, ZERO3, every=5), stop=12)
+    from_partner = _run(rank, _cfg(lost, ZERO3, every=5, resume=True))
     _damage(rank, bad, drop_own=1, corrupt_copy_on=0)
     durable = _run(rank, _cfg(bad, ZERO3, every=5, resume=True))
     return {"straight": straight, "first": first, "partner": from_partner, "durable": durable}
@@ -205,7 +208,7 @@ FAULTS = str(Path(__file__).parent / "faults")
 TINY = [
     "--layers", "2", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
     "--seq-len", "16", "--global-batch", "8", "--data", "synthetic", "--no-progress",
-    "--nproc", "2", "--fsdp", "2", "--steps", "30",
+    "--nproc", "2", "--fsdp", "2", "--steps", "20",
 ]  # fmt: skip
 
 
@@ -224,21 +227,21 @@ def _rows(out: Path) -> list[dict]:
 
 @pytest.mark.distributed
 def test_killed_worker_resumes_from_memory_replaying_at_most_k_steps(tmp_path):
-    """Rank 1 is SIGKILLed at the start of step 23; no durable checkpoint before the end.
-    The restarted workers resume from the generation of step 20 (K = 5), and finish with
+    """Rank 1 is SIGKILLed at the start of step 13; no durable checkpoint before the end.
+    The restarted workers resume from the generation of step 10 (K = 5), and finish with
     the uninterrupted run's losses and weights."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     _launch(straight)
     local = ("--local-checkpoint-every", "5", "--local-dir", str(tmp_path / "shm"))
-    _launch(killed, *local, "--max-restarts", "1", fault="kill:1:23")
+    _launch(killed, *local, "--max-restarts", "1", fault="kill:1:13")
     assert "--- attempt 1" in (killed / "logs" / "rank0.stderr.log").read_text()
     rows, want = _rows(killed), _rows(straight)
-    assert [r["step"] for r in rows] == list(range(30))
+    assert [r["step"] for r in rows] == list(range(20))
     (resumed,) = [r for r in rows if "resumed_from" in r]
-    assert resumed["step"] == 20 and resumed["resumed_from"] == "memory"
-    assert 1 <= resumed["replayed_steps"] <= 5  # steps 20..22 had been logged (2 or 3)
+    assert resumed["step"] == 10 and resumed["resumed_from"] == "memory"
+    assert 1 <= resumed["replayed_steps"] <= 5  # steps 10..12 had been logged (2 or 3)
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-6)
-    final = "checkpoints/step_00000030"
+    final = "checkpoints/step_00000020"
     for name in ("rank-00000.safetensors", "rank-00001.safetensors"):
         a, b = load_file(killed / final / name), load_file(straight / final / name)
         assert all(torch.equal(a[k], b[k]) for k in b), name

@@ -17,7 +17,8 @@ wait) and one small all-reduce agrees whether every rank wrote both copies; only
 that generation committed, and older ones deleted. So a node holds at most two: the
 committed one and the one being written.
 
-Restart (`--max-restarts`, or `--resume` on the same nodes): every rank checks which
+Restart (the workers `--max-restarts` restarted, or any run with `checkpoint.resume` that
+finds the directory; the launcher frees it when the job ends): every rank checks which
 generations its own files and the partner copies it holds cover (sha256 against their
 JSON: a bad copy is skipped with a warning); one all-gather of those lists lets every
 rank pick the same newest generation that every rank's state is complete in, held by the
@@ -31,6 +32,7 @@ checkpoints go on.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -145,6 +147,7 @@ class LocalCheckpoints:
         self.pending: Generation | None = None
         self.committed: int | None = None
         self.waits, self.waited_s = 0, 0.0
+        self.stalled_s = 0.0  # the training thread's time in snapshots, waits and commits
         self.warnings: list[str] = []  # what this rank printed (tests read them)
         if not cfg.checkpoint.resume and int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
             clear(self.root)  # a fresh run: an earlier run's generations are not ours
@@ -156,9 +159,11 @@ class LocalCheckpoints:
         the one of `step`. Returns the metrics fields of a commit ({} otherwise)."""
         if not self.enabled or step % self.every:
             return {}
+        t0 = time.perf_counter()
         row = self.finish()
         if self.enabled:
             self.start(step, optimizer, loader)
+        self.stalled_s += time.perf_counter() - t0
         return row
 
     def start(self, step: int, optimizer, loader) -> None:
@@ -263,7 +268,9 @@ class LocalCheckpoints:
     def close(self, finished: bool) -> None:
         """Wait for (and commit) the generation in flight; a finished run's files are
         removed (they are memory, and no restart needs them)."""
+        t0 = time.perf_counter()
         self.finish()
+        self.stalled_s += time.perf_counter() - t0
         if finished:
             discard(self.root, self.rank, self.source)
 
@@ -458,10 +465,8 @@ def clear(root: Path) -> None:
     """Remove every generation under `root` (a fresh run), and `root` if it is empty."""
     for directory in generations(root):
         shutil.rmtree(directory, ignore_errors=True)
-    try:
+    with contextlib.suppress(OSError):
         root.rmdir()
-    except OSError:
-        pass
 
 
 class BlobReader:
