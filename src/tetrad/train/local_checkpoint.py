@@ -151,6 +151,9 @@ class LocalCheckpoints:
         self.warnings: list[str] = []  # what this rank printed (tests read them)
         if not cfg.checkpoint.resume and int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
             clear(self.root)  # a fresh run: an earlier run's generations are not ours
+        if self.rank == 0:
+            print(f"tetrad: in-memory checkpoints every {self.every} steps in {self.root}, "
+                  f"{_where_copies(self.world, self.local_world)}", flush=True)  # fmt: skip
 
     # --- writing ------------------------------------------------------------------------
 
@@ -257,13 +260,18 @@ class LocalCheckpoints:
             f"rank(s) (rank {first[0]}: {first[1]}); in-memory checkpoints are off for the "
             f"rest of the run, {durable}"
         )
+        self.warn_once(message)
+
+    def warn(self, message: str) -> None:
+        """A warning of this rank's own (a file it holds)."""
+        self.warnings.append(message)
+        print(message, flush=True)
+
+    def warn_once(self, message: str) -> None:
+        """A warning every rank agreed on: printed once, by rank 0."""
         self.warnings.append(message)
         if self.rank == 0:
             print(message, flush=True)
-
-    def warn(self, message: str) -> None:
-        self.warnings.append(message)
-        print(message, flush=True)
 
     def close(self, finished: bool) -> None:
         """Wait for (and commit) the generation in flight; a finished run's files are
@@ -503,6 +511,16 @@ def _partner_group(rank: int, world: int, timeout_s: float) -> Group:
 
     pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
     return Group("partner", ranks, rank, pg)
+
+
+def _where_copies(world: int, local_world: int) -> str:
+    """Where each rank's copy goes, and so what it survives."""
+    if world == 1:
+        return "no partner (one rank: the copy survives a restart of the process only)"
+    shift = partner_shift(world, local_world)
+    if shift == local_world:
+        return f"each rank's copy on the rank {shift} ahead (the next node)"
+    return "each rank's copy on the next rank (one node: it survives a lost process, not the node)"
 
 
 def _describe_error(error: OSError) -> str:

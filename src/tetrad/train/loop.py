@@ -352,7 +352,7 @@ class Trainer:
         try:
             step = self.local.restore(self.optimizer, self.loader, newer_than=newest - 1)
         except checkpoint.CorruptCheckpoint as e:  # agreed: every rank falls back alike
-            self.local.warn(f"tetrad: warning: in-memory checkpoint unusable ({e}); "
+            self.local.warn_once(f"tetrad: warning: in-memory checkpoint unusable ({e}); "
                             "resuming from the durable checkpoint")  # fmt: skip
             return None
         if step is not None and self.mesh.rank == 0:
