@@ -9,7 +9,9 @@
    and [min, max]; and the time the training thread itself spends per step in the
    snapshot, the wait for the writer and the commit (less noisy than the difference of two
    step times on a shared machine). A block's time includes the commit of its last
-   generation.
+   generation. And the CPU seconds per step, every thread of every rank summed, with their
+   overhead against K = 0 per round: on a machine whose cores are all busy (as on this
+   shared one) extra CPU is extra time, and it is far less noisy than wall time there.
 2. Recovery: `tetrad train` through the launcher with `--max-restarts 1`, rank 1
    SIGKILLed at the start of step --kill-at (benchmarks/faults/sitecustomize.py writes the
    time first); durable checkpoints every --durable-every steps in both runs, in-memory
@@ -67,6 +69,7 @@ def cost_worker(rank: int, world: int, ks: list[int], steps: int, rounds: int, t
         trainers[k] = Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
         trainers[k].fit(stop=max(k, 1) + 2)  # warm-up, one generation written
     seconds: dict[int, list[float]] = {k: [] for k in ks}
+    cpu: dict[int, list[float]] = {k: [] for k in ks}
     stalls: dict[int, list[float]] = {k: [] for k in ks}
     waits: dict[int, int] = {}
     for r in range(rounds):
@@ -75,18 +78,21 @@ def cost_worker(rank: int, world: int, ks: list[int], steps: int, rounds: int, t
             trainer = trainers[k]
             dist.barrier()
             stalled = trainer.local.stalled_s if trainer.local else 0.0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             trainer.fit(stop=trainer.step + steps)
+            used = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+            dist.all_reduce(used)
             stalled = (trainer.local.stalled_s if trainer.local else 0.0) - stalled
             wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
             seconds[k].append(float(wall) / steps)
+            cpu[k].append(float(used) / steps)
             stalls[k].append(stalled / steps)
     for k, trainer in trainers.items():
         waits[k] = trainer.local.waits if trainer.local else 0
         if trainer.local:
             trainer.local.close(finished=True)
-    return {"seconds": seconds, "stalls": stalls, "waits": waits}
+    return {"seconds": seconds, "cpu": cpu, "stalls": stalls, "waits": waits}
 
 
 def cost(world: int, ks: list[int], steps: int, rounds: int) -> dict:
@@ -98,8 +104,11 @@ def cost(world: int, ks: list[int], steps: int, rounds: int) -> dict:
         per_step = got["seconds"][k]
         row = {"step_s": spread(per_step), "waits": got["waits"][k]}
         row["training_thread_s_per_step"] = spread(got["stalls"][k])
+        row["cpu_s_per_step"] = spread(got["cpu"][k])
         if base is not None and k:
             row["overhead"] = spread([t / b - 1 for t, b in zip(per_step, base)])
+            pairs = zip(got["cpu"][k], got["cpu"][0])
+            row["cpu_overhead"] = spread([t / b - 1 for t, b in pairs])
         out[f"K={k}"] = row
     return out
 
