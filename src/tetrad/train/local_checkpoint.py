@@ -242,6 +242,7 @@ class LocalCheckpoints:
         return {
             "local_checkpoint": gen.step,
             "local_checkpoint_waited_s": waited,
+            "local_checkpoint_waits": self.waits,  # so far: due steps that found it busy
             "local_checkpoint_sent_bytes": self.swap_comm.total_bus_bytes(),
         }
 
