@@ -60,7 +60,7 @@ from tetrad.train.checkpoint import CorruptCheckpoint, agree, describe, gather_j
 
 FORMAT = "tetrad-local-checkpoint"
 _GEN = re.compile(r"step_(\d{8})")
-_HEADER = struct.Struct("<Q")  # a swapped blob: JSON length, JSON, tensor file
+_HEADER = struct.Struct("<Q")  # a blob a restore moves: JSON length, JSON, tensor bytes
 
 
 def local_root(cfg: Config) -> Path:
@@ -191,20 +191,26 @@ class LocalCheckpoints:
             torch.cuda.set_device(self.comm.device)  # this thread's current device
         directory = self.root / f"step_{step:08d}"
         directory.mkdir(parents=True, exist_ok=True)
-        blob = pack(self.rank, owned, info)
-        store(directory, f"rank-{self.rank:05d}", blob)
-        held = blob if self.world == 1 else self._swap(blob)
-        store(directory, f"copy-{self.source:05d}", held)
+        meta, data = pack(self.rank, owned, info)
+        store(directory, f"rank-{self.rank:05d}", meta, data)
+        if self.world > 1:
+            meta, data = self._swap(meta, data)
+        store(directory, f"copy-{self.source:05d}", meta, data)
 
-    def _swap(self, blob: bytes) -> bytes:
-        """Send `blob` to the partner and receive the source's (sizes first)."""
-        size = torch.tensor([len(blob)], dtype=torch.int64, device=self.comm.device)
-        theirs = torch.zeros(1, dtype=torch.int64, device=self.comm.device)
-        self._exchange(size, theirs)
-        mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.comm.device)
-        got = torch.empty(int(theirs), dtype=torch.uint8, device=self.comm.device)
-        self._exchange(mine, got)
-        return got.cpu().numpy().tobytes()
+    def _swap(self, meta: dict, data: bytes) -> tuple[dict, Any]:
+        """Send this rank's JSON and tensor bytes to the partner and receive the source's
+        (sizes first; what is received is written as it came, without another copy)."""
+        head = json.dumps(meta).encode()
+        sizes = torch.tensor([len(head), len(data)], dtype=torch.int64, device=self.comm.device)
+        theirs = torch.zeros(2, dtype=torch.int64, device=self.comm.device)
+        self._exchange(sizes, theirs)
+        got = []
+        for mine, n in zip((head, data), theirs.tolist()):
+            send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(self.comm.device)
+            recv = torch.empty(int(n), dtype=torch.uint8, device=self.comm.device)
+            self._exchange(send, recv)
+            got.append(recv.cpu().numpy())
+        return json.loads(got[0].tobytes()), got[1]
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         ops = [("send", send, self.partner), ("recv", recv, self.source)]
@@ -367,9 +373,9 @@ class LocalCheckpoints:
 # --- blobs and files ------------------------------------------------------------------------
 
 
-def pack(rank: int, owned: list, info: dict) -> bytes:
-    """One rank's state as a blob: its JSON (boxes, sha256, training state), then its
-    safetensors bytes."""
+def pack(rank: int, owned: list, info: dict) -> tuple[dict, bytes]:
+    """One rank's state: its JSON (boxes, sha256 of the tensor bytes, training state) and
+    its safetensors bytes."""
     tensors, slices = {}, {}
     for key, box, t in owned:
         pieces = slices.setdefault(key, [])
@@ -378,7 +384,11 @@ def pack(rank: int, owned: list, info: dict) -> bytes:
         pieces.append({"key": skey, "box": [list(b) for b in box]})
     data = save_bytes(tensors, metadata={"format": "pt"})
     meta = {"format": FORMAT, "rank": rank, "sha256": hashlib.sha256(data).hexdigest()}
-    meta |= {"bytes": len(data), "slices": slices} | info
+    return meta | {"bytes": len(data), "slices": slices} | info, data
+
+
+def join(meta: dict, data: bytes) -> bytes:
+    """JSON and tensor bytes as one blob (what a restore broadcasts)."""
     head = json.dumps(meta).encode()
     return _HEADER.pack(len(head)) + head + data
 
@@ -392,19 +402,19 @@ def unpack(blob: bytes) -> tuple[dict, bytes]:
         raise CorruptCheckpoint(f"unreadable: {e}") from e
 
 
-def store(directory: Path, stem: str, blob: bytes) -> None:
-    """The blob as STEM.safetensors, then STEM.json by rename (a JSON means both whole)."""
-    meta, data = unpack(blob)
+def store(directory: Path, stem: str, meta: dict, data: Any) -> None:
+    """STEM.safetensors, then STEM.json by rename (a JSON means both are whole). `data`:
+    any bytes-like object."""
     write_file(directory / f"{stem}.safetensors", data)
     tmp = directory / f".{stem}.json"
     write_file(tmp, json.dumps(meta).encode())
     os.replace(tmp, directory / f"{stem}.json")
 
 
-def write_file(path: Path, data: bytes) -> None:
+def write_file(path: Path, data: Any) -> None:
     """Write `data` (memory-backed: no fsync). Where a full /dev/shm shows, as ENOSPC."""
     with open(path, "wb") as fh:
-        fh.write(data)
+        fh.write(memoryview(data))
 
 
 def read_blob(stem: Path) -> bytes:
@@ -415,8 +425,7 @@ def read_blob(stem: Path) -> bytes:
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"unreadable: {e}") from e
     check_sha(meta, data)
-    head = json.dumps(meta).encode()
-    return _HEADER.pack(len(head)) + head + data
+    return join(meta, data)
 
 
 def check_sha(meta: dict, data: bytes) -> None:
