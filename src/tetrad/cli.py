@@ -93,8 +93,9 @@ FLAG_HELP = {
     "from the data ranks (and the tensor ranks where there are too few); tokens reach their "
     "experts by all-to-all (docs/moe.md). The world size is unchanged",
     "local_checkpoint_every": "every K steps keep each rank's state in node-local memory, with "
-    "a copy on a partner rank of another node; a restart resumes from it first, losing at "
-    "most K steps (docs/checkpoint.md; default 0: off)",
+    "a copy on a partner rank (the same local rank of the next node; on one node, the next "
+    "rank); a restart resumes from it first, losing at most K steps (docs/checkpoint.md; "
+    "default 0: off)",
     "local_dir": "where in-memory checkpoints live, per node (default /dev/shm/tetrad-<hash "
     "of --out>)",
     "timeout": "seconds a collective may block before the job ends naming it, and a signalled "
@@ -136,7 +137,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="restart all workers up to N times after a failure (torchrun's elastic agent); "
-        "the restarted workers resume from the newest valid checkpoint",
+        "the restarted workers resume from the newest valid checkpoint (in memory first, "
+        "with --local-checkpoint-every)",
     )
     p.add_argument(
         "--nnodes", type=int, default=1, help="nodes in the job (each runs this command)"
