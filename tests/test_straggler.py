@@ -15,7 +15,7 @@ import torch
 
 from harness import Jobs, tiny_config, trainer_for
 from tetrad.cli import build_config, parser
-from tetrad.comm import Comm
+from tetrad.comm import Comm, WaitLog
 from tetrad.config import check_sections, from_dict
 from tetrad.mesh import Mesh
 from tetrad.train.straggler import (
@@ -67,15 +67,19 @@ def _train_worker(rank: int, world: int, cfg_dict: dict, slow_rank: int | None) 
         return out
 
     trainer.straggler.detector.observe = record
-    printed = io.StringIO()
+    printed, gathered = io.StringIO(), []
     with contextlib.redirect_stdout(printed):
-        rows = trainer.fit()
+        rows = trainer.fit(stop=STEPS - 1)  # the last step alone: a window's end
+        gathered.append(trainer.comm.summary()["world/all_reduce"]["bytes"])
+        rows += trainer.fit()
+        gathered.append(trainer.comm.summary()["world/all_reduce"]["bytes"])
     named = {
         r["step"]: (r["straggler_rank"], r["straggler_score"])
         for r in rows
         if "straggler_rank" in r
     }
-    return {"printed": printed.getvalue(), "named": named, "scores": window_scores}
+    out = {"printed": printed.getvalue(), "named": named, "scores": window_scores}
+    return out | {"gathered": gathered, "steps": [r["step"] for r in rows]}
 
 
 def _span_worker(rank: int, world: int) -> dict:
@@ -239,6 +243,22 @@ def test_a_slowed_rank_is_named_at_the_earliest_window_once_and_forgotten(jobs):
 
 def test_an_even_run_names_nobody(jobs):
     zero, _ = jobs["even"]
+    assert zero["steps"] == list(range(STEPS))
     assert zero["named"] == {}
     assert "straggler" not in zero["printed"]
-    assert len(zero["scores"]) == STEPS // EVERY
+    assert len(zero["scores"]) == STEPS // EVERY  # every window was scored
+
+
+def test_the_times_ride_on_the_metrics_all_reduce_at_window_ends_only(jobs):
+    zero, _ = jobs["even"]
+    inside, at_end = zero["gathered"]  # a step inside a window, the step that ends one
+    assert at_end - inside == 8 * 2  # one float64 per rank, in the same all-reduce (counted)
+
+
+def test_the_wait_log_keeps_nothing_until_started():
+    log = WaitLog()
+    log.add(1.0, 2.0)
+    assert log.take() == []  # off: a log nobody takes must not grow
+    log.start()
+    log.add(1.0, 2.0)
+    assert log.take() == [(1.0, 2.0)] and log.take() == []
