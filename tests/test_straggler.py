@@ -28,7 +28,7 @@ from tetrad.train.straggler import (
     warning,
 )
 
-EVERY, WINDOWS, STEPS = 2, 3, 12
+EVERY, WINDOWS, STEPS = 2, 3, 10
 SLOW_UNTIL = 8  # the slowed rank is slow in steps 0..7 (windows 1 to 4), then recovers
 BURN_S = 0.06  # CPU seconds burnt in each slowed forward: several times a tiny step's
 DEGREES = {"pp": 1, "dp": 2, "fsdp": 1, "cp": 1, "tp": 1}

@@ -15,6 +15,10 @@ wait, it is the time that stream stalls, measured with CUDA events around the wa
 Only `torch.distributed` functions that exist since the declared floor (torch 2.6) are
 called (tests/test_torch_floor.py holds the code to that).
 
+The marks of every blocking wait can also be kept in order (`Comm.waits`, a `WaitLog`),
+for a meter that subtracts them from a span of the device's timeline (a rank's compute
+time, train/straggler.py).
+
 Every collective is also numbered per group in a `Ledger` (the last ones kept in a ring),
 which the watchdog dumps on a timeout so the launcher can name the rank that is behind.
 """
