@@ -217,6 +217,7 @@ def test_the_flags_set_the_config():
 # --- two ranks --------------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_the_span_meter_subtracts_collective_waits(jobs):
     zero, one = jobs["span"]
     assert zero["wall"] > 0.25 and zero["span"] < 0.1  # waited for rank 1: not compute
@@ -224,6 +225,7 @@ def test_the_span_meter_subtracts_collective_waits(jobs):
     assert zero["cpu"] < 0.1 and one["cpu"] < 0.1  # asleep or waiting: no CPU time
 
 
+@pytest.mark.distributed
 def test_a_slowed_rank_is_named_at_the_earliest_window_once_and_forgotten(jobs):
     zero, one = jobs["slowed"]
     assert zero["named"] == one["named"]  # every rank scores alike
@@ -241,6 +243,7 @@ def test_a_slowed_rank_is_named_at_the_earliest_window_once_and_forgotten(jobs):
     assert one["printed"] == ""  # rank 0 speaks for the job
 
 
+@pytest.mark.distributed
 def test_an_even_run_names_nobody(jobs):
     zero, _ = jobs["even"]
     assert zero["steps"] == list(range(STEPS))
@@ -249,6 +252,7 @@ def test_an_even_run_names_nobody(jobs):
     assert len(zero["scores"]) == STEPS // EVERY  # every window was scored
 
 
+@pytest.mark.distributed
 def test_the_times_ride_on_the_metrics_all_reduce_at_window_ends_only(jobs):
     zero, _ = jobs["even"]
     inside, at_end = zero["gathered"]  # a step inside a window, the step that ends one
@@ -262,3 +266,25 @@ def test_the_wait_log_keeps_nothing_until_started():
     log.start()
     log.add(1.0, 2.0)
     assert log.take() == [(1.0, 2.0)] and log.take() == []
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_step_records_events_and_the_window_reads_them_after_the_sync():
+    comm = Comm("cuda")
+    meter = ComputeMeter(comm)
+    assert meter.span  # CUDA: the stream's timeline, in events
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call in the step raises
+    try:
+        meter.start()
+        for _ in range(10):
+            x = x @ x
+            x = x / x.norm()
+        meter.stop()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    x.sum().item()  # the step's host sync
+    t0 = time.perf_counter()
+    seconds = meter.take()
+    assert time.perf_counter() - t0 < 0.05  # every event was behind the sync: no wait
+    assert seconds > 0
