@@ -198,20 +198,21 @@ def declare_jobs(jobs: Jobs) -> None:
 def test_cp_ring_through_the_fused_kernel_matches_single_process(reference, jobs):
     """cp 2, ring, fp32, 20 steps: the single process's losses, norms and weights (1e-5),
     every block through the CPU flash op, forward and backward, none unfused."""
-    fused = jobs["kernels"][0][0]
-    assert_close_run(fused, reference(parallel={"microbatches": 1}))
+    assert_close_run(jobs["kernels"][0][0], reference(parallel={"microbatches": 1}))
     # per step and layer: 2 blocks forward (diagonal, one half off-diagonal), 2 backward
     layers, steps = 2, 20
     want = {"cpu-flash/forward": 2 * layers * steps, "cpu-flash/backward": 2 * layers * steps}
-    assert fused["kernel_calls"] == want
+    for rank, (fused, _) in enumerate(jobs["kernels"]):
+        assert fused["kernel_calls"] == want, rank
 
 
 @pytest.mark.distributed
 def test_the_unfused_flag_runs_the_unfused_kernel_to_the_same_losses(jobs):
     """parallel.cp_kernel = "unfused": every block through the plain matmuls instead, and
     the same losses as the fused run (fp32 round-off)."""
+    for rank, (_, unfused) in enumerate(jobs["kernels"]):
+        assert unfused["kernel_calls"] == {"unfused/forward": 8, "unfused/backward": 8}, rank
     fused, unfused = jobs["kernels"][0]
-    assert unfused["kernel_calls"] == {"unfused/forward": 8, "unfused/backward": 8}
     torch.testing.assert_close(
         torch.tensor(unfused["losses"]), torch.tensor(fused["losses"][:2]), rtol=1e-5, atol=0
     )
