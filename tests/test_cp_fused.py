@@ -221,7 +221,7 @@ def test_the_unfused_flag_runs_the_unfused_kernel_to_the_same_losses(jobs):
 # --- the CUDA ops (skipped without a GPU) ----------------------------------------------------
 
 
-CUDA_CASES = [("cuda-efficient", torch.float32, 1e-5), ("cuda-flash", torch.bfloat16, 2e-2)]
+CUDA_CASES = [("cuda-efficient", torch.float32, 1e-4), ("cuda-flash", torch.bfloat16, 3e-2)]
 
 
 @pytest.mark.cuda
