@@ -11,6 +11,7 @@ from pathlib import Path
 from tetrad.config import (
     BALANCE,
     CP_ATTENTION,
+    CP_KERNELS,
     DTYPES,
     RECOMPUTE,
     ROUTERS,
@@ -33,6 +34,7 @@ TRAIN_FLAGS = {
     "pp": ("parallel", "pp", int),
     "cp": ("parallel", "cp", int),
     "cp_attention": ("parallel", "cp_attention", str),
+    "cp_kernel": ("parallel", "cp_kernel", str),
     "ep": ("parallel", "ep", int),
     "zero_stage": ("parallel", "zero_stage", int),
     "pp_schedule": ("parallel", "pp_schedule", str),
@@ -104,6 +106,9 @@ FLAG_HELP = {
     "table in devices.py; needed for a GPU not in it)",
     "cp_attention": "how attention crosses the cp ranks: allgather (default: keys and values "
     "all-gathered) or ring (kv blocks passed around, online softmax)",
+    "cp_kernel": "how a cp core attends one block: fused (default: torch's flash or "
+    "memory-efficient kernel for the device and dtype, tiled; plain matmuls where there is "
+    "none) or unfused (plain fp32 matmuls holding a whole block of scores)",
     "pp_split": "layers per pipeline stage: balanced on analytic FLOPs (default), 'measured' "
     "(balanced on the embedding, layer and head costs timed in a short warm-up, agreed by "
     "every rank), or counts such as 5,3",
@@ -168,6 +173,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": RECOMPUTE}
         if flag == "cp_attention":
             kw = {"choices": CP_ATTENTION}
+        if flag == "cp_kernel":
+            kw = {"choices": CP_KERNELS}
         if flag == "router":
             kw = {"choices": ROUTERS}
         if flag == "balance":

@@ -23,6 +23,8 @@ DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 RECOMPUTE = ("none", "selective", "full")
 # context parallelism's attention: keys and values all-gathered, or passed around a ring
 CP_ATTENTION = ("allgather", "ring")
+# how a cp core attends one block: torch's fused kernel where it has one, or plain matmuls
+CP_KERNELS = ("fused", "unfused")
 # mixture of experts: how router scores become weights, and how experts' load is balanced
 ROUTERS = ("softmax", "sigmoid")
 BALANCE = ("aux", "bias", "none")
@@ -151,6 +153,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (docs/cp.md)
     cp_attention: str = "allgather"  # how attention crosses the cp ranks: allgather or ring
+    cp_kernel: str = "fused"  # a cp core's block attention: fused kernel or unfused matmuls
     ep: int = 1  # expert parallelism: experts sharded over ep ranks borrowed from the data
     # (and tensor) ranks; not a mesh axis of its own, so it does not enlarge the world
     zero_stage: int = 3
