@@ -100,8 +100,9 @@ class Footprint:
         fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
         live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
         scores: bool = False, shards_over_cp: bool = False,
-        zero_blocks: tuple[int, int] = (2, 2),
+        zero_blocks: tuple[int, int] = (2, 2), zero3_incoming_grad: bool = False,
     ):  # fmt: skip
+        self.zero3_incoming_grad = zero3_incoming_grad
         self.zero_blocks = zero_blocks  # ZeRO blocks alive at the peak (`_zero_buffers`)
         self.cp_gathers_kv = cp_gathers_kv
         self.shards_over_cp = shards_over_cp  # ZeRO shards over fsdp x cp (torchtitan)
@@ -277,11 +278,9 @@ class Footprint:
 
     def peak(self, cfg: Config, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
-        p = cfg.parallel
-        sharded_grads = p.fsdp > 1 and p.zero_stage >= 2
         settings = PeakSettings(
             self.chunked_loss, self.recompute, self.fused, self.scores,
-            *self._zero_buffers(cfg, fa), float(fa.state.grads) if sharded_grads else 0.0,
+            *self._zero_buffers(cfg, fa), _late_grads(cfg, fa),
         )  # fmt: skip
         return rank_peak(cfg, pp_rank, acts, settings)
 
@@ -294,7 +293,8 @@ class Footprint:
         computes; tetrad's (1, 0): its backward prefetch starts at a block's middle, off
         the peak, and a block's flat gradient lands at the end of its backward, when its
         activations are freed; the root's gradient lives from the head's backward to the
-        embedding's. All of them where tetrad accumulates whole over microbatches. An
+        embedding's. All of them where tetrad accumulates whole over microbatches (under
+        ZeRO-3 with a unit's incoming microbatch gradient besides, measured). An
         engine that caps its live parameters (DeepSpeed) keeps at most that many
         gathered, but never less than one module (its largest linear), and two reduce
         buckets of gradients."""
@@ -312,9 +312,23 @@ class Footprint:
             whole = (p.microbatches > 1 or p.pp > 1) and not self.reduce_every_micro
             units = grad_blocks * fa.block + fa.psi_root
             grads = fa.psi_dense if whole else units  # experts under ep: in the state
+            if whole and p.zero_stage == 3 and self.zero3_incoming_grad:
+                grads += fa.block + fa.psi_root  # the microbatch's, before the sum
             if self.max_live and self.reduce_bucket and not whole:
                 grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(cfg))
         return c * gathered, c * grads
+
+
+def _late_grads(cfg: Config, fa: RankFacts) -> float:
+    """Gradient bytes of the model state that exist only from the reduction to the
+    optimizer step, not in the forward and backward: the fp32 gradients of mixed
+    precision (`model_state.replicated_bytes`) and ZeRO's fp32 gradient shards. What
+    persists is the full gradient in the compute dtype, kept by plain data parallelism
+    and ZeRO-1 (in fp32 that is all of it)."""
+    p = cfg.parallel
+    persists = p.fsdp == 1 or p.zero_stage == 1
+    held = DTYPE_BYTES[cfg.train.dtype] * fa.psi if persists else 0.0
+    return max(float(fa.state.grads) - held, 0.0)
 
 
 def _largest_linear(cfg: Config) -> float:

@@ -20,9 +20,10 @@ is stated with its terms and the largest is the peak:
 
 Terms every moment of the forward and backward shares: ZeRO-3's gathered parameters
 (the root, from its first use to the end of backward, and the blocks gathered at once),
-ZeRO-2/3's unsharded gradients awaiting their reduce-scatter, and their fp32 gradient
-shards, which exist only from the reduction to the end of the step (the model state
-counts them, the forward and backward do not hold them yet). A pipeline stage other than
+ZeRO-2/3's unsharded gradients awaiting their reduce-scatter; and, as a negative term,
+the gradients the model state counts that exist only from the reduction to the optimizer
+step (ZeRO's fp32 shards, mixed precision's fp32 gradients): the forward and backward do
+not hold them yet. A pipeline stage other than
 the first keeps a receive pool of two buffers (the next input and the gradient coming
 back); the outputs it sends are already counted with the activations (`peak_in_flight`).
 
@@ -65,7 +66,7 @@ class PeakSettings:
     scores: bool
     zero_gathered: float  # ZeRO-3's gathered parameters, bytes
     zero_grads: float  # ZeRO-2/3's unsharded gradients alive in backward, bytes
-    grad_shards: float  # ZeRO-2/3's fp32 gradient shards (in the model state), bytes
+    late_grads: float  # model-state gradients alive only from the reduction on, bytes
 
 
 def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
@@ -89,7 +90,7 @@ def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
 def _shared_terms(cfg: Config, first: bool, s: PeakSettings) -> list[tuple[str, float]]:
     """Terms alive through the forward and backward (module docstring)."""
     out = [("ZeRO-3 gathered parameters", s.zero_gathered),
-           ("ZeRO gradient shards (not yet reduced)", -s.grad_shards)]  # fmt: skip
+           ("gradients not yet reduced (in the state)", -s.late_grads)]  # fmt: skip
     if not first:
         out.append(("pipeline receive pool", 2 * stage_input_bytes(cfg)))
     return out
