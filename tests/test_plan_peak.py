@@ -26,6 +26,7 @@ from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, TETRAD
 from tetrad.plan.hardware import GiB, cluster_preset
 from tetrad.plan.layouts import layout_config
+from tetrad.plan.search import Space, search
 
 # big enough that the loss chunk, a block's backward and ZeRO's buffers are 5-20% of the
 # peak (the test model's are a few KB); 2 steps: the second has the optimizer state
@@ -188,3 +189,32 @@ def test_published_peaks_the_model_misses():
     key = ("Table4", "FSDP 32, TP 8", "2D + compile + Float8")
     tp8 = titan_memory("llama3-70b", 32, 1, 8, 8192, 16, "full", "torchtitan-async-tp")
     assert tp8.total / GiB < 0.9 * published_peak(*key), MISSED[key]
+
+
+def _capped(cluster, capacity: float):
+    """`cluster` with devices of `capacity` bytes."""
+    import dataclasses
+
+    return dataclasses.replace(
+        cluster, device=dataclasses.replace(cluster.device, hbm_bytes=capacity)
+    )
+
+
+def test_search_refuses_a_layout_whose_peak_does_not_fit():
+    """A layout that would fit without its peak's transients (state, activations,
+    workspace and allocator share) but not with them is never proposed; with room for
+    its peak it is."""
+    from tetrad.plan.footprint import ALLOCATOR
+
+    cfg = CFGS[0]  # dp 2: its peak is at the loss backward, 1.1 MiB of transients
+    cpu = cluster_preset("cpu")
+    mem = Planner(cpu, TETRAD).memory(cfg)
+    steady = mem.model_state + mem.activations
+    without = steady + cpu.device.workspace_bytes + ALLOCATOR * mem.activations
+    assert mem.peak.transient > 1e6 and without < mem.total
+    space = Space(dp=2, fsdp=1, tp=1, pp=1, cp=1, ep=1, microbatches=1)
+    tight = Planner(_capped(cpu, (without + mem.total) / 2), TETRAD)
+    assert search(tight, cfg, 2, space, top=3) == []
+    roomy = Planner(_capped(cpu, mem.total * 1.001), TETRAD)
+    found = search(roomy, cfg, 2, space, top=3)
+    assert [p.memory.total for p in found] == [pytest.approx(mem.total)]
