@@ -8,7 +8,9 @@ it. The CPU counterpart of CUDA's `max_memory_allocated` is read instead from th
 profiler's allocator events (every allocation and free of c10's CPU allocator, with its
 address): bytes allocated since the trainer was built and still alive, at their highest.
 Frees the profiler does not see (a tensor released on a gloo thread) are settled when the
-address is handed out again. Repeated runs agree to ~12 KB of 13 MB (0.1%).
+address is handed out again. Repeated runs agree to the byte in most layouts; under tp
+a rank's peak moves now and then by one 256 KiB buffer (2%: a free made on a gloo thread
+and missed until its address is reused).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from tetrad.plan.search import Space, search
 # peak (the test model's are a few KB); 2 steps: the second has the optimizer state
 MODEL = {"layers": 2, "dim": 128, "heads": 4, "kv_heads": 2, "vocab": 512}
 TRAIN = {"steps": 2, "seq_len": 64, "global_batch": 8}
-LAYOUTS = [  # (parallel, train) on 2 ranks
+MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 128, "shared_experts": 1}
+LAYOUTS = [  # (parallel, train and model overrides) on 2 ranks
     ({"dp": 2}, {}),
     ({"dp": 2}, {"recompute": "full"}),
     ({"fsdp": 2, "zero_stage": 1}, {}),
@@ -44,8 +47,13 @@ LAYOUTS = [  # (parallel, train) on 2 ranks
     ({"tp": 2, "sp": True}, {}),
     ({"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"}, {}),
     ({"cp": 2}, {}),
+    ({"dp": 2}, {"model": MOE}),  # a mixture of experts (ep 2: docs/plan.md, not held to 5%)
 ]
-CFGS = [tiny_config(model=MODEL, train=TRAIN | t, parallel=p) for p, t in LAYOUTS]
+CFGS = [
+    tiny_config(model=MODEL | t.get("model", {}),
+                train=TRAIN | {k: v for k, v in t.items() if k != "model"}, parallel=p)
+    for p, t in LAYOUTS
+]  # fmt: skip
 PEAK_BOUND = 0.05
 
 
@@ -108,8 +116,8 @@ def test_allocator_peak_counts_what_is_alive_at_once():
 
 @pytest.mark.distributed
 def test_peak_within_5_percent_of_the_measured(jobs):
-    """dp (and full recompute), ZeRO-1/2/3 (ZeRO-3 with two microbatches too), tp (with
-    sp, and in bf16), pp and cp on 2 ranks: the planner's
+    """dp (and full recompute, and a mixture of experts), ZeRO-1/2/3 (ZeRO-3 with two
+    microbatches too), tp (with sp, and in bf16), pp and cp on 2 ranks: the planner's
     allocated peak of the fullest rank (model state + activations + the transients of its
     peak moment) is the measured peak (max over ranks) within 5%, where the steady
     figures alone miss it by more in most layouts (the transients are not noise)."""
