@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import trainer_for
+from harness import Jobs, trainer_for
 from tetrad.cli import build_config, parser
 from tetrad.config import model_preset
 from tetrad.plan.calibrate import Run, calibrate, read_run, with_link_scale
@@ -28,7 +28,6 @@ from tetrad.plan.cost import Planner
 from tetrad.plan.engines import TETRAD
 from tetrad.plan.hardware import at_efficiency, cluster_preset
 from tetrad.plan.layouts import layout_config
-from tetrad.testing import spawn
 from tetrad.train.metrics import MetricsWriter
 
 LAYOUTS = {
@@ -47,9 +46,10 @@ def job_config(layout: list[str], out: Path):
     return build_config(parser().parse_args(["train", *layout, *JOB, "--out", str(out)]))
 
 
-def _interleaved(rank: int, world: int, dicts: dict[str, dict]) -> None:
+def _interleaved(rank: int, world: int, dicts: dict[str, dict]) -> float:
     """Train every layout on this rank, TURN steps each in turn; rank 0 writes each run's
-    config.json and metrics.jsonl as `tetrad train` does."""
+    config.json and metrics.jsonl as `tetrad train` does. The highest load average seen
+    at a turn's end: what the steps were timed under."""
     from tetrad.config import from_dict
 
     trainers = {n: trainer_for(from_dict(d), rank) for n, d in dicts.items()}
@@ -61,19 +61,29 @@ def _interleaved(rank: int, world: int, dicts: dict[str, dict]) -> None:
             (out / "config.json").write_text(json.dumps(t.cfg.to_dict(), indent=2))
             writers[name] = MetricsWriter(str(out), t.cfg.train.steps, False)
     steps = next(iter(trainers.values())).cfg.train.steps
+    load = 0.0
     for stop in range(TURN, steps + TURN, TURN):
         for name, t in trainers.items():
             t.fit(writers.get(name), stop=min(stop, steps))
+            load = max(load, os.getloadavg()[0])
     for w in writers.values():
         w.close()
+    return load
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    """The three layouts, interleaved, in the shared 2-rank world."""
+    root = jobs.tmp("runs")
+    cfgs = {name: job_config(layout, root / name) for name, layout in LAYOUTS.items()}
+    jobs.add("interleaved", 2, _interleaved, {n: c.to_dict() for n, c in cfgs.items()})
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("runs")
-    cfgs = {name: job_config(layout, root / name) for name, layout in LAYOUTS.items()}
-    spawn(_interleaved, 2, {n: c.to_dict() for n, c in cfgs.items()}, timeout=300)
-    return {name: cfg.train.out for name, cfg in cfgs.items()}
+def runs(jobs) -> tuple[dict[str, str], float]:
+    """The runs' directories, and the load average their steps were timed under."""
+    load = jobs["interleaved"][0]
+    root = jobs.tmp("runs")
+    return {name: str(root / name) for name in LAYOUTS}, load
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +99,9 @@ def cli_run(tmp_path_factory) -> str:
     return str(path)
 
 
-def _oversubscribed() -> bool:
+def _oversubscribed(load: float) -> bool:
     """More runnable work than twice the cores: wall-clock steps measure the neighbours."""
-    return os.getloadavg()[0] > 2 * (os.cpu_count() or 1)
+    return load > 2 * (os.cpu_count() or 1)
 
 
 def test_job_config_is_what_train_writes(cli_run, tmp_path):
@@ -107,10 +117,11 @@ def test_job_config_is_what_train_writes(cli_run, tmp_path):
 @pytest.mark.distributed
 def test_each_layout_from_the_other_two(runs):
     """Efficiency and link speed fitted to two runs predict the third's step within 25%."""
-    if _oversubscribed():
-        pytest.skip(f"load average {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores: "
-                    "the runs' step times measure other work")  # fmt: skip
-    measured = {name: read_run(path) for name, path in runs.items()}
+    paths, load = runs
+    if _oversubscribed(load):
+        pytest.skip(f"load average up to {load:.0f} on {os.cpu_count()} cores while the runs "
+                    "trained: their step times measure other work")  # fmt: skip
+    measured = {name: read_run(path) for name, path in paths.items()}
     errors = {}
     for name, run in measured.items():
         others = [r for n, r in measured.items() if n != name]
@@ -126,7 +137,7 @@ def test_each_layout_from_the_other_two(runs):
 def test_cli_from_run(runs, cli_run, capsys):
     from tetrad.cli import main
 
-    argv = ["plan", "--from-run", cli_run, "--from-run", runs["fsdp2"], "--pp", "2",
+    argv = ["plan", "--from-run", cli_run, "--from-run", runs[0]["fsdp2"], "--pp", "2",
             "--microbatches", "4", "--json"]  # fmt: skip
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)

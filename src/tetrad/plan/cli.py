@@ -224,6 +224,27 @@ def layout_code(lay: dict[str, Any]) -> str:
     return " ".join(words)
 
 
+def memory_rows(mem: dict[str, Any]) -> list[tuple[str, str]]:
+    """The steady figures, then the peak: its moment, the transients alive then, and what
+    the device reserves beyond them; the fit check reads the last row."""
+    peak = mem.get("peak") or {"moment": "-", "terms": []}
+    steady = mem["model_state"] + mem["activations"]
+    rows = [
+        ("memory: model state", f"{mem['model_state'] / GiB:.2f} GiB"),
+        ("memory: activations", f"{mem['activations'] / GiB:.2f} GiB"),
+        ("memory: steady (state + activations)", f"{steady / GiB:.2f} GiB"),
+        (f"memory: peak at {peak['moment']}", f"{mem['allocated'] / GiB:.2f} GiB"),
+    ]
+    rows += [(f"  {name}", f"{value / GiB:+.2f} GiB") for name, value in peak["terms"]]
+    rows += [
+        ("  workspace and allocator", f"{(mem['total'] - mem['allocated']) / GiB:+.2f} GiB"),
+        ("memory: peak / capacity",
+         f"{mem['total'] / GiB:.2f} / {mem['capacity'] / GiB:.1f} GiB"
+         f" ({'fits' if mem['fits'] else 'DOES NOT FIT'})"),
+    ]  # fmt: skip
+    return rows
+
+
 def print_prediction(answer: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -244,14 +265,7 @@ def print_prediction(answer: dict[str, Any]) -> None:
         ("pipeline bubble", f"{100 * pred['bubble_fraction']:.1f}%"),
     ]
     rows += [(f"  {k}", f"{v:.3f} s") for k, v in pred["breakdown"].items()]
-    rows += [
-        ("memory: model state", f"{mem['model_state'] / GiB:.2f} GiB"),
-        ("memory: activations", f"{mem['activations'] / GiB:.2f} GiB"),
-        ("memory: overhead", f"{mem['overhead'] / GiB:.2f} GiB"),
-        ("memory: total / capacity",
-         f"{mem['total'] / GiB:.2f} / {mem['capacity'] / GiB:.1f} GiB"
-         f" ({'fits' if mem['fits'] else 'DOES NOT FIT'})"),
-    ]  # fmt: skip
+    rows += memory_rows(mem)
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

@@ -92,7 +92,8 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (memory in bytes, with its total and whether it fits)."""
         out = dataclasses.asdict(self)
-        out["memory"].update(total=self.memory.total, fits=self.memory.fits)
+        out["memory"].update(total=self.memory.total, fits=self.memory.fits,
+                             allocated=self.memory.allocated)  # fmt: skip
         return out
 
 
@@ -135,6 +136,7 @@ class Planner:
             engine.kernels.fused, engine.kernels.gqa_native, engine.chunked_loss,
             live=(engine.max_live_params, engine.reduce_bucket), cp_gathers_kv=engine.cp_gathers_kv,
             scores=engine.kernels.attention == "unfused", shards_over_cp=engine.shards_over_cp,
+            zero_blocks=engine.zero_blocks, zero3_incoming_grad=engine.zero3_incoming_grad,
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}

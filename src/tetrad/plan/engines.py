@@ -46,6 +46,12 @@ class Implementation:
     2 (Megatron, tetrad) also covers a p2p round trip, at L·(1 + (p-1)/(p·v)) layers of
     activations on rank 0; 1 holds 1F1B's L (an engine that overlaps its transfers
     otherwise: Llama 3's asynchronous p2p).
+    zero_blocks: ZeRO blocks alive at the memory peak, (gathered parameters, unsharded
+    gradients): FSDP's (2, 2), one prefetched while one computes; tetrad's (1, 0)
+    (`Footprint._zero_buffers`). zero3_incoming_grad: under ZeRO-3 with gradients
+    accumulated whole, a microbatch's gradient of the unit in backward arrives as a new
+    flat tensor before it is added to the accumulated one (tetrad re-splits the
+    parameters at every gather).
     shards_over_cp: the ZeRO state is sharded over fsdp x cp (torchtitan's FSDP mesh takes
     the cp ranks in: they hold the same weights); tetrad shards over fsdp alone. Memory
     only: the traffic is still priced over the fsdp group.
@@ -70,13 +76,16 @@ class Implementation:
     cp_gathers_kv: bool = True
     interleaved_lag: int = 2
     shards_over_cp: bool = False
+    zero_blocks: tuple[int, int] = (2, 2)
+    zero3_incoming_grad: bool = False
 
 
 # Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
 # torchtitan's async TP): a stated fit on the development rows (docs/plan.md).
 TP_OVERLAP = 0.8
 
-TETRAD = Implementation("tetrad", chunked_loss=True, split_w_with_tp=True)
+TETRAD = Implementation("tetrad", chunked_loss=True, split_w_with_tp=True, zero_blocks=(1, 0),
+                        zero3_incoming_grad=True)  # fmt: skip
 MEGATRON = Implementation(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
     "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
     split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),

@@ -5,11 +5,13 @@
   shapes) through the same `plan_units` / `zero_bytes` / `replicated_bytes`.
 - Activations: `plan.activations`' per-layer bytes, per stage, times the microbatches in
   flight on each rank in the simulated timeline (zero-bubble W inputs included).
-- Overhead, stated: the device's workspace (cuBLAS and NCCL buffers); one block's
-  backward workspace; the loss gradient on the last stage; ZeRO's gathered parameters
-  (ZeRO-3: two blocks, one prefetched, and the root) and unsharded gradients (tetrad
-  accumulates them whole over microbatches at ZeRO-2/3); and `ALLOCATOR` of everything
-  that comes and goes within a step, for the caching allocator's fragmentation.
+- Overhead, stated: the transients alive at the rank's peak moment (`plan.peak`: the
+  loss chunk, one block's backward, ZeRO's gathered parameters and unsharded gradients,
+  the pipeline's receive pool, each term named); the device's workspace (cuBLAS and NCCL
+  buffers); and `ALLOCATOR` of everything that comes and goes within a step, for the
+  caching allocator's fragmentation. Model state + activations + the transients is what
+  an allocator counts as allocated at its peak (`Memory.allocated`); the total adds what
+  the device reserves beyond it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
 from tetrad.plan.layouts import layout_of, model_key
+from tetrad.plan.peak import Peak, PeakSettings, rank_peak
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
 # allocated and freed within a step. A stated share, not fitted per row (torchtitan's eager
@@ -44,10 +47,18 @@ class Memory:
     activations: float
     overhead: float
     capacity: float
+    peak: Peak | None = None  # the moment of the peak and its transients, term by term
 
     @property
     def total(self) -> float:
+        """The peak the device must hold: what the fit check and the search compare."""
         return self.model_state + self.activations + self.overhead
+
+    @property
+    def allocated(self) -> float:
+        """The allocator's peak of live tensors (CUDA's max_memory_allocated; on CPU what
+        tests/test_plan_peak.py measures): state + activations + the peak's transients."""
+        return self.model_state + self.activations + (self.peak.transient if self.peak else 0.0)
 
     @property
     def fits(self) -> bool:
@@ -89,7 +100,10 @@ class Footprint:
         fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
         live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
         scores: bool = False, shards_over_cp: bool = False,
+        zero_blocks: tuple[int, int] = (2, 2), zero3_incoming_grad: bool = False,
     ):  # fmt: skip
+        self.zero3_incoming_grad = zero3_incoming_grad
+        self.zero_blocks = zero_blocks  # ZeRO blocks alive at the peak (`_zero_buffers`)
         self.cp_gathers_kv = cp_gathers_kv
         self.shards_over_cp = shards_over_cp  # ZeRO shards over fsdp x cp (torchtitan)
         self.scores = scores  # attention materialises the s x s scores (no flash kernel)
@@ -234,8 +248,9 @@ class Footprint:
         best = None
         for r in range(cfg.parallel.pp):
             acts = self.rank_activations(cfg, split, timeline, r, deferred_w)
-            mem = Memory(float(facts[r].state.total), acts, self.overhead(cfg, r, facts[r], acts),
-                         self.device.hbm_bytes)  # fmt: skip
+            peak = self.peak(cfg, r, facts[r], acts)
+            mem = Memory(float(facts[r].state.total), acts, self._overhead(peak, acts),
+                         self.device.hbm_bytes, peak)  # fmt: skip
             if best is None or mem.total > best.total:
                 best = mem
         return best
@@ -253,48 +268,67 @@ class Footprint:
         return out
 
     def overhead(self, cfg: Config, pp_rank: int, fa: RankFacts, acts: float) -> float:
-        """Workspace + transients (one block's backward, the loss gradient on the last
-        stage, ZeRO's buffers) + the allocator's share of transients and activations."""
-        m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        lay, spec = layout_of(cfg), spec_for(m)
-        b, s = lay.microbatch_size, lay.local_seq
-        transient = act.layer_grad_workspace(spec, m, p.tp, dt, b, s, p.sp, self.fused)
-        if self.scores:  # the layer in backward (recomputed or kept) holds its scores
-            scores = spec.activations.attention_scores(m, cfg.train.seq_len)
-            transient += act.total_bytes(scores, b, s, p.tp)
-        if p.pp * p.virtual_stages - 1 in rank_stages(pp_rank, p.pp, p.virtual_stages,
-                                                      p.pp_schedule):  # fmt: skip
-            chunk = cfg.train.loss_chunk if self.chunked_loss else 0
-            transient += act.loss_grad_workspace(m, p.tp, dt, b, s, chunk)
-        transient += self._zero_buffers(cfg, fa)
-        return self.device.workspace_bytes + transient + ALLOCATOR * (transient + acts)
+        """Workspace + the peak's transients + the allocator's share of transients and
+        activations."""
+        return self._overhead(self.peak(cfg, pp_rank, fa, acts), acts)
 
-    def _zero_buffers(self, cfg: Config, fa: RankFacts) -> float:
-        """ZeRO-3's gathered compute parameters and ZeRO-2/3's unsharded gradients.
+    def _overhead(self, peak: Peak, acts: float) -> float:
+        transient = peak.transient
+        return self.device.workspace_bytes + transient + ALLOCATOR * max(transient + acts, 0.0)
 
-        Whole units (tetrad, FSDP): two blocks gathered (one prefetched) and the root;
-        gradients of two blocks and the root, or all of them where tetrad accumulates
-        whole over microbatches. An engine that caps its live parameters (DeepSpeed)
-        keeps at most that many gathered, but never less than one module (its largest
-        linear), and two reduce buckets of gradients."""
+    def peak(self, cfg: Config, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
+        """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
+        settings = PeakSettings(
+            self.chunked_loss, self.recompute, self.fused, self.scores,
+            *self._zero_buffers(cfg, fa), _late_grads(cfg, fa),
+        )  # fmt: skip
+        return rank_peak(cfg, pp_rank, acts, settings)
+
+    def _zero_buffers(self, cfg: Config, fa: RankFacts) -> tuple[float, float]:
+        """(ZeRO-3's gathered compute parameters, ZeRO-2/3's unsharded gradients), bytes
+        alive at the peak.
+
+        Whole units: the root and `zero_blocks` = (blocks gathered, blocks of gradients
+        awaiting their reduce-scatter): FSDP's (2, 2), one block prefetched while one
+        computes; tetrad's (1, 0): its backward prefetch starts at a block's middle, off
+        the peak, and a block's flat gradient lands at the end of its backward, when its
+        activations are freed; the root's gradient lives from the head's backward to the
+        embedding's. All of them where tetrad accumulates whole over microbatches (under
+        ZeRO-3 with a unit's incoming microbatch gradient besides, measured). An
+        engine that caps its live parameters (DeepSpeed) keeps at most that many
+        gathered, but never less than one module (its largest linear), and two reduce
+        buckets of gradients."""
         p, c = cfg.parallel, DTYPE_BYTES[cfg.train.dtype]
         if p.fsdp == 1:
-            return 0.0
-        units = 2 * fa.block + fa.psi_root
-        extra = 0.0
+            return 0.0, 0.0
+        gathered_blocks, grad_blocks = self.zero_blocks
+        gathered = grads = 0.0
         if p.zero_stage == 3:
-            gathered = units
+            gathered = gathered_blocks * fa.block + fa.psi_root
             if self.max_live:
-                gathered = max(min(units, self.max_live), _largest_linear(cfg))
-            extra += c * gathered
+                gathered = max(min(gathered, self.max_live), _largest_linear(cfg))
         if p.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
             # with pp > 1 a stage reduces at its last backward work (whatever m): whole
             whole = (p.microbatches > 1 or p.pp > 1) and not self.reduce_every_micro
+            units = grad_blocks * fa.block + fa.psi_root
             grads = fa.psi_dense if whole else units  # experts under ep: in the state
+            if whole and p.zero_stage == 3 and self.zero3_incoming_grad:
+                grads += fa.block + fa.psi_root  # the microbatch's, before the sum
             if self.max_live and self.reduce_bucket and not whole:
                 grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(cfg))
-            extra += c * grads
-        return extra
+        return c * gathered, c * grads
+
+
+def _late_grads(cfg: Config, fa: RankFacts) -> float:
+    """Gradient bytes of the model state that exist only from the reduction to the
+    optimizer step, not in the forward and backward: the fp32 gradients of mixed
+    precision (`model_state.replicated_bytes`) and ZeRO's fp32 gradient shards. What
+    persists is the full gradient in the compute dtype, kept by plain data parallelism
+    and ZeRO-1 (in fp32 that is all of it)."""
+    p = cfg.parallel
+    persists = p.fsdp == 1 or p.zero_stage == 1
+    held = DTYPE_BYTES[cfg.train.dtype] * fa.psi if persists else 0.0
+    return max(float(fa.state.grads) - held, 0.0)
 
 
 def _largest_linear(cfg: Config) -> float:

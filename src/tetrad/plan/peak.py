@@ -1,0 +1,154 @@
+"""The allocator's peak on one rank: what is alive, beyond the model state and the saved
+activations, at the step's fullest moment.
+
+The steady figures (model state, activations in flight) are exact; the peak adds the
+transients of one moment, and which moment wins depends on the layout, so each candidate
+is stated with its terms and the largest is the peak:
+
+- *loss forward* (last stage): one chunk of logits in fp32 and log-sum-exp's exponentials
+  of them (tetrad's chunked head); an unchunked head keeps its logits among the
+  activations and is charged at its backward.
+- *loss backward* (last stage): one chunk's logit gradient (and its cast), the head
+  input's gradient, the head weight's fp32 gradient and one chunk's share of it; unchunked,
+  the fp32 logit gradient and its cast.
+- *block backward* (every stage): SwiGLU's backward holds the gradient of its product and
+  of both inputs at once (two f-wide tensors beyond the saved ones) and the residual
+  stream's gradient; under recomputation, what the policy recomputes; without a flash
+  kernel, one layer's attention scores.
+- *optimizer step*: the activations are gone; fused AdamW updates in place, so nothing
+  beyond the model state.
+
+Terms every moment of the forward and backward shares: ZeRO-3's gathered parameters
+(the root, from its first use to the end of backward, and the blocks gathered at once),
+ZeRO-2/3's unsharded gradients awaiting their reduce-scatter; and, as a negative term,
+the gradients the model state counts that exist only from the reduction to the optimizer
+step (ZeRO's fp32 shards, mixed precision's fp32 gradients): the forward and backward do
+not hold them yet. A pipeline stage other than
+the first keeps a receive pool of two buffers (the next input and the gradient coming
+back); the outputs it sends are already counted with the activations (`peak_in_flight`).
+
+Measured against the CPU allocator on tetrad's own runs (tests/test_plan_peak.py) and
+against torchtitan's published peaks (docs/plan.md, "Peak memory").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.config import DTYPE_BYTES, Config
+from tetrad.models.families import spec_for
+from tetrad.parallel.pipeline.schedules import rank_stages
+from tetrad.plan import activations as act
+from tetrad.plan.layouts import layout_of
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The moment of a rank's allocator peak and the bytes alive then beyond the model
+    state and the activations in flight, term by term (a negative term: part of the model
+    state or the activations not alive at that moment)."""
+
+    moment: str
+    terms: tuple[tuple[str, float], ...]
+
+    @property
+    def transient(self) -> float:
+        return sum(v for _, v in self.terms)
+
+
+@dataclass(frozen=True)
+class PeakSettings:
+    """What of an engine shapes its transients (`Footprint` passes its own)."""
+
+    chunked_loss: bool
+    recompute: str
+    fused: bool
+    scores: bool
+    zero_gathered: float  # ZeRO-3's gathered parameters, bytes
+    zero_grads: float  # ZeRO-2/3's unsharded gradients alive in backward, bytes
+    late_grads: float  # model-state gradients alive only from the reduction on, bytes
+
+
+def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
+    """The largest of the rank's candidate moments (module docstring)."""
+    p = cfg.parallel
+    stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
+    last = p.pp * p.virtual_stages - 1 in stages
+    shared = _shared_terms(cfg, 0 in stages, s)
+    block = [("block backward", block_backward(cfg, s)),
+             ("ZeRO unsharded gradients", s.zero_grads)]  # fmt: skip
+    moments = [("block backward", block + shared)]
+    if last:
+        fwd, bwd = loss_forward(cfg, s.chunked_loss), loss_backward(cfg, s.chunked_loss)
+        moments.append(("loss forward", [("loss chunk, forward", fwd)] + shared))
+        moments.append(("loss backward", [("loss chunk, backward", bwd)] + shared))
+    moments.append(("optimizer step", [("activations (freed by then)", -acts)]))
+    peaks = [Peak(name, tuple((k, float(v)) for k, v in terms if v)) for name, terms in moments]
+    return max(peaks, key=lambda pk: pk.transient)
+
+
+def _shared_terms(cfg: Config, first: bool, s: PeakSettings) -> list[tuple[str, float]]:
+    """Terms alive through the forward and backward (module docstring)."""
+    out = [("ZeRO-3 gathered parameters", s.zero_gathered),
+           ("gradients not yet reduced (in the state)", -s.late_grads)]  # fmt: skip
+    if not first:
+        out.append(("pipeline receive pool", 2 * stage_input_bytes(cfg)))
+    return out
+
+
+def stage_input_bytes(cfg: Config) -> float:
+    """Bytes of one microbatch's hidden states between stages: b·s·h·c (s/tp under SP)."""
+    lay, p = layout_of(cfg), cfg.parallel
+    tokens = lay.microbatch_size * lay.local_seq / (p.tp if p.sp else 1)
+    return tokens * cfg.model.dim * DTYPE_BYTES[cfg.train.dtype]
+
+
+def _tokens(cfg: Config) -> int:
+    """Tokens of one microbatch on one rank: the head sees the whole (local) sequence."""
+    lay = layout_of(cfg)
+    return lay.microbatch_size * lay.local_seq
+
+
+def loss_forward(cfg: Config, chunked: bool) -> float:
+    """One chunk of logits (c bytes, and their fp32 copy where c < 4) and log-sum-exp's
+    fp32 exponentials of them. Unchunked: 0 here (the logits are saved activations and
+    their fp32 work is charged to the loss backward)."""
+    if not (chunked and cfg.train.loss_chunk > 0):
+        return 0.0
+    m, c = cfg.model, DTYPE_BYTES[cfg.train.dtype]
+    n, v = min(cfg.train.loss_chunk, _tokens(cfg)), m.vocab / cfg.parallel.tp
+    return n * v * (4 + 4 + (c if c < 4 else 0))
+
+
+def loss_backward(cfg: Config, chunked: bool) -> float:
+    """Chunked: a chunk's fp32 logit gradient (and its cast), the input gradient, the
+    fp32 weight gradient and a chunk's share of it. Unchunked: log-softmax's backward
+    holds its fp32 output gradient and its input gradient at once (its saved output is
+    among the activations)."""
+    m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
+    c, n_all = DTYPE_BYTES[dt], _tokens(cfg)
+    if not (chunked and cfg.train.loss_chunk > 0):  # log-softmax's backward: in and out
+        return n_all * m.vocab / p.tp * 8
+    n, v = min(cfg.train.loss_chunk, n_all), m.vocab / p.tp
+    cast = c if c < 4 else 0
+    return n * v * (4 + cast) + n_all * m.dim * c + v * m.dim * (4 + 4 + cast)
+
+
+def block_backward(cfg: Config, s: PeakSettings) -> float:
+    """SwiGLU's backward (two f-wide gradients beyond the saved tensors) and the residual
+    gradient; plus what recomputation rebuilds, and the scores without a flash kernel."""
+    m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
+    lay, c = layout_of(cfg), DTYPE_BYTES[dt]
+    b, seq = lay.microbatch_size, lay.local_seq
+    tokens = b * seq
+    out = 2 * tokens * m.hidden_dim * c / p.tp + tokens * m.dim * c / (p.tp if p.sp else 1)
+    family = spec_for(m).activations
+    if s.recompute != "none":  # what the policy rebuilds for this block's backward
+        whole = family.layer(m, p.tp, dt, "none", fused=s.fused)
+        kept = family.layer(m, p.tp, dt, s.recompute, fused=s.fused)
+        out += act.total_bytes(whole, b, seq, p.tp, p.sp) - act.total_bytes(
+            kept, b, seq, p.tp, p.sp
+        )
+    if s.scores:
+        out += act.total_bytes(family.attention_scores(m, cfg.train.seq_len), b, seq, p.tp)
+    return out

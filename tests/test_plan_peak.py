@@ -1,0 +1,228 @@
+"""The planner's peak memory against the allocator's, measured on CPU runs of tetrad, and
+against torchtitan's published peaks.
+
+How the CPU peak is measured. `peak_mem_bytes` in metrics.jsonl is, on CPU, the process's
+peak resident set (ru_maxrss): the interpreter and torch's libraries (hundreds of MiB),
+never reset, and monotone over every job a process runs, so no tensor count can predict
+it. The CPU counterpart of CUDA's `max_memory_allocated` is read instead from the
+profiler's allocator events (every allocation and free of c10's CPU allocator, with its
+address): bytes allocated since the trainer was built and still alive, at their highest.
+Frees the profiler does not see (a tensor released on a gloo thread) are settled when the
+address is handed out again. Repeated runs agree to the byte in most layouts; under tp
+a rank's peak moves now and then by one 256 KiB buffer (2%: a free made on a gloo thread
+and missed until its address is reused).
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from harness import Jobs, reference_csv, tiny_config
+from plan_published import MODELS
+from tetrad.config import from_dict
+from tetrad.mesh import Mesh
+from tetrad.plan.cost import Planner
+from tetrad.plan.engines import ENGINES, TETRAD
+from tetrad.plan.hardware import GiB, cluster_preset
+from tetrad.plan.layouts import layout_config
+from tetrad.plan.search import Space, search
+
+# big enough that the loss chunk, a block's backward and ZeRO's buffers are 5-20% of the
+# peak (the test model's are a few KB); 2 steps: the second has the optimizer state
+MODEL = {"layers": 2, "dim": 128, "heads": 4, "kv_heads": 2, "vocab": 512}
+TRAIN = {"steps": 2, "seq_len": 64, "global_batch": 8}
+MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 128, "shared_experts": 1}
+LAYOUTS = [  # (parallel, train and model overrides) on 2 ranks
+    ({"dp": 2}, {}),
+    ({"dp": 2}, {"recompute": "full"}),
+    ({"fsdp": 2, "zero_stage": 1}, {}),
+    ({"fsdp": 2, "zero_stage": 2}, {}),
+    ({"fsdp": 2, "zero_stage": 3}, {}),
+    ({"fsdp": 2, "zero_stage": 3, "microbatches": 2}, {}),  # gradients accumulated whole
+    ({"tp": 2}, {}),
+    ({"tp": 2}, {"dtype": "bf16"}),  # fp32 gradients exist only from the reduction on
+    ({"tp": 2, "sp": True}, {}),
+    ({"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"}, {}),
+    ({"cp": 2}, {}),
+    ({"dp": 2}, {"model": MOE}),  # a mixture of experts (ep 2: docs/plan.md, not held to 5%)
+]
+CFGS = [
+    tiny_config(model=MODEL | t.get("model", {}),
+                train=TRAIN | {k: v for k, v in t.items() if k != "model"}, parallel=p)
+    for p, t in LAYOUTS
+]  # fmt: skip
+PEAK_BOUND = 0.05
+
+
+def allocator_peak(events) -> int:
+    """The most bytes alive at once among allocations in `events` (the profiler's
+    allocation events in time order: (address, +bytes) or (address, -bytes))."""
+    live: dict[int, int] = {}
+    now = peak = 0
+    for ptr, size in events:
+        if size > 0:
+            now += size - live.get(ptr, 0)  # a reused address: its free went unseen
+            live[ptr] = size
+            peak = max(peak, now)
+        elif ptr in live:
+            now -= live.pop(ptr)
+    return peak
+
+
+def _allocations(prof) -> list[tuple[int, int]]:
+    from torch._C._profiler import _EventType
+
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            out.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    return [(ptr, size) for _, ptr, size in sorted(out)]
+
+
+def train_and_peak(rank: int, world: int, raws: list[dict]) -> list[dict]:
+    """Each config trained from a fresh trainer under the profiler's allocator events:
+    the measured peak, and the measured model state and saved activations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tetrad.train.loop import Trainer
+
+    out = []
+    for raw in raws:
+        cfg = from_dict(raw)
+        mesh = Mesh.build(cfg.parallel.degrees, rank, ep=cfg.parallel.ep)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer = Trainer(cfg, mesh, torch.device("cpu"))
+            trainer.fit()
+        steady = trainer.measured_state[-1].total + trainer.engine.last_run.peak_activation_bytes
+        out.append({"peak": allocator_peak(_allocations(prof)), "steady": steady})
+    return out
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    jobs.add("peaks", 2, train_and_peak, [c.to_dict() for c in CFGS])
+
+
+def test_allocator_peak_counts_what_is_alive_at_once():
+    """The meter: the highest sum of live allocations; a reused address settles the free
+    the profiler missed."""
+    assert allocator_peak([(1, 10), (2, 5), (1, -10), (3, 7), (2, -5)]) == 15
+    assert allocator_peak([(1, 4), (1, 10), (2, 3)]) == 13  # not 17
+
+
+@pytest.mark.distributed
+def test_peak_within_5_percent_of_the_measured(jobs):
+    """dp (and full recompute, and a mixture of experts), ZeRO-1/2/3 (ZeRO-3 with two
+    microbatches too), tp (with sp, and in bf16), pp and cp on 2 ranks: the planner's
+    allocated peak of the fullest rank (model state + activations + the transients of its
+    peak moment) is the measured peak (max over ranks) within 5%, where the steady
+    figures alone miss it by more in most layouts (the transients are not noise)."""
+    per_rank = jobs["peaks"]
+    missed = 0
+    for i, (layout, cfg) in enumerate(zip(LAYOUTS, CFGS)):
+        measured = max(r[i]["peak"] for r in per_rank)
+        steady = max(r[i]["steady"] for r in per_rank)
+        mem = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute).memory(cfg)
+        err = mem.allocated / measured - 1
+        assert abs(err) <= PEAK_BOUND, (layout, mem.peak, mem.allocated, measured, f"{err:+.3f}")
+        missed += abs(steady / measured - 1) > PEAK_BOUND
+    assert missed >= len(LAYOUTS) // 2, "the transients are too small to test"
+
+
+# torchtitan's published peaks (tests/data/torchtitan_bench.csv, max over GPUs): the CSV
+# row (table, layout, techniques), the case (model, fsdp, cp, tp, seq, local batch,
+# recompute, engine), the bound, and what the model misses where it is over 10%
+MIB_ROWS = [
+    (("Table1", "FSDP 8", "FSDP"), ("llama3-8b", 8, 1, 1, 8192, 2, "op", "torchtitan"), 0.12,
+     "eager: 5.4 GiB above the compiled run of the same tensors (the caching allocator's "
+     "fragmentation of eager kernels' many small temporaries); one allocator share for both"),
+    (("Table1", "FSDP 8", "FSDP + torch.compile"),
+     ("llama3-8b", 8, 1, 1, 8192, 2, "op", "torchtitan-compile"), 0.10, ""),
+    (("Table3", "FSDP 128", "FSDP"),
+     ("llama3-8b", 128, 1, 1, 8192, 2, "op", "torchtitan"), 0.10, ""),
+    (("Table3", "FSDP 128", "FSDP + torch.compile"),
+     ("llama3-8b", 128, 1, 1, 8192, 2, "op", "torchtitan-compile"), 0.10, ""),
+    (("Table2", "FSDP 8, CP 1", "FSDP+CP+compile+Float8"),
+     ("llama3-8b", 8, 1, 1, 32768, 1, "full", "torchtitan-compile"), 0.10, ""),
+    (("Table2", "FSDP 4, CP 2", "FSDP+CP+compile+Float8"),
+     ("llama3-8b", 4, 2, 1, 65536, 1, "full", "torchtitan-compile"), 0.10, ""),
+    (("Table2", "FSDP 2, CP 4", "FSDP+CP+compile+Float8"),
+     ("llama3-8b", 2, 4, 1, 131072, 1, "full", "torchtitan-compile"), 0.10, ""),
+]  # fmt: skip
+# rows the model misses by more, and why (docs/plan.md, "Peak memory")
+MISSED = {
+    ("Table2", "FSDP 1, CP 8", "FSDP+CP+compile+Float8"): "torchtitan shards the state over the "
+    "cp ranks even at fsdp 1; the planner shards only where fsdp > 1 (150 GiB of state)",
+    ("Table4", "FSDP 32, TP 8", "2D + compile + Float8"): "16 GiB short, unexplained: Float8's "
+    "weight casts and scales, and the layer's all-gathered input under SP are not counted",
+}  # fmt: skip
+
+
+def published_peak(table: str, layout: str, techniques: str) -> float:
+    """peak_memory_GiB of the torchtitan_bench.csv row."""
+    with open(reference_csv("torchtitan_bench.csv"), newline="") as f:
+        for row in csv.DictReader(f):
+            if (row["table"], row["layout"], row["techniques"]) == (table, layout, techniques):
+                return float(row["peak_memory_GiB"])
+    raise KeyError((table, layout, techniques))
+
+
+def titan_memory(model, fsdp, cp, tp, seq, local, recompute, engine):
+    cfg = layout_config(MODELS[model], local * fsdp, seq, fsdp=fsdp, cp=cp, tp=tp, sp=tp > 1)
+    return Planner(cluster_preset("h100-hbm2e"), ENGINES[engine], recompute).memory(cfg)
+
+
+def test_peak_against_torchtitan():
+    """torchtitan's llama3-8b runs (FSDP on 8 and 128 H100s with per-op SAC; FSDP x CP at
+    32K-128K with full recompute): the planner's peak (at the loss backward: log-softmax's
+    gradients, the gathered root and the blocks prefetched, with workspace and allocator
+    share) within 10%, or the row's stated bound and reason."""
+    for key, case, bound, _why in MIB_ROWS:
+        mem = titan_memory(*case)
+        assert mem.peak.moment == "loss backward", (key, mem.peak)
+        got, published = mem.total / GiB, published_peak(*key)
+        assert abs(got / published - 1) <= bound, (key, got, published)
+
+
+def test_published_peaks_the_model_misses():
+    """The rows stated as missed are missed for the stated reason: the fsdp 1 x cp 8 row's
+    state is unsharded; the 70B 2D row is under its published peak."""
+    key = ("Table2", "FSDP 1, CP 8", "FSDP+CP+compile+Float8")
+    cp8 = titan_memory("llama3-8b", 1, 8, 1, 262144, 1, "full", "torchtitan-compile")
+    assert cp8.model_state > 100 * GiB and not cp8.fits, MISSED[key]
+    key = ("Table4", "FSDP 32, TP 8", "2D + compile + Float8")
+    tp8 = titan_memory("llama3-70b", 32, 1, 8, 8192, 16, "full", "torchtitan-async-tp")
+    assert tp8.total / GiB < 0.9 * published_peak(*key), MISSED[key]
+
+
+def _capped(cluster, capacity: float):
+    """`cluster` with devices of `capacity` bytes."""
+    import dataclasses
+
+    return dataclasses.replace(
+        cluster, device=dataclasses.replace(cluster.device, hbm_bytes=capacity)
+    )
+
+
+def test_search_refuses_a_layout_whose_peak_does_not_fit():
+    """A layout that would fit without its peak's transients (state, activations,
+    workspace and allocator share) but not with them is never proposed; with room for
+    its peak it is."""
+    from tetrad.plan.footprint import ALLOCATOR
+
+    cfg = CFGS[0]  # dp 2: its peak is at the loss backward, 1.1 MiB of transients
+    cpu = cluster_preset("cpu")
+    mem = Planner(cpu, TETRAD).memory(cfg)
+    steady = mem.model_state + mem.activations
+    without = steady + cpu.device.workspace_bytes + ALLOCATOR * mem.activations
+    assert mem.peak.transient > 1e6 and without < mem.total
+    space = Space(dp=2, fsdp=1, tp=1, pp=1, cp=1, ep=1, microbatches=1)
+    tight = Planner(_capped(cpu, (without + mem.total) / 2), TETRAD)
+    assert search(tight, cfg, 2, space, top=3) == []
+    roomy = Planner(_capped(cpu, mem.total * 1.001), TETRAD)
+    found = search(roomy, cfg, 2, space, top=3)
+    assert [p.memory.total for p in found] == [pytest.approx(mem.total)]
