@@ -17,7 +17,8 @@ the same initial weights and optimizer step (harness.py), gloo, 1 thread per ran
   model built, each rank keeping its E/N experts, a dispatcher that exchanges the counts
   with `dist.all_to_all_single`, then moves the rows with the autograd-aware
   `torch.distributed.nn.functional.all_to_all_single` (torchtitan's all-to-all token
-  dispatcher has this shape), and DDP for every other parameter (experts left out of it,
+  dispatcher has this shape), both on an ep process group of their own, and DDP for
+  every other parameter (experts left out of it,
   gradients summed by a comm hook, as tetrad's loss is already divided by the global
   token count).
 
@@ -45,6 +46,7 @@ all-to-all: the seconds rank 0's steps spent blocked in `ep/all_to_all` (Comm's 
 per timed step.
 
     .venv/bin/python benchmarks/moe.py              # worlds 2 and 4, prints JSON
+    .venv/bin/python benchmarks/moe.py --worlds 2 --shared-experts 4   # more to overlap
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ class PlainEPDispatch:
     ranks: copies sorted by expert, counts exchanged, rows to the experts' ranks and back
     with the autograd all-to-all, weighted and summed per token."""
 
-    def __init__(self, experts_total: int, counted: dict[str, int]):
-        self.n, self.counted = experts_total, counted
+    def __init__(self, experts_total: int, counted: dict[str, int], group):  # noqa: ANN001
+        self.n, self.counted, self.group = experts_total, counted, group
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     def __call__(
@@ -115,7 +117,7 @@ class PlainEPDispatch:
         local = self.n // self.world
         send = torch.bincount(flat, minlength=self.n)  # [rank · local expert]
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send)  # [source rank · local expert]
+        dist.all_to_all_single(recv, send, group=self.group)  # [source rank · local expert]
         send_rows = send.view(self.world, local).sum(1).tolist()
         recv_rows = recv.view(self.world, local).sum(1).tolist()
         arrived = self._exchange(x[order // k], recv_rows, send_rows)
@@ -132,7 +134,7 @@ class PlainEPDispatch:
         self.counted["rows_sent"] += leaving
         self.counted["bytes_sent"] += leaving * rows.shape[1] * rows.element_size()
         out = rows.new_empty((sum(out_rows), rows.shape[1]))
-        return dist_fn.all_to_all_single(out, rows.contiguous(), out_rows, in_rows)
+        return dist_fn.all_to_all_single(out, rows.contiguous(), out_rows, in_rows, self.group)
 
 
 def sum_hook(state: None, bucket):  # noqa: ANN001
@@ -166,6 +168,9 @@ class PlainEPRunner:
         set_aux_scale(model, cfg.train.global_batch)  # the aux loss: a global-batch mean
         self.counted = {"rows_sent": 0, "bytes_sent": 0}
         local = cfg.model.experts // world
+        # the ep group, apart from DDP's: DDP's bucket all-reduces are in flight during
+        # backward, when the all-to-alls run too (on one gloo group, seen to cross at world 4)
+        ep_group = dist.new_group(list(range(world)))
         expert_names, expert_ids = [], set()
         for i, ffn in moe_layers(model).items():
             for pname in ("w1", "w3", "w2"):
@@ -174,7 +179,7 @@ class PlainEPRunner:
                 setattr(ffn.experts, pname, mine)
                 expert_names.append(f"layers.{i}.feed_forward.experts.{pname}")
                 expert_ids.add(id(mine))
-            ffn.use_dispatch(PlainEPDispatch(cfg.model.experts, self.counted))
+            ffn.use_dispatch(PlainEPDispatch(cfg.model.experts, self.counted, ep_group))
         DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)
         self.ddp = DDP(model, broadcast_buffers=False)
         self.ddp.register_comm_hook(None, sum_hook)
@@ -297,8 +302,9 @@ def summarize(world: int, cfg: Config, out: dict, steps: int) -> dict[str, Any]:
 def main() -> None:
     p = harness.arguments(__doc__, "--worlds", steps=1, rounds=8, warmup=2)
     p.add_argument("--batch", type=int, default=8, help="sequences of 128 tokens per step")
+    p.add_argument("--shared-experts", type=int, default=1, help="moe-small's: 1")
     args = p.parse_args()
-    model = asdict(model_preset("moe-small"))
+    model = asdict(model_preset("moe-small")) | {"shared_experts": args.shared_experts}
     rows = []
     for world in args.worlds:
         total = args.warmup + args.rounds * args.steps
