@@ -125,6 +125,8 @@ class PlainEPDispatch:
         expert_of = torch.arange(local).repeat(self.world).repeat_interleave(recv)
         regroup = torch.argsort(expert_of, stable=True)
         out = experts(arrived[regroup], recv.view(self.world, local).sum(0))
+        if not out.requires_grad:  # no row arrived (skewed routing): stay in the graph, or
+            out = out + arrived.sum() * 0  # this rank skips the backward all-to-alls and hangs
         back = self._exchange(out[torch.argsort(regroup)], send_rows, recv_rows)
         copies = back[torch.argsort(order)].view(tokens, k, -1)
         return (copies * weights.unsqueeze(-1)).sum(1)
@@ -168,8 +170,7 @@ class PlainEPRunner:
         set_aux_scale(model, cfg.train.global_batch)  # the aux loss: a global-batch mean
         self.counted = {"rows_sent": 0, "bytes_sent": 0}
         local = cfg.model.experts // world
-        # the ep group, apart from DDP's: DDP's bucket all-reduces are in flight during
-        # backward, when the all-to-alls run too (on one gloo group, seen to cross at world 4)
+        # the ep group, as an ep mesh gives it (here all ranks), apart from DDP's
         ep_group = dist.new_group(list(range(world)))
         expert_names, expert_ids = [], set()
         for i, ffn in moe_layers(model).items():
