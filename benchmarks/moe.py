@@ -18,9 +18,8 @@ the same initial weights and optimizer step (harness.py), gloo, 1 thread per ran
   with `dist.all_to_all_single`, then moves the rows with the autograd-aware
   `torch.distributed.nn.functional.all_to_all_single` (torchtitan's all-to-all token
   dispatcher has this shape), both on an ep process group of their own, and DDP for
-  every other parameter (experts left out of it,
-  gradients summed by a comm hook, as tetrad's loss is already divided by the global
-  token count).
+  every other parameter (experts left out of it, gradients summed by a comm hook, as
+  tetrad's loss is already divided by the global token count).
 
 Why not torchtitan's MoE with its expert-parallel style: torchtitan 0.3.0 installs from the
 package index without touching torch, but its MoE layer imports torchtitan's whole
