@@ -33,19 +33,25 @@ def reference():
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def all_jobs(request, tmp_path_factory) -> Jobs:
-    """The multi-process jobs of every test module with a selected test, each module's
-    declared by its `declare_jobs(jobs)`; those of one world size run in one spawn, the
-    first time a test asks for one of them. Starting ranks is most of a small job's time
-    (about 2 s of CPU each), so the suite starts each world size once, not per test."""
+    """The multi-process jobs of every test module with a selected test that reads `jobs`,
+    each module's declared by its `declare_jobs(jobs)`. Those of one world size run in one
+    spawn: starting ranks is most of a small job's time (about 2 s of CPU each), so the
+    suite starts each world size once, not per test. The worlds start with the session,
+    in the background, while the tests that need none run (they come first, see below)."""
     jobs = Jobs(timeout=JOBS_TIMEOUT, mktemp=tmp_path_factory.mktemp)
-    modules = dict.fromkeys(getattr(item, "module", None) for item in request.session.items)
-    for module in modules:
+    for module in dict.fromkeys(_reads_jobs(request.session.items)):
         declare = getattr(module, "declare_jobs", None)
         if declare is not None:
             declare(jobs.scoped(module.__name__))
+    jobs.start()
     return jobs
+
+
+def _reads_jobs(items) -> list:
+    """The modules of the tests among `items` that read the `jobs` fixture, in order."""
+    return [item.module for item in items if "jobs" in getattr(item, "fixturenames", ())]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +61,12 @@ def jobs(all_jobs, request) -> Jobs:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that read `jobs` get the jobs' timeout. Tests marked `cuda` need a GPU:
-    skipped, saying so, where there is none."""
+    """Modules whose tests read `jobs` run last (each module's tests stay together, in
+    their order), so the worlds' ranks run beside the rest of the suite. Tests that read
+    `jobs` get the jobs' timeout. Tests marked `cuda` need a GPU: skipped, saying so,
+    where there is none."""
+    late = set(_reads_jobs(items))
+    items.sort(key=lambda item: getattr(item, "module", None) in late)  # stable
     for item in items:
         if "jobs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.timeout(JOBS_TIMEOUT))

@@ -9,6 +9,7 @@ Test-only; what users need (`spawn`) is in `tetrad.testing`. Tests import these 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,8 +92,9 @@ def run_jobs(rank: int, world: int, jobs: list[tuple[Callable, tuple]]) -> list[
 
 
 class Jobs:
-    """Multi-process jobs grouped by world size, each group run in one spawn the first time
-    a test asks for one of its jobs (starting the ranks is most of a small job's time).
+    """Multi-process jobs grouped by world size, each group run in one spawn (starting the
+    ranks is most of a small job's time): all of them in the background from `start`, or
+    else the first time a test asks for one of its jobs.
 
     jobs.add(name, world, fn, *args) queues fn(rank, world, *args); jobs[name] is then its
     results in rank order. `scoped(prefix)` is a view of the same queue whose names carry
@@ -108,6 +110,7 @@ class Jobs:
         self._queued: dict[int, dict[str, tuple[Callable, tuple]]] = {}
         self._results: dict[str, list[Any]] = {}
         self._failed: dict[int, BaseException] = {}
+        self._done: dict[int, threading.Event] = {}  # the worlds `start` runs, set when run
 
     def scoped(self, prefix: str) -> Jobs:
         """A view of these jobs whose names are prefixed with `prefix:`."""
@@ -129,6 +132,8 @@ class Jobs:
         name = self._prefix + name
         if any(name in queued for queued in self._queued.values()):
             raise ValueError(f"job {name!r} added twice")
+        if world in self._done:
+            raise ValueError(f"job {name!r}: the {world}-rank world has already started")
         self._queued.setdefault(world, {})[name] = (fn, args)
 
     def add_training(self, name: str, cfgs: list[Config]) -> None:
@@ -139,21 +144,45 @@ class Jobs:
             raise ValueError(f"{name}: one world size per training job, got {sorted(worlds)}")
         self.add(name, worlds.pop(), train_many, [c.to_dict() for c in cfgs])
 
+    def start(self) -> None:
+        """Run every queued world, the largest first, one after another in a background
+        thread. The ranks then use the cores that the tests needing no world leave idle
+        (pytest runs those first, see conftest); a test that asks for a job waits for its
+        own world only. A world that has started takes no more jobs."""
+        worlds = sorted(self._queued, reverse=True)
+        self._done.update((w, threading.Event()) for w in worlds)
+        threading.Thread(target=self._run_all, args=(worlds,), name="jobs", daemon=True).start()
+
+    def _run_all(self, worlds: list[int]) -> None:
+        for world in worlds:
+            try:
+                self._run(world)
+            except Exception:  # kept in _failed: the tests that ask raise it
+                pass
+            finally:
+                self._done[world].set()
+
+    def _run(self, world: int) -> None:
+        queued = dict(self._queued[world])
+        try:
+            per_rank = spawn(run_jobs, world, list(queued.values()), timeout=self.timeout)
+        except Exception as e:
+            self._failed[world] = e
+            raise
+        self._results.update(zip(queued, (list(job) for job in zip(*per_rank))))
+
     def __getitem__(self, name: str) -> list[Any]:
         name = self._prefix + name
         if name not in self._results:
             world = next((w for w, q in self._queued.items() if name in q), None)
             if world is None:
                 raise KeyError(f"no job {name!r}")
+            if world in self._done:
+                self._done[world].wait()
+            elif world not in self._failed:
+                self._run(world)
             if world in self._failed:
                 raise self._failed[world]
-            queued = self._queued[world]
-            try:
-                per_rank = spawn(run_jobs, world, list(queued.values()), timeout=self.timeout)
-            except Exception as e:
-                self._failed[world] = e
-                raise
-            self._results.update(zip(queued, (list(job) for job in zip(*per_rank))))
         return self._results[name]
 
 

@@ -9,6 +9,7 @@ from tetrad.cli import build_config, parser
 from tetrad.cli import main as cli_main
 
 TINY = ["--model", "tiny", "--seq-len", "16", "--global-batch", "4", "--no-progress"]
+ONE = [*TINY, "--nproc", "1"]  # in this process: what is tested is not the launch
 
 
 def test_a_run_keeps_its_model_and_says_where(tmp_path, monkeypatch, capfd):
@@ -25,7 +26,7 @@ def test_a_run_keeps_its_model_and_says_where(tmp_path, monkeypatch, capfd):
     assert cli_main(["generate", str(out), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
     bare = tmp_path / "bare"
     assert (
-        cli_main(["train", *TINY, "--steps", "1", "--out", str(bare), "--no-final-checkpoint"]) == 0
+        cli_main(["train", *ONE, "--steps", "1", "--out", str(bare), "--no-final-checkpoint"]) == 0
     )
     assert not (bare / "checkpoints").exists()
     assert "tetrad generate" not in capfd.readouterr().out
@@ -69,7 +70,7 @@ def test_the_vocabulary_comes_from_the_tokenizer(bpe, tmp_path, capfd, monkeypat
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     tok, _, text = bpe
-    argv = ["train", *TINY, "--steps", "1", "--data", str(text), "--tokenizer", str(tok)]
+    argv = ["train", *ONE, "--steps", "1", "--data", str(text), "--tokenizer", str(tok)]
     assert cli_main([*argv, "--out", str(tmp_path / "a"), "--no-final-checkpoint"]) == 0
     assert capfd.readouterr().out.startswith("tetrad: vocabulary 384 from tokenizer")
     assert cli_main([*argv, "--out", str(tmp_path / "b"), "--vocab", "256"]) == 2

@@ -9,15 +9,7 @@ import torch
 from harness import Jobs, assert_close_run, one_step_comm, tiny_config
 from memory_helpers import by_layout, check_bf16, predicted_activations, train_and_measure
 from tetrad.layout import Layout
-from tetrad.parallel.context import (
-    _attend,
-    _attend_backward,
-    _block,
-    _math_attend,
-    _math_attend_backward,
-    chunk_positions,
-    split_sequence,
-)
+from tetrad.parallel.context import _block, chunk_positions, split_sequence
 
 RING = {"cp_attention": "ring"}
 
@@ -119,23 +111,6 @@ def test_ring_blocks_cover_exactly_the_causal_pairs(cp):
             inside = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
             got[rows, cols] = inside.tril() if diagonal else inside
             assert torch.equal(got, want), (r, src)
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_block_kernel_and_its_plain_twin_agree(causal):
-    """The CPU flash kernel and the plain fp32 matmuls (the path off CPU) give the same
-    block output, log-sum-exp and gradients, given the merged output and log-sum-exp."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v, d = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(4))
-    out, lse = _attend(q, k, v, causal, 0.3)
-    out2, lse2 = _math_attend(q, k, v, causal, 0.3)
-    torch.testing.assert_close(out2, out)
-    torch.testing.assert_close(lse2, lse)
-    for a, b in zip(
-        _attend_backward(d, q, k, v, out, lse, causal, 0.3),
-        _math_attend_backward(d, q, k, v, out, lse, causal, 0.3),
-    ):
-        torch.testing.assert_close(b, a)
 
 
 def test_seq_len_not_divisible_by_2cp_is_refused():

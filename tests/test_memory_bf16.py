@@ -1,7 +1,7 @@
 """bf16 mixed precision in every layout: bf16 compute parameters, fp32 masters and AdamW,
 gradients reduced in `reduce_dtype`, the loss in fp32. The tolerances, and how a test
-knows bf16 is really on, are stated in memory_helpers.py; the 2×2×2×2 mix in bf16 shares
-its 16 ranks with the fp32 one in test_fsdp.py.
+knows bf16 is really on, are stated in memory_helpers.py; fsdp × tp × pp in bf16 is in
+test_fsdp.py (8 ranks).
 """
 
 from __future__ import annotations

@@ -144,8 +144,10 @@ def test_names_file_was_written_by_the_declared_floor():
 
 
 def test_every_name_used_resolves_in_this_torch():
-    """Under the floor script this is the floor's check; here, the development torch's."""
-    missing = {n: f for n, f in used_names().items() if not resolves(n)}
+    """Under the floor script this is the floor's check; here, the development torch's.
+    A name newer than the floor may be missing: its users feature-test it (below)."""
+    used = {n: f for n, f in used_names().items() if n not in NEWER_THAN_FLOOR}
+    missing = {n: f for n, f in used.items() if not resolves(n)}
     assert not missing, f"not in torch {torch.__version__}: {missing}"
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from tetrad.config import (
     BALANCE,
     CP_ATTENTION,
+    CP_KERNELS,
     DTYPES,
     RECOMPUTE,
     ROUTERS,
@@ -33,6 +34,7 @@ TRAIN_FLAGS = {
     "pp": ("parallel", "pp", int),
     "cp": ("parallel", "cp", int),
     "cp_attention": ("parallel", "cp_attention", str),
+    "cp_kernel": ("parallel", "cp_kernel", str),
     "ep": ("parallel", "ep", int),
     "zero_stage": ("parallel", "zero_stage", int),
     "pp_schedule": ("parallel", "pp_schedule", str),
@@ -71,6 +73,9 @@ TRAIN_FLAGS = {
     "eval_batches": ("train", "eval_batches", int),
     "checkpoint_every": ("checkpoint", "every", int),
     "timeout": ("train", "timeout", float),
+    "straggler_every": ("train", "straggler_every", int),
+    "straggler_threshold": ("train", "straggler_threshold", float),
+    "straggler_windows": ("train", "straggler_windows", int),
 }
 DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
 FLAG_HELP = {
@@ -101,6 +106,9 @@ FLAG_HELP = {
     "table in devices.py; needed for a GPU not in it)",
     "cp_attention": "how attention crosses the cp ranks: allgather (default: keys and values "
     "all-gathered) or ring (kv blocks passed around, online softmax)",
+    "cp_kernel": "how a cp core attends one block: fused (default: torch's flash or "
+    "memory-efficient kernel for the device and dtype, tiled; plain matmuls where there is "
+    "none) or unfused (plain fp32 matmuls holding a whole block of scores)",
     "pp_split": "layers per pipeline stage: balanced on analytic FLOPs (default), 'measured' "
     "(balanced on the embedding, layer and head costs timed in a short warm-up, agreed by "
     "every rank), or counts such as 5,3",
@@ -109,6 +117,13 @@ FLAG_HELP = {
     "redoes whole blocks from their inputs",
     "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
     "full logits (default 1024; 0: full logits)",
+    "straggler_every": "every N steps compare each rank's compute time (its own, without "
+    "collective waits) with the median of its pipeline stage's ranks (default 20; 0: off; "
+    "docs/straggler.md)",
+    "straggler_threshold": "a rank slower than X times that median is slow in that window "
+    "(default 1.2)",
+    "straggler_windows": "a rank slow in W windows in a row is named in one warning line and "
+    "in metrics.jsonl (straggler_rank, straggler_score) (default 3)",
     "meter_every": "count the activations autograd saves (metrics' peak_activation_bytes) on "
     "the first step and every N steps after (default 0: the first step only; the shapes "
     "are the same every step, and the count's hooks cost a few percent of a small step)",
@@ -158,6 +173,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": RECOMPUTE}
         if flag == "cp_attention":
             kw = {"choices": CP_ATTENTION}
+        if flag == "cp_kernel":
+            kw = {"choices": CP_KERNELS}
         if flag == "router":
             kw = {"choices": ROUTERS}
         if flag == "balance":
@@ -166,8 +183,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"metavar": "N"}
         if flag == "loss_chunk":
             kw = {"metavar": "TOKENS"}
-        if flag == "meter_every":
+        if flag in ("meter_every", "straggler_every"):
             kw = {"metavar": "N"}
+        if flag == "straggler_threshold":
+            kw = {"metavar": "X"}
+        if flag == "straggler_windows":
+            kw = {"metavar": "W"}
         p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
     p.add_argument("--tie-embeddings", action="store_true", default=None)

@@ -23,6 +23,8 @@ DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 RECOMPUTE = ("none", "selective", "full")
 # context parallelism's attention: keys and values all-gathered, or passed around a ring
 CP_ATTENTION = ("allgather", "ring")
+# how a cp core attends one block: torch's fused kernel where it has one, or plain matmuls
+CP_KERNELS = ("fused", "unfused")
 # mixture of experts: how router scores become weights, and how experts' load is balanced
 ROUTERS = ("softmax", "sigmoid")
 BALANCE = ("aux", "bias", "none")
@@ -151,6 +153,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (docs/cp.md)
     cp_attention: str = "allgather"  # how attention crosses the cp ranks: allgather or ring
+    cp_kernel: str = "fused"  # a cp core's block attention: fused kernel or unfused matmuls
     ep: int = 1  # expert parallelism: experts sharded over ep ranks borrowed from the data
     # (and tensor) ranks; not a mesh axis of its own, so it does not enlarge the world
     zero_stage: int = 3
@@ -207,6 +210,12 @@ class TrainConfig:
     eval_every: int = 0  # steps between held-out evaluations (0: none)
     eval_batches: int = 4  # global batches of the held-out split per evaluation
     tensorboard: bool = False  # also write TensorBoard event files beside metrics.jsonl
+    # stragglers (train/straggler.py): every N steps each rank's compute time is compared
+    # with the median of its peers'; a rank above `threshold` times it in `windows`
+    # windows in a row is named (0: never measured)
+    straggler_every: int = 20
+    straggler_threshold: float = 1.2
+    straggler_windows: int = 3
 
 
 @dataclass
@@ -383,6 +392,7 @@ def _validate_train(cfg: Config) -> None:
         t.loss_chunk >= 0,
         f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per chunk; 0: full logits)",
     )
+    _validate_straggler(t)
     d = cfg.data
     if d.source == "stdlib":
         _require(
@@ -393,6 +403,22 @@ def _validate_train(cfg: Config) -> None:
         _require(Path(d.source).exists(), f"data.source={d.source!r}: no such file or directory")
     if d.tokenizer:
         _require(Path(d.tokenizer).exists(), f"data.tokenizer={d.tokenizer!r}: no such file")
+
+
+def _validate_straggler(t: TrainConfig) -> None:
+    _require(
+        t.straggler_every >= 0,
+        f"train.straggler_every={t.straggler_every} must be >= 0 (steps per window; 0: off)",
+    )
+    _require(
+        t.straggler_threshold > 1,
+        f"train.straggler_threshold={t.straggler_threshold} must be > 1 (a multiple of the "
+        "median compute time; at 1 or below half the ranks would be named)",
+    )
+    _require(
+        t.straggler_windows >= 1,
+        f"train.straggler_windows={t.straggler_windows} must be >= 1",
+    )
 
 
 def _uses_cuda(device: str) -> bool:

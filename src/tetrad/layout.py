@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tetrad.config import CP_ATTENTION, DTYPES, Config, ModelConfig, ParallelConfig, check_sections
+from tetrad.config import (
+    CP_ATTENTION,
+    CP_KERNELS,
+    DTYPES,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    check_sections,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 SPLIT_BACKWARD = ("zb-h1", "zb-v")  # backward split into B (inputs) and W (weights)
@@ -50,6 +58,7 @@ class Layout:
     reduce_dtype: torch.dtype
     master_dtype: torch.dtype = torch.float32  # the optimizer's copy of the weights
     ep: int = 1  # expert parallelism: ranks one MoE layer's experts are sharded over
+    cp_kernel: str = "fused"  # a cp core's block attention (parallel/context_kernels.py)
 
     @classmethod
     def build(cls, cfg: Config, world: int | None = None) -> Layout:
@@ -83,6 +92,7 @@ class Layout:
             compute_dtype=DTYPES[cfg.train.dtype],
             reduce_dtype=DTYPES[p.reduce_dtype],
             ep=p.ep,
+            cp_kernel=p.cp_kernel,
         )
 
     @property
@@ -221,6 +231,7 @@ def _check_parallel(p: ParallelConfig, world: int | None) -> None:
         p.cp_attention in CP_ATTENTION,
         f"cp_attention={p.cp_attention!r} is not one of {CP_ATTENTION}",
     )
+    _require(p.cp_kernel in CP_KERNELS, f"cp_kernel={p.cp_kernel!r} is not one of {CP_KERNELS}")
     _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
     _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
     _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {tuple(DTYPES)}")

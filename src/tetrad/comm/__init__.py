@@ -15,6 +15,10 @@ wait, it is the time that stream stalls, measured with CUDA events around the wa
 Only `torch.distributed` functions that exist since the declared floor (torch 2.6) are
 called (tests/test_torch_floor.py holds the code to that).
 
+The marks of every blocking wait can also be kept in order (`Comm.waits`, a `WaitLog`),
+for a meter that subtracts them from a span of the device's timeline (a rank's compute
+time, train/straggler.py).
+
 Every collective is also numbered per group in a `Ledger` (the last ones kept in a ring),
 which the watchdog dumps on a timeout so the launcher can name the rank that is behind.
 """
@@ -50,6 +54,28 @@ def bus_factor(op: str, n: int) -> float:
     return 1.0  # broadcast, send
 
 
+class WaitLog:
+    """The (start, end) marks of every blocking wait, in order, kept until taken: what a
+    compute-time meter subtracts from a span of the device's timeline (train/straggler.py).
+    Off until `start`: a log nobody takes would only grow (on a GPU, events)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self._marks: list[tuple[Any, Any]] = []
+
+    def start(self) -> None:
+        self.on = True
+
+    def add(self, start: Any, end: Any) -> None:
+        if self.on:
+            self._marks.append((start, end))
+
+    def take(self) -> list[tuple[Any, Any]]:
+        """The marks logged since the last take (on a GPU, events not yet read)."""
+        marks, self._marks = self._marks, []
+        return marks
+
+
 @dataclass
 class OpStats:
     """Totals for one (axis, op) pair."""
@@ -58,11 +84,14 @@ class OpStats:
     bytes: int = 0  # buffer bytes (full buffer for all-gather/reduce-scatter)
     bus_bytes: float = 0.0  # bytes this rank sends on a ring
     clock: Clock | None = field(default=None, repr=False)
+    log: WaitLog | None = field(default=None, repr=False)  # the Comm's, every wait in order
     _seconds: float = 0.0
     _pending: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # GPU marks
 
     def blocked(self, start: Any, end: Any) -> None:
         """Charge the time between two marks of `clock` (read later on a GPU)."""
+        if self.log is not None:
+            self.log.add(start, end)
         if self.clock is not None and self.clock.cuda:
             self._pending.append((start, end))
         else:
@@ -143,7 +172,11 @@ class Comm:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.clock = device, Clock(device)
-        self.stats: dict[tuple[str, str], OpStats] = defaultdict(lambda: OpStats(clock=self.clock))
+        # every blocking wait's marks, when a meter asked for them (`WaitLog.start`)
+        self.waits = WaitLog()
+        self.stats: dict[tuple[str, str], OpStats] = defaultdict(
+            lambda: OpStats(clock=self.clock, log=self.waits)
+        )
         # when a list: every async collective's `Flight` is appended (a pipeline step's
         # communication lane); set by `trace_into`
         self.trace: list[Flight] | None = None

@@ -22,6 +22,12 @@ Two cores, `parallel.cp_attention` picks:
   block from the saved log-sum-exp, and the blocks' dk and dv (fp32) travel around the
   ring with them, arriving home summed. Memory: one kv block in flight, never all of S.
 
+Each block (this rank's queries against one rank's keys and values) runs through a
+kernel that returns its output and log-sum-exp, and whose backward, given the merged
+output and log-sum-exp, returns the block's share of the gradients: torch's fused
+attention op for the device and dtype, or plain matmuls (`parallel.cp_kernel`, the table
+in context_kernels.py).
+
 Both are exact: the same sums as one process, up to fp32 round-off. docs/cp.md gives the
 bytes each moves per layer, which tests/test_cp.py checks against `Comm`'s counts.
 """
@@ -38,6 +44,7 @@ from tetrad.mesh import Group, Mesh
 from tetrad.models.llama import apply_rotary, rotary_at
 from tetrad.models.plans import matches
 from tetrad.models.spec import set_module
+from tetrad.parallel.context_kernels import BlockKernel, pick_kernel
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -59,11 +66,13 @@ def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
 
 
 class _CPCore(nn.Module):
-    """What both cores share: the cp group, and the rotary of this rank's global positions."""
+    """What both cores share: the cp group, the rotary of this rank's global positions, and
+    the block kernel's kind (parallel.cp_kernel: fused or unfused)."""
 
-    def __init__(self, head_dim: int, theta: float, comm: Comm, group: Group):
+    def __init__(self, head_dim: int, theta: float, comm: Comm, group: Group, kernel: str):
         super().__init__()
         self.head_dim, self.theta, self.comm, self.group = head_dim, theta, comm, group
+        self.kernel = kernel
 
     def positions(self, local: int, device) -> torch.Tensor:
         return chunk_positions(local * self.group.size, self.group.size, self.group.rank, device)
@@ -85,7 +94,8 @@ class AllGatherCore(_CPCore):
         b, s = q.shape[:2]
         q, k, v, _ = self.rotated(q, k, v)
         kv = gather_from_cp(torch.stack((k, v)), self.comm, self.group, dim=2)  # [2,b,S,kvh,hd]
-        return _GatheredAttention.apply(q, kv, self.group.rank).reshape(b, s, -1)
+        attend = _GatheredAttention.apply
+        return attend(q, kv, self.group.rank, self.kernel).reshape(b, s, -1)
 
 
 class RingCore(_CPCore):
@@ -94,7 +104,7 @@ class RingCore(_CPCore):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
         q, k, v, _ = self.rotated(q, k, v)
-        return _RingAttention.apply(q, k, v, self.comm, self.group).reshape(b, s, -1)
+        return _RingAttention.apply(q, k, v, self.comm, self.group, self.kernel).reshape(b, s, -1)
 
 
 # --- blockwise attention: what both cores compute, one kv block (one rank's) at a time -----
@@ -112,55 +122,6 @@ def _block(rank: int, src: int, c: int):
     return slice(c, 2 * c), slice(0, 2 * c), False
 
 
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    """fp32 scores [..., n, m] of a block; masked causally (top-left) on the diagonal."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    return s
-
-
-def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block: q [b, H, n, hd] against k, v [b, H, m, hd] -> (out [b, H, n, hd], its
-    fp32 log-sum-exp [b, H, n]). On CPU torch's own flash kernel (tiled: no n x m scores
-    kept); elsewhere the same in plain fp32 matmuls."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
-        )
-    return _math_attend(q, k, v, causal, scale)
-
-
-def _math_attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_attend` in plain fp32 matmuls (any device)."""
-    s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v.float()).to(q.dtype), lse
-
-
-def _attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """dq, dk, dv of one block, given the *merged* output and log-sum-exp of all blocks:
-    P = exp(qkᵀ·scale − lse) is then the block's share of the whole softmax, and
-    dS = P ∘ (dO·vᵀ − rowsum(dO ∘ O)) the exact gradient of its scores."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
-    return _math_attend_backward(dout, q, k, v, out, lse, causal, scale)
-
-
-def _math_attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """`_attend_backward` in plain fp32 matmuls (any device)."""
-    d, qf, kf = dout.float(), q.float(), k.float()
-    p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
-    ds = p * (torch.matmul(d, v.float().transpose(-1, -2)) - (d * out.float()).sum(-1)[..., None])
-    dq = torch.matmul(ds, kf) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
-    dv = torch.matmul(p.transpose(-1, -2), d)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
 def _heads(kv: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's block [2, b, s, kvh, hd] -> k, v [b, H, s, hd], repeated to the query
     heads (only for the kernel: what travels and what is saved stays unrepeated)."""
@@ -174,8 +135,9 @@ class _Online:
     """The running softmax(qkᵀ/√d)v of this rank's queries over the blocks seen so far:
     output and log-sum-exp in fp32, each block merged by log-sum-exp."""
 
-    def __init__(self, q: torch.Tensor, kv_heads: int):
+    def __init__(self, q: torch.Tensor, kv_heads: int, kernel: BlockKernel):
         self.q = q.transpose(1, 2).contiguous()  # [b, H, s, hd]
+        self.kernel = kernel
         self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
         # laid out [b, s, H, hd] (seen as [b, H, s, hd]): in fp32 the result handed on is
         # this very tensor, so the next matmul's saved input and ours are one
@@ -188,7 +150,7 @@ class _Online:
         k, v = _heads(kv, self.rep)
         q = self.q[:, :, rows].contiguous()
         k, v = k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
-        block_out, block_lse = _attend(q, k, v, diag, self.scale)
+        block_out, block_lse = self.kernel.forward(q, k, v, diag, self.scale)
         lse = self.lse[..., rows]
         merged = torch.logaddexp(lse, block_lse)
         self.out[:, :, rows] = (
@@ -204,12 +166,13 @@ class _Online:
 class _Grads:
     """The backward of `_Online`, block by block, from the saved output and log-sum-exp."""
 
-    def __init__(self, q, grad, out, lse, kv_heads: int):
+    def __init__(self, q, grad, out, lse, kv_heads: int, kernel: BlockKernel):
         self.q, self.dout = q.transpose(1, 2).contiguous(), grad.transpose(1, 2).contiguous()
         self.out, self.lse = out.to(q.dtype), lse  # out, lse: [b, H, s, hd], [b, H, s]
         self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
         self.dq = torch.zeros(self.q.shape, dtype=torch.float32, device=q.device)
         self._mine = (self.dout, self.q, self.out, self.lse)  # what the rows slice
+        self.kernel = kernel
 
     def block(self, kv: torch.Tensor, where: tuple[int, int, int]) -> torch.Tensor:
         """Add one block's dq; return its (dk, dv) [2, b, s, kvh, hd] in fp32."""
@@ -217,7 +180,7 @@ class _Grads:
         k, v = _heads(kv, self.rep)
         k, v = k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
         dout, q, out, lse = (t[:, :, rows].contiguous() for t in self._mine)
-        dq, dk, dv = _attend_backward(dout, q, k, v, out, lse, diag, self.scale)
+        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, diag, self.scale)
         self.dq[:, :, rows] += dq.float()
         grads = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=kv.device)
         for i, g in enumerate((dk, dv)):  # [b, H, m, hd] -> summed per kv head [b, m, kvh, hd]
@@ -234,9 +197,10 @@ class _GatheredAttention(torch.autograd.Function):
     (rank-major), block by block; saves only q, kv, the fp32 output and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, kv, rank: int):
+    def forward(ctx, q, kv, rank: int, kind: str):
         s, n = q.shape[1], kv.shape[2] // q.shape[1]
-        run = _Online(q, kv.shape[3])
+        ctx.kernel = pick_kernel(kind, q)
+        run = _Online(q, kv.shape[3], ctx.kernel)
         for src in range(n):
             run.add(kv[:, :, src * s : (src + 1) * s], (rank, src, s // 2))
         ctx.rank = rank
@@ -247,13 +211,13 @@ class _GatheredAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, kv, out, lse = ctx.saved_tensors
         s, n = q.shape[1], kv.shape[2] // q.shape[1]
-        grads = _Grads(q, grad, out, lse, kv.shape[3])
+        grads = _Grads(q, grad, out, lse, kv.shape[3], ctx.kernel)
         dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
         for src in range(n):
             dkv[:, :, src * s : (src + 1) * s] = grads.block(
                 kv[:, :, src * s : (src + 1) * s], (ctx.rank, src, s // 2)
             )
-        return grads.result(q.dtype), dkv.to(kv.dtype), None
+        return grads.result(q.dtype), dkv.to(kv.dtype), None, None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -262,9 +226,10 @@ class _RingAttention(torch.autograd.Function):
     (fp32) travel with them and arrive home, after cp hops, summed over every user."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: Comm, group: Group):
+    def forward(ctx, q, k, v, comm: Comm, group: Group, kind: str):
         n, r, c = group.size, group.rank, q.shape[1] // 2
-        run = _Online(q, k.shape[2])
+        ctx.kernel = pick_kernel(kind, q)
+        run = _Online(q, k.shape[2], ctx.kernel)
         kv = torch.stack((k, v)).contiguous()  # [2, b, s, kvh, hd]: what travels
         for i in range(n):
             works, nxt = [], None
@@ -284,7 +249,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm, group = ctx.comm, ctx.group
         n, r, c = group.size, group.rank, q.shape[1] // 2
-        grads = _Grads(q, grad, out, lse, k.shape[2])
+        grads = _Grads(q, grad, out, lse, k.shape[2], ctx.kernel)
         kv = torch.stack((k, v)).contiguous()
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # travels
         incoming: list = []  # the dkv of the block now in hand, still arriving
@@ -305,17 +270,19 @@ class _RingAttention(torch.autograd.Function):
         for w in incoming:  # after n hops: this rank's own block's dk, dv, summed
             w.wait()
         dq = grads.result(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 CORES = dict(zip(CP_ATTENTION, (AllGatherCore, RingCore)))
 
 
-def apply_cp(model: nn.Module, mesh: Mesh, comm: Comm, attention: str, pattern: str) -> None:
+def apply_cp(
+    model: nn.Module, mesh: Mesh, comm: Comm, attention: str, pattern: str, kernel: str = "fused"
+) -> None:
     """Swap every attention core of `model` (the modules `pattern`, its family's spec,
-    names) for the cp core `attention` (allgather or ring): no parameters, nothing to
-    shard or materialise."""
+    names) for the cp core `attention` (allgather or ring), attending block by block with
+    the `kernel` kind (fused or unfused): no parameters, nothing to shard or materialise."""
     kind = CORES[attention]
     cores = [(n, m) for n, m in model.named_modules() if matches(pattern, n)]
     for name, core in cores:
-        set_module(model, name, kind(core.head_dim, core.theta, comm, mesh["cp"]))
+        set_module(model, name, kind(core.head_dim, core.theta, comm, mesh["cp"], kernel))

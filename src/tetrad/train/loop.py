@@ -31,6 +31,7 @@ from tetrad.train.data import Loader, source_of
 from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 from tetrad.train.stop import Preempted, StopRequest
+from tetrad.train.straggler import StragglerWatch
 
 
 @dataclass
@@ -138,6 +139,7 @@ class Trainer:
             self.engine.load_full(hf)  # each rank reads only its slices
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
         self.balance = ExpertBalance(self.engine, cfg, mesh)  # MoE models only
+        self.straggler = StragglerWatch(cfg.train, mesh, self.comm)  # compute time per rank
         cp = mesh["cp"]  # each cp rank then keeps its two chunks of every sequence
         split = (batch.rank, batch.size, layout.microbatches, cp.rank, cp.size)
         self.loader = Loader(source, t.global_batch, t.seq_len, *split)
@@ -160,7 +162,9 @@ class Trainer:
         count to decide, alike, whether to step.
         """
         self.balance.begin_step()
+        self.straggler.start()
         agreed, count = self._forward_backward(self.loader.next())
+        self.straggler.stop()
         # the host sync (watched: on a GPU a hung collective shows here, not in its call);
         # the flags: a stop was asked for, a checkpoint writer is busy
         with self.comm.watching("the step's host sync"):
@@ -220,8 +224,10 @@ class Trainer:
         self.engine.after_step()
 
     def metrics(self, result: StepResult, seconds: float, comm_bytes: float) -> dict[str, Any]:
-        """The metrics.jsonl row: sums and maxima over ranks come from two small collectives."""
-        summed = torch.tensor([comm_bytes], dtype=torch.float64, device=self.device)
+        """The metrics.jsonl row: sums and maxima over ranks come from two small collectives
+        (at a straggler window's end, the sum also gathers every rank's compute time)."""
+        window = self.straggler.slots(self.step)  # [] unless a window ends here
+        summed = torch.tensor([comm_bytes, *window], dtype=torch.float64, device=self.device)
         self.comm.all_reduce(summed, self.mesh["world"])
         run = self.engine.last_run
         measured = self.measured_state[-1].total if self.measured_state else 0
@@ -256,6 +262,8 @@ class Trainer:
             "comm_bytes": float(summed[0]),
             "skipped": result.skipped,
         } | self._epoch()
+        if window:
+            row |= self.straggler.observe(summed[1:].tolist())
         return row | self.balance.metrics()  # MoE: expert load, from the step's own sync
 
     def _epoch(self) -> dict[str, float]:
