@@ -139,7 +139,7 @@ class Trainer:
         if hf is not None:
             self.engine.load_full(hf)  # each rank reads only its slices
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
-        self.balance = ExpertBalance(self.engine, cfg, mesh, self.comm)  # MoE models only
+        self.balance = ExpertBalance(self.engine, cfg, mesh)  # MoE models only
         self.straggler = StragglerWatch(cfg.train, mesh, self.comm)  # compute time per rank
         cp = mesh["cp"]  # each cp rank then keeps its two chunks of every sequence
         split = (batch.rank, batch.size, layout.microbatches, cp.rank, cp.size)
@@ -173,7 +173,9 @@ class Trainer:
         # the host sync (watched: on a GPU a hung collective shows here, not in its call);
         # the flags: a stop was asked for, a checkpoint writer is busy
         with self.comm.watching("the step's host sync"):
-            loss, sq_norm, stops, writing, tokens = torch.cat([agreed, count.view(1)]).tolist()
+            values = torch.cat([agreed, count.view(1)]).tolist()
+        loss, sq_norm, stops, writing, *moe, tokens = values
+        self.balance.take(agreed[4:], moe)  # MoE: the expert loads, summed over the world
         norm = math.sqrt(sq_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if not skipped:
@@ -195,7 +197,9 @@ class Trainer:
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
         # a stop request and a busy checkpoint writer ride on the same all-reduce
         flags = torch.tensor([float(self.stop.requested), float(self.saver.writing)], **f64)
-        agreed = torch.cat([torch.stack([own_loss, self.engine.grad_sq_norm()]), flags])
+        agreed = torch.stack([own_loss, self.engine.grad_sq_norm()])
+        # ...and the MoE layers' routing statistics (empty without MoE): no collective of theirs
+        agreed = torch.cat([agreed, flags, self.balance.local()])
         self.comm.all_reduce(agreed, self.mesh["world"])
         return agreed, count
 
@@ -265,7 +269,7 @@ class Trainer:
         } | self._epoch()
         if window:
             row |= self.straggler.observe(summed[1:].tolist())
-        return row | self.balance.metrics()  # a collective too (MoE: expert load)
+        return row | self.balance.metrics()  # MoE: expert load, from the step's own sync
 
     def _epoch(self) -> dict[str, float]:
         """Passes made over a token corpus (synthetic data has none)."""
