@@ -95,6 +95,7 @@ from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.split_costs import measure_item_costs
 from tetrad.parallel.pipeline.stage import layer_split, prune, rank_chunks
 from tetrad.testing import spawn
+from tetrad.train.optim import lr_at, set_lr
 
 MODEL = {"layers": 8, "dim": 256, "heads": 8, "kv_heads": 4, "vocab": 8192}
 SMALL = {"layers": 8, "dim": 128, "heads": 4, "kv_heads": 2, "vocab": 2048}
@@ -118,10 +119,11 @@ def bench_config(
     vocab: int | None = None,
     shape: str = "base",
     v: int = 1,
+    microbatches: int = MICROBATCHES,
 ) -> Config:
     """The benchmark job: synthetic data, pp = world, full logits (the peer's loss)."""
     model, batch = SHAPES[shape]
-    p = {"pp": pp, "pp_schedule": schedule, "microbatches": MICROBATCHES, "pp_split": split}
+    p = {"pp": pp, "pp_schedule": schedule, "microbatches": microbatches, "pp_split": split}
     p["virtual_stages"] = v
     cfg = harness.job(model | {"vocab": vocab or model["vocab"]}, p, 10**6, batch, "synthetic")
     cfg.train.loss_chunk = 0
@@ -259,6 +261,53 @@ class PeerRunner:
         return {"act_bytes": float(self.meter.peak)}
 
 
+class TetradSingle:
+    """tetrad's Trainer as one process (pp = 1, the whole batch in one microbatch), the
+    baseline of the issue's speed-up: every rank runs its own copy at the same time (a
+    world of one, no collective), one core each, as the pipeline's ranks have."""
+
+    def __init__(self, cfg: Config):
+        self.trainer, self.train_step = harness.tetrad_trainer(cfg, 0)
+
+    def after_step(self) -> dict[str, float]:
+        return {}
+
+
+class TorchSingle:
+    """torch's single process at the same shape, as its users run it: tetrad's model on
+    the whole batch in one forward and backward, global-norm clipping (foreach) and fused
+    AdamW in tetrad's groups, tetrad's LR schedule; no process group (every rank runs its
+    own copy, as `TetradSingle`)."""
+
+    def __init__(self, cfg: Config):
+        self.model, self.train = harness.peer_model(cfg), cfg.train
+        self.optimizer = harness.peer_adamw(list(self.model.named_parameters()), cfg.train)
+        self.loader, self.count = harness.peer_loader(cfg), 0
+
+    def train_step(self) -> float:
+        (batch,) = self.loader.next()
+        denom = float((batch.targets != -100).sum())
+        loss = cross_entropy_sum(self.model(batch.inputs), batch.targets) / denom
+        loss.backward()
+        if self.train.grad_clip > 0:
+            params = self.model.parameters()
+            torch.nn.utils.clip_grad_norm_(params, self.train.grad_clip, foreach=True)
+        set_lr(self.optimizer, lr_at(self.count, self.train))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.count += 1
+        return float(loss.detach())
+
+    def after_step(self) -> dict[str, float]:
+        return {}
+
+
+def single_runners(shape: str) -> dict[str, Any]:
+    """Both sides' single process at `shape` (a world of one on every rank)."""
+    cfg = bench_config(1, shape=shape, microbatches=1)
+    return {"tetrad-single": TetradSingle(cfg), "torch-single": TorchSingle(cfg)}
+
+
 def _timed_step(runner) -> dict[str, Any]:
     """One step: wall time (slowest rank), main-thread CPU per rank, the runner's extras."""
     dist.barrier()
@@ -281,10 +330,19 @@ def _timed_step(runner) -> dict[str, Any]:
     }
 
 
-def worker(rank: int, world: int, rounds: int, timelines: str, phases: tuple[str, ...]) -> dict:
-    """The phases asked for, on this rank: schedules at both shapes, bubbles, splits."""
+def worker(
+    rank: int,
+    world: int,
+    rounds: int,
+    timelines: str,
+    phases: tuple[str, ...],
+    shapes: tuple[str, ...] = tuple(SHAPES),
+    single: bool = False,
+) -> dict:
+    """The phases asked for, on this rank: schedules at `shapes` (with both sides' single
+    process if `single`), bubbles, splits."""
     out: dict[str, Any] = {"shapes": {}, "zb_costs": {}}
-    for shape in SHAPES if "schedules" in phases else ():
+    for shape in shapes if "schedules" in phases else ():
         cfg = partial(bench_config, world, shape=shape)
         zbv = cfg("zb-v", v=2)
         schedules = {
@@ -296,6 +354,8 @@ def worker(rank: int, world: int, rounds: int, timelines: str, phases: tuple[str
             "torch-zbv": PeerRunner(zbv, rank, world, "zbv"),
             "torch-dualpipev": PeerRunner(zbv, rank, world, "dualpipev"),
         }
+        if single:
+            schedules |= single_runners(shape)
         out["shapes"][shape] = _timed_rounds(schedules, rounds)
         if timelines and rank == 0 and shape == "base":  # the last round's tetrad steps
             Path(timelines).mkdir(parents=True, exist_ok=True)
@@ -380,7 +440,7 @@ def summarize(pp: int, ranks: list[dict], phases: tuple[str, ...]) -> dict[str, 
     if "schedules" in phases:
         out["shapes"] = {
             shape: _shape_row(pp, shape, r0["shapes"][shape], r0["zb_costs"][shape])
-            for shape in SHAPES
+            for shape in r0["shapes"]
         }
     if "bubbles" in phases and "schedules" in phases:  # 1f1b and zb-h1 come from phase 1
         base = {n: steps[1:] for n, steps in r0["shapes"]["base"].items()}
@@ -428,10 +488,32 @@ def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict)
         (1 - b["bubble_cpu"]) / (1 - a["bubble_cpu"])
         for a, b in zip(rows["torch-1f1b"], rows["tetrad-1f1b"])
     ]
+    if "tetrad-single" in rows:
+        ratios |= _speedups(rows)
     out["ratios"] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
     out["ratio_spreads"] = {k: harness.spread(v) for k, v in ratios.items()}
     out["zb-h1 measured costs (s)"] = _round_costs(zb_costs)
     return out
+
+
+def _speedups(rows: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """Each side's 1F1B speed-up over its own single process, round by round, and their
+    ratio (tetrad's over torch's), the measure the small-microbatch question was asked
+    in; it is tetrad-1f1b / torch-1f1b tokens/s times torch's single-process step time
+    over tetrad's."""
+    ours = _paired(rows, "tetrad-single", "tetrad-1f1b", "wall")
+    peer = _paired(rows, "torch-single", "torch-1f1b", "wall")
+    return {
+        "tetrad-1f1b speed-up over tetrad-single": ours,
+        "torch-1f1b speed-up over torch-single": peer,
+        "tetrad speed-up / torch speed-up": [a / b for a, b in zip(ours, peer)],
+        "tetrad-single / torch-single tokens/s": _paired(
+            rows, "torch-single", "tetrad-single", "wall"
+        ),
+        "torch-single / tetrad-single cpu s (work)": _paired(
+            rows, "torch-single", "tetrad-single", "cpu"
+        ),
+    }
 
 
 def _bubble_row(steps: list[dict]) -> dict[str, Any]:
@@ -523,15 +605,29 @@ def main() -> None:
     p.add_argument(
         "--phases", default=",".join(PHASES), help=f"comma-separated, of {','.join(PHASES)}"
     )
+    p.add_argument(
+        "--shapes",
+        default=",".join(SHAPES),
+        help=f"phase 1's, comma-separated, of {','.join(SHAPES)}",
+    )
+    p.add_argument(
+        "--single",
+        action="store_true",
+        help="also time each side's single process and report the 1F1B speed-ups over it",
+    )
     args = p.parse_args()
-    phases = tuple(args.phases.split(","))
+    phases, shapes = tuple(args.phases.split(",")), tuple(args.shapes.split(","))
     if not set(phases) <= set(PHASES):
         raise ValueError(f"--phases={args.phases!r}: each must be one of {PHASES}")
+    if not set(shapes) <= set(SHAPES):
+        raise ValueError(f"--shapes={args.shapes!r}: each must be one of {tuple(SHAPES)}")
+    if "bubbles" in phases and "base" not in shapes:
+        raise ValueError(f"--phases={args.phases!r} needs the base shape, --shapes={args.shapes!r}")
     results = []
     t0 = time.perf_counter()
     for pp in args.pp:
         timelines = args.timelines if pp == max(args.pp) else ""
-        ranks = spawn(worker, pp, args.rounds, timelines, phases, timeout=3600)
+        ranks = spawn(worker, pp, args.rounds, timelines, phases, shapes, args.single, timeout=3600)
         results.append(summarize(pp, ranks, phases))
     harness.report("pp", bench_config(2), results, microbatches=MICROBATCHES,
                    rounds=args.rounds, phases=phases,
