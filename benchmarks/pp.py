@@ -302,10 +302,29 @@ class TorchSingle:
         return {}
 
 
-def single_runners(shape: str) -> dict[str, Any]:
-    """Both sides' single process at `shape` (a world of one on every rank)."""
-    cfg = bench_config(1, shape=shape, microbatches=1)
-    return {"tetrad-single": TetradSingle(cfg), "torch-single": TorchSingle(cfg)}
+# phase 1's runners: the paired schedules (run by default), then each side's single process
+PAIRED = ("tetrad-1f1b", "tetrad-zb-h1", "tetrad-zb-v", "torch-1f1b", "torch-zb", "torch-zbv",
+          "torch-dualpipev")  # fmt: skip
+SINGLES = ("tetrad-single", "torch-single")
+
+
+def phase1_runners(world: int, rank: int, shape: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """The runners `names` (of PAIRED and SINGLES) at `shape`, built in that order."""
+    cfg = partial(bench_config, world, shape=shape)
+    zbv = partial(cfg, "zb-v", v=2)
+    single = partial(bench_config, 1, shape=shape, microbatches=1)
+    make = {
+        "tetrad-1f1b": lambda: TetradRunner(cfg("1f1b"), rank),
+        "tetrad-zb-h1": lambda: TetradRunner(cfg("zb-h1"), rank),
+        "tetrad-zb-v": lambda: TetradRunner(zbv(), rank),
+        "torch-1f1b": lambda: PeerRunner(cfg(), rank, world, "1f1b"),
+        "torch-zb": lambda: PeerRunner(cfg(), rank, world, "zb"),
+        "torch-zbv": lambda: PeerRunner(zbv(), rank, world, "zbv"),
+        "torch-dualpipev": lambda: PeerRunner(zbv(), rank, world, "dualpipev"),
+        "tetrad-single": lambda: TetradSingle(single()),
+        "torch-single": lambda: TorchSingle(single()),
+    }
+    return {name: make[name]() for name in names}
 
 
 def _timed_step(runner) -> dict[str, Any]:
@@ -337,32 +356,20 @@ def worker(
     timelines: str,
     phases: tuple[str, ...],
     shapes: tuple[str, ...] = tuple(SHAPES),
-    single: bool = False,
+    runners: tuple[str, ...] = PAIRED,
 ) -> dict:
-    """The phases asked for, on this rank: schedules at `shapes` (with both sides' single
-    process if `single`), bubbles, splits."""
+    """The phases asked for, on this rank: `runners` at `shapes`, bubbles, splits."""
     out: dict[str, Any] = {"shapes": {}, "zb_costs": {}}
     for shape in shapes if "schedules" in phases else ():
-        cfg = partial(bench_config, world, shape=shape)
-        zbv = cfg("zb-v", v=2)
-        schedules = {
-            "tetrad-1f1b": TetradRunner(cfg("1f1b"), rank),
-            "tetrad-zb-h1": TetradRunner(cfg("zb-h1"), rank),
-            "tetrad-zb-v": TetradRunner(zbv, rank),
-            "torch-1f1b": PeerRunner(cfg(), rank, world, "1f1b"),
-            "torch-zb": PeerRunner(cfg(), rank, world, "zb"),
-            "torch-zbv": PeerRunner(zbv, rank, world, "zbv"),
-            "torch-dualpipev": PeerRunner(zbv, rank, world, "dualpipev"),
-        }
-        if single:
-            schedules |= single_runners(shape)
+        schedules = phase1_runners(world, rank, shape, runners)
         out["shapes"][shape] = _timed_rounds(schedules, rounds)
         if timelines and rank == 0 and shape == "base":  # the last round's tetrad steps
             Path(timelines).mkdir(parents=True, exist_ok=True)
-            for name in ("tetrad-1f1b", "tetrad-zb-h1"):
+            for name in {"tetrad-1f1b", "tetrad-zb-h1"} & set(schedules):
                 measured, simulated = schedules[name].timeline
                 plot_pair(measured, simulated, f"{timelines}/pp{world}-{name[7:]}.png")
-        out["zb_costs"][shape] = schedules["tetrad-zb-h1"].timeline[0].meta["costs"]
+        if "tetrad-zb-h1" in schedules:
+            out["zb_costs"][shape] = schedules["tetrad-zb-h1"].timeline[0].meta["costs"]
         del schedules
     if "bubbles" in phases:
         out["bubbles"] = _other_bubbles(world, rank, rounds)
@@ -439,7 +446,7 @@ def summarize(pp: int, ranks: list[dict], phases: tuple[str, ...]) -> dict[str, 
     r0 = ranks[0]
     if "schedules" in phases:
         out["shapes"] = {
-            shape: _shape_row(pp, shape, r0["shapes"][shape], r0["zb_costs"][shape])
+            shape: _shape_row(pp, shape, r0["shapes"][shape], r0["zb_costs"].get(shape))
             for shape in r0["shapes"]
         }
     if "bubbles" in phases and "schedules" in phases:  # 1f1b and zb-h1 come from phase 1
@@ -452,7 +459,7 @@ def summarize(pp: int, ranks: list[dict], phases: tuple[str, ...]) -> dict[str, 
     return out
 
 
-def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict) -> dict:
+def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict | None) -> dict:
     """One shape's runners: medians, step-0 losses, paired ratios with their spread."""
     model, batch = SHAPES[shape]
     out: dict[str, Any] = {"model": model, "tokens_per_step": batch * 128}
@@ -486,13 +493,14 @@ def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict)
         ratios[f"{peer} / {ours} cpu s (work)"] = _paired(rows, peer, ours, "cpu")
     ratios["tetrad-1f1b / torch-1f1b busy share"] = [
         (1 - b["bubble_cpu"]) / (1 - a["bubble_cpu"])
-        for a, b in zip(rows["torch-1f1b"], rows["tetrad-1f1b"])
+        for a, b in zip(rows.get("torch-1f1b", []), rows.get("tetrad-1f1b", []))
     ]
-    if "tetrad-single" in rows:
-        ratios |= _speedups(rows)
+    ratios |= _speedups(rows)
+    ratios = {k: v for k, v in ratios.items() if v}  # the pairs that ran
     out["ratios"] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
     out["ratio_spreads"] = {k: harness.spread(v) for k, v in ratios.items()}
-    out["zb-h1 measured costs (s)"] = _round_costs(zb_costs)
+    if zb_costs:
+        out["zb-h1 measured costs (s)"] = _round_costs(zb_costs)
     return out
 
 
@@ -503,6 +511,8 @@ def _speedups(rows: dict[str, list[dict]]) -> dict[str, list[float]]:
     over tetrad's."""
     ours = _paired(rows, "tetrad-single", "tetrad-1f1b", "wall")
     peer = _paired(rows, "torch-single", "torch-1f1b", "wall")
+    if not (ours and peer):
+        return {}
     return {
         "tetrad-1f1b speed-up over tetrad-single": ours,
         "torch-1f1b speed-up over torch-single": peer,
@@ -575,8 +585,8 @@ def _round_costs(costs: dict) -> dict:
 
 def _paired(rows: dict[str, list[dict]], a: str, b: str, key: str) -> list[float]:
     """a's `key` over b's, round by round (each round's steps ran back to back); with the
-    wall time, b's tokens/s over a's."""
-    return [sa[key] / sb[key] for sa, sb in zip(rows[a], rows[b])]
+    wall time, b's tokens/s over a's. Empty if either did not run."""
+    return [sa[key] / sb[key] for sa, sb in zip(rows.get(a, []), rows.get(b, []))]
 
 
 def simulate_split(pp: int) -> dict[str, Any]:
@@ -611,9 +621,14 @@ def main() -> None:
         help=f"phase 1's, comma-separated, of {','.join(SHAPES)}",
     )
     p.add_argument(
+        "--runners",
+        default=",".join(PAIRED),
+        help=f"phase 1's, comma-separated, of {','.join(PAIRED + SINGLES)}",
+    )
+    p.add_argument(
         "--single",
         action="store_true",
-        help="also time each side's single process and report the 1F1B speed-ups over it",
+        help="add each side's single process to phase 1 and report the 1F1B speed-ups over it",
     )
     args = p.parse_args()
     phases, shapes = tuple(args.phases.split(",")), tuple(args.shapes.split(","))
@@ -621,16 +636,23 @@ def main() -> None:
         raise ValueError(f"--phases={args.phases!r}: each must be one of {PHASES}")
     if not set(shapes) <= set(SHAPES):
         raise ValueError(f"--shapes={args.shapes!r}: each must be one of {tuple(SHAPES)}")
-    if "bubbles" in phases and "base" not in shapes:
-        raise ValueError(f"--phases={args.phases!r} needs the base shape, --shapes={args.shapes!r}")
+    runners = tuple(args.runners.split(",")) + (SINGLES if args.single else ())
+    if not set(runners) <= set(PAIRED + SINGLES):
+        raise ValueError(f"--runners={args.runners!r}: each must be one of {PAIRED + SINGLES}")
+    needs = {"base", "tetrad-1f1b", "tetrad-zb-h1"}  # the bubbles phase reuses phase 1's
+    if "bubbles" in phases and not needs <= set(shapes + runners):
+        raise ValueError(
+            f"--phases={args.phases!r} needs phase 1's base shape with tetrad-1f1b and"
+            f" tetrad-zb-h1: --shapes={args.shapes!r} --runners={args.runners!r}"
+        )
     results = []
     t0 = time.perf_counter()
     for pp in args.pp:
         timelines = args.timelines if pp == max(args.pp) else ""
-        ranks = spawn(worker, pp, args.rounds, timelines, phases, shapes, args.single, timeout=3600)
+        ranks = spawn(worker, pp, args.rounds, timelines, phases, shapes, runners, timeout=3600)
         results.append(summarize(pp, ranks, phases))
     harness.report("pp", bench_config(2), results, microbatches=MICROBATCHES,
-                   rounds=args.rounds, phases=phases,
+                   rounds=args.rounds, phases=phases, shapes=shapes, runners=runners,
                    loss="full logits on both sides (tetrad loss_chunk=0)",
                    tolerance=TOLERANCE, seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
 
