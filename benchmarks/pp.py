@@ -617,7 +617,7 @@ def main() -> None:
     )
     p.add_argument(
         "--shapes",
-        default=",".join(SHAPES),
+        default="base,small",
         help=f"phase 1's, comma-separated, of {','.join(SHAPES)}",
     )
     p.add_argument(

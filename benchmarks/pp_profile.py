@@ -22,6 +22,7 @@ schedule's excludes every compute and transfer inside it). What is left of the s
 Per action: the category's CPU per step over the rank's computes per step (2 x 8).
 
     .venv/bin/python benchmarks/pp_profile.py --steps 20      # prints JSON
+    .venv/bin/python benchmarks/pp_profile.py --shape overhead   # dim 16: overhead alone
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from tetrad.models.llama import Llama
 from tetrad.parallel.pipeline.runtime import PipelineRuntime
 from tetrad.testing import spawn
 
+# the small shape's schedule and microbatches on a model so small that its computes cost
+# little: what is left of a step is the two runtimes' own overhead
+pp.SHAPES["overhead"] = ({"layers": 8, "dim": 16, "heads": 2, "kv_heads": 1, "vocab": 64}, 16)
 CATEGORIES = ("forward", "loss", "backward", "post", "wait", "optimizer", "schedule")
 
 
@@ -103,11 +107,12 @@ def instrument(ledger: CpuLedger) -> None:
     ledger.wrap(schedules.PipelineScheduleSingle, "step", "schedule")
 
 
-def worker(rank: int, world: int, steps: int) -> dict:
+def worker(rank: int, world: int, steps: int, shape: str) -> dict:
     """Alternate the two runners' steps; per step, each category's CPU on this rank."""
+    torch.manual_seed(0)
     ledger = CpuLedger()
     instrument(ledger)
-    cfg = pp.bench_config(world, "1f1b", shape="small")
+    cfg = pp.bench_config(world, "1f1b", shape=shape)
     runners = {
         "tetrad": pp.TetradRunner(cfg, rank),
         "torch": pp.PeerRunner(cfg, rank, world, "1f1b"),
@@ -168,10 +173,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--shape", default="small", choices=("small", "overhead"))
     args = p.parse_args()
-    ranks = spawn(worker, args.pp, args.steps, timeout=3600)
+    ranks = spawn(worker, args.pp, args.steps, args.shape, timeout=3600)
     computes = 2 * pp.MICROBATCHES
-    report = {"pp": args.pp, "steps": args.steps, "shape": pp.SHAPES["small"][0]}
+    report = {"pp": args.pp, "steps": args.steps, "shape": pp.SHAPES[args.shape][0]}
     report |= summarize(ranks, computes)
     print(json.dumps(report, indent=1))
 
