@@ -28,6 +28,13 @@ report pair exactly these):
 The V runners split the model into 2 x pp stages, tetrad's split for zb-v, which the peer's
 `PipelineStage`s wrap one chunk each.
 
+With `--single`, each side's single process joins phase 1 (tetrad's Trainer at pp = 1 and
+a plain torch loop: the same model, the whole batch in one forward and backward, clipping,
+fused AdamW; every rank runs its own copy at once, one core each), and each shape reports
+each side's 1F1B speed-up over its own single process and their ratio, round by round.
+`--shapes` and `--runners` pick phase 1's shapes and runners (the small-microbatch
+question: `--shapes small --runners tetrad-1f1b,torch-1f1b --single`).
+
 Phase 2, the bubbles (base shape, tetrad): every schedule (gpipe, 1f1b, interleaved-1f1b
 and zb-v with 2 stages per rank, zb-h1), each step's measured bubble against the
 simulator's at the costs measured in that step: from compute and transfer costs alone,
@@ -67,6 +74,8 @@ With pp=4 on a 2-core machine the ranks share cores: wall times and the cpu bubb
     .venv/bin/python benchmarks/pp.py            # pp 2 and 4, prints JSON (5-8 minutes)
     .venv/bin/python benchmarks/pp.py --timelines docs/img   # + docs/img/pp4-{1f1b,zb-h1}.png
     .venv/bin/python benchmarks/pp.py --phases schedules --rounds 24   # phase 1 alone
+    .venv/bin/python benchmarks/pp.py --pp 2 --phases schedules --shapes small \
+        --runners tetrad-1f1b,torch-1f1b --single --rounds 10   # small microbatches
 """
 
 from __future__ import annotations

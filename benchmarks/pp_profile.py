@@ -20,6 +20,7 @@ schedule's excludes every compute and transfer inside it). What is left of the s
   trainer      the rest of the step
 
 Per action: the category's CPU per step over the rank's computes per step (2 x 8).
+"calls_per_step" also holds the bytes `dist.isend` posted in the step and its sends.
 
     .venv/bin/python benchmarks/pp_profile.py --steps 20      # prints JSON
     .venv/bin/python benchmarks/pp_profile.py --shape overhead   # dim 16: overhead alone
@@ -84,6 +85,19 @@ class CpuLedger:
 
         setattr(owner, name, charged)
 
+    def count_sends(self) -> None:
+        """Count the bytes every `dist.isend` posts (both sides post through it: torch's
+        batches hold it, tetrad calls it on gloo), as the calls of "sent"."""
+        isend = dist.isend
+
+        def counted(tensor, *args, **kwargs):
+            self.calls["sent bytes"] += tensor.numel() * tensor.element_size()
+            self.calls["sends"] += 1
+            return isend(tensor, *args, **kwargs)
+
+        # torch's P2POp checks its op against the module's own isend: patch both names
+        dist.isend = dist.distributed_c10d.isend = counted
+
     def take(self) -> tuple[dict[str, float], dict[str, int]]:
         out = dict(self.seconds), dict(self.calls)
         self.seconds.clear()
@@ -105,6 +119,7 @@ def instrument(ledger: CpuLedger) -> None:
     ledger.wrap(schedules, "_wait_batch_p2p", "wait")
     ledger.wrap(PipelineRuntime, "run", "schedule")
     ledger.wrap(schedules.PipelineScheduleSingle, "step", "schedule")
+    ledger.count_sends()
 
 
 def worker(rank: int, world: int, steps: int, shape: str) -> dict:
