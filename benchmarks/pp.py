@@ -28,6 +28,13 @@ report pair exactly these):
 The V runners split the model into 2 x pp stages, tetrad's split for zb-v, which the peer's
 `PipelineStage`s wrap one chunk each.
 
+With `--single`, each side's single process joins phase 1 (tetrad's Trainer at pp = 1 and
+a plain torch loop: the same model, the whole batch in one forward and backward, clipping,
+fused AdamW; every rank runs its own copy at once, one core each), and each shape reports
+each side's 1F1B speed-up over its own single process and their ratio, round by round.
+`--shapes` and `--runners` pick phase 1's shapes and runners (the small-microbatch
+question: `--shapes small --runners tetrad-1f1b,torch-1f1b --single`).
+
 Phase 2, the bubbles (base shape, tetrad): every schedule (gpipe, 1f1b, interleaved-1f1b
 and zb-v with 2 stages per rank, zb-h1), each step's measured bubble against the
 simulator's at the costs measured in that step: from compute and transfer costs alone,
@@ -67,6 +74,8 @@ With pp=4 on a 2-core machine the ranks share cores: wall times and the cpu bubb
     .venv/bin/python benchmarks/pp.py            # pp 2 and 4, prints JSON (5-8 minutes)
     .venv/bin/python benchmarks/pp.py --timelines docs/img   # + docs/img/pp4-{1f1b,zb-h1}.png
     .venv/bin/python benchmarks/pp.py --phases schedules --rounds 24   # phase 1 alone
+    .venv/bin/python benchmarks/pp.py --pp 2 --phases schedules --shapes small \
+        --runners tetrad-1f1b,torch-1f1b --single --rounds 10   # small microbatches
 """
 
 from __future__ import annotations
@@ -95,6 +104,7 @@ from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.split_costs import measure_item_costs
 from tetrad.parallel.pipeline.stage import layer_split, prune, rank_chunks
 from tetrad.testing import spawn
+from tetrad.train.optim import lr_at, set_lr
 
 MODEL = {"layers": 8, "dim": 256, "heads": 8, "kv_heads": 4, "vocab": 8192}
 SMALL = {"layers": 8, "dim": 128, "heads": 4, "kv_heads": 2, "vocab": 2048}
@@ -118,10 +128,11 @@ def bench_config(
     vocab: int | None = None,
     shape: str = "base",
     v: int = 1,
+    microbatches: int = MICROBATCHES,
 ) -> Config:
     """The benchmark job: synthetic data, pp = world, full logits (the peer's loss)."""
     model, batch = SHAPES[shape]
-    p = {"pp": pp, "pp_schedule": schedule, "microbatches": MICROBATCHES, "pp_split": split}
+    p = {"pp": pp, "pp_schedule": schedule, "microbatches": microbatches, "pp_split": split}
     p["virtual_stages"] = v
     cfg = harness.job(model | {"vocab": vocab or model["vocab"]}, p, 10**6, batch, "synthetic")
     cfg.train.loss_chunk = 0
@@ -259,6 +270,72 @@ class PeerRunner:
         return {"act_bytes": float(self.meter.peak)}
 
 
+class TetradSingle:
+    """tetrad's Trainer as one process (pp = 1, the whole batch in one microbatch), the
+    baseline of the issue's speed-up: every rank runs its own copy at the same time (a
+    world of one, no collective), one core each, as the pipeline's ranks have."""
+
+    def __init__(self, cfg: Config):
+        self.trainer, self.train_step = harness.tetrad_trainer(cfg, 0)
+
+    def after_step(self) -> dict[str, float]:
+        return {}
+
+
+class TorchSingle:
+    """torch's single process at the same shape, as its users run it: tetrad's model on
+    the whole batch in one forward and backward, global-norm clipping (foreach) and fused
+    AdamW in tetrad's groups, tetrad's LR schedule; no process group (every rank runs its
+    own copy, as `TetradSingle`)."""
+
+    def __init__(self, cfg: Config):
+        self.model, self.train = harness.peer_model(cfg), cfg.train
+        self.optimizer = harness.peer_adamw(list(self.model.named_parameters()), cfg.train)
+        self.loader, self.count = harness.peer_loader(cfg), 0
+
+    def train_step(self) -> float:
+        (batch,) = self.loader.next()
+        denom = float((batch.targets != -100).sum())
+        loss = cross_entropy_sum(self.model(batch.inputs), batch.targets) / denom
+        loss.backward()
+        if self.train.grad_clip > 0:
+            params = self.model.parameters()
+            torch.nn.utils.clip_grad_norm_(params, self.train.grad_clip, foreach=True)
+        set_lr(self.optimizer, lr_at(self.count, self.train))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.count += 1
+        return float(loss.detach())
+
+    def after_step(self) -> dict[str, float]:
+        return {}
+
+
+# phase 1's runners: the paired schedules (run by default), then each side's single process
+PAIRED = ("tetrad-1f1b", "tetrad-zb-h1", "tetrad-zb-v", "torch-1f1b", "torch-zb", "torch-zbv",
+          "torch-dualpipev")  # fmt: skip
+SINGLES = ("tetrad-single", "torch-single")
+
+
+def phase1_runners(world: int, rank: int, shape: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """The runners `names` (of PAIRED and SINGLES) at `shape`, built in that order."""
+    cfg = partial(bench_config, world, shape=shape)
+    zbv = partial(cfg, "zb-v", v=2)
+    single = partial(bench_config, 1, shape=shape, microbatches=1)
+    make = {
+        "tetrad-1f1b": lambda: TetradRunner(cfg("1f1b"), rank),
+        "tetrad-zb-h1": lambda: TetradRunner(cfg("zb-h1"), rank),
+        "tetrad-zb-v": lambda: TetradRunner(zbv(), rank),
+        "torch-1f1b": lambda: PeerRunner(cfg(), rank, world, "1f1b"),
+        "torch-zb": lambda: PeerRunner(cfg(), rank, world, "zb"),
+        "torch-zbv": lambda: PeerRunner(zbv(), rank, world, "zbv"),
+        "torch-dualpipev": lambda: PeerRunner(zbv(), rank, world, "dualpipev"),
+        "tetrad-single": lambda: TetradSingle(single()),
+        "torch-single": lambda: TorchSingle(single()),
+    }
+    return {name: make[name]() for name in names}
+
+
 def _timed_step(runner) -> dict[str, Any]:
     """One step: wall time (slowest rank), main-thread CPU per rank, the runner's extras."""
     dist.barrier()
@@ -281,28 +358,27 @@ def _timed_step(runner) -> dict[str, Any]:
     }
 
 
-def worker(rank: int, world: int, rounds: int, timelines: str, phases: tuple[str, ...]) -> dict:
-    """The phases asked for, on this rank: schedules at both shapes, bubbles, splits."""
+def worker(
+    rank: int,
+    world: int,
+    rounds: int,
+    timelines: str,
+    phases: tuple[str, ...],
+    shapes: tuple[str, ...] = tuple(SHAPES),
+    runners: tuple[str, ...] = PAIRED,
+) -> dict:
+    """The phases asked for, on this rank: `runners` at `shapes`, bubbles, splits."""
     out: dict[str, Any] = {"shapes": {}, "zb_costs": {}}
-    for shape in SHAPES if "schedules" in phases else ():
-        cfg = partial(bench_config, world, shape=shape)
-        zbv = cfg("zb-v", v=2)
-        schedules = {
-            "tetrad-1f1b": TetradRunner(cfg("1f1b"), rank),
-            "tetrad-zb-h1": TetradRunner(cfg("zb-h1"), rank),
-            "tetrad-zb-v": TetradRunner(zbv, rank),
-            "torch-1f1b": PeerRunner(cfg(), rank, world, "1f1b"),
-            "torch-zb": PeerRunner(cfg(), rank, world, "zb"),
-            "torch-zbv": PeerRunner(zbv, rank, world, "zbv"),
-            "torch-dualpipev": PeerRunner(zbv, rank, world, "dualpipev"),
-        }
+    for shape in shapes if "schedules" in phases else ():
+        schedules = phase1_runners(world, rank, shape, runners)
         out["shapes"][shape] = _timed_rounds(schedules, rounds)
         if timelines and rank == 0 and shape == "base":  # the last round's tetrad steps
             Path(timelines).mkdir(parents=True, exist_ok=True)
-            for name in ("tetrad-1f1b", "tetrad-zb-h1"):
+            for name in {"tetrad-1f1b", "tetrad-zb-h1"} & set(schedules):
                 measured, simulated = schedules[name].timeline
                 plot_pair(measured, simulated, f"{timelines}/pp{world}-{name[7:]}.png")
-        out["zb_costs"][shape] = schedules["tetrad-zb-h1"].timeline[0].meta["costs"]
+        if "tetrad-zb-h1" in schedules:
+            out["zb_costs"][shape] = schedules["tetrad-zb-h1"].timeline[0].meta["costs"]
         del schedules
     if "bubbles" in phases:
         out["bubbles"] = _other_bubbles(world, rank, rounds)
@@ -379,8 +455,8 @@ def summarize(pp: int, ranks: list[dict], phases: tuple[str, ...]) -> dict[str, 
     r0 = ranks[0]
     if "schedules" in phases:
         out["shapes"] = {
-            shape: _shape_row(pp, shape, r0["shapes"][shape], r0["zb_costs"][shape])
-            for shape in SHAPES
+            shape: _shape_row(pp, shape, r0["shapes"][shape], r0["zb_costs"].get(shape))
+            for shape in r0["shapes"]
         }
     if "bubbles" in phases and "schedules" in phases:  # 1f1b and zb-h1 come from phase 1
         base = {n: steps[1:] for n, steps in r0["shapes"]["base"].items()}
@@ -392,7 +468,7 @@ def summarize(pp: int, ranks: list[dict], phases: tuple[str, ...]) -> dict[str, 
     return out
 
 
-def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict) -> dict:
+def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict | None) -> dict:
     """One shape's runners: medians, step-0 losses, paired ratios with their spread."""
     model, batch = SHAPES[shape]
     out: dict[str, Any] = {"model": model, "tokens_per_step": batch * 128}
@@ -426,12 +502,37 @@ def _shape_row(pp: int, shape: str, rows: dict[str, list[dict]], zb_costs: dict)
         ratios[f"{peer} / {ours} cpu s (work)"] = _paired(rows, peer, ours, "cpu")
     ratios["tetrad-1f1b / torch-1f1b busy share"] = [
         (1 - b["bubble_cpu"]) / (1 - a["bubble_cpu"])
-        for a, b in zip(rows["torch-1f1b"], rows["tetrad-1f1b"])
+        for a, b in zip(rows.get("torch-1f1b", []), rows.get("tetrad-1f1b", []))
     ]
+    ratios |= _speedups(rows)
+    ratios = {k: v for k, v in ratios.items() if v}  # the pairs that ran
     out["ratios"] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
     out["ratio_spreads"] = {k: harness.spread(v) for k, v in ratios.items()}
-    out["zb-h1 measured costs (s)"] = _round_costs(zb_costs)
+    if zb_costs:
+        out["zb-h1 measured costs (s)"] = _round_costs(zb_costs)
     return out
+
+
+def _speedups(rows: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """Each side's 1F1B speed-up over its own single process, round by round, and their
+    ratio (tetrad's over torch's), the measure the small-microbatch question was asked
+    in; it is tetrad-1f1b / torch-1f1b tokens/s times torch's single-process step time
+    over tetrad's."""
+    ours = _paired(rows, "tetrad-single", "tetrad-1f1b", "wall")
+    peer = _paired(rows, "torch-single", "torch-1f1b", "wall")
+    if not (ours and peer):
+        return {}
+    return {
+        "tetrad-1f1b speed-up over tetrad-single": ours,
+        "torch-1f1b speed-up over torch-single": peer,
+        "tetrad speed-up / torch speed-up": [a / b for a, b in zip(ours, peer)],
+        "tetrad-single / torch-single tokens/s": _paired(
+            rows, "torch-single", "tetrad-single", "wall"
+        ),
+        "torch-single / tetrad-single cpu s (work)": _paired(
+            rows, "torch-single", "tetrad-single", "cpu"
+        ),
+    }
 
 
 def _bubble_row(steps: list[dict]) -> dict[str, Any]:
@@ -493,8 +594,8 @@ def _round_costs(costs: dict) -> dict:
 
 def _paired(rows: dict[str, list[dict]], a: str, b: str, key: str) -> list[float]:
     """a's `key` over b's, round by round (each round's steps ran back to back); with the
-    wall time, b's tokens/s over a's."""
-    return [sa[key] / sb[key] for sa, sb in zip(rows[a], rows[b])]
+    wall time, b's tokens/s over a's. Empty if either did not run."""
+    return [sa[key] / sb[key] for sa, sb in zip(rows.get(a, []), rows.get(b, []))]
 
 
 def simulate_split(pp: int) -> dict[str, Any]:
@@ -523,18 +624,44 @@ def main() -> None:
     p.add_argument(
         "--phases", default=",".join(PHASES), help=f"comma-separated, of {','.join(PHASES)}"
     )
+    p.add_argument(
+        "--shapes",
+        default="base,small",
+        help=f"phase 1's, comma-separated, of {','.join(SHAPES)}",
+    )
+    p.add_argument(
+        "--runners",
+        default=",".join(PAIRED),
+        help=f"phase 1's, comma-separated, of {','.join(PAIRED + SINGLES)}",
+    )
+    p.add_argument(
+        "--single",
+        action="store_true",
+        help="add each side's single process to phase 1 and report the 1F1B speed-ups over it",
+    )
     args = p.parse_args()
-    phases = tuple(args.phases.split(","))
+    phases, shapes = tuple(args.phases.split(",")), tuple(args.shapes.split(","))
     if not set(phases) <= set(PHASES):
         raise ValueError(f"--phases={args.phases!r}: each must be one of {PHASES}")
+    if not set(shapes) <= set(SHAPES):
+        raise ValueError(f"--shapes={args.shapes!r}: each must be one of {tuple(SHAPES)}")
+    runners = tuple(args.runners.split(",")) + (SINGLES if args.single else ())
+    if not set(runners) <= set(PAIRED + SINGLES):
+        raise ValueError(f"--runners={args.runners!r}: each must be one of {PAIRED + SINGLES}")
+    needs = {"base", "tetrad-1f1b", "tetrad-zb-h1"}  # the bubbles phase reuses phase 1's
+    if "bubbles" in phases and not needs <= set(shapes + runners):
+        raise ValueError(
+            f"--phases={args.phases!r} needs phase 1's base shape with tetrad-1f1b and"
+            f" tetrad-zb-h1: --shapes={args.shapes!r} --runners={args.runners!r}"
+        )
     results = []
     t0 = time.perf_counter()
     for pp in args.pp:
         timelines = args.timelines if pp == max(args.pp) else ""
-        ranks = spawn(worker, pp, args.rounds, timelines, phases, timeout=3600)
+        ranks = spawn(worker, pp, args.rounds, timelines, phases, shapes, runners, timeout=3600)
         results.append(summarize(pp, ranks, phases))
     harness.report("pp", bench_config(2), results, microbatches=MICROBATCHES,
-                   rounds=args.rounds, phases=phases,
+                   rounds=args.rounds, phases=phases, shapes=shapes, runners=runners,
                    loss="full logits on both sides (tetrad loss_chunk=0)",
                    tolerance=TOLERANCE, seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
 

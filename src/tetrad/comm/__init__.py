@@ -353,26 +353,36 @@ class Comm:
         """Post sends/receives together: ops are ("send"|"recv", tensor, global peer rank).
 
         One Work per op. NCCL runs the batch as one group and returns one work for all of
-        it: every op then shares it (waiting for any op waits for the whole batch)."""
-        p2p = []
-        for kind, t, peer in ops:
+        it: every op then shares it (waiting for any op waits for the whole batch). gloo
+        cannot group them: `batch_isend_irecv` would post each on its own after checks
+        that cost more than the post (a pipeline's small transfers feel it), so on the
+        CPU each is posted directly, in the batch's order."""
+        for kind, t, _ in ops:
             self.check_device(t, group, kind)
             if kind == "send":
                 self._count(group, "send", t.numel() * t.element_size())
-                p2p.append(dist.P2POp(dist.isend, t, peer, group=group.pg))
             else:
-                stats = self.stats[(group.name, "recv")]
-                stats.calls += 1
-                p2p.append(dist.P2POp(dist.irecv, t, peer, group=group.pg))
-        if not p2p:
+                self.stats[(group.name, "recv")].calls += 1
+        if not ops:
             return []
-        handles = dist.batch_isend_irecv(p2p)
-        if len(handles) != len(p2p):  # coalesced (NCCL): one work for the whole batch
-            handles = [handles[0] if handles else None] * len(p2p)
+        if self.device.type == "cuda":
+            post = {"send": dist.isend, "recv": dist.irecv}
+            p2p = [dist.P2POp(post[kind], t, peer, group=group.pg) for kind, t, peer in ops]
+            handles = dist.batch_isend_irecv(p2p)
+            if len(handles) != len(p2p):  # coalesced: one work for the whole batch
+                handles = [handles[0] if handles else None] * len(p2p)
+        else:
+            handles = [self._post_one(kind, t, peer, group) for kind, t, peer in ops]
         nbytes = sum(t.numel() * t.element_size() for _, t, _ in ops)
         call = self.ledger.issue("send/recv", group, nbytes, numbered=False)
         stats = self.stats[(group.name, "p2p_wait")]
         return [Work(h, stats, self.watchdog, call) for h in handles]
+
+    @staticmethod
+    def _post_one(kind: str, t: torch.Tensor, peer: int, group: Group):
+        if kind == "send":
+            return dist.isend(t, peer, group=group.pg)
+        return dist.irecv(t, peer, group=group.pg)
 
     def barrier(self, group: Group) -> None:
         """Every member of `group` reaches this point (counted, numbered and watched)."""
