@@ -186,7 +186,12 @@ class Llama(nn.Module):
         # False: the last stage ends at the final norm and a fused loss applies the head
         # (models/loss.py), so no full logits are ever built
         self.logits = True
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
+        # no default init: every value is written by models/init.py after sharding, and
+        # nn.Embedding's normal_ on the meta device imports torch._dynamo (1.6 s of CPU,
+        # most of a `tetrad plan` that builds nothing else)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding.from_pretrained(
+            torch.empty(cfg.vocab, cfg.dim), freeze=False
+        )
         # string keys keep parameter names ("layers.7....") stable when a stage drops layers
         self.layers = nn.ModuleDict({str(i): block(cfg, i) for i in range(cfg.layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)

@@ -49,7 +49,6 @@ from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
     build_schedule,
     compute_orders,
-    rank_stages,
     stage_to_rank,
 )
 from tetrad.parallel.pipeline.simulate import Costs, simulate
@@ -66,6 +65,7 @@ from tetrad.plan.layouts import (
     describe,
     ep_bytes_per_layer,
     ep_groups,
+    held_stages,
     layout_of,
     local_tokens,
     model_key,
@@ -223,7 +223,7 @@ class Planner:
         times = self.stage_times(cfg, facts)
         busy = tail = 0.0
         for r in range(p.pp):
-            stages = rank_stages(r, p.pp, p.virtual_stages, p.pp_schedule)
+            stages = held_stages(cfg, r)
             work = sum(times.total(k, s) for k in "FBW" for s in stages)
             busy = max(busy, p.microbatches * work)
             tail = max(tail, sum(self.after_schedule(cfg, r, facts[r], times).values()))
@@ -480,7 +480,7 @@ class Planner:
         parameter gathers outside the microbatches, optimizer step."""
         p, eng = cfg.parallel, self.engine
         units = fa.layer_units + 1
-        stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
+        stages = held_stages(cfg, pp_rank)
         bwd = sum(times.compute["B"][s] + times.compute["W"][s] for s in stages)
         fwd = sum(times.compute["F"][s] for s in stages)
         grad = {"dp": 0.0, "fsdp": 0.0}
@@ -506,7 +506,7 @@ class Planner:
     def _breakdown(self, cfg, times, busiest, pipe, tails) -> dict[str, float]:
         """Seconds by cause on the busiest pp rank; the parts sum to the step time."""
         p = cfg.parallel
-        stages = rank_stages(busiest, p.pp, p.virtual_stages, p.pp_schedule)
+        stages = held_stages(cfg, busiest)
         m = p.microbatches
 
         def part(table: dict[str, list[float]]) -> float:

@@ -26,11 +26,10 @@ from tetrad.models.families import spec_for
 from tetrad.models.spec import ModelSpec
 from tetrad.parallel.expert import REPLICATED as EXPERT_REPLICATED
 from tetrad.parallel.model_state import ModelState, local_parameters, replicated_bytes, zero_bytes
-from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
-from tetrad.plan.layouts import layout_of, model_key
+from tetrad.plan.layouts import held_stages, layout_of, model_key
 from tetrad.plan.peak import Peak, PeakSettings, rank_peak
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
@@ -114,19 +113,32 @@ class Footprint:
         self.chunked_loss = chunked_loss  # the engine honours train.loss_chunk (tetrad)
         self.sp_saves_shards, self.reduce_every_micro = sp_saves_shards, reduce_every_micro
         self._facts: dict[tuple, RankFacts] = {}
+        self._places: dict[tuple, RankFacts] = {}
         self._template: dict[tuple, tuple] = {}
 
     def share_caches(self, other: Footprint) -> None:
         """Use `other`'s caches of model facts (they depend on the model and layout only)."""
         self._facts, self._template = other._facts, other._template
+        self._places = other._places
 
     # --- model state ------------------------------------------------------------------------
 
     def rank_facts(self, cfg: Config, split: list[int], pp_rank: int) -> RankFacts:
         """Counts and exact model state of pp rank `pp_rank` (coordinate 0 on the other
-        axes; fsdp rank 0 holds the most elements)."""
+        axes; fsdp rank 0 holds the most elements). Looked up first by what the rank's
+        place is made of (a search asks a few hundred places tens of thousands of times),
+        then by what its blocks are (places with the same blocks share their facts)."""
         p = cfg.parallel
-        stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
+        place = (model_key(cfg.model), tuple(split), pp_rank, p.pp, p.virtual_stages,
+                 p.pp_schedule, p.tp, self.shards(cfg), p.zero_stage, cfg.train.dtype,
+                 _ep_shape(cfg))  # fmt: skip
+        if place not in self._places:
+            self._places[place] = self._rank_facts(cfg, split, pp_rank)
+        return self._places[place]
+
+    def _rank_facts(self, cfg: Config, split: list[int], pp_rank: int) -> RankFacts:
+        p = cfg.parallel
+        stages = held_stages(cfg, pp_rank)
         kinds = _block_kinds(cfg.model, split, stages)
         first, last = 0 in stages, len(split) - 1 in stages
         shards = self.shards(cfg)
@@ -262,7 +274,7 @@ class Footprint:
         per_stage = self.stage_activations(cfg, split)
         out = 0.0
         for r in range(p.pp):
-            stages = rank_stages(r, p.pp, p.virtual_stages, p.pp_schedule)
+            stages = held_stages(cfg, r)
             acts = max(per_stage[s] for s in stages)
             out = max(out, facts[r].state.total + acts + self.overhead(cfg, r, facts[r], acts))
         return out

@@ -11,12 +11,53 @@ from typing import Any
 from tetrad.config import DTYPE_BYTES, Config, ModelConfig
 from tetrad.layout import Layout
 from tetrad.mesh import expert_groups
+from tetrad.parallel.pipeline.schedules import rank_stages
 
 
 def layout_of(cfg: Config) -> Layout:
     """A candidate's layout: the planner describes candidates as Configs (a model, a batch,
-    degrees); every derived fact of one (local shapes, dtypes, the split) is `Layout`'s."""
-    return Layout.build(cfg)
+    degrees); every derived fact of one (local shapes, dtypes, the split) is `Layout`'s.
+    Cached by the config's values: a search asks for one candidate's layout dozens of
+    times, and validating it was a third of the search."""
+    try:
+        return _layout(_ByValue(cfg))
+    except TypeError:  # a field holds an unhashable value: build it each time
+        return Layout.build(cfg)
+
+
+class _ByValue:
+    """A Config hashed and compared by its fields' values as they are now (a later change
+    to the config makes a new key, never a stale hit)."""
+
+    __slots__ = ("cfg", "key", "hash")
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.key = tuple(tuple(vars(section).values()) for section in vars(cfg).values())
+        self.hash = hash(self.key)  # TypeError here, before the cache sees it
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByValue) and self.key == other.key
+
+
+@functools.lru_cache(maxsize=8192)
+def _layout(keyed: _ByValue) -> Layout:
+    return Layout.build(keyed.cfg)
+
+
+def held_stages(cfg: Config, pp_rank: int) -> tuple[int, ...]:
+    """The global stages pp rank `pp_rank` holds (`schedules.rank_stages`; cached: a
+    search asks tens of thousands of times for a few dozen placements)."""
+    p = cfg.parallel
+    return _held_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
+
+
+@functools.cache
+def _held_stages(pp_rank: int, pp: int, v: int, schedule: str) -> tuple[int, ...]:
+    return tuple(rank_stages(pp_rank, pp, v, schedule))
 
 
 def model_key(model: ModelConfig) -> tuple:

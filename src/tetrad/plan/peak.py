@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 from tetrad.config import DTYPE_BYTES, Config
 from tetrad.models.families import spec_for
-from tetrad.parallel.pipeline.schedules import rank_stages
 from tetrad.plan import activations as act
-from tetrad.plan.layouts import layout_of
+from tetrad.plan.layouts import held_stages, layout_of
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class PeakSettings:
 def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
     """The largest of the rank's candidate moments (module docstring)."""
     p = cfg.parallel
-    stages = rank_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
+    stages = held_stages(cfg, pp_rank)
     last = p.pp * p.virtual_stages - 1 in stages
     shared = _shared_terms(cfg, 0 in stages, s)
     block = [("block backward", block_backward(cfg, s)),
