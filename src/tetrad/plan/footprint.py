@@ -157,9 +157,10 @@ class Footprint:
 
     def shards(self, cfg: Config) -> int:
         """Ranks the ZeRO state is sharded over: fsdp, or fsdp x cp for an engine whose
-        sharding group takes the cp ranks in (they hold the same weights)."""
+        sharding group takes the cp ranks in (they hold the same weights), at fsdp 1 too
+        (torchtitan shards over dp_shard x cp whatever dp_shard is)."""
         p = cfg.parallel
-        return p.fsdp * p.cp if self.shards_over_cp and p.fsdp > 1 else p.fsdp
+        return p.fsdp * p.cp if self.shards_over_cp else p.fsdp
 
     def _local_parameters(self, cfg: Config, kinds: tuple[int, int], first: bool, last: bool):
         """`memory.local_parameters` of a rank holding `kinds` = (dense, MoE) blocks (and
@@ -292,7 +293,7 @@ class Footprint:
         """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
         settings = PeakSettings(
             self.chunked_loss, self.recompute, self.fused, self.scores,
-            *self._zero_buffers(cfg, fa), _late_grads(cfg, fa),
+            *self._zero_buffers(cfg, fa), _late_grads(cfg, fa, self.shards(cfg)),
         )  # fmt: skip
         return rank_peak(cfg, pp_rank, acts, settings)
 
@@ -311,7 +312,7 @@ class Footprint:
         gathered, but never less than one module (its largest linear), and two reduce
         buckets of gradients."""
         p, c = cfg.parallel, DTYPE_BYTES[cfg.train.dtype]
-        if p.fsdp == 1:
+        if self.shards(cfg) == 1:
             return 0.0, 0.0
         gathered_blocks, grad_blocks = self.zero_blocks
         gathered = grads = 0.0
@@ -331,14 +332,14 @@ class Footprint:
         return c * gathered, c * grads
 
 
-def _late_grads(cfg: Config, fa: RankFacts) -> float:
+def _late_grads(cfg: Config, fa: RankFacts, shards: int) -> float:
     """Gradient bytes of the model state that exist only from the reduction to the
     optimizer step, not in the forward and backward: the fp32 gradients of mixed
     precision (`model_state.replicated_bytes`) and ZeRO's fp32 gradient shards. What
     persists is the full gradient in the compute dtype, kept by plain data parallelism
-    and ZeRO-1 (in fp32 that is all of it)."""
-    p = cfg.parallel
-    persists = p.fsdp == 1 or p.zero_stage == 1
+    and ZeRO-1 (in fp32 that is all of it). `shards`: the ranks the state is sharded
+    over (`Footprint.shards`)."""
+    persists = shards == 1 or cfg.parallel.zero_stage == 1
     held = DTYPE_BYTES[cfg.train.dtype] * fa.psi if persists else 0.0
     return max(float(fa.state.grads) - held, 0.0)
 
