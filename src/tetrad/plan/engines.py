@@ -53,8 +53,10 @@ class Implementation:
     flat tensor before it is added to the accumulated one (tetrad re-splits the
     parameters at every gather).
     shards_over_cp: the ZeRO state is sharded over fsdp x cp (torchtitan's FSDP mesh takes
-    the cp ranks in: they hold the same weights); tetrad shards over fsdp alone. Memory
-    only: the traffic is still priced over the fsdp group.
+    the cp ranks in: they hold the same weights), at fsdp 1 too, where it is sharded over
+    the cp ranks alone (torchtitan's dp_shard x cp mesh at dp_shard 1); tetrad shards over
+    fsdp alone. Memory only: the traffic is still priced over the fsdp group (none at
+    fsdp 1).
     """
 
     name: str
