@@ -186,12 +186,7 @@ class Llama(nn.Module):
         # False: the last stage ends at the final norm and a fused loss applies the head
         # (models/loss.py), so no full logits are ever built
         self.logits = True
-        # no default init: every value is written by models/init.py after sharding, and
-        # nn.Embedding's normal_ on the meta device imports torch._dynamo (1.6 s of CPU,
-        # most of a `tetrad plan` that builds nothing else)
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding.from_pretrained(
-            torch.empty(cfg.vocab, cfg.dim), freeze=False
-        )
+        self.tok_embeddings: nn.Embedding | None = _embedding(cfg.vocab, cfg.dim)
         # string keys keep parameter names ("layers.7....") stable when a stage drops layers
         self.layers = nn.ModuleDict({str(i): block(cfg, i) for i in range(cfg.layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -226,6 +221,16 @@ class Llama(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """The output projection's weight [V, d]: the head's, or the tied embedding's."""
         return (self.output if self.output is not None else self.tok_embeddings).weight
+
+
+def _embedding(vocab: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(vocab, dim), whose default init (normal_) is skipped on the meta
+    device: there it imports torch._dynamo (1.6 s of CPU, most of a `tetrad plan`), and
+    a meta model's values are written by models/init.py after sharding anyway."""
+    weight = torch.empty(vocab, dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    return nn.Embedding.from_pretrained(weight, freeze=False)
 
 
 def set_recompute(model: nn.Module, mode: str) -> None:
