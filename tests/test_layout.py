@@ -80,7 +80,7 @@ def test_validation_runs_once_per_launch(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     calls = _count_builds(monkeypatch)
     args = ["train", "--model", "tiny", "--vocab", "64", "--seq-len", "16", "--global-batch"]
-    args += ["4", "--steps", "1", "--data", "synthetic", "--no-progress"]
+    args += ["4", "--steps", "1", "--data", "synthetic", "--no-progress", "--nproc", "1"]
     assert main([*args, "--out", str(tmp_path / "run")]) == 0
     assert len(calls) == 1
 
