@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The torch floor, run rather than asserted: install the lowest torch pyproject.toml declares
 # ("torch>=X.Y" -> torch==X.Y.0) into a side venv and run, there, the equivalence tests of
-# every axis (dp, fsdp/ZeRO, tp+sp, pp: every schedule, cp, recompute, bf16, moe and ep) and the API
+# every axis (dp, fsdp/ZeRO, tp+sp, pp: every schedule, cp with either block kernel, recompute,
+# bf16, moe and ep) and the API
 # check of tests/test_torch_floor.py. With --write it also records, in
 # tests/data/torch_floor_names.txt, the torch names tetrad uses, each resolved in the floor
 # torch: the everyday suite then fails on a name used since, until this script runs again.
@@ -34,7 +35,7 @@ if [ "${1:-}" = "--write" ]; then
 fi
 tests=(
   tests/test_torch_floor.py
-  tests/test_dp.py tests/test_fsdp.py tests/test_tp.py tests/test_cp.py
+  tests/test_dp.py tests/test_fsdp.py tests/test_tp.py tests/test_cp.py tests/test_cp_fused.py
   tests/test_pp.py tests/test_pp_zero_bubble.py
   tests/test_memory_recompute.py tests/test_memory_bf16.py
   tests/test_moe.py tests/test_moe_layouts.py tests/test_moe_ep_equivalence.py
