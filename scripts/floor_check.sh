@@ -2,8 +2,7 @@
 # The torch floor, run rather than asserted: install the lowest torch pyproject.toml declares
 # ("torch>=X.Y" -> torch==X.Y.0) into a side venv and run, there, the equivalence tests of
 # every axis (dp, fsdp/ZeRO, tp+sp, pp: every schedule, cp with either block kernel, recompute,
-# bf16, moe and ep) and the API
-# check of tests/test_torch_floor.py. With --write it also records, in
+# bf16, moe and ep) and the API check of tests/test_torch_floor.py. With --write it also records, in
 # tests/data/torch_floor_names.txt, the torch names tetrad uses, each resolved in the floor
 # torch: the everyday suite then fails on a name used since, until this script runs again.
 #
