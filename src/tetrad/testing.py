@@ -126,8 +126,8 @@ def _context():
     """New ranks fork from a server process that has imported torch and tetrad's training
     modules (PRELOAD): starting a rank then takes milliseconds, not the ~2 s of CPU that
     importing torch costs, which is most of a small test's time. The server imports only
-    (no parallel op, so no thread pool that a fork would copy half-made), and a fork
-    shares nothing else: each rank is as fresh as a spawned one."""
+    (no parallel op, so no thread pool that a fork would copy half-made); a rank starts
+    from that state, and from nothing of the calling process."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first spawn)
     return ctx
