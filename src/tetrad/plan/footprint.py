@@ -11,7 +11,8 @@
   buffers); and `ALLOCATOR` of everything that comes and goes within a step, for the
   caching allocator's fragmentation. Model state + activations + the transients is what
   an allocator counts as allocated at its peak (`Memory.allocated`); the total adds what
-  the device reserves beyond it.
+  the device reserves beyond it (and what the peak's moment holds reserved for a stated
+  reason, `Peak.reserved`: an eager loss's freed logits).
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ class Footprint:
         live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
         scores: bool = False, shards_over_cp: bool = False,
         zero_blocks: tuple[int, int] = (2, 2), zero3_incoming_grad: bool = False,
+        eager_loss: bool = False,
     ):  # fmt: skip
+        self.eager_loss = eager_loss  # eager F.cross_entropy on fp32-cast logits (`plan.peak`)
         self.zero3_incoming_grad = zero3_incoming_grad
         self.zero_blocks = zero_blocks  # ZeRO blocks alive at the peak (`_zero_buffers`)
         self.cp_gathers_kv = cp_gathers_kv
@@ -287,13 +290,15 @@ class Footprint:
 
     def _overhead(self, peak: Peak, acts: float) -> float:
         transient = peak.transient
-        return self.device.workspace_bytes + transient + ALLOCATOR * max(transient + acts, 0.0)
+        share = ALLOCATOR * max(transient + acts, 0.0)
+        return self.device.workspace_bytes + transient + peak.reserved_bytes + share
 
     def peak(self, cfg: Config, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
         settings = PeakSettings(
             self.chunked_loss, self.recompute, self.fused, self.scores,
             *self._zero_buffers(cfg, fa), _late_grads(cfg, fa, self.shards(cfg)),
+            self.eager_loss,
         )  # fmt: skip
         return rank_peak(cfg, pp_rank, acts, settings)
 
