@@ -298,9 +298,19 @@ class Footprint:
         settings = PeakSettings(
             self.chunked_loss, self.recompute, self.fused, self.scores,
             *self._zero_buffers(cfg, fa), _late_grads(cfg, fa, self.shards(cfg)),
-            self.eager_loss,
+            self.eager_loss, self._accumulated_grads(cfg, fa),
         )  # fmt: skip
         return rank_peak(cfg, pp_rank, acts, settings)
+
+    def _accumulated_grads(self, cfg: Config, fa: RankFacts) -> float:
+        """Bytes of ZeRO-2/3's whole unsharded gradients accumulated over microbatches (of
+        `_zero_buffers`' gradients): from the first microbatch's backward to the
+        reduction, so every moment of a later microbatch holds them, its loss included."""
+        p = cfg.parallel
+        whole = self.shards(cfg) > 1 and p.zero_stage >= 2 and not self.reduce_every_micro
+        if not (whole and p.microbatches > 1):
+            return 0.0
+        return DTYPE_BYTES[cfg.train.dtype] * fa.psi_dense
 
     def _zero_buffers(self, cfg: Config, fa: RankFacts) -> tuple[float, float]:
         """(ZeRO-3's gathered compute parameters, ZeRO-2/3's unsharded gradients), bytes

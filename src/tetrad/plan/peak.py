@@ -23,7 +23,9 @@ is stated with its terms and the largest is the peak:
 
 Terms every moment of the forward and backward shares: ZeRO-3's gathered parameters
 (the root, from its first use to the end of backward, and the blocks gathered at once),
-ZeRO-2/3's unsharded gradients awaiting their reduce-scatter; and, as a negative term,
+ZeRO-2/3's unsharded gradients awaiting their reduce-scatter (at a block's backward;
+where they are accumulated whole over microbatches, at every moment: a later
+microbatch's loss runs beside the earlier ones' gradients); and, as a negative term,
 the gradients the model state counts that exist only from the reduction to the optimizer
 step (ZeRO's fp32 shards, mixed precision's fp32 gradients): the forward and backward do
 not hold them yet. A pipeline stage other than
@@ -78,6 +80,9 @@ class PeakSettings:
     zero_grads: float  # ZeRO-2/3's unsharded gradients alive in backward, bytes
     late_grads: float  # model-state gradients alive only from the reduction on, bytes
     eager_loss: bool = False  # eager F.cross_entropy on fp32-cast logits (torchtitan)
+    # of zero_grads: the whole gradients accumulated over microbatches, alive through every
+    # moment of the later microbatches (their loss too), not at a block's backward only
+    accumulated_grads: float = 0.0
 
 
 def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
@@ -87,7 +92,7 @@ def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
     last = p.pp * p.virtual_stages - 1 in stages
     shared = _shared_terms(cfg, 0 in stages, s)
     block = [("block backward", block_backward(cfg, s)),
-             ("ZeRO unsharded gradients", s.zero_grads)]  # fmt: skip
+             ("ZeRO unsharded gradients", s.zero_grads - s.accumulated_grads)]  # fmt: skip
     moments = [("block backward", block + shared, [])]
     if last:
         fwd, bwd = loss_forward(cfg, s.chunked_loss), loss_backward(cfg, s.chunked_loss)
@@ -114,6 +119,7 @@ def _chunked(cfg: Config, chunked: bool) -> bool:
 def _shared_terms(cfg: Config, first: bool, s: PeakSettings) -> list[tuple[str, float]]:
     """Terms alive through the forward and backward (module docstring)."""
     out = [("ZeRO-3 gathered parameters", s.zero_gathered),
+           ("ZeRO gradients accumulated over microbatches", s.accumulated_grads),
            ("gradients not yet reduced (in the state)", -s.late_grads)]  # fmt: skip
     if not first:
         out.append(("pipeline receive pool", 2 * stage_input_bytes(cfg)))
