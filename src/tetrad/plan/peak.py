@@ -99,7 +99,7 @@ def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
         hole = []
         if s.eager_loss and not _chunked(cfg, s.chunked_loss):
             bwd = eager_loss_backward(cfg)
-            hole = [("freed compute-dtype logits (no fp32 tensor fits)", eager_loss_hole(cfg))]
+            hole = [("freed logits' space", eager_loss_hole(cfg))]
         moments.append(("loss forward", [("loss chunk, forward", fwd)] + shared, []))
         moments.append(("loss backward", [("loss chunk, backward", bwd)] + shared, hole))
     moments.append(("optimizer step", [("activations (freed by then)", -acts)], []))
