@@ -6,23 +6,18 @@ or the durable checkpoint; a full local directory turns them off with one warnin
 The oracle is the single-process 20-step run (the `reference` fixture): a run stopped at
 step 12 and resumed from the generation of step 10 must give its last 10 losses and its
 final weights. The 2-rank jobs share the session's spawn; the kill-and-restart test goes
-through the launcher and torchrun, like tests/test_launch_survival.py.
+through the launcher and torchrun, in tests/test_launch_survival.py (beside the
+uninterrupted run it is compared with).
 """
 
 from __future__ import annotations
 
 import errno
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from harness import Jobs, assert_close_run, tiny_config, trainer_for
 from tetrad.config import from_dict
@@ -200,49 +195,3 @@ def test_corrupt_partner_copy_with_no_older_generation_falls_back_to_durable(ref
     (warning,) = got["warnings"]  # rank 0 holds rank 1's copy
     assert "copy-00001" in warning and "sha256" in warning
     assert_close_run(got, _tail(reference(), 10))
-
-
-# --- through the launcher: a killed worker --------------------------------------------------
-
-FAULTS = str(Path(__file__).parent / "faults")
-TINY = [
-    "--layers", "2", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
-    "--seq-len", "16", "--global-batch", "8", "--data", "synthetic", "--no-progress",
-    "--nproc", "2", "--fsdp", "2", "--steps", "20",
-]  # fmt: skip
-
-
-def _launch(out: Path, *args: str, fault: str | None = None) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAULTS, os.environ.get("PYTHONPATH", "")]))
-    if fault:
-        env["TETRAD_TEST_FAULT"] = fault
-    cmd = [sys.executable, "-m", "tetrad.cli", "train", *TINY, "--out", str(out), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.mark.distributed
-def test_killed_worker_resumes_from_memory_replaying_at_most_k_steps(tmp_path):
-    """Rank 1 is SIGKILLed at the start of step 13; no durable checkpoint before the end.
-    The restarted workers resume from the generation of step 10 (K = 5), and finish with
-    the uninterrupted run's losses and weights."""
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    _launch(straight)
-    local = ("--local-checkpoint-every", "5", "--local-dir", str(tmp_path / "shm"))
-    _launch(killed, *local, "--max-restarts", "1", fault="kill:1:13")
-    assert "--- attempt 1" in (killed / "logs" / "rank0.stderr.log").read_text()
-    rows, want = _rows(killed), _rows(straight)
-    assert [r["step"] for r in rows] == list(range(20))
-    (resumed,) = [r for r in rows if "resumed_from" in r]
-    assert resumed["step"] == 10 and resumed["resumed_from"] == "memory"
-    assert 1 <= resumed["replayed_steps"] <= 5  # steps 10..12 had been logged (2 or 3)
-    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-6)
-    final = "checkpoints/step_00000020"
-    for name in ("rank-00000.safetensors", "rank-00001.safetensors"):
-        a, b = load_file(killed / final / name), load_file(straight / final / name)
-        assert all(torch.equal(a[k], b[k]) for k in b), name
-    assert not (tmp_path / "shm").exists()  # the launcher frees the node's memory

@@ -1,6 +1,7 @@
 """Long runs that survive: one clear error and no hang when any rank fails, a collective
-watchdog, preemption by signal with an exact resume, restarts after a killed worker, and a
-two-node job; all through the `tetrad train` launcher and torchrun, in subprocesses.
+watchdog, preemption by signal with an exact resume, restarts after a killed worker (from
+the durable checkpoint, and from the in-memory one), and a two-node job; all through the
+`tetrad train` launcher and torchrun, in subprocesses.
 
 Faults are injected from outside tetrad: tests/faults/sitecustomize.py, which Python loads
 at start-up when that directory is on PYTHONPATH, patches one rank's training step.
@@ -159,11 +160,14 @@ def test_bad_token_id_deep_in_the_file_fails_the_job_at_start(tmp_path):
     assert not processes_of(out)
 
 
-def test_bad_out_fails_once_before_launching(tmp_path):
+def test_bad_out_fails_once_before_launching(tmp_path, capfd):
+    """Refused by the launcher itself (in this process: nothing is launched)."""
+    from tetrad.cli import main as cli_main
+
     (tmp_path / "file").write_text("")
-    code, _, err = finish(start(tmp_path / "file" / "out", "--nproc", "2"), timeout=60)
-    assert code == 2
-    (line,) = error_lines(err)
+    out = tmp_path / "file" / "out"
+    assert cli_main(["train", *TINY, "--out", str(out), "--nproc", "2"]) == 2
+    (line,) = error_lines(capfd.readouterr().err)
     assert "cannot be created: Not a directory" in line
 
 
@@ -201,6 +205,24 @@ def test_killed_worker_restarts_and_finishes_the_same_run(straight, tmp_path):
     log = (out / "logs" / "rank0.stderr.log").read_text()
     assert "--- attempt 1" in log  # the agent restarted the workers
     assert_same_run(out, straight, STEPS)
+
+
+def test_killed_worker_resumes_from_memory_replaying_at_most_k_steps(straight, tmp_path):
+    """Rank 1 is SIGKILLed at the start of step 18. The newest durable checkpoint is step
+    10's; the in-memory generation of step 15 (K = 5) is newer, so the restarted workers
+    resume from it, replay at most K steps, and finish the uninterrupted run exactly."""
+    out, shm = tmp_path / "run", tmp_path / "shm"
+    args = ("--nproc", "2", "--steps", str(STEPS), "--checkpoint-every", "10")
+    local = ("--local-checkpoint-every", "5", "--local-dir", str(shm))
+    code, _, err = finish(start(out, *args, *local, "--max-restarts", "1", fault="kill:1:18"))
+    assert code == 0, err[-3000:]
+    assert "--- attempt 1" in (out / "logs" / "rank0.stderr.log").read_text()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    (resumed,) = [r for r in rows if "resumed_from" in r]
+    assert resumed["step"] == 15 and resumed["resumed_from"] == "memory"
+    assert 1 <= resumed["replayed_steps"] <= 5  # steps 15..17 had been logged (2 or 3)
+    assert_same_run(out, straight, STEPS)
+    assert not shm.exists()  # the launcher frees the node's memory
 
 
 def test_two_nodes_match_one_process(tmp_path):

@@ -14,7 +14,11 @@ its command line and stands between it and the user:
 - signals: SIGTERM or SIGINT to this process is forwarded once, as SIGTERM, to torchrun,
   whose agent passes it to every worker; the workers save and exit (`tetrad.train.stop`).
   torchrun runs in its own session (a terminal's Ctrl-C reaches it only through us) and
-  dies with us (PR_SET_PDEATHSIG), and so do its workers, so no process outlives the job.
+  dies with us (PR_SET_PDEATHSIG), and so do its workers, so no process outlives the job;
+- start-up: torchrun's agent is forked from this process when it is single-threaded and
+  has imported torch already (as `tetrad train` has, to check the layout), so the agent
+  does not import torch a second time (about 2 s of CPU per launch); elsewhere it is a
+  new interpreter. The agent starts the workers as new interpreters either way.
 
 The single-node store binds to 127.0.0.1 on a free port, reachable from this machine only;
 several nodes meet at a c10d rendezvous endpoint instead.
@@ -30,7 +34,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -133,9 +139,7 @@ def launch(
 def _supervise(cmd: list[str], env: dict, logs: Path | None) -> tuple[int, int | None]:
     """Run torchrun, forwarding SIGTERM/SIGINT once; returns (its code, the signal)."""
     log = open(logs / "torchrun.log", "ab") if logs else None  # noqa: SIM115
-    proc = subprocess.Popen(
-        cmd, env=env, stderr=log, start_new_session=True, preexec_fn=die_with_parent
-    )
+    proc = start_agent(cmd, env, log)
     got: list[tuple[int, float]] = []  # (signal, when)
 
     def forward(signum, _frame):
@@ -157,6 +161,73 @@ def _supervise(cmd: list[str], env: dict, logs: Path | None) -> tuple[int, int |
         _kill_group(proc.pid)  # anything torchrun left in its session
         if log:
             log.close()
+
+
+def start_agent(cmd: list[str], env: dict, log) -> subprocess.Popen | ForkedAgent:
+    """Start torchrun's `cmd` in a new session that dies with this process, its stderr to
+    `log`: forked from this process where that is safe and saves importing torch."""
+    forkable = threading.active_count() == 1 and "torch" in sys.modules
+    if forkable and cmd[1:3] == ["-m", "torch.distributed.run"]:
+        return ForkedAgent(cmd[3:], env, log)
+    return subprocess.Popen(
+        cmd, env=env, stderr=log, start_new_session=True, preexec_fn=die_with_parent
+    )
+
+
+class ForkedAgent:
+    """torchrun's main(`args`) in a forked child, watched as `subprocess.Popen` is (`pid`,
+    `poll`, `send_signal`, `returncode`). Only this process's one thread is copied by the
+    fork; the child runs no tensor operation (its workers are new interpreters)."""
+
+    def __init__(self, args: list[str], env: dict, log) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _agent(args, env, log, parent)  # never returns
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+def _agent(args: list[str], env: dict, log, parent: int) -> None:
+    """The forked child: what `python -m torch.distributed.run ARGS` would do, started
+    as Popen starts it (own session, dies with the launcher, stderr to the log, default
+    signal handlers); leaves with its exit code, never returning into the caller."""
+    code = 1
+    try:
+        os.setsid()
+        die_with_parent()
+        if os.getppid() != parent:  # the launcher died before the line above
+            os._exit(code)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if log is not None:
+            os.dup2(log.fileno(), 2)
+        os.environ.clear()
+        os.environ.update(env)
+        from torch.distributed.run import main
+
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _kill_group(pid: int) -> None:
