@@ -17,8 +17,9 @@ pytestmark = pytest.mark.distributed
 
 # name -> (model overrides, parallel degrees); each world size's runs share one spawn
 LAYOUTS = {
-    # ep 1: every expert on every rank, each tp rank computing its own tokens
-    "tp2-sp": (AUX, {"tp": 2, "sp": True, "microbatches": 2}),
+    # ep 1: every expert on every rank, each tp rank computing its own tokens; selective
+    # recomputation reruns the shared expert's region (its gather) inside backward
+    "tp2-sp": (AUX, {"tp": 2, "sp": True, "microbatches": 2}, {"recompute": "selective"}),
     # ep over the data ranks, experts replicated over tp (each tp rank its own tokens)
     "ep2-tp2-sp": (AUX, {"dp": 2, "tp": 2, "sp": True, "ep": 2}),
     # ep borrowing the tp ranks: every rank one expert, every rank its own tokens
@@ -27,14 +28,14 @@ LAYOUTS = {
 
 
 def declare_jobs(jobs: Jobs) -> None:
-    for name, (model, par) in LAYOUTS.items():
-        cfg = config(model, par)
+    for name, (model, par, *train) in LAYOUTS.items():
+        cfg = config(model, par, *train)
         jobs.add(name, cfg.parallel.world_size, moe_worker, cfg.to_dict())
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_with_sp_matches_single_process(jobs, name):
-    model, par = LAYOUTS[name]
+    model, par, *_ = LAYOUTS[name]
     ref = reference(model, par.get("microbatches", 1))
     got = jobs[name][0]
     assert_close_run(got, ref)
