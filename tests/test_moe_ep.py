@@ -41,11 +41,6 @@ def test_ep_refused_with_the_values_named(ep, experts, degrees, words):
         check_ep(ep, experts, degrees)
 
 
-def test_moe_refuses_sequence_parallelism_for_now():
-    with pytest.raises(ValueError, match="sequence parallelism"):
-        check_ep(1, 4, deg(tp=2), sp=True)
-
-
 def test_expert_groups_borrow_data_ranks_first():
     # dp 2 x tp 2, ep 2: the ep group is the two data ranks of one tp rank; the tp ranks
     # split the tokens, so the ranks holding the same experts span tp

@@ -68,7 +68,7 @@ class Layout:
         _check_parallel(p, world)
         split = _check_split(p, cfg.model.layers)
         _check_shapes(cfg)
-        check_ep(p.ep, cfg.model.experts, p.degrees, p.sp)
+        check_ep(p.ep, cfg.model.experts, p.degrees)
         _require(
             not (cfg.model.qk_norm and p.tp > 1),
             f"model.qk_norm with tp={p.tp} is not supported yet: each tp rank normalises other"
@@ -194,18 +194,13 @@ def ep_fits(ep: int, data: int, tp: int) -> bool:
     return data % ep == 0 or (ep % tp == 0 and data % (ep // tp) == 0)
 
 
-def check_ep(ep: int, experts: int, degrees: dict[str, int], sp: bool = False) -> None:
+def check_ep(ep: int, experts: int, degrees: dict[str, int]) -> None:
     """Raise ValueError naming the values unless `ep` ranks can share `experts` experts.
 
     The ep group borrows ranks inside one pipeline stage: the data ranks first (fsdp, then
     dp, then cp: `mesh.expert_groups`), and the tensor ranks only when those are not
     enough; then it takes whole tp groups, so ep must be a multiple of tp."""
     _require(ep >= 1, f"parallel.ep must be >= 1, got {ep}")
-    _require(
-        not (sp and experts),
-        "sequence parallelism (sp) with a mixture-of-experts model is not"
-        f" supported yet (model.experts={experts}): drop sp",
-    )
     if ep == 1:
         return
     _require(experts > 0, f"parallel.ep={ep} needs a mixture-of-experts model (model.experts > 0)")

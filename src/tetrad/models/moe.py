@@ -78,12 +78,18 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> (affinities [T, E] normalised over experts, ids [T, k], weights [T, k]),
         all fp32 but the int64 ids."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = self.logits(x)  # [T, E]
         scores = logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
         ids = top_k_stable(scores + self.expert_bias.float(), self.top_k)
         chosen = scores.gather(1, ids)
         probs = scores if self.kind == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         return probs, ids, chosen / chosen.sum(dim=-1, keepdim=True)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] -> the scores' logits [T, E], fp32. A method of its own so that
+        parallel code can change how the weight meets the tokens (its gradient summed
+        over ranks, or computed later), not what the router computes."""
+        return F.linear(x.float(), self.weight.float())
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:
@@ -105,22 +111,20 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, ffn))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] grouped by expert, counts [n] -> [N, dim]. On CPU one grouped matmul
-        per weight (`torch._grouped_mm`, fp32 throughout, measured fastest here; it equals
-        the loop to fp32 round-off, docs/moe.md); elsewhere, or where its kernel cannot
-        take the shapes, a loop over the groups."""
-        if _grouped_mm_fits(x, self.w2):
-            return self._grouped(x, counts)
-        return self._loop(x, counts)
-
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        offs = counts.cumsum(0).to(torch.int32)  # each group's end
-        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
-        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
-        out = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)
+        """x [N, dim] grouped by expert, counts [n] -> [N, dim]."""
+        gate, up = self.matmul(x, self.w1, counts), self.matmul(x, self.w3, counts)
+        out = self.matmul(F.silu(gate) * up, self.w2, counts)
         return _ContiguousGrad.apply(out)
 
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One of the experts' weights applied to its groups (`grouped_linear`). A method
+        of its own so that parallel code can change when its weight gradient is computed
+        (zero-bubble's W), not what it computes."""
+        return grouped_linear(x, weight, counts)
+
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The reference forward: one SwiGLU per group (tests and benchmarks/moe_grouped_mm
+        compare the grouped forward with it)."""
         outs = []
         lo = 0
         for e, n in enumerate(counts.tolist()):
@@ -133,12 +137,29 @@ class Experts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros(x.shape)
 
 
-def _grouped_mm_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [N, in] grouped by expert (`counts[e]` rows for expert e, in order), weight [n,
+    out, in] -> [N, out], each group times its expert's weight transposed. On CPU one
+    grouped matmul (`torch._grouped_mm`, fp32 throughout, measured fastest here; it equals
+    the loop to fp32 round-off, docs/moe.md); elsewhere, or where its kernel cannot take
+    the shapes, a loop over the groups."""
+    if _grouped_mm_fits(x, weight):
+        offs = counts.cumsum(0).to(torch.int32)  # each group's end
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+    outs, lo = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            outs.append(F.linear(x[lo : lo + n], weight[e]))
+            lo += n
+    return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
+
+
+def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the grouped matmul kernel takes these on this device: CPU (where it was
     measured), rows whose bytes are a multiple of 16 (the kernel's stride rule), tokens."""
     if x.device.type != "cpu" or not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
         return False
-    return all(n * x.element_size() % 16 == 0 for n in w2.shape[1:])
+    return all(n * x.element_size() % 16 == 0 for n in weight.shape[1:])
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -20,12 +20,19 @@ Styles:
 - `replicated`: identical on every tp rank; nothing to do.
 - `once`: a replicated module inside a region (an MoE layer's router): every tp rank
   computes it alike, and its input gradient is counted on one tp rank only, so the
-  region's sum of partial gradients stays exact.
+  region's sum of partial gradients stays exact. Under SP an MoE layer is no region (each
+  tp rank routes its own s/tp of the tokens): the router's weight gradient, partial on
+  each rank, is summed over tp instead, as a `sequence` norm's.
+- `tokens`: an MoE layer's shared expert. Without SP it is inside the layer's region;
+  under SP it is a region of its own over the rank's tokens (all-gathered in, its
+  row-wise output reduce-scattered back to the rank's tokens).
 """
 
 from __future__ import annotations
 
-STYLES = ("colwise", "kv", "rowwise", "vocab", "region", "sequence", "replicated", "once")
+STYLES = (
+    "colwise", "kv", "rowwise", "vocab", "region", "sequence", "replicated", "once", "tokens",
+)  # fmt: skip
 
 # Megatron's split of a pre-norm Llama block: q/k/v and gate/up column-wise, o and down
 # row-wise, so each half of the block costs one collective forward and one backward.
@@ -51,10 +58,13 @@ LLAMA_PLAN: dict[str, str] = {
 # feed-forward (itself a region) the shared expert split as a dense SwiGLU, the router
 # replicated and counted once, and the routed experts left to the expert dispatcher, which
 # splits the tokens over tp and leaves each rank the gradient of its share
-# (parallel/expert.py).
+# (parallel/expert.py). Under SP the tokens are split already: the layer is no region, the
+# router routes and the dispatcher sends the rank's own tokens, and the shared expert alone
+# gathers them (`tokens`).
 MOE_PLAN: dict[str, str] = {
     **LLAMA_PLAN,
     "layers.*.feed_forward.router": "once",
+    "layers.*.feed_forward.shared": "tokens",
     "layers.*.feed_forward.shared.w1": "colwise",
     "layers.*.feed_forward.shared.w3": "colwise",
     "layers.*.feed_forward.shared.w2": "rowwise",

@@ -23,8 +23,10 @@ a tp region (models/plans.MOE_PLAN), whose backward sums the tp ranks' input gra
 each rank leaves the gradient of its share of the tokens (the router's, replicated, is
 counted on one rank: the `once` style). Experts are replicated over tp when ep does not
 span it, and their gradients (from different tokens) are summed over tp too: the
-expert-data group spans tp. So under tp this dispatcher is used even at ep 1. Sequence
-parallelism is refused with MoE for now (`layout.check_ep`).
+expert-data group spans tp. So under tp this dispatcher is used even at ep 1. With
+sequence parallelism each tp rank already holds its own s/tp of the tokens at the
+feed-forward: it dispatches them all, nothing is split or joined over tp, and the outputs
+stay on their rank (the layer is then no tp region: see the plan's `once` and `tokens`).
 
 Loss. Nothing is rescaled: every token's loss is already divided by the global token
 count, and each expert gradient is a sum over the copies that reached it, so the sum over
@@ -178,7 +180,9 @@ def expert_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayout | None:
     """Shrink every MoE layer's experts (on the meta device) to this rank's slice and give
     the layer the all-to-all dispatcher (None: no MoE layer here)."""
-    ep, tp = mesh["ep"], (mesh["tp"] if layout.tp > 1 else None)
+    # without sp every tp rank holds the same tokens, and each dispatches its share of
+    # them; with sp each holds its own already, and dispatches them all
+    ep, tp = mesh["ep"], (mesh["tp"] if layout.tp > 1 and not layout.sp else None)
     rows: dict[str, int] = {}  # expert weight -> experts held here
     for name, layer in expert_layers(model):
         experts = layer.experts
@@ -213,14 +217,15 @@ def serve_early(dispatch: AllToAllDispatch) -> None:
     shared.forward = forward
 
 
-def sum_sequences_over(model: nn.Module, comm: Comm, group: Group) -> None:
-    """Tell every MoE layer that its sequences are split over `group` (context
-    parallelism): the per-sequence expert counts its auxiliary loss needs are summed over
-    it (counts only: no gradient flows through them)."""
+def sum_sequences_over(model: nn.Module, comm: Comm, groups: list[Group]) -> None:
+    """Tell every MoE layer that its sequences are split over `groups` (cp, and tp under
+    sp): the per-sequence expert counts its auxiliary loss needs are summed over each
+    (counts only: no gradient flows through them)."""
 
     def whole(part: torch.Tensor) -> torch.Tensor:
         total = part.detach().clone()
-        comm.all_reduce(total, group)
+        for group in groups:
+            comm.all_reduce(total, group)
         return total
 
     for _, layer in expert_layers(model):

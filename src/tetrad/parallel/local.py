@@ -59,7 +59,10 @@ def local_model(layout: Layout, m: ModelConfig, mesh: Mesh, comm: Comm) -> Local
         tp = apply_tp(model, spec.tp_plan, mesh, comm, m, layout.sp, layout.reduce_dtype)
     if layout.cp > 1:
         apply_cp(model, mesh, comm, layout.cp_attention, spec.attention_core, layout.cp_kernel)
-        sum_sequences_over(model, comm, mesh["cp"])  # MoE's per-sequence expert counts
+    # MoE's per-sequence expert counts: a sequence is split over cp, and over tp with sp
+    split = [mesh[axis] for axis, on in (("cp", layout.cp > 1), ("tp", layout.sp)) if on]
+    if split:
+        sum_sequences_over(model, comm, split)
     # experts: sharded over ep, their tokens split over tp (at ep 1 too: parallel/expert.py)
     ep = apply_ep(model, layout, mesh, comm) if layout.ep > 1 or layout.tp > 1 else None
     return LocalModel(model, chunks, tp, ep)

@@ -50,6 +50,7 @@ from tetrad.models.families import spec_for
 from tetrad.models.init import Slicer, full_shape
 from tetrad.models.llama import RMSNorm
 from tetrad.models.loss import linear_cross_entropy
+from tetrad.models.moe import Router
 from tetrad.models.plans import assign
 from tetrad.models.spec import module_at
 from tetrad.parallel.pipeline.weightgrad import Deferrable, SplitLinear, accumulate, split_matmul
@@ -204,6 +205,56 @@ class SequenceParallelRMSNorm(RMSNorm):
         return normed.type_as(x) * weight
 
 
+class SequenceParallelRouter(Router, Deferrable):
+    """An MoE layer's router under SP: each tp rank routes its own s/t of the tokens, so
+    each holds a partial gradient of the (replicated) weight, summed over tp in the graph
+    (f on the weight, in `reduce_dtype`), as `SequenceParallelRMSNorm` sums its gain's.
+    Deferred to W (zero-bubble), the sum is W's: it runs where the gradient is made."""
+
+    def __init__(self, m: ModelConfig, tp: TP, device=None):
+        with torch.device(device or "cpu"):
+            super().__init__(m)
+        self.tp = tp
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.store is not None:
+            return split_matmul(x.float(), self.weight.float(), self.store, self._sink())
+        weight = copy_to_tp(self.weight, self.tp.comm, self.tp.group, self.tp.reduce_dtype)
+        return F.linear(x.float(), weight.float())  # [T/t, E]
+
+    def _sink(self):
+        """W's destination: this rank's partial gradient, summed over tp (as f's backward
+        sums it in an ordinary backward), into the weight used in this forward."""
+        weight, tp = self.weight, self.tp
+
+        def sink(g: torch.Tensor) -> None:
+            summed = g.to(tp.reduce_dtype)
+            tp.comm.all_reduce(summed, tp.group)
+            accumulate(weight, summed.to(g.dtype))
+
+        return sink
+
+
+def token_region(module: nn.Module, tp: TP) -> None:
+    """Under SP, make `module` (an MoE layer's shared expert, fed this rank's flat tokens
+    [T/t, h]) a tp region of its own: the tokens are all-gathered in (viewed as one
+    sequence [1, T/t, h], so the region's gather and its row-wise linear's reduce-scatter
+    work along the sequence dim as everywhere else) and its output is this rank's again.
+    The forward is wrapped, not hooked, so the call keeps its input tensor (what
+    `parallel.expert.serve_early` recognises it by)."""
+    compute = module.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return compute(tp.enter(x.unsqueeze(0))).squeeze(0)  # [T/t, h]
+
+    module.forward = forward
+
+
+def _takes_dispatch(module: nn.Module) -> bool:
+    """Whether `module` is an MoE layer (it takes an expert dispatcher)."""
+    return callable(getattr(module, "use_dispatch", None))
+
+
 # --- the loss -----------------------------------------------------------------------------
 
 
@@ -311,7 +362,9 @@ def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[
 
 def _tp_module(name: str, module: nn.Module, style: str, tp: TP, m: ModelConfig):
     """(replacement module, shard kind of its weight) for one planned module."""
-    if style in ("region", "replicated", "once"):
+    if style == "once" and tp.sp:  # the MoE layer's tokens stay split: see the plan
+        return SequenceParallelRouter(m, tp, module.weight.device), None
+    if style in ("region", "replicated", "once", "tokens"):
         return module, None
     device, t = module.weight.device, tp.group.size
     if style == "colwise":
@@ -366,19 +419,25 @@ def apply_tp(
         if kind is not None:
             kinds[name + ".weight"] = kind
     for name, style in styles.items():
-        if style == "region":
-            model.get_submodule(name).register_forward_pre_hook(
-                lambda _, args: (tp.enter(args[0]),)
-            )
-        if style == "once":
-            model.get_submodule(name).register_forward_pre_hook(
-                lambda _, args: (once_in_tp(args[0], tp.group),)
-            )
+        _enter_region(model.get_submodule(name), style, tp)
     final = module_at(model, spec_for(m).final_norm)
     if m.tie_embeddings and final is not None:
         # tied head: the final norm's output feeds F.linear with the embedding's vocab rows
         final.register_forward_hook(lambda _, __, out: tp.enter(out))
     return _layout(kinds, tp, m)
+
+
+def _enter_region(module: nn.Module, style: str, tp: TP) -> None:
+    """Where a region's input enters tp. Under SP an MoE layer is no region (its tokens
+    stay split over tp; the router's weight gradient is summed instead), and its shared
+    expert is a region of its own."""
+    moe_tokens_split = tp.sp and _takes_dispatch(module)
+    if style == "region" and not moe_tokens_split:
+        module.register_forward_pre_hook(lambda _, args: (tp.enter(args[0]),))
+    if style == "once" and not tp.sp:
+        module.register_forward_pre_hook(lambda _, args: (once_in_tp(args[0], tp.group),))
+    if style == "tokens" and tp.sp:
+        token_region(module, tp)
 
 
 def _layout(kinds: dict[str, str], tp: TP, m: ModelConfig) -> TPLayout:

@@ -128,7 +128,7 @@ def families(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Itera
     for deg in degrees(cfg, world, gpus_per_node, space):
         zeros = _choices(space.zero_stage, [2, 3] if deg["fsdp"] > 1 else [3])
         for zero in zeros:
-            sp = deg["tp"] > 1 and not cfg.model.moe  # MoE: tp without sp (layout.check_ep)
+            sp = deg["tp"] > 1 and not cfg.model.moe  # MoE: tp without sp (not priced yet)
             base = _with(cfg, **deg, zero_stage=zero, sp=sp)
             data = base.parallel.data_ranks
             if cfg.train.global_batch % data:

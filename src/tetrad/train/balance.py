@@ -24,6 +24,7 @@ class ExpertBalance:
 
     def __init__(self, engine, cfg: Config, mesh: Mesh):
         self.model_cfg, self.mesh = cfg.model, mesh
+        self.tokens_split_over_tp = cfg.parallel.sp  # each tp rank routes its own tokens
         self.layers = moe_layers(engine.model)  # this rank's (a pipeline stage holds some)
         self.device = engine.device
         # the auxiliary loss is a mean over the global batch's sequences, like the token
@@ -45,12 +46,12 @@ class ExpertBalance:
         STAT_EXTRA)] float64 on the device (empty without MoE), for the trainer to ride on
         the step's one all-reduce over the world: summed there, each layer's row is the
         whole global batch's (a stage fills the rows of its layers; tp ranks route the same
-        tokens, so only tp rank 0 counts them)."""
+        tokens, so only tp rank 0 counts them, unless sp gives each its own)."""
         m = self.model_cfg
         if not m.moe:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
         out = torch.zeros(m.layers, m.experts + STAT_EXTRA, dtype=torch.float64, device=self.device)
-        if self.mesh.coord["tp"] == 0:
+        if self.mesh.coord["tp"] == 0 or self.tokens_split_over_tp:
             for i, ffn in self.layers.items():
                 if ffn.stats is not None:
                     out[i] = ffn.stats  # a device copy: no host sync per layer

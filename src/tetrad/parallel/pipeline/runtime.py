@@ -344,7 +344,7 @@ class PipelineRuntime:
                 self._weight_grads((s, i))
             else:  # the inputs and output gradients W will need stay alive until then
                 filed = self.store.pending.get((s, i), [])
-                self.meter.hold(("W", s, i), [t for _, x, g in filed for t in (x, g)])
+                self.meter.hold(("W", s, i), [t for f in filed for t in (f.x, f.grad)])
         if not chunk.first:
             x = st.inputs.pop((s, i))
             st.box[("B", s - 1, i)] = x.grad  # gradient of stage s-1's output

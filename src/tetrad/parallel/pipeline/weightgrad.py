@@ -10,6 +10,11 @@ weight gradients. The matmuls of W are those of a plain backward, so the split c
 nothing but memory: B ≈ W ≈ F in FLOPs, which is what lets ZB-H1 fill the cool-down
 bubble. Norm gains and the embedding (cheap) keep their gradient in B.
 
+A mixture-of-experts layer's router and routed experts are deferred too (their seams,
+`Router.logits` and `Experts.matmul`, are rewired): the router's logits are a linear like
+any other, and each expert weight is a grouped matmul, whose W is one grouped matmul of
+the output gradients' transposes with the inputs (`dW[e] = g_e^T x_e`, group by group).
+
 W needs no weight values, only where the gradient goes (`accumulate`): a parameter's
 `.grad`, or, for a view of a flat parameter (ZeRO's units), the matching slice of the flat
 gradient. So ZeRO-3 neither holds nor re-gathers a unit for W; the unit's full gradient,
@@ -21,11 +26,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tetrad.models.moe import Experts, Router, grouped_linear
 from tetrad.parallel.pipeline.schedules import StageMb
 
 Sink = Callable[[torch.Tensor], None]  # takes one weight gradient and accumulates it
@@ -50,14 +57,22 @@ def accumulate(weight: torch.Tensor, g: torch.Tensor) -> None:
     base.grad.view(-1)[start : start + weight.numel()].view_as(g).add_(g)
 
 
+class Filed(NamedTuple):
+    """One weight gradient W owes: where it goes, the layer's input and output gradient,
+    and, for a grouped matmul (experts), the rows of each group (None: a plain linear)."""
+
+    sink: Sink
+    x: torch.Tensor
+    grad: torch.Tensor
+    counts: torch.Tensor | None = None
+
+
 class WeightGradStore:
     """Pending weight-gradient matmuls per (stage, microbatch)."""
 
     def __init__(self) -> None:
         self.key: StageMb | None = None
-        self.pending: dict[StageMb, list[tuple[Sink, torch.Tensor, torch.Tensor]]] = defaultdict(
-            list
-        )
+        self.pending: dict[StageMb, list[Filed]] = defaultdict(list)
         self.flops = 0  # the matmul FLOPs W has run (tests assert W does the work)
 
     @contextmanager
@@ -70,17 +85,40 @@ class WeightGradStore:
         finally:
             self.key = None
 
-    def defer(self, sink: Sink, x: torch.Tensor, grad: torch.Tensor) -> None:
+    def defer(
+        self, sink: Sink, x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> None:
         if self.key is None:
             raise RuntimeError("a deferred linear ran backward outside a B action")
-        self.pending[self.key].append((sink, x, grad))
+        self.pending[self.key].append(Filed(sink, x, grad, counts))
 
     def flush(self, key: StageMb) -> None:
         """Run W for (stage, microbatch): accumulate every filed weight gradient."""
-        for sink, x, grad in self.pending.pop(key, []):
+        for sink, x, grad, counts in self.pending.pop(key, []):
             g2, x2 = grad.flatten(0, -2), x.flatten(0, -2)
-            sink(g2.t() @ x2)  # [out, in]
+            if counts is None:
+                sink(g2.t() @ x2)  # [out, in]
+            else:
+                sink(grouped_weight_grad(x2, g2, counts))  # [n, out, in]
             self.flops += 2 * g2.shape[0] * g2.shape[1] * x2.shape[1]
+
+
+def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The gradient [n, out, in] of `grouped_linear`'s weight: per group e, `grad_e^T
+    x_e` (zeros for an empty group). One grouped matmul where the kernel takes the shapes
+    (what autograd's backward of the forward's kernel computes), else a loop."""
+    n = counts.shape[0]
+    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and x.shape[0]:
+        rows_ok = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], grad.shape[1]))
+        if rows_ok:
+            offs = counts.cumsum(0).to(torch.int32)
+            return torch._grouped_mm(grad.t(), x, offs=offs)
+    out = x.new_zeros((n, grad.shape[1], x.shape[1]))
+    lo = 0
+    for e, rows in enumerate(counts.tolist()):
+        out[e] = grad[lo : lo + rows].t() @ x[lo : lo + rows]
+        lo += rows
+    return out
 
 
 class _DeferredMatmul(torch.autograd.Function):
@@ -108,6 +146,49 @@ def split_matmul(
     if store is None or not torch.is_grad_enabled():
         return F.linear(x, weight)
     return _DeferredMatmul.apply(x, weight, store, sink)
+
+
+class _DeferredGroupedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, counts, store, sink):
+        ctx.save_for_backward(x, counts)
+        ctx.weight, ctx.store, ctx.sink = weight, store, sink  # the weight itself: see above
+        return grouped_linear(x, weight, counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, counts = ctx.saved_tensors
+        grad = grad.contiguous()
+        ctx.store.defer(ctx.sink, x, grad, counts)
+        return grouped_linear(grad, ctx.weight.transpose(-2, -1), counts), None, None, None, None
+
+
+def split_grouped_matmul(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, store: WeightGradStore
+) -> torch.Tensor:
+    """`grouped_linear(x, weight, counts)` (an expert weight [n, out, in] over its token
+    groups), whose weight gradient waits for W."""
+    if not torch.is_grad_enabled():
+        return grouped_linear(x, weight, counts)
+    sink = lambda g: accumulate(weight, g)  # noqa: E731
+    return _DeferredGroupedMatmul.apply(x, weight, counts, store, sink)
+
+
+def defer_router(router: Router, store: WeightGradStore) -> None:
+    """The router's logits (fp32) with their weight gradient waiting for W. Under bf16 the
+    fp32 copy is what meets the tokens; W's gradient goes to the parameter."""
+
+    def logits(x: torch.Tensor) -> torch.Tensor:
+        weight = router.weight
+        sink = lambda g: accumulate(weight, g)  # noqa: E731
+        return split_matmul(x.float(), weight.float(), store, sink)
+
+    router.logits = logits
+
+
+def defer_experts(experts: Experts, store: WeightGradStore) -> None:
+    """Each expert weight's grouped matmul with its gradient waiting for W."""
+    experts.matmul = lambda x, weight, counts: split_grouped_matmul(x, weight, counts, store)
 
 
 class Deferrable:
@@ -140,8 +221,8 @@ class DeferredLinear(nn.Module):
 
 
 def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> list[str]:
-    """Swap every plain bias-free nn.Linear under `model` for a DeferredLinear and arm
-    every `Deferrable` layer (the tp layers); return
+    """Swap every plain bias-free nn.Linear under `model` for a DeferredLinear, arm
+    every `Deferrable` layer (the tp layers) and rewire MoE routers and experts; return
     the names of the weights whose gradient W now computes."""
     deferred = []
     for parent_name, parent in list(model.named_modules()):
@@ -151,6 +232,12 @@ def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> list[str]:
                 setattr(parent, name, DeferredLinear(child, store))
             elif isinstance(child, Deferrable):
                 child.store = store
+            elif type(child) is Router:  # a tp twin is a Deferrable, armed above
+                defer_router(child, store)
+            elif isinstance(child, Experts):
+                defer_experts(child, store)
+                deferred += [f"{path}.{w}" for w, _ in child.named_parameters()]
+                continue
             else:
                 continue
             deferred.append(f"{path}.weight")
