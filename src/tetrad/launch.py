@@ -83,20 +83,24 @@ def torchrun_command(
     nproc: int,
     argv: list[str],
     max_restarts: int = 0,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     rdzv_endpoint: str | None = None,
     rdzv_id: str | None = None,
+    rdzv_conf: str | None = None,
 ) -> list[str]:
-    """torchrun's command line: loopback store for one node, c10d rendezvous for several."""
+    """torchrun's command line: loopback store for one node, c10d rendezvous for several
+    (`nnodes` "MIN:MAX": an elastic range, which torchrun's rendezvous re-forms within)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     cmd.append(f"--max-restarts={max_restarts}")
-    if nnodes == 1 and rdzv_endpoint is None:
+    if str(nnodes) == "1" and rdzv_endpoint is None:
         cmd += ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
         if max_restarts:  # the elastic agent's restarts need a rendezvous that can re-form
             cmd[-2:] = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
         cmd.append(f"--rdzv-id={rdzv_id or 'tetrad'}")
+        if rdzv_conf:
+            cmd.append(f"--rdzv-conf={rdzv_conf}")
     return [*cmd, "-m", "tetrad.cli", *argv]
 
 
@@ -105,17 +109,24 @@ def launch(
     argv: list[str],
     out: str | Path | None = None,
     max_restarts: int = 0,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     rdzv_endpoint: str | None = None,
+    rdzv_conf: str | None = None,
 ) -> int:
     """Run `tetrad ARGV` (less launcher flags) as `nproc` local ranks; return the job's code.
 
     With `out`, logs and the ranks' failure reports go under OUT/logs and a failure prints
     its root cause once. Each rank gets an equal share of this machine's cores as threads.
     """
-    argv = drop_flags(argv, ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint"))
-    cmd = torchrun_command(nproc, argv, max_restarts, nnodes, rdzv_endpoint)
+    launcher_only = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-conf")
+    argv = drop_flags(argv, launcher_only)
+    cmd = torchrun_command(nproc, argv, max_restarts, nnodes, rdzv_endpoint, rdzv_conf=rdzv_conf)
     env = dict(os.environ, TETRAD_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    if ":" in str(nnodes):
+        # an elastic range: the agents' shared store keeps the first round's worker address,
+        # so a node that joins a later round (a grown job) waits for one never published;
+        # without sharing, every round's rank 0 publishes its own
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     logs = Path(out) / "logs" if out is not None else None
     if logs is not None:
         reports = logs / f"reports-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,212 @@
+"""Elastic shrink (`--nnodes MIN:MAX` with `--dp auto`): losing a node re-forms a smaller
+world that resumes from the in-memory checkpoints and matches the uninterrupted run.
+
+The rules are pure (`elastic_config`: the elastic degree and the microbatch count for a
+world; refusals naming the values), and the launcher refuses a node range the layout
+cannot shrink to before starting anything. The kill test runs two torchrun agents on this
+machine (two `tetrad train` launches, two ranks each, one c10d rendezvous on loopback),
+kills one agent's whole process tree mid-run, and reads the survivor's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import tiny_config
+from tetrad.cli import build_config, main, parser
+from tetrad.launch import free_port
+from tetrad.layout import elastic_config
+
+FAULTS = str(Path(__file__).parent / "faults")
+TINY = [
+    "--layers", "2", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
+    "--seq-len", "16", "--global-batch", "8", "--data", "synthetic", "--no-progress",
+    "--steps", "20",
+]  # fmt: skip
+K = 5
+# torchrun's rendezvous, fast for a test: a node is dead after 3 missed 1 s heartbeats, and
+# a round with at least MIN nodes closes LAST_CALL_S after its first node joined
+LAST_CALL_S = 8
+RDZV = f"join_timeout=60,last_call_timeout={LAST_CALL_S},keep_alive_interval=1,keep_alive_max_attempt=3"  # noqa: E501
+
+
+# --- pure -------------------------------------------------------------------------------------
+
+
+def _elastic(world: int, **parallel):
+    cfg = tiny_config(parallel={"elastic": "dp", "elastic_max_world": 4} | parallel)
+    return elastic_config(cfg, world).parallel
+
+
+def test_elastic_degree_fills_the_world_and_keeps_the_microbatch_size():
+    # global batch 8 on 4 data ranks in 1 microbatch: 2 sequences each; on 2 data ranks the
+    # same 2-sequence microbatches, 2 of them per rank
+    assert (_elastic(4).dp, _elastic(4).microbatches) == (4, 1)
+    assert (_elastic(2).dp, _elastic(2).microbatches) == (2, 2)
+    assert (_elastic(1).dp, _elastic(1).microbatches) == (1, 4)
+    shrunk = _elastic(4, tp=2, elastic_max_world=8)  # tp fixed: dp = 4 / 2
+    assert (shrunk.dp, shrunk.tp, shrunk.microbatches) == (2, 2, 2)
+    fsdp = elastic_config(tiny_config(parallel={"elastic": "fsdp"}), 2).parallel
+    assert (fsdp.dp, fsdp.fsdp) == (1, 2)
+
+
+def test_a_world_below_the_fixed_degrees_is_refused_naming_them():
+    with pytest.raises(ValueError, match=r"1 ranks cannot hold the fixed degrees tp=2 = 2 .*"
+                       "fewer than the layout's minimum"):  # fmt: skip
+        _elastic(1, tp=2, elastic_max_world=4)
+    with pytest.raises(ValueError, match="not a multiple of 2"):
+        _elastic(3, tp=2, elastic_max_world=4)
+
+
+def test_a_global_batch_that_does_not_split_at_the_new_size_is_refused():
+    with pytest.raises(ValueError, match="at 3 ranks the global batch 8 does not split over "
+                       "3 data ranks in microbatches of 1 sequences"):  # fmt: skip
+        _elastic(3, elastic_max_world=8)
+
+
+def _train(*args: str) -> tuple[int, str]:
+    return main(["train", *TINY, *args])
+
+
+def test_launcher_refuses_a_node_range_below_the_layout_minimum(tmp_path, capsys):
+    rdzv = ("--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--out", str(tmp_path))
+    code = _train("--nnodes", "1:2", "--nproc", "1", "--tp", "2", "--dp", "auto",
+                  "--max-restarts", "1", *rdzv)  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2
+    (line,) = [x for x in err if x.startswith("tetrad: error:")]
+    assert "--nnodes 1:2 --nproc 1: at 1 node(s), 1 ranks: 1 ranks cannot hold the fixed " \
+           "degrees tp=2 = 2 with --dp auto: fewer than the layout's minimum" in line  # fmt: skip
+    assert _train("--nnodes", "1:2", "--nproc", "1", "--max-restarts", "1", *rdzv) == 2
+    assert "give one elastic degree (--dp auto or --fsdp auto)" in capsys.readouterr().err
+    assert _train("--nnodes", "1:2", "--nproc", "1", "--dp", "auto", *rdzv) == 2
+    assert "give --max-restarts >= 1, got 0" in capsys.readouterr().err
+
+
+# --- two agents, one killed -------------------------------------------------------------------
+
+
+def _agent(out: Path, endpoint: str, shm: Path) -> subprocess.Popen:
+    """One node: a `tetrad train` launch of 2 ranks in an elastic job of 1 to 2 nodes, its
+    in-memory checkpoints in a directory of its own (each node's /dev/shm)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAULTS, os.environ.get("PYTHONPATH", "")]))
+    env["TETRAD_TEST_FAULT"] = "slow:0:0"  # 50 ms a step until the restart: time to kill
+    args = ["--nnodes", "1:2", "--nproc", "2", "--dp", "auto", "--max-restarts", "1",
+            "--rdzv-endpoint", endpoint, "--rdzv-conf", RDZV, "--timeout", "30",
+            "--local-checkpoint-every", str(K), "--local-dir", str(shm),
+            "--no-final-checkpoint", "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "tetrad.cli", "train", *TINY, *args]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _listener(port: int) -> set[int]:
+    """Socket inodes listening on `port` (IPv4 or IPv6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                found.add(int(cols[9]))
+    return found
+
+
+def _hosts(pid: int, inodes: set[int]) -> bool:
+    """Whether a process of `pid`'s tree holds one of the sockets `inodes`."""
+    for p in _tree(pid):
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{p}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    link = os.readlink(fd)
+                    if link.startswith("socket:[") and int(link[8:-1]) in inodes:
+                        return True
+    return False
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every process descended from it (read from /proc)."""
+    parents = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sorted(tree)
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in _tree(proc.pid)[::-1]:
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        raise AssertionError(
+            f"the surviving node still runs after {timeout} s:\n{err[-3000:]}"
+        ) from None
+    return proc.returncode, err
+
+
+@pytest.mark.distributed
+def test_killed_node_shrinks_the_job_which_matches_the_uninterrupted_run(tmp_path):
+    """Nodes A (the one hosting the rendezvous store) and B, 2 ranks each: dp = 4. B's
+    whole process tree is SIGKILLed after step 12; A's agent re-forms the job alone (one
+    restart), dp = 2 with 2 microbatches per rank, from the in-memory generation of step
+    10 (B's ranks' states from the partner copies A holds), and ends with the
+    single-process run's loss."""
+    from tetrad.train.run import run
+
+    one, out = tmp_path / "one", tmp_path / "elastic"
+    run(build_config(parser().parse_args(["train", *TINY, "--out", str(one)])))
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    a, b = (_agent(out, endpoint, tmp_path / f"shm-{node}") for node in "ab")
+    deadline = time.monotonic() + 180
+    while len(_rows(out)) < 13:
+        alive = a.poll() is None and b.poll() is None
+        assert alive and time.monotonic() < deadline, (a.poll(), b.poll(), _rows(out)[-1:])
+        time.sleep(0.05)
+    if _hosts(b.pid, _listener(port)):  # the node that hosts the rendezvous store stays
+        a, b = b, a
+    for pid in _tree(b.pid)[::-1]:  # the node is gone: launcher, torchrun, ranks
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    b.communicate()
+    code, err = _wait(a, 180)
+    assert code == 0, err[-3000:]
+
+    rows, ref = _rows(out), _rows(one)
+    assert [r["step"] for r in rows] == list(range(20))
+    (resumed,) = [r for r in rows if "resumed_from" in r]
+    assert resumed["resumed_from"] == "memory" and resumed["world_size"] == 2
+    assert resumed["step"] in (10, 15)
+    assert 1 <= resumed["replayed_steps"] <= K
+    assert rows[-1]["loss"] == pytest.approx(ref[-1]["loss"], rel=1e-5)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+    config = json.loads((out / "config.json").read_text())["parallel"]  # the re-formed job's
+    assert (config["dp"], config["microbatches"]) == (2, 2)
+    assert "--- attempt 0" in (out / "logs" / "rank3.stderr.log").read_text()  # 4 ranks first
+    print(f"kill to first step at the new size: {resumed['first_step_at'] - killed_at:.1f} s")
