@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import tiny_config
+from harness import Jobs, assert_close_run, tiny_config, trainer_for
 from tetrad.cli import build_config, main, parser
+from tetrad.config import from_dict
 from tetrad.launch import free_port
 from tetrad.layout import elastic_config
 
@@ -35,7 +36,7 @@ TINY = [
 K = 5
 # torchrun's rendezvous, fast for a test: a node is dead after 3 missed 1 s heartbeats, and
 # a round with at least MIN nodes closes LAST_CALL_S after its first node joined
-LAST_CALL_S = 8
+LAST_CALL_S = 5
 RDZV = f"join_timeout=60,last_call_timeout={LAST_CALL_S},keep_alive_interval=1,keep_alive_max_attempt=3"  # noqa: E501
 
 
@@ -90,6 +91,48 @@ def test_launcher_refuses_a_node_range_below_the_layout_minimum(tmp_path, capsys
     assert "give one elastic degree (--dp auto or --fsdp auto)" in capsys.readouterr().err
     assert _train("--nnodes", "1:2", "--nproc", "1", "--dp", "auto", *rdzv) == 2
     assert "give --max-restarts >= 1, got 0" in capsys.readouterr().err
+
+
+# --- a 2-rank ZeRO-3 world's in-memory state, resumed by one rank -----------------------------
+
+
+def _shrinking(out: Path, resume: bool = False) -> dict:
+    """Elastic fsdp (ZeRO-3: each rank owns half of every tensor), in-memory every K steps."""
+    return tiny_config(
+        train={"out": str(out)},
+        parallel={"elastic": "fsdp", "zero_stage": 3, "elastic_max_world": 2},
+        checkpoint={"local_every": K, "local_dir": str(out / "shm"), "resume": resume},
+    ).to_dict()
+
+
+def _stopped_at_12(rank: int, world: int, out: Path) -> list[float]:
+    """The 2-rank run, stopped after step 12 (generation 10 in memory, no durable one)."""
+    trainer = trainer_for(elastic_config(from_dict(_shrinking(out)), world), rank)
+    return [r["loss"] for r in trainer.fit(stop=12)]
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    jobs.add("shrink", 2, _stopped_at_12, jobs.tmp("shrink"))
+
+
+@pytest.mark.distributed
+def test_one_rank_resumes_a_two_rank_world_from_memory(reference, jobs):
+    """Both ranks' states are in the node's directory (one node): the one rank left reads
+    every box of generation 10 into its whole tensors, accumulates 2 microbatches a step,
+    and ends with the single-process run's losses, norms and weights."""
+    out = jobs.tmp("shrink")
+    assert jobs["shrink"][0] == pytest.approx(reference()["losses"][:12], rel=1e-5)
+    cfg = elastic_config(from_dict(_shrinking(out, resume=True)), 1)
+    assert (cfg.parallel.fsdp, cfg.parallel.microbatches) == (1, 2)
+    trainer = trainer_for(cfg, 0)
+    assert trainer.resume() == 10
+    assert trainer.resumed["resumed_from"] == "memory" and trainer.local.restored_world == 2
+    rows = trainer.fit()
+    ref = reference()
+    got = {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
+    got["state"] = trainer.engine.full_state_dict()
+    tail = {**ref, "losses": ref["losses"][10:], "grad_norms": ref["grad_norms"][10:]}
+    assert_close_run(got, tail)
 
 
 # --- two agents, one killed -------------------------------------------------------------------
