@@ -353,6 +353,16 @@ def check_elastic(cfg: Config, args: argparse.Namespace, nproc: int) -> None:
         )
     if not p.elastic:
         return
+    from tetrad.train.checkpoint import checkpoint_root, committed
+
+    if not cfg.checkpoint.resume and committed(checkpoint_root(cfg)):
+        raise ValueError(
+            f"{checkpoint_root(cfg)} holds checkpoints, and every start of an elastic job's "
+            "workers resumes from them: pass --resume to continue (as a node joining a "
+            "running job does), or choose another --out"
+        )
+    if not cfg.checkpoint.resume:
+        free_local_checkpoints(cfg)  # an earlier job's generations on this node are not ours
     p.elastic_max_world = p.elastic_max_world or nproc * hi
     for nodes in range(lo, hi + 1):
         world = nodes * nproc
@@ -507,8 +517,11 @@ def worker(cfg: Config, args: argparse.Namespace, layout: Layout | None = None) 
         die_with_parent()  # torchrun gone (killed): so are we
         if os.environ.get(LOG_DIR):
             _log_to_files(Path(os.environ[LOG_DIR]), rank, attempt)
-    if attempt > 0:
-        cfg.checkpoint.resume = True  # a restarted worker continues from the newest checkpoint
+    if attempt > 0 or cfg.parallel.elastic:
+        # a restarted worker continues from the newest checkpoint; so does every start of an
+        # elastic job's workers: a change of membership (a node joining) restarts them
+        # without counting an attempt (the launcher started this job in a clean state)
+        cfg.checkpoint.resume = True
     threads = args.threads or int(os.environ.get("TETRAD_THREADS", "0"))
     try:
         run(cfg, threads=threads or None, timeline=args.timeline, layout=layout)
