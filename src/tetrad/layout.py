@@ -158,31 +158,28 @@ def elastic_config(cfg: Config, world: int) -> Config:
     _require(p.elastic in ELASTIC_AXES, f"parallel.elastic={p.elastic!r} is not one of "
              f"{ELASTIC_AXES} (or \"\": no elastic degree)")  # fmt: skip
     fixed = {axis: n for axis, n in p.degrees.items() if axis != p.elastic}
+    _require(min(fixed.values()) >= 1, f"parallel degrees {fixed} must be >= 1")
     minimum = math.prod(fixed.values())
-    _require(minimum >= 1, f"degrees {fixed} must be >= 1")
-    _require(
-        world >= minimum and world % minimum == 0,
-        f"{world} ranks cannot hold the fixed degrees {_product(fixed)} = {minimum} with "
-        f"--{p.elastic} auto: " + ("fewer than the layout's minimum" if world < minimum
-                                   else f"not a multiple of {minimum}"),
-    )  # fmt: skip
-    top = p.elastic_max_world or world
-    _require(top >= world and top % minimum == 0,
-             f"parallel.elastic_max_world={top} must be a multiple of {minimum} and >= the "
-             f"world ({world})")  # fmt: skip
+    if world < minimum or world % minimum:
+        why = (
+            "fewer than the layout's minimum" if world < minimum else f"not a multiple of {minimum}"
+        )
+        raise ValueError(f"{world} ranks cannot hold the fixed degrees {_product(fixed)} = "
+                         f"{minimum} with --{p.elastic} auto: {why}")  # fmt: skip
+    top = p.elastic_max_world or world  # the largest world: its microbatch size is kept
+    _require(top >= world and top % minimum == 0, f"parallel.elastic_max_world={top} must be "
+             f"a multiple of {minimum} and >= the world ({world})")  # fmt: skip
     other = p.fsdp if p.elastic == "dp" else p.dp  # the data axis that is fixed
-    gb, m = cfg.train.global_batch, p.microbatches
-    size, rem = divmod(gb, top // minimum * other * m) if m >= 1 else (0, 1)
-    _require(size >= 1 and rem == 0,
-             f"global_batch={gb} does not split into microbatches={m} on each of "
-             f"{top // minimum * other} data ranks (the largest world, {top} ranks)")  # fmt: skip
+    gb, m, most = cfg.train.global_batch, p.microbatches, top // minimum * other
+    size = gb // (most * m) if m >= 1 and gb % (most * m) == 0 else 0
+    _require(size >= 1, f"global_batch={gb} does not split into microbatches={m} on each of "
+             f"{most} data ranks (the largest world, {top} ranks)")  # fmt: skip
     data = world // minimum * other
-    _require(gb % (data * size) == 0,
-             f"at {world} ranks the global batch {gb} does not split over {data} data ranks "
-             f"in microbatches of {size} sequences (their size at {top} ranks)")  # fmt: skip
-    parallel = dataclasses.replace(
-        p, **{p.elastic: world // minimum}, microbatches=gb // (data * size)
-    )
+    _require(gb % (data * size) == 0, f"at {world} ranks the global batch {gb} does not split "
+             f"over {data} data ranks in microbatches of {size} sequences (their size at {top} "
+             "ranks)")  # fmt: skip
+    count = {p.elastic: world // minimum, "microbatches": gb // (data * size)}
+    parallel = dataclasses.replace(p, **count)
     return dataclasses.replace(cfg, parallel=parallel)
 
 
