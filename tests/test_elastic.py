@@ -194,6 +194,15 @@ def _tree(pid: int) -> list[int]:
     return sorted(tree)
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and its descendants (deepest first), if it still runs."""
+    if proc.poll() is not None:
+        return
+    for pid in _tree(proc.pid)[::-1]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _rows(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -205,8 +214,7 @@ def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in _tree(proc.pid)[::-1]:
-            os.kill(pid, signal.SIGKILL)
+        _kill_tree(proc)
         _, err = proc.communicate()
         raise AssertionError(
             f"the surviving node still runs after {timeout} s:\n{err[-3000:]}"
@@ -215,6 +223,7 @@ def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(420)
 def test_killed_node_shrinks_the_job_which_matches_the_uninterrupted_run(tmp_path):
     """Nodes A (the one hosting the rendezvous store) and B, 2 ranks each: dp = 4. B's
     whole process tree is SIGKILLed after step 12; A's agent re-forms the job alone (one
@@ -228,19 +237,22 @@ def test_killed_node_shrinks_the_job_which_matches_the_uninterrupted_run(tmp_pat
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
     a, b = (_agent(out, endpoint, tmp_path / f"shm-{node}") for node in "ab")
-    deadline = time.monotonic() + 180
-    while len(_rows(out)) < 13:
-        alive = a.poll() is None and b.poll() is None
-        assert alive and time.monotonic() < deadline, (a.poll(), b.poll(), _rows(out)[-1:])
-        time.sleep(0.05)
-    if _hosts(b.pid, _listener(port)):  # the node that hosts the rendezvous store stays
-        a, b = b, a
-    for pid in _tree(b.pid)[::-1]:  # the node is gone: launcher, torchrun, ranks
-        os.kill(pid, signal.SIGKILL)
-    killed_at = time.time()
-    b.communicate()
-    code, err = _wait(a, 180)
-    assert code == 0, err[-3000:]
+    try:
+        deadline = time.monotonic() + 180
+        while len(_rows(out)) < 13:
+            alive = a.poll() is None and b.poll() is None
+            assert alive and time.monotonic() < deadline, (a.poll(), b.poll(), _rows(out)[-1:])
+            time.sleep(0.05)
+        if _hosts(b.pid, _listener(port)):  # the node that hosts the rendezvous store stays
+            a, b = b, a
+        _kill_tree(b)  # the node is gone: launcher, torchrun, ranks
+        killed_at = time.time()
+        b.communicate()
+        code, err = _wait(a, 180)
+        assert code == 0, err[-3000:]
+    finally:
+        for proc in (a, b):
+            _kill_tree(proc)  # what a failed test left running
 
     rows, ref = _rows(out), _rows(one)
     assert [r["step"] for r in rows] == list(range(20))
