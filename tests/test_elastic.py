@@ -92,6 +92,12 @@ def test_launcher_refuses_a_node_range_below_the_layout_minimum(tmp_path, capsys
     assert "give one elastic degree (--dp auto or --fsdp auto)" in capsys.readouterr().err
     assert _train("--nnodes", "1:2", "--nproc", "1", "--dp", "auto", *rdzv) == 2
     assert "give --max-restarts >= 1, got 0" in capsys.readouterr().err
+    assert _train("--nnodes", "1:2", "--dp", "auto", "--max-restarts", "1", *rdzv) == 2
+    assert "--dp auto needs --nproc N" in capsys.readouterr().err
+    assert _train("--nnodes", "2:1", "--nproc", "1", "--dp", "auto", *rdzv) == 2
+    assert "need 1 <= MIN <= MAX, got MIN=2, MAX=1" in capsys.readouterr().err
+    assert _train("--nproc", "1", "--dp", "auto", "--fsdp", "auto", *rdzv) == 2
+    assert "one degree at most can follow the world" in capsys.readouterr().err
 
 
 # --- a 2-rank ZeRO-3 world's in-memory state, resumed by one rank -----------------------------
