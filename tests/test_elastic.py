@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,12 +21,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from harness import Jobs, assert_close_run, tiny_config, trainer_for
 from tetrad.cli import build_config, main, parser
 from tetrad.config import from_dict
 from tetrad.launch import free_port
 from tetrad.layout import elastic_config
+from tetrad.train import local_checkpoint as lc
 
 FAULTS = str(Path(__file__).parent / "faults")
 TINY = [
@@ -106,42 +109,67 @@ def test_launcher_refuses_a_node_range_below_the_layout_minimum(tmp_path, capsys
 
 
 def _shrinking(out: Path, resume: bool = False) -> dict:
-    """Elastic fsdp (ZeRO-3: each rank owns half of every tensor), in-memory every K steps."""
+    """Elastic fsdp (ZeRO-3: each rank owns half of every tensor), in memory every K steps
+    and durable every 2K."""
     return tiny_config(
         train={"out": str(out)},
         parallel={"elastic": "fsdp", "zero_stage": 3, "elastic_max_world": 2},
-        checkpoint={"local_every": K, "local_dir": str(out / "shm"), "resume": resume},
-    ).to_dict()
+        checkpoint={
+            "local_every": K, "local_dir": str(out / "shm"), "every": 2 * K, "resume": resume,
+        },
+    ).to_dict()  # fmt: skip
 
 
 def _stopped_at_12(rank: int, world: int, out: Path) -> list[float]:
-    """The 2-rank run, stopped after step 12 (generation 10 in memory, no durable one)."""
+    """The 2-rank run, stopped after step 12 (generation 10 in memory, a durable checkpoint
+    at 10); a copy of its files in OUT-copy, for the fallback test."""
     trainer = trainer_for(elastic_config(from_dict(_shrinking(out)), world), rank)
-    return [r["loss"] for r in trainer.fit(stop=12)]
+    losses = [r["loss"] for r in trainer.fit(stop=12)]
+    dist.barrier()  # every rank's files written
+    if rank == 0:
+        shutil.copytree(out, out.with_name(out.name + "-copy"))
+    return losses
 
 
 def declare_jobs(jobs: Jobs) -> None:
     jobs.add("shrink", 2, _stopped_at_12, jobs.tmp("shrink"))
 
 
-@pytest.mark.distributed
-def test_one_rank_resumes_a_two_rank_world_from_memory(reference, jobs):
-    """Both ranks' states are in the node's directory (one node): the one rank left reads
-    every box of generation 10 into its whole tensors, accumulates 2 microbatches a step,
-    and ends with the single-process run's losses, norms and weights."""
-    out = jobs.tmp("shrink")
-    assert jobs["shrink"][0] == pytest.approx(reference()["losses"][:12], rel=1e-5)
+def _resume_alone(reference, out: Path, source: str):
+    """One rank resumes the 2-rank run at step 10 from `source` and matches the
+    single-process run's last 10 steps: losses, norms and weights."""
     cfg = elastic_config(from_dict(_shrinking(out, resume=True)), 1)
     assert (cfg.parallel.fsdp, cfg.parallel.microbatches) == (1, 2)
     trainer = trainer_for(cfg, 0)
-    assert trainer.resume() == 10
-    assert trainer.resumed["resumed_from"] == "memory" and trainer.local.restored_world == 2
+    assert trainer.resume() == 10 and trainer.resumed["resumed_from"] == source
     rows = trainer.fit()
     ref = reference()
     got = {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
     got["state"] = trainer.engine.full_state_dict()
     tail = {**ref, "losses": ref["losses"][10:], "grad_norms": ref["grad_norms"][10:]}
     assert_close_run(got, tail)
+    return trainer
+
+
+@pytest.mark.distributed
+def test_one_rank_resumes_a_two_rank_world_from_memory(reference, jobs):
+    """Both ranks' states are in the node's directory (one node): the one rank left reads
+    every box of generation 10 into its whole tensors and accumulates 2 microbatches a
+    step. The durable checkpoint of the same step is there, but memory comes first."""
+    assert jobs["shrink"][0] == pytest.approx(reference()["losses"][:12], rel=1e-5)
+    trainer = _resume_alone(reference, jobs.tmp("shrink"), "memory")
+    assert trainer.local.restored_world == 2  # generation 10 was written by 2 ranks
+
+
+@pytest.mark.distributed
+def test_one_rank_falls_back_to_the_durable_checkpoint_when_memory_is_incomplete(reference, jobs):
+    """Rank 1's own and partner copies of generation 10 gone: no complete generation, so the
+    durable checkpoint of step 10, resharded to one rank."""
+    jobs["shrink"]
+    out = jobs.tmp("shrink").with_name(jobs.tmp("shrink").name + "-copy")
+    for f in lc.generations(out / "shm")[0].glob("*-00001.*"):
+        f.unlink()
+    _resume_alone(reference, out, "checkpoint")
 
 
 # --- two agents, one killed -------------------------------------------------------------------
