@@ -172,6 +172,32 @@ def test_one_rank_falls_back_to_the_durable_checkpoint_when_memory_is_incomplete
     _resume_alone(reference, out, "checkpoint")
 
 
+def test_a_job_that_cannot_re_form_ends_with_one_line_saying_so(tmp_path, capsys):
+    """torchrun gave up waiting for MIN nodes after a failure (its log since this launch
+    began names RendezvousTimeoutError): one line, the failure that started it, exit 1.
+    The same words in an earlier launch's part of the log do not count."""
+    from tetrad.launch import explain
+
+    logs, reports = tmp_path / "logs", tmp_path / "logs" / "reports"
+    reports.mkdir(parents=True)
+    record = {"kind": "error", "message": "rank 1: RuntimeError: Connection reset by peer",
+              "code": 1, "rank": 1, "attempt": 0, "time": 1.0}  # fmt: skip
+    (reports / "attempt000-rank00001-error.json").write_text(json.dumps(record))
+    old = "an earlier launch: RendezvousTimeoutError\n"
+    (logs / "torchrun.log").write_text(old + "...\nraise RendezvousTimeoutError\n")
+    assert explain(1, None, reports, logs, log_start=len(old)) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    want = (
+        "tetrad: error: the job could not re-form: fewer nodes than --nnodes MIN rejoined "
+        "the rendezvous within its join_timeout (the failure: rank 1: RuntimeError: "
+        "Connection reset by peer)"
+    )
+    assert line.startswith(want)
+    (logs / "torchrun.log").write_text(old + "...\n")
+    assert explain(1, None, reports, logs, log_start=len(old)) == 1
+    assert "could not re-form" not in capsys.readouterr().err
+
+
 # --- two agents, one killed -------------------------------------------------------------------
 
 

@@ -132,10 +132,11 @@ def launch(
         reports = logs / f"reports-{uuid.uuid4().hex[:8]}"
         reports.mkdir(parents=True)
         env |= {REPORT_DIR: str(reports), LOG_DIR: str(logs)}
+        log_start = _size(logs / "torchrun.log")  # this launch's part of the log follows
     code, signalled = _supervise(cmd, env, logs)
     if logs is None:
         return code
-    code = explain(code, signalled, reports, logs)
+    code = explain(code, signalled, reports, logs, log_start)
     with contextlib.suppress(OSError):
         reports.rmdir()  # kept only when it holds reports
     return code
@@ -175,8 +176,9 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def explain(code: int, signalled: int | None, reports: Path, logs: Path) -> int:
-    """Print how the job ended (once) and return the launcher's exit code."""
+def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_start: int = 0) -> int:
+    """Print how the job ended (once) and return the launcher's exit code. `log_start`:
+    where this launch's part of OUT/logs/torchrun.log begins."""
     if code == 0 and signalled is None:
         return 0
     records = read_reports(reports)
@@ -184,6 +186,12 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path) -> int:
     if cause is not None and cause["kind"] == "preempted":
         print(f"tetrad: {cause['message']}; continue with --resume", flush=True)
         return EXIT_PREEMPTED
+    if signalled is None and _rendezvous_gave_up(logs / "torchrun.log", log_start):
+        after = f" (the failure: {cause['message']})" if cause is not None else ""
+        print(f"tetrad: error: the job could not re-form: fewer nodes than --nnodes MIN "
+              f"rejoined the rendezvous within its join_timeout{after} (logs: {logs})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return code or EXIT_FAILED
     if cause is not None:
         print(f"tetrad: error: {cause['message']} (logs: {logs})", file=sys.stderr, flush=True)
         behind = who_is_behind(read_traces(reports))
@@ -198,6 +206,24 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path) -> int:
     detail = _child_failure(logs / "torchrun.log")
     print(f"tetrad: error: {detail} (logs: {logs})", file=sys.stderr, flush=True)
     return code or EXIT_FAILED
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _rendezvous_gave_up(torchrun_log: Path, start: int) -> bool:
+    """Whether torchrun ended on its rendezvous timing out (after a failure, the nodes
+    left are fewer than the job's minimum), in the log written since `start`."""
+    try:
+        with open(torchrun_log, "rb") as fh:
+            fh.seek(start)
+            return b"RendezvousTimeoutError" in fh.read()
+    except OSError:
+        return False
 
 
 def _child_failure(torchrun_log: Path) -> str:
