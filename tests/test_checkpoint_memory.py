@@ -108,14 +108,18 @@ def test_partner_is_a_node_ahead_or_on_one_node_the_next_rank():
 def test_newest_complete_generation_takes_lost_copies_from_partners():
     # 4 ranks, 2 per node: rank q's copy is on q + 2. Step 10: rank 1 lost its own copy,
     # rank 3 (its partner) holds it. Step 15: rank 1's own and partner copies both gone.
+    def row(*ranks):
+        return {"world": 4, "ranks": list(ranks)}
+
     held = [
-        {"10": [True, True], "15": [True, True]},
-        {"10": [False, True], "15": [False, True]},
-        {"10": [True, True], "15": [True, True]},
-        {"10": [True, True], "15": [True, False]},
+        {"10": row(0, 2), "15": row(0, 2)},
+        {"10": row(3), "15": row(3)},
+        {"10": row(2, 0), "15": row(2, 0)},
+        {"10": row(3, 1), "15": row(3)},
     ]
-    assert lc.newest_complete(held, 2) == (10, [0, 3, 2, 3])
-    assert lc.newest_complete([{"5": [False, True]}, {"5": [False, False]}], 2) == (None, [])
+    assert lc.newest_complete(held) == (10, [0, 3, 2, 3])
+    two = [{"5": {"world": 2, "ranks": [1]}}, {"5": {"world": 2, "ranks": []}}]
+    assert lc.newest_complete(two) == (None, [])
 
 
 def test_negative_k_is_refused_naming_it():

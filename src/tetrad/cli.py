@@ -24,12 +24,24 @@ from tetrad.config import (
 from tetrad.devices import pick
 from tetrad.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE, rank_and_attempt, report
 from tetrad.launch import LOG_DIR, die_with_parent, launch, under_torchrun
-from tetrad.layout import SCHEDULES, Layout
+from tetrad.layout import ELASTIC_AXES, SCHEDULES, Layout, elastic_config
+
+
+def degree(text: str) -> int | str:
+    """A degree flag's value: a positive count, or (--dp, --fsdp) "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid degree {text!r}: a count, or auto") from None
+
 
 # flag -> (section, field); every one of these is also settable in a --config TOML file
+# (an elastic degree there: [parallel] elastic = "dp")
 TRAIN_FLAGS = {
-    "dp": ("parallel", "dp", int),
-    "fsdp": ("parallel", "fsdp", int),
+    "dp": ("parallel", "dp", degree),
+    "fsdp": ("parallel", "fsdp", degree),
     "tp": ("parallel", "tp", int),
     "pp": ("parallel", "pp", int),
     "cp": ("parallel", "cp", int),
@@ -42,6 +54,7 @@ TRAIN_FLAGS = {
     "virtual_stages": ("parallel", "virtual_stages", int),
     "pp_split": ("parallel", "pp_split", str),
     "bucket_mb": ("parallel", "bucket_mb", float),
+    "elastic_max_world": ("parallel", "elastic_max_world", int),
     "layers": ("model", "layers", int),
     "dim": ("model", "dim", int),
     "heads": ("model", "heads", int),
@@ -81,6 +94,11 @@ TRAIN_FLAGS = {
 }
 DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
 FLAG_HELP = {
+    "dp": "data-parallel degree; auto (with --nnodes MIN:MAX): the world over the other "
+    "degrees at each (re)start, so that losing a node shrinks the job (docs/checkpoint.md)",
+    "fsdp": "sharded data-parallel degree (ZeRO, --zero-stage); auto: as --dp auto",
+    "elastic_max_world": "with --dp/--fsdp auto: the world whose microbatch size every smaller "
+    "world keeps, accumulating more microbatches (default: the launcher's nnodes MAX x nproc)",
     "experts": "routed experts per MoE layer (docs/moe.md); > 0 on a dense model makes it a "
     "mixture of experts, 0 makes an MoE preset dense",
     "top_k": "experts each token is sent to",
@@ -156,12 +174,22 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "with --local-checkpoint-every)",
     )
     p.add_argument(
-        "--nnodes", type=int, default=1, help="nodes in the job (each runs this command)"
+        "--nnodes",
+        default="1",
+        metavar="N|MIN:MAX",
+        help="nodes in the job (each runs this command); MIN:MAX (with --dp auto or --fsdp "
+        "auto, and --max-restarts): the job goes on with as few as MIN after losing nodes",
     )
     p.add_argument(
         "--rdzv-endpoint",
         metavar="HOST:PORT",
         help="with --nnodes > 1: the c10d rendezvous every node's launcher meets at",
+    )
+    p.add_argument(
+        "--rdzv-conf",
+        metavar="K=V,...",
+        help="torchrun's rendezvous settings, e.g. last_call_timeout=10,keep_alive_interval=2 "
+        "(how long a re-forming job waits for nodes, how soon a lost one is declared dead)",
     )
     p.add_argument(
         "--model",
@@ -188,8 +216,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kw = {"choices": ROUTERS}
         if flag == "balance":
             kw = {"choices": BALANCE}
-        if flag in ("cp", "ep"):
+        if flag in ("cp", "ep", "elastic_max_world"):
             kw = {"metavar": "N"}
+        if flag in ("dp", "fsdp"):
+            kw = {"metavar": "N|auto"}
         if flag == "loss_chunk":
             kw = {"metavar": "TOKENS"}
         if flag in ("meter_every", "straggler_every"):
@@ -257,6 +287,8 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.model = hf_model(cfg, args)
     for flag, (section, name, _) in TRAIN_FLAGS.items():
         value = getattr(args, flag)
+        if value == "auto":
+            value = elastic_axis(cfg, flag)
         if value is not None:
             setattr(getattr(cfg, section), name, value)
     if args.experts is not None:  # experts make a mixture of experts, none a dense model
@@ -279,6 +311,66 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.checkpoint.final = False
     args.vocab_note = vocab_from_data(cfg, args)
     return cfg
+
+
+def elastic_axis(cfg: Config, flag: str) -> int:
+    """`--FLAG auto`: FLAG is the elastic degree (resolved for each world, `elastic_config`);
+    returns the placeholder degree it has until then."""
+    if cfg.parallel.elastic and cfg.parallel.elastic != flag:
+        raise ValueError(f"--{cfg.parallel.elastic} auto and --{flag} auto: one degree at most "
+                         "can follow the world")  # fmt: skip
+    cfg.parallel.elastic = flag
+    return 1
+
+
+def node_range(text: str) -> tuple[int, int]:
+    """--nnodes N or MIN:MAX as (MIN, MAX)."""
+    lo, _, hi = str(text).partition(":")
+    try:
+        lo_n, hi_n = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--nnodes {text!r} must be N or MIN:MAX (counts of nodes)") from None
+    if not 1 <= lo_n <= hi_n:
+        raise ValueError(f"--nnodes {text}: need 1 <= MIN <= MAX, got MIN={lo_n}, MAX={hi_n}")
+    return lo_n, hi_n
+
+
+def check_elastic(cfg: Config, args: argparse.Namespace, nproc: int) -> None:
+    """--nnodes MIN:MAX needs one elastic degree and restarts, and every world from MIN to
+    MAX nodes must hold the layout (the fixed degrees, the global batch): refused here,
+    once, naming the node count, rather than when a node is lost."""
+    lo, hi = node_range(args.nnodes)
+    p = cfg.parallel
+    if lo != hi and not p.elastic:
+        autos = " or ".join(f"--{a} auto" for a in ELASTIC_AXES)
+        raise ValueError(
+            f"--nnodes {args.nnodes} lets the world change: give one elastic degree ({autos})"
+        )
+    if lo != hi and args.max_restarts < 1:
+        raise ValueError(
+            f"--nnodes {args.nnodes}: the job re-forms after a lost node by restarting its "
+            f"workers; give --max-restarts >= 1, got {args.max_restarts}"
+        )
+    if not p.elastic:
+        return
+    from tetrad.train.checkpoint import checkpoint_root, committed
+
+    if not cfg.checkpoint.resume and committed(checkpoint_root(cfg)):
+        raise ValueError(
+            f"{checkpoint_root(cfg)} holds checkpoints, and every start of an elastic job's "
+            "workers resumes from them: pass --resume to continue (as a node joining a "
+            "running job does), or choose another --out"
+        )
+    if not cfg.checkpoint.resume:
+        free_local_checkpoints(cfg)  # an earlier job's generations on this node are not ours
+    p.elastic_max_world = p.elastic_max_world or nproc * hi
+    for nodes in range(lo, hi + 1):
+        world = nodes * nproc
+        try:
+            Layout.build(elastic_config(cfg, world), world)
+        except ValueError as e:
+            raise ValueError(f"--nnodes {args.nnodes} --nproc {nproc}: at {nodes} node(s), "
+                             f"{world} ranks: {e}") from None  # fmt: skip
 
 
 def vocab_from_data(cfg: Config, args: argparse.Namespace) -> str:
@@ -329,7 +421,9 @@ def fill_world(cfg: Config, args: argparse.Namespace) -> int:
     """Number of local processes to launch (per node); dp fills the world when no degree
     was given."""
     explicit = any(getattr(args, d) is not None for d in DEGREES) or bool(args.config)
-    nnodes = max(1, args.nnodes)
+    nnodes = node_range(args.nnodes)[1]
+    if cfg.parallel.elastic and args.nproc is None:
+        raise ValueError(f"--{cfg.parallel.elastic} auto needs --nproc N: the ranks of each node")
     if args.nproc is None:
         if not explicit and cfg.parallel.world_size == 1:
             cfg.parallel.dp = 2 * nnodes  # the default job: two data-parallel CPU processes
@@ -340,10 +434,20 @@ def fill_world(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def launch_train(nproc: int, argv: list[str], cfg: Config, args: argparse.Namespace) -> int:
-    """Launch the ranks, each told the degrees this process settled (dp may fill the world)."""
-    degrees = [f"--{d}={getattr(cfg.parallel, d)}" for d in DEGREES]
+    """Launch the ranks, each told the degrees this process settled (dp may fill the world;
+    an elastic degree stays auto, with the world its microbatch size is for)."""
+    p = cfg.parallel
+    degrees = [f"--{d}={'auto' if d == p.elastic else getattr(p, d)}" for d in DEGREES]
+    if p.elastic:
+        degrees.append(f"--elastic-max-world={p.elastic_max_world}")
     return launch(
-        nproc, [*argv, *degrees], cfg.train.out, args.max_restarts, args.nnodes, args.rdzv_endpoint
+        nproc,
+        [*argv, *degrees],
+        cfg.train.out,
+        args.max_restarts,
+        args.nnodes,
+        args.rdzv_endpoint,
+        args.rdzv_conf,
     )
 
 
@@ -362,11 +466,14 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if under_torchrun():
         return worker(cfg, args)
     nproc = fill_world(cfg, args)
-    if args.nnodes < 1 or args.max_restarts < 0:
-        raise ValueError(f"--nnodes={args.nnodes} must be >= 1, --max-restarts >= 0")
-    if args.nnodes > 1 and not args.rdzv_endpoint:
+    lo, hi = node_range(args.nnodes)
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if hi > 1 and not args.rdzv_endpoint:
         raise ValueError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT")
-    layout = Layout.build(cfg, nproc * args.nnodes)  # checked once, here, before launching
+    check_elastic(cfg, args, nproc)
+    world = nproc * hi
+    layout = Layout.build(elastic_config(cfg, world), world)  # checked once, here
     t = cfg.train
     pick(t.device, t.dtype, t.peak_tflops, nproc, 0)  # the device checks, once, here
     from tetrad.train.checkpoint import checkpoint_root, find_resume
@@ -377,7 +484,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from tetrad.interop.hf import HFWeights
 
         HFWeights(cfg.model.init_from_hf, cfg.model)
-    if nproc > 1 or args.nnodes > 1 or args.max_restarts > 0:
+    if nproc > 1 or hi > 1 or args.max_restarts > 0:
         try:
             return launch_train(nproc, argv, cfg, args)
         finally:
@@ -410,8 +517,11 @@ def worker(cfg: Config, args: argparse.Namespace, layout: Layout | None = None) 
         die_with_parent()  # torchrun gone (killed): so are we
         if os.environ.get(LOG_DIR):
             _log_to_files(Path(os.environ[LOG_DIR]), rank, attempt)
-    if attempt > 0:
-        cfg.checkpoint.resume = True  # a restarted worker continues from the newest checkpoint
+    if attempt > 0 or cfg.parallel.elastic:
+        # a restarted worker continues from the newest checkpoint; so does every start of an
+        # elastic job's workers: a change of membership (a node joining) restarts them
+        # without counting an attempt (the launcher started this job in a clean state)
+        cfg.checkpoint.resume = True
     threads = args.threads or int(os.environ.get("TETRAD_THREADS", "0"))
     try:
         run(cfg, threads=threads or None, timeline=args.timeline, layout=layout)

@@ -165,6 +165,11 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     reshard_after_forward: bool = True
     reduce_dtype: str = "fp32"
+    # elastic shrink (docs/checkpoint.md): "dp" or "fsdp" (--dp auto / --fsdp auto) takes
+    # the world over the other degrees' product at each (re)start; `microbatches` is the
+    # count at `elastic_max_world` ranks, whose microbatch size every smaller world keeps
+    elastic: str = ""
+    elastic_max_world: int = 0
 
     @property
     def degrees(self) -> dict[str, int]:

@@ -89,20 +89,24 @@ def torchrun_command(
     nproc: int,
     argv: list[str],
     max_restarts: int = 0,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     rdzv_endpoint: str | None = None,
     rdzv_id: str | None = None,
+    rdzv_conf: str | None = None,
 ) -> list[str]:
-    """torchrun's command line: loopback store for one node, c10d rendezvous for several."""
+    """torchrun's command line: loopback store for one node, c10d rendezvous for several
+    (`nnodes` "MIN:MAX": an elastic range, which torchrun's rendezvous re-forms within)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     cmd.append(f"--max-restarts={max_restarts}")
-    if nnodes == 1 and rdzv_endpoint is None:
+    if str(nnodes) == "1" and rdzv_endpoint is None:
         cmd += ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
         if max_restarts:  # the elastic agent's restarts need a rendezvous that can re-form
             cmd[-2:] = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
         cmd.append(f"--rdzv-id={rdzv_id or 'tetrad'}")
+        if rdzv_conf:
+            cmd.append(f"--rdzv-conf={rdzv_conf}")
     return [*cmd, "-m", "tetrad.cli", *argv]
 
 
@@ -111,26 +115,34 @@ def launch(
     argv: list[str],
     out: str | Path | None = None,
     max_restarts: int = 0,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     rdzv_endpoint: str | None = None,
+    rdzv_conf: str | None = None,
 ) -> int:
     """Run `tetrad ARGV` (less launcher flags) as `nproc` local ranks; return the job's code.
 
     With `out`, logs and the ranks' failure reports go under OUT/logs and a failure prints
     its root cause once. Each rank gets an equal share of this machine's cores as threads.
     """
-    argv = drop_flags(argv, ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint"))
-    cmd = torchrun_command(nproc, argv, max_restarts, nnodes, rdzv_endpoint)
+    launcher_only = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-conf")
+    argv = drop_flags(argv, launcher_only)
+    cmd = torchrun_command(nproc, argv, max_restarts, nnodes, rdzv_endpoint, rdzv_conf=rdzv_conf)
     env = dict(os.environ, TETRAD_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    if ":" in str(nnodes):
+        # an elastic range: the agents' shared store keeps the first round's worker address,
+        # so a node that joins a later round (a grown job) waits for one never published;
+        # without sharing, every round's rank 0 publishes its own
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     logs = Path(out) / "logs" if out is not None else None
     if logs is not None:
         reports = logs / f"reports-{uuid.uuid4().hex[:8]}"
         reports.mkdir(parents=True)
         env |= {REPORT_DIR: str(reports), LOG_DIR: str(logs)}
+        log_start = _size(logs / "torchrun.log")  # this launch's part of the log follows
     code, signalled = _supervise(cmd, env, logs)
     if logs is None:
         return code
-    code = explain(code, signalled, reports, logs)
+    code = explain(code, signalled, reports, logs, log_start)
     with contextlib.suppress(OSError):
         reports.rmdir()  # kept only when it holds reports
     return code
@@ -235,8 +247,9 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def explain(code: int, signalled: int | None, reports: Path, logs: Path) -> int:
-    """Print how the job ended (once) and return the launcher's exit code."""
+def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_start: int = 0) -> int:
+    """Print how the job ended (once) and return the launcher's exit code. `log_start`:
+    where this launch's part of OUT/logs/torchrun.log begins."""
     if code == 0 and signalled is None:
         return 0
     records = read_reports(reports)
@@ -244,6 +257,12 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path) -> int:
     if cause is not None and cause["kind"] == "preempted":
         print(f"tetrad: {cause['message']}; continue with --resume", flush=True)
         return EXIT_PREEMPTED
+    if signalled is None and _rendezvous_gave_up(logs / "torchrun.log", log_start):
+        after = f" (the failure: {cause['message']})" if cause is not None else ""
+        print(f"tetrad: error: the job could not re-form: fewer nodes than --nnodes MIN "
+              f"rejoined the rendezvous within its join_timeout{after} (logs: {logs})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return code or EXIT_FAILED
     if cause is not None:
         print(f"tetrad: error: {cause['message']} (logs: {logs})", file=sys.stderr, flush=True)
         behind = who_is_behind(read_traces(reports))
@@ -258,6 +277,24 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path) -> int:
     detail = _child_failure(logs / "torchrun.log")
     print(f"tetrad: error: {detail} (logs: {logs})", file=sys.stderr, flush=True)
     return code or EXIT_FAILED
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _rendezvous_gave_up(torchrun_log: Path, start: int) -> bool:
+    """Whether torchrun ended on its rendezvous timing out (after a failure, the nodes
+    left are fewer than the job's minimum), in the log written since `start`."""
+    try:
+        with open(torchrun_log, "rb") as fh:
+            fh.seek(start)
+            return b"RendezvousTimeoutError" in fh.read()
+    except OSError:
+        return False
 
 
 def _child_failure(torchrun_log: Path) -> str:

@@ -138,6 +138,62 @@ class Layout:
         return dataclasses.replace(self, split=tuple(split), split_measured=False)
 
 
+# --- elastic shrink: the one degree that follows the world -----------------------------
+
+ELASTIC_AXES = ("dp", "fsdp")
+
+
+def elastic_config(cfg: Config, world: int) -> Config:
+    """`cfg` for a world of `world` ranks: its elastic degree (`parallel.elastic`, "dp" or
+    "fsdp") is the world over the product of the other degrees, which are fixed, and the
+    global batch is kept by changing the number of microbatches: their size stays the one
+    at `elastic_max_world` ranks (`microbatches` is the count there), so a smaller world
+    accumulates more of them per rank. Without an elastic degree, `cfg` itself.
+
+    Raises ValueError naming the values when `world` is below the fixed degrees' product
+    (the layout's minimum), is not a multiple of it, or the global batch does not split."""
+    p = cfg.parallel
+    if not p.elastic:
+        return cfg
+    _require(p.elastic in ELASTIC_AXES, f"parallel.elastic={p.elastic!r} is not one of "
+             f"{ELASTIC_AXES} (or \"\": no elastic degree)")  # fmt: skip
+    fixed = {axis: n for axis, n in p.degrees.items() if axis != p.elastic}
+    _require(min(fixed.values()) >= 1, f"parallel degrees {fixed} must be >= 1")
+    minimum = math.prod(fixed.values())
+    if world < minimum or world % minimum:
+        why = (
+            "fewer than the layout's minimum" if world < minimum else f"not a multiple of {minimum}"
+        )
+        raise ValueError(f"{world} ranks cannot hold the fixed degrees {_product(fixed)} = "
+                         f"{minimum} with --{p.elastic} auto: {why}")  # fmt: skip
+    top = p.elastic_max_world or world  # the largest world: its microbatch size is kept
+    _require(top >= world and top % minimum == 0, f"parallel.elastic_max_world={top} must be "
+             f"a multiple of {minimum} and >= the world ({world})")  # fmt: skip
+    other = p.fsdp if p.elastic == "dp" else p.dp  # the data axis that is fixed
+    gb, m, most = cfg.train.global_batch, p.microbatches, top // minimum * other
+    size = gb // (most * m) if m >= 1 and gb % (most * m) == 0 else 0
+    _require(size >= 1, f"global_batch={gb} does not split into microbatches={m} on each of "
+             f"{most} data ranks (the largest world, {top} ranks)")  # fmt: skip
+    data = world // minimum * other
+    _require(gb % (data * size) == 0, f"at {world} ranks the global batch {gb} does not split "
+             f"over {data} data ranks in microbatches of {size} sequences (their size at {top} "
+             "ranks)")  # fmt: skip
+    count = {p.elastic: world // minimum, "microbatches": gb // (data * size)}
+    parallel = dataclasses.replace(p, **count)
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
+def fixed_layout(parallel: dict) -> dict:
+    """A config's parallel section (as a dict) less what an elastic restart changes (the
+    elastic degree and the microbatch count): equal for states one run may resume from."""
+    axis = parallel.get("elastic") or ""
+    return {k: v for k, v in parallel.items() if k not in (axis, "microbatches") or not axis}
+
+
+def _product(degrees: dict[str, int]) -> str:
+    return "*".join(f"{axis}={n}" for axis, n in degrees.items() if n > 1) or "1"
+
+
 # --- the rules, pure --------------------------------------------------------------------
 
 

@@ -18,16 +18,20 @@ that generation committed, and older ones deleted. So a node holds at most two: 
 committed one and the one being written.
 
 Restart (the workers `--max-restarts` restarted, or any run with `checkpoint.resume` that
-finds the directory; the launcher frees it when the job ends): every rank checks which
-generations its own files and the partner copies it holds cover (sha256 against their
-JSON: a bad copy is skipped with a warning); one all-gather of those lists lets every
-rank pick the same newest generation that every rank's state is complete in, held by the
-rank itself or by its partner. Each rank's state is then broadcast from whichever rank
+finds the directory; the launcher frees it when the job ends): every rank checks the files
+of its node that its local rank wrote (its own and the partner copies it holds; sha256
+against their JSON: a bad copy is skipped with a warning); one all-gather of which ranks'
+states each holds lets every rank pick the same newest generation that every rank's state
+is complete in, wherever it is held. Each state is then broadcast from one rank that
 holds it (every rank reads the boxes it needs, as from a durable checkpoint, so replicas
-are filled too), and loaded. A generation older than the newest durable checkpoint, or
-none complete, falls back to the durable checkpoint. A failed write (a full /dev/shm)
-turns in-memory checkpoints off for the rest of the run with one warning; durable
-checkpoints go on.
+are filled too), and loaded. The ranks of the generation are those of the world that
+wrote it, not necessarily this one's: after an elastic shrink (`--dp auto`, a node lost)
+the survivors hold every rank's state between their own files and the copies of the lost
+node's ranks, and the boxes, pieces of whole logical tensors, are read into the new
+layout's shards as the durable checkpoint's resume at another layout reads them. A
+generation older than the newest durable checkpoint, or none complete, falls back to the
+durable checkpoint. A failed write (a full /dev/shm) turns in-memory checkpoints off for
+the rest of the run with one warning; durable checkpoints go on.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from safetensors.torch import save as save_bytes
 
 from tetrad.comm import Comm
 from tetrad.config import Config
+from tetrad.layout import fixed_layout
 from tetrad.mesh import Group
 from tetrad.parallel.boxes import Box, box_numel, box_shape, intersect, relative
 from tetrad.train.checkpoint import CorruptCheckpoint, agree, describe, gather_json
@@ -90,26 +95,29 @@ def source_of(rank: int, world: int, local_world: int) -> int:
     return (rank - partner_shift(world, local_world)) % world
 
 
-def newest_complete(
-    held: list[dict[str, list[bool]]], local_world: int
-) -> tuple[int | None, list[int]]:
-    """The newest generation every rank's state is in, and for each rank the rank that
-    provides it (itself if its own copy is good, else its partner); (None, []) if none.
+def newest_complete(held: list[dict[str, dict]]) -> tuple[int | None, list[int]]:
+    """The newest generation every rank's state is in, and for each rank q of the world
+    that wrote it the rank of this world that provides q's state (q itself if it holds it,
+    else the lowest that does); (None, []) if none.
 
-    held[r] maps a generation's step (a JSON key: a string) to [r's own copy good, the copy
-    r holds of `source_of(r)` good]. Pure: every rank computes it from the same gather."""
-    world = len(held)
+    held[r] maps a generation's step (a JSON key: a string) to {"world": the size of the
+    world that wrote it, "ranks": the ranks whose state r holds, verified}. A generation
+    the ranks disagree on the world of is skipped. Pure: every rank computes it from the
+    same gather."""
     steps = sorted({int(s) for h in held for s in h}, reverse=True)
     for step in steps:
-        key, providers = str(step), []
+        rows = [h[str(step)] for h in held if str(step) in h]
+        worlds = {row["world"] for row in rows if row["ranks"]}
+        if len(worlds) != 1:
+            continue
+        (world,) = worlds
+        holders = [set(h.get(str(step), {}).get("ranks", ())) for h in held]
+        providers = []
         for q in range(world):
-            partner = partner_of(q, world, local_world)
-            if held[q].get(key, [False, False])[0]:
-                providers.append(q)
-            elif held[partner].get(key, [False, False])[1]:
-                providers.append(partner)
-            else:
+            have = [r for r, ranks in enumerate(holders) if q in ranks]
+            if not have:
                 break
+            providers.append(q if q in have else have[0])
         if len(providers) == world:
             return step, providers
     return None, []
@@ -137,6 +145,7 @@ class LocalCheckpoints:
         mesh = engine.mesh
         self.rank, self.world = mesh.rank, mesh.world_size
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank % self.local_world))
         self.partner = partner_of(self.rank, self.world, self.local_world)
         self.source = source_of(self.rank, self.world, self.local_world)
         # the swaps run on a thread of their own: their own group and `Comm` (no watchdog:
@@ -145,6 +154,7 @@ class LocalCheckpoints:
         self.swap_comm = Comm(comm.device)
         self.enabled = True
         self.pending: Generation | None = None
+        self.restored_world: int | None = None  # the world of the generation restored
         self.committed: int | None = None
         self.waits, self.waited_s = 0, 0.0
         self.stalled_s = 0.0  # the training thread's time in snapshots, waits and commits
@@ -172,7 +182,7 @@ class LocalCheckpoints:
     def start(self, step: int, optimizer, loader) -> None:
         """Snapshot this rank's boxes (copies) and write them in the background."""
         owned, adam_step = self.engine.owned_slices(optimizer)
-        info = describe(step, adam_step, loader, self.cfg)
+        info = describe(step, adam_step, loader, self.cfg) | {"local_world": self.local_world}
         gen = Generation(step, threading.Thread(target=lambda: None))
 
         def work() -> None:
@@ -295,9 +305,10 @@ class LocalCheckpoints:
         """Load the newest generation that every rank's state is complete in, if newer than
         `newer_than` (every rank calls; the choice is agreed). Returns its step, or None."""
         held, metas = self.scan()
-        step, providers = newest_complete(gather_json(self.engine, held), self.local_world)
+        step, providers = newest_complete(gather_json(self.engine, held))
         if step is None or step <= newer_than:
             return None
+        self.restored_world = len(providers)
         blobs = self._gather_states(step, providers, metas)
         error = None
         try:
@@ -308,21 +319,43 @@ class LocalCheckpoints:
         self.engine.after_load()
         return step
 
-    def scan(self) -> tuple[dict[str, list[bool]], dict[tuple[int, str], bytes]]:
-        """Which generations this rank's own files, and the copy it holds, cover (each
-        verified: format, this run's layout and model, sha256); and those blobs."""
-        held: dict[str, list[bool]] = {}
-        blobs: dict[tuple[int, str], bytes] = {}
+    def scan(self) -> tuple[dict[str, dict], dict[tuple[int, int], bytes]]:
+        """Which ranks' states of which generations this rank holds (its node's files that
+        its local rank wrote, each verified: format, this run's model and fixed layout,
+        sha256), with the size of the world that wrote them; and those blobs by (step,
+        rank)."""
+        held: dict[str, dict] = {}
+        blobs: dict[tuple[int, int], bytes] = {}
         for directory in generations(self.root):
-            step = int(directory.name[5:])
-            row = []
-            for kind, rank in (("rank", self.rank), ("copy", self.source)):
-                blob = self._verified(directory / f"{kind}-{rank:05d}", step, rank)
+            step, world, ranks = int(directory.name[5:]), None, []
+            for stem, rank in self._written_here(directory):
+                blob = blobs.get((step, rank)) or self._verified(stem, step, rank)
                 if blob is not None:
-                    blobs[(step, kind)] = blob
-                row.append(blob is not None)
-            held[str(step)] = row
+                    blobs[(step, rank)] = blob
+                    world = unpack(blob)[0]["placement"]["saved_from"]["world"]
+                    ranks.append(rank)
+            held[str(step)] = {"world": world, "ranks": sorted(set(ranks))}
         return held, blobs
+
+    def _written_here(self, directory: Path) -> list[tuple[Path, int]]:
+        """The stems (and the rank whose state each is) that this local rank wrote, own
+        state first: the node's local ranks share its files, each reading its own."""
+        found = []
+        for path in sorted(directory.glob("*.json")):
+            kind, _, number = path.stem.partition("-")
+            if kind not in ("rank", "copy") or not number.isdigit():
+                continue
+            rank, writer = int(number), int(number)
+            if kind == "copy":  # written by the rank it was sent to
+                try:
+                    meta = json.loads(path.read_text())
+                    world = meta["placement"]["saved_from"]["world"]
+                    writer = partner_of(rank, world, meta.get("local_world", self.local_world))
+                except (OSError, ValueError, KeyError, TypeError):
+                    pass  # unreadable: the rank it names reports it
+            if writer % self.local_world == self.local_rank:
+                found.append((kind != "rank", path.with_suffix(""), rank))
+        return [(stem, rank) for _, stem, rank in sorted(found)]
 
     def _verified(self, stem: Path, step: int, rank: int) -> bytes | None:
         """The blob of `stem` (.json + .safetensors) if it is whole and this run's; a
@@ -338,15 +371,15 @@ class LocalCheckpoints:
             return None
 
     def _gather_states(
-        self, step: int, providers: list[int], held: dict[tuple[int, str], bytes]
+        self, step: int, providers: list[int], held: dict[tuple[int, int], bytes]
     ) -> list[bytes]:
-        """Every rank's blob of generation `step` on every rank: each broadcast from its
-        provider (its own rank, or its partner)."""
+        """Every saved rank's blob of generation `step` on every rank: each broadcast from
+        its provider (the rank itself, or a rank holding its copy)."""
         world, out = self.engine.mesh["world"], []
         for q, provider in enumerate(providers):
             blob = b""
             if provider == self.rank:
-                blob = held[(step, "rank" if q == self.rank else "copy")]
+                blob = held[(step, q)]
             size = torch.tensor([len(blob)], dtype=torch.int64, device=self.comm.device)
             self.comm.broadcast(size, provider, world)
             buf = torch.zeros(int(size), dtype=torch.uint8)
@@ -363,7 +396,10 @@ class LocalCheckpoints:
         for meta, data in zip(metas, tensors):
             check_sha(meta, data)
         reader = BlobReader(list(metas), [load_bytes(d) for d in tensors])
-        mine = metas[self.rank]
+        # the training state is every rank's alike; the RNG state is per rank: a rank of a
+        # smaller world takes the one of the rank it is numbered as (any would do: data and
+        # weights depend on the seed and the step alone)
+        mine = metas[self.rank % len(metas)]
         self.engine.load_owned(reader, int(mine["training"]["optimizer_step"]), optimizer)
         loader.load_state_dict(mine["data"])
         state = bytes.fromhex(mine["rng"]["torch_cpu_state"])
@@ -442,7 +478,9 @@ def check_meta(meta: dict, step: int, rank: int, cfg: Config) -> None:
         raise CorruptCheckpoint(f"holds step {meta['training']['step']}, not {step}")
     saved = meta["training"]["config"]
     now = cfg.to_dict()
-    if saved["model"] != now["model"] or saved["parallel"] != now["parallel"]:
+    if saved["model"] != now["model"] or (
+        fixed_layout(saved["parallel"]) != fixed_layout(now["parallel"])
+    ):
         raise CorruptCheckpoint("written by another model or layout")
 
 
@@ -455,10 +493,13 @@ def generations(root: Path) -> list[Path]:
 
 
 def prune(root: Path, committed: int, rank: int, source: int) -> None:
-    """Remove this rank's files of generations older than `committed`."""
+    """Remove the generations older than `committed` (every rank committed it: nothing
+    reads them now), whole: after an elastic shrink they also hold the files of ranks the
+    world no longer has."""
     for directory in generations(root):
         if int(directory.name[5:]) < committed:
             _remove(directory, rank, source)
+            shutil.rmtree(directory, ignore_errors=True)  # the node's other ranks' too
 
 
 def discard(root: Path, rank: int, source: int, step: int | None = None) -> None:

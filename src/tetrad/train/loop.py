@@ -348,6 +348,7 @@ class Trainer:
         if step is not None:
             self.step = step
             self.resumed = {"resumed_from": source, "resumed_step": step}
+            self.resumed["world_size"] = self.mesh.world_size  # elastic: may differ from before
             self.resumed["resume_load_s"] = time.perf_counter() - t0
         return step
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tetrad.comm import Comm
 from tetrad.comm.watchdog import Watchdog
 from tetrad.config import Config
-from tetrad.layout import Layout
+from tetrad.layout import Layout, elastic_config
 from tetrad.train.loop import Trainer, init_distributed
 from tetrad.train.metrics import MetricsWriter, require_tensorboard
 from tetrad.train.stop import Preempted, StopRequest
@@ -28,7 +28,8 @@ def run(
     """Train `cfg` on this process's rank (torchrun's environment, or a single process).
 
     layout: `cfg`'s, if the caller built it for this world already; built (and so
-    validated, once, before any collective) here otherwise.
+    validated, once, before any collective) here otherwise. With an elastic degree
+    (`--dp auto`) the world torchrun gave this (re)start sets it (`elastic_config`).
 
     timeline: with pp > 1, a directory for the last step's pipeline timeline pictures.
     SIGTERM/SIGINT stop every rank after the same step with a checkpoint (`Preempted`);
@@ -36,7 +37,9 @@ def run(
     error the process group is left without a barrier: the peers must not wait for us."""
     if threads:
         torch.set_num_threads(threads)
-    layout = layout or Layout.build(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = elastic_config(cfg, world)  # --dp/--fsdp auto: the degree this world gives
+    layout = layout or Layout.build(cfg, world)
     if cfg.train.tensorboard:
         require_tensorboard()  # every rank, before the first collective
     stop = StopRequest(grace=cfg.train.timeout)
