@@ -73,8 +73,8 @@ class RankFacts:
     psi_root: int
     layer_units: int
     state: ModelState
-    # elements of expert weights under ep (in psi_layers): held whole, outside ZeRO's
-    # units, their gradients reduced over the expert-data group (docs/moe.md)
+    # elements of expert weights under ep (in psi_layers): outside the fsdp units, in ZeRO
+    # units of their own over the expert-data group (docs/moe.md)
     psi_experts: int = 0
 
     @property
