@@ -72,8 +72,8 @@ class RankFacts:
     psi_root: int
     layer_units: int
     state: ModelState
-    # elements of expert weights under ep (in psi_layers): held whole, outside ZeRO's
-    # units, their gradients reduced over the expert-data group (docs/moe.md)
+    # elements of expert weights under ep (in psi_layers): outside the fsdp units, in ZeRO
+    # units of their own over the expert-data group (docs/moe.md)
     psi_experts: int = 0
 
     @property
@@ -377,7 +377,8 @@ def _ep_shape(cfg: Config) -> tuple[int, bool]:
 
 def _state(cfg: Config, named, replicated, shards: int) -> ModelState:
     """`model_state.model_state_bytes`'s arithmetic on given local parameters (shard rank 0
-    of `shards`): under ep the experts are held whole, beside ZeRO's units of the rest."""
+    of `shards`): under ep the experts have their own ZeRO units, sharded over the ranks
+    holding the same experts (ep_data), beside ZeRO's units of the rest."""
     p = cfg.parallel
     dtype = layout_of(cfg).compute_dtype
     if shards == 1:
@@ -388,6 +389,9 @@ def _state(cfg: Config, named, replicated, shards: int) -> ModelState:
     zero = zero_bytes(units, 0, p.zero_stage, dtype)
     if not experts:
         return zero
-    plain = replicated_bytes(experts, dtype)
-    return ModelState(zero.params + plain.params, zero.grads + plain.grads,
-                      zero.optimizer + plain.optimizer)  # fmt: skip
+    ep_data = p.dp * p.fsdp * p.cp * p.tp // p.ep  # the ranks holding the same experts
+    if ep_data == 1:  # held whole
+        return zero + replicated_bytes(experts, dtype)
+    # ZeRO's second set of shards, over ep_data (shard rank 0)
+    units = plan_units(experts, replicated, ep_data, spec_for(cfg.model), "ep_data")
+    return zero + zero_bytes(units, 0, p.zero_stage, dtype)
