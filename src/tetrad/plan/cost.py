@@ -466,14 +466,22 @@ class Planner:
         return {"dp": hsdp + experts, "fsdp": rs}
 
     def _expert_grad_reduction(self, cfg: Config, fa: RankFacts) -> float:
-        """Seconds of the all-reduce of the ep-sharded expert gradients (fp32, whole
-        parameters, ZeRO or not) over the expert-data group: the dp·fsdp·cp·tp / ep ranks
-        of a stage that hold the same slice (`mesh.expert_groups`)."""
+        """Seconds of the ep-sharded expert gradients' reduction over the expert-data
+        group, the dp·fsdp·cp·tp / ep ranks of a stage that hold the same slice
+        (`mesh.expert_groups`): without ZeRO an all-reduce of the whole gradients (fp32);
+        under ZeRO, whose units of them are split over that group, a reduce-scatter (in
+        the reduce dtype) and the all-gather of the updated weights (compute dtype; at
+        ZeRO-3 gathered before each microbatch's forward and backward instead)."""
         if not fa.psi_experts:
             return 0.0
         group = ep_groups(cfg)[1][0]
-        n = len(group)
-        return self.cluster.group_link(group).time("all_reduce", n, fa.psi_experts * 4)
+        n, link = len(group), self.cluster.group_link(group)
+        if fa.expert_shards == 1:
+            return link.time("all_reduce", n, fa.psi_experts * 4)
+        p = cfg.parallel
+        scatter = link.time("reduce_scatter", n, fa.psi_experts * DTYPE_BYTES[p.reduce_dtype])
+        gathers = 2 * p.microbatches if p.zero_stage == 3 else 1
+        return scatter + gathers * link.time("all_gather", n, fa.psi_experts * cbytes(cfg))
 
     def after_schedule(self, cfg: Config, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
         """Exposed seconds of one pp rank after its pipeline work: gradient reduction,
@@ -499,7 +507,7 @@ class Planner:
                 gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
             else:  # the root unit: gathered once per step, before the first forward
                 gather = link.time("all_gather", p.fsdp, fa.psi_root * cbytes(cfg))
-        shard = fa.psi_dense / p.fsdp + fa.psi_experts
+        shard = fa.psi_dense / p.fsdp + fa.psi_experts / fa.expert_shards
         optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
         return {"dp": grad["dp"], "fsdp": gather + grad["fsdp"], "optimizer": optimizer}
 
