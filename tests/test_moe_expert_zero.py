@@ -1,6 +1,7 @@
 """Expert weights ZeRO-sharded over the ranks holding the same experts (ep_data): at fsdp 4
 x ep 2 every expert slice lies on 2 ranks, which split its weights (stage 3), gradients
-(stage >= 2) and AdamW state (stage >= 1). Each stage reproduces the single process
+(stage >= 2) and AdamW state (stage >= 1); so do the dp replicas under HSDP (dp 2 x
+fsdp 2 x ep 2), the rest replicated over them. Each reproduces the single process
 (fp32, 20 steps, relative 1e-5); the expert state a rank holds is measured and is half
 of what the same experts held whole take (fsdp 2 x ep 2: ep_data of 1), up to padding;
 the planner predicts the measured bytes; a checkpoint saved with sharded experts resumes
@@ -24,6 +25,9 @@ pytestmark = pytest.mark.distributed
 MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 32, "shared_experts": 1}
 MOE |= {"balance": "aux", "aux_loss_coef": 0.01}
 SHARDED = {f"z{z}": {"fsdp": 4, "ep": 2, "zero_stage": z} for z in (1, 2, 3)}
+# HSDP: ep takes the 2 fsdp ranks, so the expert-data group is the dp replicas, which
+# split the experts while the rest is replicated over them
+SHARDED["hsdp-z2"] = {"dp": 2, "fsdp": 2, "ep": 2, "zero_stage": 2}
 WHOLE = {"fsdp": 2, "ep": 2, "zero_stage": 1}  # the same 2 experts a rank, ep_data of 1
 EXPERTS = [f"layers.1.feed_forward.experts.{w}" for w in ("w1", "w2", "w3")]
 
