@@ -102,6 +102,8 @@ def declare_jobs(jobs: Jobs) -> None:
     out = jobs.tmp("ck")
     runs = [(_cfg(SHARDED["z3"], out, every=10).to_dict(), 10)]
     runs += [(_cfg({"dp": 4, "ep": 4}, out, resume=True).to_dict(), None)]
+    # and into experts sharded otherwise: over the dp replicas (HSDP)
+    runs += [(_cfg(SHARDED["hsdp-z2"], out, resume=True).to_dict(), None)]
     jobs.add("ck", 4, _runs, runs)
 
 
@@ -180,15 +182,16 @@ def _runs(rank: int, world: int, runs: list[tuple[dict, int | None]]) -> list[di
 
 def test_sharded_experts_resume_at_ep4_and_on_one_process(jobs):
     """Saved at fsdp 4 x ep 2 ZeRO-3 (experts split over ep_data), resumed at ep 4 without
-    fsdp and on one process: both reproduce the single process's last 10 steps; the
-    manifest holds the expert weights as full logical tensors."""
-    saved, resumed = jobs["ck"][0]
+    fsdp, on one process, and at dp 2 x fsdp 2 x ep 2 ZeRO-2 (the experts split over the
+    dp replicas): each reproduces the single process's last 10 steps; the manifest holds
+    the expert weights as full logical tensors, each rank's shard written by it."""
+    saved, resumed, resharded = jobs["ck"][0]
     out = jobs.tmp("ck")
     (single,) = _runs(0, 1, [(_cfg({}, out, resume=True).to_dict(), None)])
     ref = reference()
     tail = {**ref, "losses": ref["losses"][10:], "grad_norms": ref["grad_norms"][10:]}
     assert saved["losses"] == pytest.approx(ref["losses"][:10], rel=1e-5)
-    for got in (resumed, single):
+    for got in (resumed, single, resharded):
         assert got["start"] == 10
         assert_close_run(got, tail)
     manifest = json.loads((out / "checkpoints/step_00000010/manifest.json").read_text())
