@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
 def declare_jobs(jobs: Jobs) -> None:
     for name, par in SHARDED.items():
         jobs.add(name, 4, _worker, _cfg(par).to_dict())
-    jobs.add("whole", 2, _worker, _cfg(WHOLE).to_dict())
+    jobs.add("whole", 2, _worker, _cfg(WHOLE, steps=2).to_dict())  # a measurement only
     out = jobs.tmp("ck")
     runs = [(_cfg(SHARDED["z3"], out, every=10).to_dict(), 10)]
     runs += [(_cfg({"dp": 4, "ep": 4}, out, resume=True).to_dict(), None)]
