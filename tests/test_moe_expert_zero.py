@@ -4,8 +4,8 @@ x ep 2 every expert slice lies on 2 ranks, which split its weights (stage 3), gr
 fsdp 2 x ep 2), the rest replicated over them. Each reproduces the single process
 (fp32, 20 steps, relative 1e-5); the expert state a rank holds is measured and is half
 of what the same experts held whole take (fsdp 2 x ep 2: ep_data of 1), up to padding;
-the planner predicts the measured bytes; a checkpoint saved with sharded experts resumes
-at ep 4 without fsdp and on one process."""
+every rank's measured model state is predicted to the byte; a checkpoint saved with
+sharded experts resumes at ep 4 without fsdp, on one process and under HSDP."""
 
 from __future__ import annotations
 
