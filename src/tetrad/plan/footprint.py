@@ -416,6 +416,9 @@ def _state(cfg: Config, named, replicated, shards: int) -> ModelState:
 def _expert_shards(cfg: Config, shards: int) -> int:
     """Ranks the expert weights' ZeRO state is split over: under ZeRO (`shards` > 1) their
     expert-data group, the dp·fsdp·cp·tp / ep ranks of a stage holding the same slice
-    (`mesh.expert_groups`); without it none (1)."""
+    (`mesh.expert_groups`); without it, or experts, none (1: the facts of a dense model's
+    layouts stay shared across dp)."""
     p = cfg.parallel
-    return p.dp * p.fsdp * p.cp * p.tp // p.ep if shards > 1 else 1
+    if shards == 1 or not cfg.model.moe:
+        return 1
+    return p.dp * p.fsdp * p.cp * p.tp // p.ep
