@@ -24,17 +24,31 @@ def exchange_counts(send: torch.Tensor, comm: Comm, group: Group) -> torch.Tenso
     return recv
 
 
+class _Sending:
+    """An async all-to-all's work and the rows it sends: the rows stay alive until the
+    transfer is waited for, then are released. (Kept on the autograd context instead,
+    they would live until the layer's backward: the dispatched copies of every MoE
+    layer, held through the rest of the forward and the loss.)"""
+
+    def __init__(self, work: Work, sent: torch.Tensor):
+        self.work, self.sent = work, sent
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.sent = None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, comm, group, started=None):
         ctx.splits, ctx.comm, ctx.group = (out_splits, in_splits), comm, group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        ctx.sent = x.contiguous()  # kept alive until the transfer is waited for
+        sent = x.contiguous()
         work = comm.all_to_all(
-            out, ctx.sent, out_splits, in_splits, group, async_op=started is not None
+            out, sent, out_splits, in_splits, group, async_op=started is not None
         )
-        if started is not None:
-            started.append(work)
+        if started is not None:  # the rows stay alive until the work is waited for
+            started.append(_Sending(work, sent))
         return out
 
     @staticmethod
@@ -55,10 +69,11 @@ def all_to_all(
 
 def all_to_all_start(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: Comm, group: Group
-) -> tuple[torch.Tensor, Work]:
+) -> tuple[torch.Tensor, _Sending]:
     """`all_to_all`, launched and not waited for: what arrives (to read only after the
-    returned work's `wait()`), and that work. Backward is the same synchronous reverse."""
-    started: list[Work] = []
+    returned work's `wait()`), and that work, which holds the sent rows until then.
+    Backward is the same synchronous reverse."""
+    started: list[_Sending] = []
     out = _AllToAll.apply(x, list(out_splits), list(in_splits), comm, group, started)
     return out, started[0]
 

@@ -236,8 +236,11 @@ def memory_rows(mem: dict[str, Any]) -> list[tuple[str, str]]:
         (f"memory: peak at {peak['moment']}", f"{mem['allocated'] / GiB:.2f} GiB"),
     ]
     rows += [(f"  {name}", f"{value / GiB:+.2f} GiB") for name, value in peak["terms"]]
+    reserved = peak.get("reserved", [])
+    rows += [(f"  reserved: {name}", f"{value / GiB:+.2f} GiB") for name, value in reserved]
+    beyond = mem["total"] - mem["allocated"] - sum(value for _, value in reserved)
     rows += [
-        ("  workspace and allocator", f"{(mem['total'] - mem['allocated']) / GiB:+.2f} GiB"),
+        ("  workspace and allocator", f"{beyond / GiB:+.2f} GiB"),
         ("memory: peak / capacity",
          f"{mem['total'] / GiB:.2f} / {mem['capacity'] / GiB:.1f} GiB"
          f" ({'fits' if mem['fits'] else 'DOES NOT FIT'})"),

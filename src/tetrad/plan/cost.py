@@ -137,6 +137,7 @@ class Planner:
             live=(engine.max_live_params, engine.reduce_bucket), cp_gathers_kv=engine.cp_gathers_kv,
             scores=engine.kernels.attention == "unfused", shards_over_cp=engine.shards_over_cp,
             zero_blocks=engine.zero_blocks, zero3_incoming_grad=engine.zero3_incoming_grad,
+            eager_loss=engine.eager_loss,
         )  # fmt: skip
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}

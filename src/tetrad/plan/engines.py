@@ -57,6 +57,10 @@ class Implementation:
     the cp ranks alone (torchtitan's dp_shard x cp mesh at dp_shard 1); tetrad shards over
     fsdp alone. Memory only: the traffic is still priced over the fsdp group (none at
     fsdp 1).
+    eager_loss: the loss is eager `F.cross_entropy` on the logits cast to fp32, the logits
+    freed before the backward (torchtitan's `loss_fn` and `del pred`; under tp DTensor's
+    loss_parallel): its backward holds one fp32 N·V/t tensor more under tp, and the freed
+    compute-dtype logits stay reserved (`plan.peak.eager_loss_backward`, `eager_loss_hole`).
     """
 
     name: str
@@ -80,6 +84,7 @@ class Implementation:
     shards_over_cp: bool = False
     zero_blocks: tuple[int, int] = (2, 2)
     zero3_incoming_grad: bool = False
+    eager_loss: bool = False
 
 
 # Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,
@@ -94,7 +99,8 @@ MEGATRON = Implementation(  # --overlap-grad-reduce --overlap-param-gather --tp-
     split="uniform", cp_overlap=True, cp_gathers_kv=False,
 )  # fmt: skip
 TORCHTITAN = Implementation("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True,
-                    cp_overlap=True, cp_gathers_kv=False, shards_over_cp=True)  # fmt: skip
+                    cp_overlap=True, cp_gathers_kv=False, shards_over_cp=True,
+                    eager_loss=True)  # fmt: skip
 TORCHTITAN_COMPILE = dataclasses.replace(
     TORCHTITAN, name="torchtitan-compile", kernels=Kernels(fused=True)
 )

@@ -11,7 +11,8 @@
   buffers); and `ALLOCATOR` of everything that comes and goes within a step, for the
   caching allocator's fragmentation. Model state + activations + the transients is what
   an allocator counts as allocated at its peak (`Memory.allocated`); the total adds what
-  the device reserves beyond it.
+  the device reserves beyond it (and what the peak's moment holds reserved for a stated
+  reason, `Peak.reserved`: an eager loss's freed logits).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ class Footprint:
         live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
         scores: bool = False, shards_over_cp: bool = False,
         zero_blocks: tuple[int, int] = (2, 2), zero3_incoming_grad: bool = False,
+        eager_loss: bool = False,
     ):  # fmt: skip
+        self.eager_loss = eager_loss  # eager F.cross_entropy on fp32-cast logits (`plan.peak`)
         self.zero3_incoming_grad = zero3_incoming_grad
         self.zero_blocks = zero_blocks  # ZeRO blocks alive at the peak (`_zero_buffers`)
         self.cp_gathers_kv = cp_gathers_kv
@@ -300,15 +303,27 @@ class Footprint:
 
     def _overhead(self, peak: Peak, acts: float) -> float:
         transient = peak.transient
-        return self.device.workspace_bytes + transient + ALLOCATOR * max(transient + acts, 0.0)
+        share = ALLOCATOR * max(transient + acts, 0.0)
+        return self.device.workspace_bytes + transient + peak.reserved_bytes + share
 
     def peak(self, cfg: Config, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
         settings = PeakSettings(
             self.chunked_loss, self.recompute, self.fused, self.scores,
             *self._zero_buffers(cfg, fa), _late_grads(cfg, fa, self.shards(cfg)),
+            self.eager_loss, self._accumulated_grads(cfg, fa),
         )  # fmt: skip
         return rank_peak(cfg, pp_rank, acts, settings)
+
+    def _accumulated_grads(self, cfg: Config, fa: RankFacts) -> float:
+        """Bytes of ZeRO-2/3's whole unsharded gradients accumulated over microbatches (of
+        `_zero_buffers`' gradients): from the first microbatch's backward to the
+        reduction, so every moment of a later microbatch holds them, its loss included."""
+        p = cfg.parallel
+        whole = self.shards(cfg) > 1 and p.zero_stage >= 2 and not self.reduce_every_micro
+        if not (whole and p.microbatches > 1):
+            return 0.0
+        return DTYPE_BYTES[cfg.train.dtype] * fa.psi_dense
 
     def _zero_buffers(self, cfg: Config, fa: RankFacts) -> tuple[float, float]:
         """(ZeRO-3's gathered compute parameters, ZeRO-2/3's unsharded gradients), bytes

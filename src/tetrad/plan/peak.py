@@ -10,7 +10,10 @@ is stated with its terms and the largest is the peak:
   activations and is charged at its backward.
 - *loss backward* (last stage): one chunk's logit gradient (and its cast), the head
   input's gradient, the head weight's fp32 gradient and one chunk's share of it; unchunked,
-  the fp32 logit gradient and its cast.
+  the fp32 logit gradient and its cast. An engine whose loss is eager `F.cross_entropy` on
+  the logits cast to fp32 (torchtitan's) holds one fp32 tensor more under tp, where
+  DTensor's loss_parallel fuses the two backwards, and leaves the compute-dtype logits'
+  space reserved but unusable (`eager_loss_backward`, `eager_loss_hole`).
 - *block backward* (every stage): SwiGLU's backward holds the gradient of its product and
   of both inputs at once (two f-wide tensors beyond the saved ones) and the residual
   stream's gradient; under recomputation, what the policy recomputes; without a flash
@@ -20,7 +23,9 @@ is stated with its terms and the largest is the peak:
 
 Terms every moment of the forward and backward shares: ZeRO-3's gathered parameters
 (the root, from its first use to the end of backward, and the blocks gathered at once),
-ZeRO-2/3's unsharded gradients awaiting their reduce-scatter; and, as a negative term,
+ZeRO-2/3's unsharded gradients awaiting their reduce-scatter (at a block's backward;
+where they are accumulated whole over microbatches, at every moment: a later
+microbatch's loss runs beside the earlier ones' gradients); and, as a negative term,
 the gradients the model state counts that exist only from the reduction to the optimizer
 step (ZeRO's fp32 shards, mixed precision's fp32 gradients): the forward and backward do
 not hold them yet. A pipeline stage other than
@@ -49,10 +54,18 @@ class Peak:
 
     moment: str
     terms: tuple[tuple[str, float], ...]
+    # bytes the caching allocator holds at that moment beyond the live tensors, for a
+    # stated reason (a freed tensor's space no allocation of the moment fits): counted in
+    # the device's peak (`Memory.total`), not in the allocated peak
+    reserved: tuple[tuple[str, float], ...] = ()
 
     @property
     def transient(self) -> float:
         return sum(v for _, v in self.terms)
+
+    @property
+    def reserved_bytes(self) -> float:
+        return sum(v for _, v in self.reserved)
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,10 @@ class PeakSettings:
     zero_gathered: float  # ZeRO-3's gathered parameters, bytes
     zero_grads: float  # ZeRO-2/3's unsharded gradients alive in backward, bytes
     late_grads: float  # model-state gradients alive only from the reduction on, bytes
+    eager_loss: bool = False  # eager F.cross_entropy on fp32-cast logits (torchtitan)
+    # of zero_grads: the whole gradients accumulated over microbatches, alive through every
+    # moment of the later microbatches (their loss too), not at a block's backward only
+    accumulated_grads: float = 0.0
 
 
 def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
@@ -75,20 +92,34 @@ def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
     last = p.pp * p.virtual_stages - 1 in stages
     shared = _shared_terms(cfg, 0 in stages, s)
     block = [("block backward", block_backward(cfg, s)),
-             ("ZeRO unsharded gradients", s.zero_grads)]  # fmt: skip
-    moments = [("block backward", block + shared)]
+             ("ZeRO unsharded gradients", s.zero_grads - s.accumulated_grads)]  # fmt: skip
+    moments = [("block backward", block + shared, [])]
     if last:
         fwd, bwd = loss_forward(cfg, s.chunked_loss), loss_backward(cfg, s.chunked_loss)
-        moments.append(("loss forward", [("loss chunk, forward", fwd)] + shared))
-        moments.append(("loss backward", [("loss chunk, backward", bwd)] + shared))
-    moments.append(("optimizer step", [("activations (freed by then)", -acts)]))
-    peaks = [Peak(name, tuple((k, float(v)) for k, v in terms if v)) for name, terms in moments]
-    return max(peaks, key=lambda pk: pk.transient)
+        hole = []
+        if s.eager_loss and not _chunked(cfg, s.chunked_loss):
+            bwd = eager_loss_backward(cfg)
+            hole = [("freed logits' space", eager_loss_hole(cfg))]
+        moments.append(("loss forward", [("loss chunk, forward", fwd)] + shared, []))
+        moments.append(("loss backward", [("loss chunk, backward", bwd)] + shared, hole))
+    moments.append(("optimizer step", [("activations (freed by then)", -acts)], []))
+    peaks = [Peak(name, _nonzero(terms), _nonzero(reserved)) for name, terms, reserved in moments]
+    return max(peaks, key=lambda pk: pk.transient + pk.reserved_bytes)
+
+
+def _nonzero(terms: list[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
+    return tuple((k, float(v)) for k, v in terms if v)
+
+
+def _chunked(cfg: Config, chunked: bool) -> bool:
+    """Whether the head and loss run a chunk of tokens at a time."""
+    return chunked and cfg.train.loss_chunk > 0
 
 
 def _shared_terms(cfg: Config, first: bool, s: PeakSettings) -> list[tuple[str, float]]:
     """Terms alive through the forward and backward (module docstring)."""
     out = [("ZeRO-3 gathered parameters", s.zero_gathered),
+           ("ZeRO gradients accumulated over microbatches", s.accumulated_grads),
            ("gradients not yet reduced (in the state)", -s.late_grads)]  # fmt: skip
     if not first:
         out.append(("pipeline receive pool", 2 * stage_input_bytes(cfg)))
@@ -131,6 +162,27 @@ def loss_backward(cfg: Config, chunked: bool) -> float:
     n, v = min(cfg.train.loss_chunk, n_all), m.vocab / p.tp
     cast = c if c < 4 else 0
     return n * v * (4 + cast) + n_all * m.dim * c + v * m.dim * (4 + 4 + cast)
+
+
+def eager_loss_backward(cfg: Config) -> float:
+    """Eager `F.cross_entropy(logits.float(), ...)` (torchtitan's loss_fn): the backward of
+    nll_loss and log_softmax holds the fp32 one-hot gradient and the fp32 input gradient
+    beside the saved log-probabilities, 8·N·V/t; under tp DTensor's loss_parallel fuses the
+    two into (one-hot + exp(log-probs)) · scale, which holds the zero-filled one-hot,
+    exp, their sum and the product at once (torch.distributed.tensor.parallel.loss): three
+    fp32 tensors beside the saved one, 12·N·V/t."""
+    tensors = 3 if cfg.parallel.tp > 1 else 2
+    return tensors * 4 * _tokens(cfg) * cfg.model.vocab / cfg.parallel.tp
+
+
+def eager_loss_hole(cfg: Config) -> float:
+    """Reserved, not allocated, at an eager loss's backward: the head's logits in the
+    compute dtype (c·N·V/t), freed before the backward (torchtitan's `del pred`), leave a
+    hole that none of the backward's fp32 N·V/t tensors fits: the caching allocator
+    places them past it, so the device's peak keeps it. Nothing where the logits are
+    fp32 already."""
+    c = DTYPE_BYTES[cfg.train.dtype]
+    return c * _tokens(cfg) * cfg.model.vocab / cfg.parallel.tp if c < 4 else 0.0
 
 
 def block_backward(cfg: Config, s: PeakSettings) -> float:
