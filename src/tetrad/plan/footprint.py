@@ -95,6 +95,13 @@ class RankFacts:
         return (self.psi_layers - self.psi_experts) / max(self.layer_units, 1)
 
     @property
+    def psi_scattered(self) -> int:
+        """Elements whose gradients ZeRO accumulates whole and reduce-scatters: the dense
+        part, and the experts where they have ZeRO units of their own (held whole, their
+        gradients are in the state)."""
+        return self.psi_dense + (self.psi_experts if self.expert_shards > 1 else 0)
+
+    @property
     def expert_unit(self) -> float:
         """Elements of one MoE block's expert unit where ZeRO gathers and reduce-scatters
         it as it does a block (sharded over ep_data); 0 where the experts are held whole."""
@@ -323,7 +330,7 @@ class Footprint:
         whole = self.shards(cfg) > 1 and p.zero_stage >= 2 and not self.reduce_every_micro
         if not (whole and p.microbatches > 1):
             return 0.0
-        return DTYPE_BYTES[cfg.train.dtype] * fa.psi_dense
+        return DTYPE_BYTES[cfg.train.dtype] * fa.psi_scattered
 
     def _zero_buffers(self, cfg: Config, fa: RankFacts) -> tuple[float, float]:
         """(ZeRO-3's gathered compute parameters, ZeRO-2/3's unsharded gradients), bytes
@@ -353,9 +360,7 @@ class Footprint:
             # with pp > 1 a stage reduces at its last backward work (whatever m): whole
             whole = (p.microbatches > 1 or p.pp > 1) and not self.reduce_every_micro
             units = grad_blocks * block + fa.psi_root
-            # experts held whole under ep: their gradients are in the state
-            sharded = fa.psi_dense + (fa.psi_experts if fa.expert_unit else 0)
-            grads = sharded if whole else units
+            grads = fa.psi_scattered if whole else units
             if whole and p.zero_stage == 3 and self.zero3_incoming_grad:
                 grads += block + fa.psi_root  # the microbatch's, before the sum
             if self.max_live and self.reduce_bucket and not whole:
