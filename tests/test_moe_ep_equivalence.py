@@ -31,7 +31,7 @@ LAYOUTS = {
     "ep2-cp2": (AUX, {"dp": 2, "cp": 2, "ep": 2}),
     # ep over the sharded-data ranks: ZeRO-3 shards the rest, each rank its own experts
     "ep2-fsdp2": (BIAS, {"fsdp": 2, "ep": 2, "zero_stage": 3}),
-    # experts replicated over 2 fsdp ranks, all-reduced there; ZeRO-1 for the rest
+    # each expert slice on 2 fsdp ranks: ZeRO-1 shards it over them (its ep_data group)
     "ep2-fsdp4": (AUX, {"fsdp": 4, "ep": 2, "zero_stage": 1, "microbatches": 2}),
     # the mix, in the suite's 8-rank world: pp x cp x tp, ep borrowing cp and tp
     "mix8": (BIAS, {"pp": 2, "cp": 2, "tp": 2, "ep": 4, "microbatches": 2}),

@@ -20,7 +20,7 @@ from tetrad.parallel.runner import GradSync, LossFn, MicrobatchLoop, Runner
 from tetrad.parallel.state_adapter import PlainAdapter
 from tetrad.parallel.tensor import TPLayout
 from tetrad.parallel.zero import ZeroShards
-from tetrad.parallel.zero_adapter import ZeroAdapter, ZeroWithExperts
+from tetrad.parallel.zero_adapter import ZeroAdapter, ZeroWithExperts, ZeroWithExpertShards
 
 
 def parallelize(
@@ -74,12 +74,18 @@ def parallelize(
     tied = (spec.tied_weight, mesh["pp_ends"]) if tied_ends else None
     where = (layout, model_cfg, mesh, comm, unshard, slicer)
     if layout.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
-        experts = local.ep.names if local.ep else frozenset()  # not ZeRO's: see below
+        experts = local.ep.names if local.ep else frozenset()  # their own shards: below
         shards = ZeroShards(model, mesh, comm, layout, replicated, spec, tied, experts)
         grads, replicated = shards, {**replicated, **shards.view_replicated()}
         state = ZeroAdapter(shards, model, *where)
         runner.meter.exclude(u.flat for u in shards.units)  # parameters, not activations
-        if experts:  # what ZeRO left in the model: the experts, reduced over ep_data
+        if experts and mesh["ep_data"].size > 1:  # a second set of shards, over ep_data
+            rest = [n for n, _ in model.named_parameters() if n not in experts]
+            ex = ZeroShards(model, mesh, comm, layout, replicated, spec, None, rest, "ep_data")
+            grads, replicated = ExpertGrads(ex, shards), {**replicated, **ex.view_replicated()}
+            state = ZeroWithExpertShards(shards, ex, model, *where)
+            runner.meter.exclude(u.flat for u in ex.units)
+        elif experts:  # what ZeRO left in the model: the experts, each rank's own
             named = list(model.named_parameters())
             expert_grads = _replicated_grads(named, layout, mesh["ep_data"], comm)
             grads = ExpertGrads(expert_grads, shards)

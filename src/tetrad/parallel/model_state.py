@@ -112,15 +112,19 @@ def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelSta
     fsdp, dtype = layout.degrees["fsdp"], layout.compute_dtype
     if fsdp == 1:
         return replicated_bytes(named, dtype)
-    fsdp_rank = Mesh.plan(layout.degrees, rank).coord["fsdp"]
-    # expert weights under ep are not ZeRO's: held whole, reduced over their ep_data group
+    mesh = Mesh.plan(layout.degrees, rank, layout.ep)
+    # expert weights under ep: ZeRO's second set of shards, over their ep_data group
     experts = [(n, s) for n, s in named if replicated[n] == EXPERT_REPLICATED]
     rest = [(n, s) for n, s in named if replicated[n] != EXPERT_REPLICATED]
     units = plan_units(rest, replicated, fsdp, spec_for(m))
-    zero = zero_bytes(units, fsdp_rank, layout.zero_stage, dtype)
+    zero = zero_bytes(units, mesh.coord["fsdp"], layout.zero_stage, dtype)
     if not experts:
         return zero
-    return zero + replicated_bytes(experts, dtype)
+    ep_data = mesh["ep_data"]
+    if ep_data.size == 1:  # nothing to shard over: each rank's experts, whole
+        return zero + replicated_bytes(experts, dtype)
+    units = plan_units(experts, replicated, ep_data.size, spec_for(m), "ep_data")
+    return zero + zero_bytes(units, ep_data.rank, layout.zero_stage, dtype)
 
 
 def zero_formula_bytes(

@@ -137,8 +137,9 @@ def unit_of(name: str, spec: ModelSpec) -> str:
     return spec.block_of(name) or ROOT
 
 
-def class_key(name: str, replicated: tuple[str, ...]) -> ClassKey:
-    return (decays(name), tuple(a for a in replicated if a != "fsdp"))
+def class_key(name: str, replicated: tuple[str, ...], axis: str = "fsdp") -> ClassKey:
+    """`axis`: what the shards split (fsdp; ep_data for expert weights), so not a copy."""
+    return (decays(name), tuple(a for a in replicated if a not in ("fsdp", axis)))
 
 
 def plan_units(
@@ -146,6 +147,7 @@ def plan_units(
     replicated: dict[str, tuple[str, ...]],
     world: int,
     spec: ModelSpec,
+    axis: str = "fsdp",
 ) -> list[UnitLayout]:
     """Units in forward order (root first, then blocks as the model holds them)."""
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {ROOT: []}
@@ -155,7 +157,7 @@ def plan_units(
     for unit, members in groups.items():
         if not members:
             continue
-        keyed = [(class_key(n, replicated[n]), n, s) for n, s in members]
+        keyed = [(class_key(n, replicated[n], axis), n, s) for n, s in members]
         # decaying classes first, then by replication; stable, so model order within a class
         keyed.sort(key=lambda t: (not t[0][0], t[0][1]))
         out.append(
@@ -273,8 +275,11 @@ class ZeroShards:
         spec: ModelSpec,
         tied: tuple[str, Group] | None = None,
         exclude: Collection[str] = (),
+        axis: str = "fsdp",
     ):
-        """`exclude`: parameters left as they are, for another sync (expert weights)."""
+        """`exclude`: parameters left as they are, for another sync (expert weights).
+        `axis`: the group the shards split, "fsdp", or "ep_data" for the expert weights
+        (a second set of shards over the ranks holding the same experts: no replicas)."""
         self.mesh, self.comm = mesh, comm
         self.dtype = job.compute_dtype
         # (name, group): a parameter another rank also holds (the embedding tied across
@@ -282,14 +287,16 @@ class ZeroShards:
         self.tied = tied
         # a shard's copies: one per dp replica and per cp rank (cp ranks hold other tokens
         # of the same sequences, so their gradients are summed like dp's)
-        self.group, self.dp = mesh["fsdp"], mesh["replica"]
+        self.axis = axis
+        self.group = mesh[axis]
+        self.dp: Group | None = mesh["replica"] if axis == "fsdp" else None
         self.stage = job.zero_stage
         self.reshard_after_forward = job.reshard_after_forward
         self.reduce_dtype = job.reduce_dtype
         self.device = next(model.parameters()).device
         named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n not in exclude]
         self.spec = spec
-        self.layouts = plan_units(named, replicated, self.group.size, self.spec)
+        self.layouts = plan_units(named, replicated, self.group.size, self.spec, axis)
         self.units = [self._build(u, model) for u in self.layouts]
         self.by_name = {u.layout.name: u for u in self.units}
         self.prefetch_midway: set[str] = set()  # blocks that prefetch from their middle
@@ -493,8 +500,9 @@ class ZeroShards:
     def _replicate(self, scattered: tuple[FlatUnit, Work, torch.Tensor, torch.Tensor]) -> None:
         unit, work, _, out = scattered
         work.wait()
-        work = self.comm.all_reduce(out, self.dp, async_op=True)
-        self.replicating.append((unit, out, work))
+        if self.dp is not None:
+            work = self.comm.all_reduce(out, self.dp, async_op=True)
+        self.replicating.append((unit, out, work))  # (done already without replicas)
 
     def finish(self) -> None:
         """Reduce what backward did not, and wait for every reduction of the step."""

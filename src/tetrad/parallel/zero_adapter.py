@@ -58,6 +58,12 @@ class ZeroAdapter(PlainAdapter):
     def load_local(self, params, moments, step: int, optimizer) -> None:
         load_units(self.shards, params, moments, step, optimizer)
 
+    def writes(self, name: str, replicated: dict[str, tuple[str, ...]]) -> bool:
+        """As `PlainAdapter.writes`, the shards' own axis (fsdp, or ep_data for expert
+        weights) not a copy: every rank of it writes its own piece."""
+        coord = self.mesh.place
+        return all(coord[a] == 0 for a in replicated[name] if a not in ("fsdp", self.shards.axis))
+
     # --- sharded checkpoints: each rank's own piece of each unit, as boxes ----------------
     def shard_boxes(self, u: FlatUnit) -> list[tuple[str, int, Box]]:
         """(name, offset in this rank's shard, box in the full tensor) covering the shard."""
@@ -136,6 +142,43 @@ class ZeroWithExperts(ZeroAdapter):
     def load_owned(self, read: Reader, step: int, optimizer) -> None:
         super().load_owned(read, step, optimizer)
         PlainAdapter.load_owned(self, read, step, optimizer)
+
+
+class ZeroWithExpertShards(ZeroAdapter):
+    """ZeRO's units over fsdp, and the expert weights' own units over ep_data (`experts`):
+    each method the union of both adapters, dense first, the same order on every rank."""
+
+    def __init__(self, shards: ZeroShards, experts: ZeroShards, *args, **kwargs):
+        super().__init__(shards, *args, **kwargs)
+        self.experts = ZeroAdapter(experts, *args, **kwargs)
+
+    def local_names(self) -> list[str]:
+        return super().local_names() + self.experts.local_names()
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        return super().local_state_dict() | self.experts.local_state_dict()
+
+    def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
+        units, step = super().local_optimizer_state(optimizer)
+        experts, _ = self.experts.local_optimizer_state(optimizer)
+        return {k: units[k] | experts[k] for k in MOMENTS}, step  # step: over every tensor
+
+    def load_local(self, params, moments, step: int, optimizer) -> None:
+        super().load_local(params, moments, step, optimizer)
+        self.experts.load_local(params, moments, step, optimizer)
+
+    def owned_slices(self, optimizer, replicated) -> tuple[Owned, int]:
+        units, step = super().owned_slices(optimizer, replicated)
+        experts, _ = self.experts.owned_slices(optimizer, replicated)
+        return units + experts, step
+
+    def load_owned(self, read: Reader, step: int, optimizer) -> None:
+        super().load_owned(read, step, optimizer)
+        self.experts.load_owned(read, step, optimizer)
+
+    def after_load(self) -> None:
+        super().after_load()
+        self.experts.after_load()
 
 
 @torch.no_grad()

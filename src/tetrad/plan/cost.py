@@ -404,9 +404,11 @@ class Planner:
         for stage, layers in enumerate(split):
             if layers == 0:
                 continue
-            block = facts[_rank_of_stage(cfg, stage)].block
+            fa = facts[_rank_of_stage(cfg, stage)]
+            block = fa.block
             calls = _calls(block, 1, self.engine.gather_bucket)
             gather = layers * calls * link.time("all_gather", p.fsdp, block * cbytes(cfg) / calls)
+            gather += self._expert_gathers(cfg, fa, layers)
             first = gather / layers
             hide = 1.0 if self.engine.gather_overlap else 0.0
             fwd_window = hide * compute["F"][stage]
@@ -414,6 +416,16 @@ class Planner:
             out["F"][stage] = first + max(0.0, gather - first - fwd_window)
             out["B"][stage] = first + max(0.0, gather - first - bwd_window)
         return out
+
+    def _expert_gathers(self, cfg: Config, fa: RankFacts, layers: int) -> float:
+        """Seconds of one pass's gathers of the expert units of `layers` blocks (their MoE
+        share), each over the expert-data group, where ZeRO shards the experts."""
+        if not fa.expert_unit:
+            return 0.0
+        group = ep_groups(cfg)[1][0]
+        link = self.cluster.group_link(group)
+        moe = layers * fa.moe_units / max(fa.layer_units, 1)
+        return moe * link.time("all_gather", len(group), fa.expert_unit * cbytes(cfg))
 
     def _per_micro_reduction(
         self, cfg: Config, facts: list[RankFacts], compute: dict[str, list[float]]
@@ -467,14 +479,20 @@ class Planner:
         return {"dp": hsdp + experts, "fsdp": rs}
 
     def _expert_grad_reduction(self, cfg: Config, fa: RankFacts) -> float:
-        """Seconds of the all-reduce of the ep-sharded expert gradients (fp32, whole
-        parameters, ZeRO or not) over the expert-data group: the dp·fsdp·cp·tp / ep ranks
-        of a stage that hold the same slice (`mesh.expert_groups`)."""
+        """Seconds of the ep-sharded expert gradients' reduction over the expert-data
+        group, the dp·fsdp·cp·tp / ep ranks of a stage that hold the same slice
+        (`mesh.expert_groups`): without ZeRO an all-reduce of the whole gradients (fp32);
+        under ZeRO, whose units of them are split over that group, a reduce-scatter (in
+        the reduce dtype); their gathers are priced with ZeRO's others (`after_schedule`,
+        `_zero3_gathers`)."""
         if not fa.psi_experts:
             return 0.0
         group = ep_groups(cfg)[1][0]
-        n = len(group)
-        return self.cluster.group_link(group).time("all_reduce", n, fa.psi_experts * 4)
+        n, link = len(group), self.cluster.group_link(group)
+        if fa.expert_shards == 1:
+            return link.time("all_reduce", n, fa.psi_experts * 4)
+        rb = DTYPE_BYTES[cfg.parallel.reduce_dtype]
+        return link.time("reduce_scatter", n, fa.psi_experts * rb)
 
     def after_schedule(self, cfg: Config, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
         """Exposed seconds of one pp rank after its pipeline work: gradient reduction,
@@ -495,12 +513,13 @@ class Planner:
         gather = 0.0
         if p.fsdp > 1:
             link = self.cluster.link(p.tp * p.cp, p.fsdp)
-            if p.zero_stage < 3:
+            if p.zero_stage < 3:  # the updated shards, dense and (sharded) experts
                 seconds = link.time("all_gather", p.fsdp, fa.psi_dense * cbytes(cfg))
+                seconds += self._expert_gathers(cfg, fa, fa.layer_units)
                 gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
             else:  # the root unit: gathered once per step, before the first forward
                 gather = link.time("all_gather", p.fsdp, fa.psi_root * cbytes(cfg))
-        shard = fa.psi_dense / p.fsdp + fa.psi_experts
+        shard = fa.psi_dense / p.fsdp + fa.psi_experts / fa.expert_shards
         optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
         return {"dp": grad["dp"], "fsdp": gather + grad["fsdp"], "optimizer": optimizer}
 

@@ -73,9 +73,12 @@ class RankFacts:
     psi_root: int
     layer_units: int
     state: ModelState
-    # elements of expert weights under ep (in psi_layers): held whole, outside ZeRO's
-    # units, their gradients reduced over the expert-data group (docs/moe.md)
+    # elements of expert weights under ep (in psi_layers): outside the fsdp units, in ZeRO
+    # units of their own over the expert-data group (docs/moe.md)
     psi_experts: int = 0
+    # ranks those expert units are sharded over: |ep_data| under ZeRO, 1 when held whole
+    expert_shards: int = 1
+    moe_units: int = 0  # MoE blocks held (each one expert unit)
 
     @property
     def psi(self) -> int:
@@ -90,6 +93,21 @@ class RankFacts:
     def block(self) -> float:
         """Elements of one block's ZeRO unit (the experts under ep are not in it)."""
         return (self.psi_layers - self.psi_experts) / max(self.layer_units, 1)
+
+    @property
+    def psi_scattered(self) -> int:
+        """Elements whose gradients ZeRO accumulates whole and reduce-scatters: the dense
+        part, and the experts where they have ZeRO units of their own (held whole, their
+        gradients are in the state)."""
+        return self.psi_dense + (self.psi_experts if self.expert_shards > 1 else 0)
+
+    @property
+    def expert_unit(self) -> float:
+        """Elements of one MoE block's expert unit where ZeRO gathers and reduce-scatters
+        it as it does a block (sharded over ep_data); 0 where the experts are held whole."""
+        if self.expert_shards == 1:
+            return 0.0
+        return self.psi_experts / max(self.moe_units, 1)
 
 
 class Footprint:
@@ -134,7 +152,7 @@ class Footprint:
         p = cfg.parallel
         place = (model_key(cfg.model), tuple(split), pp_rank, p.pp, p.virtual_stages,
                  p.pp_schedule, p.tp, self.shards(cfg), p.zero_stage, cfg.train.dtype,
-                 _ep_shape(cfg))  # fmt: skip
+                 _ep_shape(cfg), _expert_shards(cfg, self.shards(cfg)))  # fmt: skip
         if place not in self._places:
             self._places[place] = self._rank_facts(cfg, split, pp_rank)
         return self._places[place]
@@ -146,7 +164,7 @@ class Footprint:
         first, last = 0 in stages, len(split) - 1 in stages
         shards = self.shards(cfg)
         key = (model_key(cfg.model), p.tp, shards, p.zero_stage, cfg.train.dtype, kinds, first,
-               last, _ep_shape(cfg))  # fmt: skip
+               last, _ep_shape(cfg), _expert_shards(cfg, shards))  # fmt: skip
         if key not in self._facts:
             named, replicated = self._local_parameters(cfg, kinds, first, last)
             numel = {n: math.prod(s) for n, s in named}
@@ -154,8 +172,10 @@ class Footprint:
             layers = sum(v for n, v in numel.items() if n.startswith(blocks))
             experts = sum(numel[n] for n in numel if replicated[n] == EXPERT_REPLICATED)
             state = _state(cfg, named, replicated, shards)
-            held = sum(kinds)
-            self._facts[key] = RankFacts(layers, sum(numel.values()) - layers, held, state, experts)
+            held, root = sum(kinds), sum(numel.values()) - layers
+            spread = _expert_shards(cfg, shards) if experts else 1
+            facts = RankFacts(layers, root, held, state, experts, spread, kinds[1])
+            self._facts[key] = facts
         return self._facts[key]
 
     def shards(self, cfg: Config) -> int:
@@ -310,7 +330,7 @@ class Footprint:
         whole = self.shards(cfg) > 1 and p.zero_stage >= 2 and not self.reduce_every_micro
         if not (whole and p.microbatches > 1):
             return 0.0
-        return DTYPE_BYTES[cfg.train.dtype] * fa.psi_dense
+        return DTYPE_BYTES[cfg.train.dtype] * fa.psi_scattered
 
     def _zero_buffers(self, cfg: Config, fa: RankFacts) -> tuple[float, float]:
         """(ZeRO-3's gathered compute parameters, ZeRO-2/3's unsharded gradients), bytes
@@ -331,17 +351,18 @@ class Footprint:
             return 0.0, 0.0
         gathered_blocks, grad_blocks = self.zero_blocks
         gathered = grads = 0.0
+        block = fa.block + fa.expert_unit  # a block's units: its own, and its experts'
         if p.zero_stage == 3:
-            gathered = gathered_blocks * fa.block + fa.psi_root
+            gathered = gathered_blocks * block + fa.psi_root
             if self.max_live:
                 gathered = max(min(gathered, self.max_live), _largest_linear(cfg))
         if p.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
             # with pp > 1 a stage reduces at its last backward work (whatever m): whole
             whole = (p.microbatches > 1 or p.pp > 1) and not self.reduce_every_micro
-            units = grad_blocks * fa.block + fa.psi_root
-            grads = fa.psi_dense if whole else units  # experts under ep: in the state
+            units = grad_blocks * block + fa.psi_root
+            grads = fa.psi_scattered if whole else units
             if whole and p.zero_stage == 3 and self.zero3_incoming_grad:
-                grads += fa.block + fa.psi_root  # the microbatch's, before the sum
+                grads += block + fa.psi_root  # the microbatch's, before the sum
             if self.max_live and self.reduce_bucket and not whole:
                 grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(cfg))
         return c * gathered, c * grads
@@ -392,7 +413,8 @@ def _ep_shape(cfg: Config) -> tuple[int, bool]:
 
 def _state(cfg: Config, named, replicated, shards: int) -> ModelState:
     """`model_state.model_state_bytes`'s arithmetic on given local parameters (shard rank 0
-    of `shards`): under ep the experts are held whole, beside ZeRO's units of the rest."""
+    of `shards`): under ep the experts have their own ZeRO units, sharded over the ranks
+    holding the same experts (ep_data), beside ZeRO's units of the rest."""
     p = cfg.parallel
     dtype = layout_of(cfg).compute_dtype
     if shards == 1:
@@ -403,6 +425,20 @@ def _state(cfg: Config, named, replicated, shards: int) -> ModelState:
     zero = zero_bytes(units, 0, p.zero_stage, dtype)
     if not experts:
         return zero
-    plain = replicated_bytes(experts, dtype)
-    return ModelState(zero.params + plain.params, zero.grads + plain.grads,
-                      zero.optimizer + plain.optimizer)  # fmt: skip
+    ep_data = _expert_shards(cfg, shards)
+    if ep_data == 1:  # held whole
+        return zero + replicated_bytes(experts, dtype)
+    # ZeRO's second set of shards, over ep_data (shard rank 0)
+    units = plan_units(experts, replicated, ep_data, spec_for(cfg.model), "ep_data")
+    return zero + zero_bytes(units, 0, p.zero_stage, dtype)
+
+
+def _expert_shards(cfg: Config, shards: int) -> int:
+    """Ranks the expert weights' ZeRO state is split over: under ZeRO (`shards` > 1) their
+    expert-data group, the dp·fsdp·cp·tp / ep ranks of a stage holding the same slice
+    (`mesh.expert_groups`); without it, or experts, none (1: the facts of a dense model's
+    layouts stay shared across dp)."""
+    p = cfg.parallel
+    if shards == 1 or not cfg.model.moe:
+        return 1
+    return p.dp * p.fsdp * p.cp * p.tp // p.ep
