@@ -34,21 +34,23 @@ def read_metrics(path) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_train_dp2_matches_single_process(tmp_path, monkeypatch):
+def test_train_dp2_matches_single_process(tmp_path, monkeypatch, capfd):
+    """The default launch (no degree given: two data-parallel processes) equals one
+    process, and leaves a model to sample from, saying where (the newcomer's first run)."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    runs = {}
-    for nproc, extra in ((1, []), (2, ["--dp", "2"])):
-        out = tmp_path / f"n{nproc}"
-        argv = ["train", "--nproc", str(nproc), *extra, "--out", str(out), *TINY]
-        if nproc == 1:  # in this process
-            assert cli_main(argv) == 0
-        else:
-            res = tetrad(*argv)
-            assert res.returncode == 0, res.stderr[-3000:]
-        runs[nproc] = read_metrics(out)
-        assert (out / "config.json").exists()
-    one, two = runs[1], runs[2]
+    one_out, two_out = tmp_path / "n1", tmp_path / "n2"
+    assert cli_main(["train", "--nproc", "1", "--out", str(one_out), *TINY]) == 0  # here
+    res = tetrad("train", "--out", str(two_out), *TINY)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"writing the run to {two_out}/" in res.stdout
+    assert f"tetrad generate {two_out}" in res.stdout and f"tetrad report {two_out}" in res.stdout
+    assert json.loads((two_out / "config.json").read_text())["parallel"]["dp"] == 2
+    assert (two_out / "checkpoints" / "step_00000020" / "manifest.json").is_file()
+    capfd.readouterr()
+    assert cli_main(["generate", str(two_out), "--prompt", "01", "--max-new-tokens", "4"]) == 0
+    assert capfd.readouterr().out.strip()
+    one, two = read_metrics(one_out), read_metrics(two_out)
     assert len(one) == len(two) == 20
     for row in one + two:
         assert row.keys() >= KEYS

@@ -14,11 +14,12 @@ ONE = [*TINY, "--nproc", "1"]  # in this process: what is tested is not the laun
 
 def test_a_run_keeps_its_model_and_says_where(tmp_path, monkeypatch, capfd):
     """`tetrad train` saves the last step by default, names the run at its start and end,
-    and `tetrad generate` then samples from it; --no-final-checkpoint keeps none."""
+    and `tetrad generate` then samples from it; --no-final-checkpoint keeps none. (Through
+    the default two-process launch: test_cli's equivalence run.)"""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     out = tmp_path / "run"
-    assert cli_main(["train", *TINY, "--steps", "2", "--out", str(out)]) == 0
+    assert cli_main(["train", *ONE, "--steps", "2", "--out", str(out)]) == 0
     said = capfd.readouterr().out
     assert f"writing the run to {out}/" in said
     assert f"tetrad generate {out}" in said and f"tetrad report {out}" in said

@@ -23,22 +23,20 @@ def _cfg(schedule: str, model=MODEL, **par):
     return tiny_config(model=model, train=TRAIN, parallel={**base, **par})
 
 
+# Each case once: zb-h1 with ZeRO-3, tp 2 and sp (kv_heads 2) is test_fsdp's 16-rank run
+# (dp × fsdp × tp × pp), and the tied embedding under 1F1B test_pp's.
 ZERO = [  # (model, layout): fsdp 2 x pp 2
-    (MODEL, {"schedule": "zb-h1", "fsdp": 2, "zero_stage": 3}),
     (MODEL, {"schedule": "zb-v", "fsdp": 2, "zero_stage": 3}),
     (MODEL, {"schedule": "zb-h1", "fsdp": 2, "zero_stage": 1}),
     (MODEL, {"schedule": "zb-v", "fsdp": 2, "zero_stage": 2}),
     (TIED, {"schedule": "zb-h1", "fsdp": 2, "zero_stage": 3}),
-    (TIED, {"schedule": "1f1b", "fsdp": 2, "zero_stage": 2}),
     (TIED, {"schedule": "zb-v", "fsdp": 2, "zero_stage": 3}),
 ]
 TP = [  # tp 2 x pp 2
-    (MODEL, {"schedule": "zb-h1", "tp": 2, "sp": True}),
     (MODEL, {"schedule": "zb-v", "tp": 2}),
     (KV1, {"schedule": "zb-h1", "tp": 2, "sp": True}),
 ]
 HSDP = [  # 8 ranks
-    (MODEL, {"schedule": "zb-h1", "fsdp": 2, "tp": 2, "zero_stage": 3, "sp": True}),
     (MODEL, {"schedule": "zb-v", "fsdp": 2, "tp": 2, "zero_stage": 3}),
     # 4 data ranks: 3 microbatches of 2 sequences each
     (MODEL, {"schedule": "zb-v", "dp": 2, "fsdp": 2, "zero_stage": 3, "microbatches": 3}),
@@ -89,7 +87,7 @@ def test_tp_with_zero_bubble(reference, jobs):
 
 
 def test_hsdp_fsdp_tp_with_zero_bubble(reference, jobs):
-    """8 ranks: fsdp × tp × pp with SP, and HSDP (dp × fsdp) × pp, ZeRO-3."""
+    """8 ranks: fsdp × tp × pp under zb-v, and HSDP (dp × fsdp) × pp, ZeRO-3 and ZeRO-1."""
     _check_all(reference, HSDP, jobs["hsdp"][0])
 
 
