@@ -13,7 +13,11 @@ was running. Each function's own time (not its callees') is put in one bin:
   (benchmarks/), with the tensor operators they call (the norm, clipping, flags).
 
 Per side: ms of CPU per step and rank, median over rounds and ranks. cProfile's own cost
-per Python call inflates the Python-heavy bins a little; compare the sides bin by bin.
+per Python call inflates the Python-heavy bins; compare the sides bin by bin. So tetrad's
+bookkeeping is also timed directly, without the profiler (`tetrad_parts`: ms of CPU per
+call on the rank where it costs most, which the step waits for, after one more step's
+backward): the gradient norm, clipping's scaling, the per-step model-state measurement,
+zeroing the gradient buckets.
 
     .venv/bin/python benchmarks/dp_profile.py --worlds 2 4
 """
@@ -32,6 +36,7 @@ import torch
 import dp
 import harness
 from tetrad.config import from_dict, model_preset
+from tetrad.parallel.model_state import measured_model_state
 from tetrad.testing import spawn
 
 BINS = ("forward", "backward", "comm", "optimizer", "framework")
@@ -70,10 +75,31 @@ def split(profile: cProfile.Profile, steps: int) -> dict[str, float]:
     return {b: 1e3 * s / steps for b, s in out.items()}
 
 
+def cpu_ms(fn, calls: int = 100) -> float:
+    """CPU ms per call of `fn`."""
+    c0 = time.process_time()
+    for _ in range(calls):
+        fn()
+    return 1e3 * (time.process_time() - c0) / calls
+
+
+def parts(trainer) -> dict[str, float]:
+    """tetrad's per-step bookkeeping, each piece timed alone on the gradients of a step."""
+    engine = trainer.engine
+    engine.forward_backward(trainer.loader.next(), torch.tensor(4096.0))
+    engine.sync_grads()
+    return {
+        "grad_sq_norm": cpu_ms(engine.grad_sq_norm),
+        "scale_grads": cpu_ms(lambda: engine.scale_grads(1.0)),
+        "model_state": cpu_ms(lambda: measured_model_state(engine, trainer.optimizer)),
+        "zero_grad": cpu_ms(engine.zero_grad),
+    }
+
+
 def worker(rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, rounds: int) -> dict:
     torch.set_num_threads(1)
     cfg = from_dict(cfg_dict)
-    _, tetrad_step = harness.tetrad_trainer(cfg, rank, dp=world)
+    trainer, tetrad_step = harness.tetrad_trainer(cfg, rank, dp=world)
     ddp = dp.DDPRunner(cfg, rank, world)
     sides = {"tetrad": tetrad_step, "ddp": ddp.train_step}
     for _ in range(warmup):
@@ -90,7 +116,7 @@ def worker(rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, round
             profile.disable()
             row = split(profile, steps)
             found[name].append(row | {"total": 1e3 * (time.process_time() - c0) / steps})
-    return found
+    return found | {"parts": parts(trainer)}
 
 
 def main() -> None:
@@ -106,6 +132,9 @@ def main() -> None:
             runs = [run for rank in per_rank for run in rank[side]]
             med = {k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]}
             rows.append({"world": world, "side": side, "ms_cpu_per_step_and_rank": med})
+        timed = {k: round(max(r["parts"][k] for r in per_rank), 3)
+                 for k in per_rank[0]["parts"]}  # fmt: skip
+        rows.append({"world": world, "tetrad_parts_ms_cpu_per_call": timed})
     print(json.dumps({"benchmark": "dp_profile", "steps": args.steps, "rounds": args.rounds,
                       "results": rows}, indent=2))  # fmt: skip
 
