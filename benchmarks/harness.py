@@ -158,7 +158,10 @@ class PeerOptimizer:
         return total
 
     def _own_sq(self, grads: list[torch.Tensor], first: bool) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float64)
+        """The squared norm of what this rank counts, in one foreach kernel with each
+        tensor's norm in float64 (as tetrad's engine takes it, and as torch's
+        `clip_grad_norm_` takes its norms: foreach)."""
+        own = []
         for g in grads:
             if isinstance(g, DTensor):
                 alone = any(p.is_shard() for p in g.placements)
@@ -166,8 +169,10 @@ class PeerOptimizer:
             else:
                 alone = self.plain_sharded
             if alone or first:
-                sq += g.double().pow(2).sum()
-        return sq
+                own.append(g)
+        if not own:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(torch._foreach_norm(own, 2, dtype=torch.float64)).square().sum()
 
 
 # --- timing -------------------------------------------------------------------------------

@@ -76,20 +76,31 @@ class Engine:
         """Wait for every gradient reduction of the step."""
         self.grads.finish()
 
+    @torch.no_grad()
     def grad_sq_norm(self) -> torch.Tensor:
         """Sum of squared gradient entries this rank owns (float64, on the device); summed
-        over the world, the squared norm of the single-process gradient."""
-        coord = self.mesh.place  # the axes, and the expert groups' indices
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.named_parameters():
-            if p.grad is not None and all(coord[a] == 0 for a in self.replicated[name]):
-                total += p.grad.detach().double().pow(2).sum()
-        return total
+        over the world, the squared norm of the single-process gradient.
 
+        One foreach kernel over the owned gradients, each tensor's norm taken in float64:
+        a Python loop of cast, square and sum per parameter cost a millisecond a step on
+        a small model, more than the rest of the step's bookkeeping together."""
+        coord = self.mesh.place  # the axes, and the expert groups' indices
+        grads = [
+            p.grad
+            for name, p in self.named_parameters()
+            if p.grad is not None and all(coord[a] == 0 for a in self.replicated[name])
+        ]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+        return torch.stack(norms).square().sum()
+
+    @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
-        for _, p in self.named_parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        """Multiply every gradient by `factor` (clipping), in one foreach kernel."""
+        grads = [p.grad for _, p in self.named_parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
