@@ -61,7 +61,7 @@ CFGS = [
     for p, t in LAYOUTS
 ]  # fmt: skip
 PEAK_BOUND = 0.05
-MISSED_FREES_BOUND = 0.10  # tp, ep: see test_peak_within_5_percent_of_the_measured
+MISSED_FREES_BOUND = 0.10  # tp, ep, fsdp: see test_peak_within_5_percent_of_the_measured
 
 
 def allocator_peak(events) -> int:
@@ -135,11 +135,13 @@ def test_peak_within_5_percent_of_the_measured(jobs):
         steady = max(r[i]["steady"] for r in per_rank)
         mem = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute).memory(cfg)
         err = mem.allocated / measured - 1
-        # under tp (and ep's all-to-alls) a free made on a gloo thread can go unseen until
-        # its address is reused, so the measured peak can only be too high (by ~1 MiB seen
-        # once here; ep's rows by one or two 256 KiB buffers): the prediction is held to 5%
-        # above it, and below it to MISSED_FREES_BOUND
-        gloo_frees = cfg.parallel.tp > 1 or cfg.parallel.ep > 1
+        # where a collective allocates its output (tp, ep's all-to-alls, ZeRO's gathers and
+        # reduce-scatters) the last reference to it can drop on a gloo thread, a free the
+        # profiler does not see until the address is reused, so the measured peak can only
+        # be too high (by ~1 MiB seen once under tp; ep's rows by one or two 256 KiB
+        # buffers; ZeRO-1 by 0.7 MiB once, on a loaded machine): the prediction is held to
+        # 5% above it, and below it to MISSED_FREES_BOUND
+        gloo_frees = cfg.parallel.tp > 1 or cfg.parallel.ep > 1 or cfg.parallel.fsdp > 1
         low = MISSED_FREES_BOUND if gloo_frees else PEAK_BOUND
         assert -low <= err <= PEAK_BOUND, (layout, mem.peak, mem.allocated, measured, f"{err:+.3f}")
         missed += abs(steady / measured - 1) > PEAK_BOUND
