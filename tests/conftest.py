@@ -61,12 +61,12 @@ def jobs(all_jobs, request) -> Jobs:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules whose tests read `jobs` run last (each module's tests stay together, in
-    their order), so the worlds' ranks run beside the rest of the suite. Tests that read
-    `jobs` get the jobs' timeout. Tests marked `cuda` need a GPU: skipped, saying so,
-    where there is none."""
-    late = set(_reads_jobs(items))
-    items.sort(key=lambda item: getattr(item, "module", None) in late)  # stable
+    """Tests that read `jobs` run last (in their order; the others of their modules, such
+    as a launch through torchrun, run first), so the worlds' ranks run beside the rest of
+    the suite. A module-scoped fixture used on both sides is made twice: one that costs a
+    launch is session-scoped instead. Tests that read `jobs` get the jobs' timeout. Tests
+    marked `cuda` need a GPU: skipped, saying so, where there is none."""
+    items.sort(key=lambda item: "jobs" in getattr(item, "fixturenames", ()))  # stable
     for item in items:
         if "jobs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.timeout(JOBS_TIMEOUT))

@@ -86,7 +86,7 @@ def runs(jobs) -> tuple[dict[str, str], float]:
     return {name: str(root / name) for name in LAYOUTS}, load
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # its tests run apart (conftest): one launch for both
 def cli_run(tmp_path_factory) -> str:
     """One `tetrad train` run directory, as a user gets it."""
     path = tmp_path_factory.mktemp("cli") / "dp2"
