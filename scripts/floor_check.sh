@@ -38,5 +38,6 @@ tests=(
   tests/test_pp.py tests/test_pp_zero_bubble.py
   tests/test_memory_recompute.py tests/test_memory_bf16.py
   tests/test_moe.py tests/test_moe_layouts.py tests/test_moe_ep_equivalence.py
+  tests/test_moe_sp.py tests/test_moe_zb.py tests/test_moe_expert_zero.py tests/test_engine_norm.py
 )
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}"
