@@ -85,6 +85,24 @@ def train_many(rank: int, world: int, cfg_dicts: list[dict[str, Any]]) -> list[d
     return [train_worker(rank, world, raw) for raw in cfg_dicts]
 
 
+def train_resumed(rank: int, world: int, runs: list[tuple[dict, int | None]]) -> list[dict]:
+    """Per (config, stop): build a trainer, resume if its config says so, train to `stop`;
+    where it started, its losses and norms, and (rank 0) the full weights."""
+    out = []
+    for raw, stop in runs:
+        trainer = trainer_for(from_dict(raw), rank)
+        start = trainer.resume()
+        rows = trainer.fit(stop=stop)
+        state = trainer.engine.full_state_dict()  # a collective: every rank
+        out.append({
+            "start": start,
+            "losses": [r["loss"] for r in rows],
+            "grad_norms": [r["grad_norm"] for r in rows],
+            "state": state if rank == 0 else None,
+        })  # fmt: skip
+    return out
+
+
 def run_jobs(rank: int, world: int, jobs: list[tuple[Callable, tuple]]) -> list[Any]:
     """Several workers, one after another, in one set of processes: fn(rank, world, *args)
     of each (fn, args) job, in order."""

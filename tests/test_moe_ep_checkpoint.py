@@ -5,11 +5,10 @@ process, both reproduce the single process's last 10 steps."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 
-from harness import Jobs, assert_close_run, tiny_config, trainer_for
+from harness import Jobs, assert_close_run, tiny_config, train_resumed
 
 pytestmark = pytest.mark.distributed
 
@@ -23,39 +22,18 @@ def _cfg(out, parallel: dict, every: int = 0, resume: bool = False) -> dict:
     return tiny_config(model=MOE, train={"out": str(out)}, parallel=parallel, checkpoint=ck)
 
 
-def _runs(rank: int, world: int, runs: list[tuple[dict, int | None]]) -> list[dict[str, Any]]:
-    """Per (config, stop): build a trainer, resume if configured, train to `stop`."""
-    from tetrad.config import from_dict
-
-    out = []
-    for raw, stop in runs:
-        trainer = trainer_for(from_dict(raw), rank)
-        start = trainer.resume()
-        rows = trainer.fit(stop=stop)
-        state = trainer.engine.full_state_dict()
-        out.append(
-            {
-                "start": start,
-                "losses": [r["loss"] for r in rows],
-                "grad_norms": [r["grad_norm"] for r in rows],
-                "state": state if rank == 0 else None,
-            }
-        )
-    return out
-
-
 def declare_jobs(jobs: Jobs) -> None:
     out = jobs.tmp("ep")
     runs = [(_cfg(out, {"dp": 4, "ep": 2}, every=10).to_dict(), 10)]
     runs += [(_cfg(out, {"dp": 4, "ep": 4}, resume=True).to_dict(), None)]
-    jobs.add("ep", 4, _runs, runs)
+    jobs.add("ep", 4, train_resumed, runs)
 
 
 def test_saved_at_ep2_resumes_at_ep4_and_on_one_process(jobs):
     saved, resumed = jobs["ep"][0]
     out = jobs.tmp("ep")
-    (single,) = _runs(0, 1, [(_cfg(out, {}, resume=True).to_dict(), None)])
-    (ref,) = _runs(0, 1, [(_cfg(out / "reference", {}).to_dict(), None)])
+    (single,) = train_resumed(0, 1, [(_cfg(out, {}, resume=True).to_dict(), None)])
+    (ref,) = train_resumed(0, 1, [(_cfg(out / "reference", {}).to_dict(), None)])
     tail = {**ref, "losses": ref["losses"][10:], "grad_norms": ref["grad_norms"][10:]}
     assert saved["losses"] == pytest.approx(ref["losses"][:10], rel=1e-5)
     for got in (resumed, single):

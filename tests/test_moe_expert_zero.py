@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from harness import Jobs, assert_close_run, tiny_config, trainer_for
+from harness import Jobs, assert_close_run, tiny_config, train_resumed, trainer_for
 from tetrad.plan.cost import Planner
 from tetrad.plan.hardware import cluster_preset
 from tetrad.plan.layouts import layout_config
@@ -104,7 +104,7 @@ def declare_jobs(jobs: Jobs) -> None:
     runs += [(_cfg({"dp": 4, "ep": 4}, out, resume=True).to_dict(), None)]
     # and into experts sharded otherwise: over the dp replicas (HSDP)
     runs += [(_cfg(SHARDED["hsdp-z2"], out, resume=True).to_dict(), None)]
-    jobs.add("ck", 4, _runs, runs)
+    jobs.add("ck", 4, train_resumed, runs)
 
 
 _REFERENCE: dict = {}
@@ -159,27 +159,6 @@ def test_planner_predicts_the_measured_state(jobs, name):
     assert jobs[name][0]["measured"] == predicted
 
 
-def _runs(rank: int, world: int, runs: list[tuple[dict, int | None]]) -> list[dict[str, Any]]:
-    """Per (config, stop): build a trainer, resume if configured, train to `stop`."""
-    from tetrad.config import from_dict
-
-    out = []
-    for raw, stop in runs:
-        trainer = trainer_for(from_dict(raw), rank)
-        start = trainer.resume()
-        rows = trainer.fit(stop=stop)
-        state = trainer.engine.full_state_dict()
-        out.append(
-            {
-                "start": start,
-                "losses": [r["loss"] for r in rows],
-                "grad_norms": [r["grad_norm"] for r in rows],
-                "state": state if rank == 0 else None,
-            }
-        )
-    return out
-
-
 def test_sharded_experts_resume_at_ep4_and_on_one_process(jobs):
     """Saved at fsdp 4 x ep 2 ZeRO-3 (experts split over ep_data), resumed at ep 4 without
     fsdp, on one process, and at dp 2 x fsdp 2 x ep 2 ZeRO-2 (the experts split over the
@@ -187,7 +166,7 @@ def test_sharded_experts_resume_at_ep4_and_on_one_process(jobs):
     the expert weights as full logical tensors, each rank's shard written by it."""
     saved, resumed, resharded = jobs["ck"][0]
     out = jobs.tmp("ck")
-    (single,) = _runs(0, 1, [(_cfg({}, out, resume=True).to_dict(), None)])
+    (single,) = train_resumed(0, 1, [(_cfg({}, out, resume=True).to_dict(), None)])
     ref = reference()
     tail = {**ref, "losses": ref["losses"][10:], "grad_norms": ref["grad_norms"][10:]}
     assert saved["losses"] == pytest.approx(ref["losses"][:10], rel=1e-5)
