@@ -254,7 +254,7 @@ class LocalCheckpoints:
             self._give_up(gen.step, error, n_os)
             return {"local_checkpoint_failed": gen.step}
         self.committed = gen.step
-        prune(self.root, gen.step, self.rank, self.source)
+        prune(self.root, gen.step)
         return {
             "local_checkpoint": gen.step,
             "local_checkpoint_waited_s": waited,
@@ -492,14 +492,14 @@ def generations(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def prune(root: Path, committed: int, rank: int, source: int) -> None:
+def prune(root: Path, committed: int) -> None:
     """Remove the generations older than `committed` (every rank committed it: nothing
-    reads them now), whole: after an elastic shrink they also hold the files of ranks the
-    world no longer has."""
+    reads them now), whole: the node's other ranks' files too, and after an elastic shrink
+    those of ranks the world no longer has. The node's ranks may race here: a directory
+    already gone is no error."""
     for directory in generations(root):
         if int(directory.name[5:]) < committed:
-            _remove(directory, rank, source)
-            shutil.rmtree(directory, ignore_errors=True)  # the node's other ranks' too
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def discard(root: Path, rank: int, source: int, step: int | None = None) -> None:
