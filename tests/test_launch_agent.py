@@ -49,3 +49,21 @@ def test_agent_is_forked_when_alone_and_a_new_interpreter_otherwise(tmp_path):
     assert lines["forked"] == "True 0 2"  # forked, and its exit codes are torchrun's
     assert lines["threaded"] == "Popen 2"
     assert "error: argument --nproc-per-node" in log.read_text()  # its stderr, in the log
+
+
+def test_a_silent_death_is_named_from_this_launchs_part_of_the_log(tmp_path, capsys):
+    """A rank that died without a report is named from torchrun's root cause in the log
+    this launch wrote, not from an earlier launch's in the same file (a resumed run)."""
+    from tetrad.launch import explain
+
+    logs, reports = tmp_path / "logs", tmp_path / "logs" / "reports"
+    reports.mkdir(parents=True)
+    old = "Root Cause\n  rank      : 0\n  exitcode  : 1\n"
+    (logs / "torchrun.log").write_text(old + "Root Cause\n  rank      : 1\n  exitcode  : -9\n")
+    assert explain(1, None, reports, logs, log_start=len(old)) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("tetrad: error: rank 1 died (signal SIGKILL) without reporting")
+    (logs / "torchrun.log").write_text(old + "RuntimeError: the store is unreachable\n")
+    assert explain(1, None, reports, logs, log_start=len(old)) == 1  # nothing of rank 0's
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("tetrad: error: torchrun failed before the ranks started")

@@ -257,7 +257,10 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_sta
     if cause is not None and cause["kind"] == "preempted":
         print(f"tetrad: {cause['message']}; continue with --resume", flush=True)
         return EXIT_PREEMPTED
-    if signalled is None and _rendezvous_gave_up(logs / "torchrun.log", log_start):
+    log = _log_since(logs / "torchrun.log", log_start)
+    # torchrun ended on its rendezvous timing out: after a failure, fewer nodes than the
+    # job's minimum came back
+    if signalled is None and "RendezvousTimeoutError" in log:
         after = f" (the failure: {cause['message']})" if cause is not None else ""
         print(f"tetrad: error: the job could not re-form: fewer nodes than --nnodes MIN "
               f"rejoined the rendezvous within its join_timeout{after} (logs: {logs})",
@@ -274,7 +277,7 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_sta
         print(f"tetrad: stopped by {name} before any step could save (logs: {logs})",
               file=sys.stderr, flush=True)  # fmt: skip
         return 128 + signalled
-    detail = _child_failure(logs / "torchrun.log")
+    detail = _child_failure(log)
     print(f"tetrad: error: {detail} (logs: {logs})", file=sys.stderr, flush=True)
     return code or EXIT_FAILED
 
@@ -286,23 +289,19 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _rendezvous_gave_up(torchrun_log: Path, start: int) -> bool:
-    """Whether torchrun ended on its rendezvous timing out (after a failure, the nodes
-    left are fewer than the job's minimum), in the log written since `start`."""
+def _log_since(torchrun_log: Path, start: int) -> str:
+    """This launch's part of torchrun's log: what was written from byte `start` on."""
     try:
         with open(torchrun_log, "rb") as fh:
             fh.seek(start)
-            return b"RendezvousTimeoutError" in fh.read()
+            return fh.read().decode(errors="replace")
     except OSError:
-        return False
+        return ""
 
 
-def _child_failure(torchrun_log: Path) -> str:
-    """The root cause torchrun names when a rank died without a report (killed, crashed)."""
-    try:
-        text = torchrun_log.read_text(errors="replace")
-    except OSError:
-        text = ""
+def _child_failure(text: str) -> str:
+    """The root cause torchrun's log `text` names when a rank died without a report
+    (killed, crashed)."""
     tail = text[text.rfind("Root Cause") :] if "Root Cause" in text else text[-4000:]
     rank = re.search(r"rank\s*:\s*(\d+)", tail)
     exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", tail)
