@@ -9,7 +9,9 @@ as DDP's users compute it, so what differs is the data parallelism alone; `--los
 is built and warmed up (`--warmup` steps, peak memory measured), then timed rounds of
 `--steps` steps alternate between them (harness.py: ratios, spreads).
 
-The DDP side sums gradients with a comm hook that counts each bucket's bytes (DDP's own
+The DDP side all-reduces the token count while its forward runs and takes the norm of its
+whole reduced gradient itself, the loss all-reduced meanwhile, as tetrad does with data
+parallelism alone. It sums gradients with a comm hook that counts each bucket's bytes (DDP's own
 hook averages; tetrad divides the loss by the global token count, so the sum is the
 single-process gradient and the two runs' losses must agree). tetrad's bytes come from its
 comm counters. Bytes and buckets are those of each side's last step.
@@ -22,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -41,14 +44,18 @@ class DDPRunner:
         self.ddp = DDP(model)
         self.counts = {"calls": 0, "bytes": 0}
         self.ddp.register_comm_hook(self.counts, counting_sum_hook)
-        self.optimizer = harness.PeerOptimizer(model, cfg.train)
+        self.optimizer = harness.PeerOptimizer(model, cfg.train, whole_grads=True)
         self.loader = harness.peer_loader(cfg, rank, world)
 
     def train_step(self) -> float:
         """One optimizer step; returns the global mean token loss."""
         self.counts.update(calls=0, bytes=0)  # they hold the last step
         (mb,) = self.loader.next()
-        loss = cross_entropy_sum(self.ddp(mb.inputs), mb.targets) / harness.global_tokens([mb])
+        count = torch.tensor(float(mb.tokens), dtype=torch.float64)
+        pending = dist.all_reduce(count, async_op=True)  # while the forward runs, as tetrad's
+        logits = self.ddp(mb.inputs)
+        pending.wait()
+        loss = cross_entropy_sum(logits, mb.targets) / count.float()
         loss.backward()
         return self.optimizer.step(loss)
 

@@ -123,13 +123,23 @@ class PeerOptimizer:
     The squared norm sums, over ranks, what each rank holds alone (DTensor shards, and
     plain gradients when `plain_sharded`, as in a pipeline stage); replicated gradients
     count on rank 0 only, as tetrad counts them on one coordinate. Partial DTensor
-    gradients are reduced to their parameter's placement first.
+    gradients are reduced to their parameter's placement first. With `whole_grads`
+    (DDP: every rank holds the whole reduced gradient) each rank takes the whole norm
+    itself, as `clip_grad_norm_` does under DDP, while the loss is all-reduced alone,
+    asynchronously: tetrad's step with data parallelism alone.
     """
 
-    def __init__(self, model: nn.Module, train: TrainConfig, plain_sharded: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        train: TrainConfig,
+        plain_sharded: bool = False,
+        whole_grads: bool = False,
+    ):
         self.params = list(model.parameters())
         self.optimizer = peer_adamw(list(model.named_parameters()), train)
         self.train, self.plain_sharded, self.count = train, plain_sharded, 0
+        self.whole_grads = whole_grads
 
     def step(self, loss: torch.Tensor, replicated_loss: bool = False) -> float:
         """Clip, update, zero the gradients; return the step's loss. `loss` is this rank's
@@ -141,8 +151,15 @@ class PeerOptimizer:
                 # pending sums (SP's norm weights): done once, here, not again in the update
                 p.grad = p.grad.redistribute(placements=p.placements)
         grads = [p.grad for p in self.params if p.grad is not None]
-        agreed = torch.stack([own.double().reshape(()), self._own_sq(grads, first)])
-        dist.all_reduce(agreed)
+        if self.whole_grads:
+            summed = own.double().reshape(())
+            pending = dist.all_reduce(summed, async_op=True)
+            sq = self._own_sq(grads, True)
+            pending.wait()
+            agreed = torch.stack([summed, sq])
+        else:
+            agreed = torch.stack([own.double().reshape(()), self._own_sq(grads, first)])
+            dist.all_reduce(agreed)
         total, norm = float(agreed[0]), math.sqrt(float(agreed[1]))
         if math.isfinite(total) and math.isfinite(norm):
             clip = self.train.grad_clip

@@ -85,12 +85,19 @@ def _overlap_worker(rank: int, world: int, cfg_dict: dict) -> dict:
     def watch(_module, _inputs, out) -> None:
         out.register_hook(record)
 
+    def forward_done(_module, _inputs, _out) -> None:
+        # the newest call on the data group: the step's token count (buckets come later)
+        count = [c for c in trainer.comm.ledger.ring if c.group == "data"][-1]
+        in_flight.append((count.bytes, count.done))
+
     trainer.engine.model.tok_embeddings.register_forward_hook(watch)
-    steps = []
+    trainer.engine.model.register_forward_hook(forward_done)
+    steps, in_flight, scalars = [], [], []
     for _ in range(trainer.cfg.train.steps):
         trainer.comm.reset()
         result = trainer.train_step()
         steps.append((result.loss, result.grad_norm))
+        scalars.append(trainer.comm.summary()["world/all_reduce"]["bytes"])
     buckets = [b.buffer.numel() * 4 for b in trainer.engine.grads.buckets]
     state = trainer.engine.full_state_dict()
     return {
@@ -98,6 +105,8 @@ def _overlap_worker(rank: int, world: int, cfg_dict: dict) -> dict:
         "grad_norms": [norm for _, norm in steps],
         "state": state if rank == 0 else None,
         "seen_at_embedding_grad": seen,
+        "count_at_forward_end": in_flight,
+        "scalar_bytes": scalars,
         "bucket_bytes": buckets,
     }
 
@@ -113,6 +122,15 @@ def test_first_bucket_is_reduced_during_backward(jobs):
         assert len(rest) == 1 and FIRST_BUCKET_BYTES <= first < 1.1 * FIRST_BUCKET_BYTES
         # every step: the token count (8 bytes), then the first bucket, nothing else yet
         assert got["seen_at_embedding_grad"] == [(2, 8 + first)] * OVERLAP.train.steps
+
+
+def test_dp_step_blocks_on_nothing_before_backward(jobs):
+    """The token count's all-reduce is still in flight when the forward ends (not waited
+    for before it), and with data parallelism alone the step's scalars all-reduce the loss
+    and two flags but no norm: each rank takes the norm of its whole reduced gradient."""
+    for got in jobs["overlap"]:
+        assert got["count_at_forward_end"] == [(8, False)] * OVERLAP.train.steps
+        assert got["scalar_bytes"] == [3 * 8] * OVERLAP.train.steps
 
 
 def test_dp_with_a_small_first_bucket_matches_single_process(reference, jobs):

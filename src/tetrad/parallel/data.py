@@ -108,6 +108,9 @@ class LocalGrads:
         """Nothing to reduce: the backward inside simply runs."""
         yield
 
+    def launch_rest(self) -> None:
+        """Nothing to reduce."""
+
     def finish(self) -> None:
         if self.masters:
             self.masters.take_grads()
@@ -208,11 +211,16 @@ class GradBuckets(LocalGrads):
         bucket.work = self.comm.all_reduce(bucket.sent, self.group, async_op=True)
         self.launched += 1
 
-    def finish(self) -> None:
-        """Launch what backward did not (unused parameters), wait for all, reset."""
+    def launch_rest(self) -> None:
+        """Launch what backward did not (unused parameters)."""
         if self.group.size > 1:
             while self.launched < len(self.buckets):
                 self._launch(self.buckets[self.launched])
+
+    def finish(self) -> None:
+        """Launch what backward did not, wait for all, reset."""
+        if self.group.size > 1:
+            self.launch_rest()
             for b in self.buckets:
                 b.work.wait()
                 self._land(b)

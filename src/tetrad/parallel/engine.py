@@ -23,7 +23,7 @@ from torch import nn
 from tetrad.comm import Comm
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
-from tetrad.parallel.runner import GradSync, Runner, RunResult
+from tetrad.parallel.runner import Denominator, GradSync, Runner, RunResult
 from tetrad.parallel.state_adapter import PlainAdapter
 
 
@@ -34,7 +34,7 @@ class Engine:
     """
 
     __slots__ = ("model", "mesh", "comm", "runner", "grads", "state", "replicated")
-    __slots__ += ("last_run", "_step_hooks")
+    __slots__ += ("last_run", "_step_hooks", "whole_grads")
 
     def __init__(
         self,
@@ -50,6 +50,11 @@ class Engine:
         self.runner, self.grads, self.state = runner, grads, state
         # optimizer tensor -> axes its value is replicated over: counted once in the norm
         self.replicated = replicated
+        # data parallelism alone: once reduced, every rank holds the whole gradient, the
+        # same on each (an all-reduce's result), so each takes the norm itself
+        self.whole_grads = mesh.ep == 1 and all(
+            size == 1 for axis, size in mesh.degrees.items() if axis != "dp"
+        )
         self.last_run: RunResult | None = None
         # called right after each optimizer step, before `grads.after_step` (measurement)
         self._step_hooks: list[Callable[[], None]] = []
@@ -67,19 +72,25 @@ class Engine:
         """Whether this rank's loss contribution is counted (once per data rank)."""
         return self.mesh.coord["tp"] == 0 and self.runner.holds_loss
 
-    def forward_backward(self, micro: list[Microbatch], denom: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, micro: list[Microbatch], denom: Denominator) -> torch.Tensor:
         """Accumulate gradients of sum(token losses)/denom; return this rank's loss share."""
         self.last_run = self.runner.run(micro, denom, self.grads)
         return self.last_run.loss
+
+    def launch_grads(self) -> None:
+        """Launch every gradient reduction backward did not (`whole_grads` only: what is
+        launched after this, on any rank, then follows all of them)."""
+        self.grads.launch_rest()
 
     def sync_grads(self) -> None:
         """Wait for every gradient reduction of the step."""
         self.grads.finish()
 
     @torch.no_grad()
-    def grad_sq_norm(self) -> torch.Tensor:
+    def grad_sq_norm(self, whole: bool = False) -> torch.Tensor:
         """Sum of squared gradient entries this rank owns (float64, on the device); summed
-        over the world, the squared norm of the single-process gradient.
+        over the world, the squared norm of the single-process gradient. `whole` (with
+        `whole_grads`): of every gradient this rank holds, the whole squared norm itself.
 
         One foreach kernel over the owned gradients, each tensor's norm taken in float64:
         a Python loop of cast, square and sum per parameter cost a millisecond a step on
@@ -88,7 +99,7 @@ class Engine:
         grads = [
             p.grad
             for name, p in self.named_parameters()
-            if p.grad is not None and all(coord[a] == 0 for a in self.replicated[name])
+            if p.grad is not None and (whole or all(coord[a] == 0 for a in self.replicated[name]))
         ]
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)

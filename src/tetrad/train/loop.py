@@ -25,6 +25,7 @@ from tetrad.models.families import spec_for
 from tetrad.parallel import parallelize
 from tetrad.parallel.model_state import measure_at_each_step, model_state_bytes
 from tetrad.parallel.pipeline.split_costs import resolve_split
+from tetrad.parallel.runner import Denominator
 from tetrad.train import checkpoint
 from tetrad.train.balance import ExpertBalance
 from tetrad.train.data import Loader, source_of
@@ -185,23 +186,38 @@ class Trainer:
         return StepResult(loss, norm, int(tokens), skipped, stops > 0, writing == 0)
 
     def _forward_backward(self, micro) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients of the global batch's mean token loss; ([loss, grad norm^2], token
-        count), agreed by every rank, still on the device."""
+        """Gradients of the global batch's mean token loss; ([loss, grad norm^2, flags,
+        MoE loads], token count), agreed by every rank, still on the device.
+
+        Nothing here blocks before backward is done: the token count is all-reduced while
+        the first forward runs (`Denominator`), and the step's scalars ride one all-reduce
+        after the gradients'. With data parallelism alone (`Engine.whole_grads`) that one
+        is launched behind the last bucket and each rank takes the norm of its whole,
+        reduced gradient meanwhile; otherwise each rank's share of the norm rides it too."""
         f64 = dict(dtype=torch.float64, device=self.device)
         count = torch.tensor(float(sum(mb.tokens for mb in micro)), **f64)
-        self.comm.all_reduce(count, self.mesh["data"])
-        # fp32, like the loss it divides: the same quotient as dividing by a Python number
-        denom = count.clamp(min=1).float()
+        denom = Denominator(count, self.comm.all_reduce(count, self.mesh["data"], async_op=True))
         loss_share = self.engine.forward_backward(micro, denom)
-        self.engine.sync_grads()
+        denom.value()  # a rank that holds no loss never divided: the count must land
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
-        # a stop request and a busy checkpoint writer ride on the same all-reduce
+        # a stop request and a busy checkpoint writer ride on the same all-reduce, and the
+        # MoE layers' routing statistics (empty without MoE): no collective of their own
         flags = torch.tensor([float(self.stop.requested), float(self.saver.writing)], **f64)
-        agreed = torch.stack([own_loss, self.engine.grad_sq_norm()])
-        # ...and the MoE layers' routing statistics (empty without MoE): no collective of theirs
-        agreed = torch.cat([agreed, flags, self.balance.local()])
-        self.comm.all_reduce(agreed, self.mesh["world"])
-        return agreed, count
+        scalars = torch.cat([own_loss.view(1), flags, self.balance.local()])
+        world = self.mesh["world"]
+        if self.engine.whole_grads:
+            self.engine.launch_grads()  # so that every rank issues the scalars' after them
+            pending = self.comm.all_reduce(scalars, world, async_op=True)
+            self.engine.sync_grads()
+            sq_norm = self.engine.grad_sq_norm(whole=True)
+            pending.wait()
+        else:
+            self.engine.sync_grads()
+            scalars = torch.cat([scalars, self.engine.grad_sq_norm().view(1)])
+            self.comm.all_reduce(scalars, world)
+            sq_norm = scalars[-1]
+            scalars = scalars[:-1]
+        return torch.cat([scalars[:1], sq_norm.view(1), scalars[1:]]), count
 
     def evaluate(self) -> float:
         """Mean token loss over `eval_batches` global batches of the held-out split.
