@@ -9,8 +9,9 @@ as DDP's users compute it, so what differs is the data parallelism alone; `--los
 is built and warmed up (`--warmup` steps, peak memory measured), then timed rounds of
 `--steps` steps alternate between them (harness.py: ratios, spreads).
 
-The DDP side all-reduces the token count while its forward runs and takes the norm of its
-whole reduced gradient itself, the loss all-reduced meanwhile, as tetrad does with data
+The DDP side takes the usual mean loss over its tokens (the corpus has no padding, so
+that is tetrad's loss over the global batch's token count), and the norm of its whole
+reduced gradient itself while the loss is all-reduced, as tetrad does with data
 parallelism alone. It sums gradients with a comm hook that counts each bucket's bytes (DDP's own
 hook averages; tetrad divides the loss by the global token count, so the sum is the
 single-process gradient and the two runs' losses must agree). tetrad's bytes come from its
@@ -32,30 +33,29 @@ import harness
 from tetrad.config import Config, from_dict, model_preset
 from tetrad.models.flops import param_count
 from tetrad.models.llama import cross_entropy_sum
-from tetrad.parallel.data import FIRST_BUCKET_BYTES
+from tetrad.parallel.data import first_bucket_bytes
 from tetrad.testing import spawn
 
 
 class DDPRunner:
     """The same training step as tetrad's Trainer, written the usual PyTorch DDP way."""
 
-    def __init__(self, cfg: Config, rank: int, world: int):
+    def __init__(self, cfg: Config, rank: int, world: int, bucket_cap_mb: float | None = None):
         model = harness.peer_model(cfg)
-        self.ddp = DDP(model)
+        self.ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)  # None: DDP's defaults
         self.counts = {"calls": 0, "bytes": 0}
         self.ddp.register_comm_hook(self.counts, counting_sum_hook)
         self.optimizer = harness.PeerOptimizer(model, cfg.train, whole_grads=True)
         self.loader = harness.peer_loader(cfg, rank, world)
+        self.world = world
 
     def train_step(self) -> float:
         """One optimizer step; returns the global mean token loss."""
         self.counts.update(calls=0, bytes=0)  # they hold the last step
         (mb,) = self.loader.next()
-        count = torch.tensor(float(mb.tokens), dtype=torch.float64)
-        pending = dist.all_reduce(count, async_op=True)  # while the forward runs, as tetrad's
-        logits = self.ddp(mb.inputs)
-        pending.wait()
-        loss = cross_entropy_sum(logits, mb.targets) / count.float()
+        # the mean over this rank's tokens, which DDP's usual averaging hook would then
+        # divide by the world (this one sums): the global batch's mean, with no padding
+        loss = cross_entropy_sum(self.ddp(mb.inputs), mb.targets) / (mb.tokens * self.world)
         loss.backward()
         return self.optimizer.step(loss)
 
@@ -73,12 +73,14 @@ def counting_sum_hook(state: dict[str, int], bucket):  # noqa: ANN001
     return fut.then(lambda f: f.value()[0])
 
 
-def worker(rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, rounds: int) -> dict:
+def worker(
+    rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, rounds: int, cap: float | None
+) -> dict:
     """Both implementations on this rank: measured warm-up, then alternating timed rounds."""
     cfg = from_dict(cfg_dict)
     makers = {
         "tetrad": lambda: harness.tetrad_trainer(cfg, rank, dp=world),
-        "ddp": lambda: harness.side(DDPRunner(cfg, rank, world)),
+        "ddp": lambda: harness.side(DDPRunner(cfg, rank, world, cap)),
     }
     sides, out = harness.race(makers, warmup, steps, rounds)
     return out | {"tetrad_comm": sides["tetrad"].comm.summary(), "ddp_comm": sides["ddp"].counts}
@@ -93,12 +95,12 @@ def summarize(world: int, cfg: Config, out: dict, steps: int) -> dict[str, Any]:
         "world": world,
         **harness.timing(out["seconds"], cfg, steps),
         **harness.memory(out["peaks"]),
-        # the data group's all-reduces are the gradient buckets plus one float64 token count
-        "tetrad_grad_bytes_per_step": grad["bytes"] - 8,
+        # the data group's all-reduces are the gradient buckets alone
+        "tetrad_grad_bytes_per_step": grad["bytes"],
         "ddp_grad_bytes_per_step": ddp["bytes"],
         "theory_grad_bytes_per_step": 4 * param_count(cfg.model),
         "tetrad_bus_bytes_per_step": grad["bus_bytes"],
-        "tetrad_buckets_per_step": grad["calls"] - 1,
+        "tetrad_buckets_per_step": grad["calls"],
         "ddp_buckets_per_step": ddp["calls"],
         # the project's bar: relative 1e-5 over 20 steps. Later steps may drift further:
         # with 4 ranks the two bucket layouts make gloo's ring add in different orders.
@@ -112,20 +114,37 @@ def summarize(world: int, cfg: Config, out: dict, steps: int) -> dict[str, Any]:
 def main() -> None:
     p = harness.arguments(__doc__, "--worlds", steps=1, rounds=24, warmup=2)
     p.add_argument("--bucket-mb", type=float, help="tetrad's bucket size (default: its config)")
+    p.add_argument(
+        "--first-bucket-mb",
+        type=float,
+        default=0.0,
+        help="tetrad's first bucket (default 0: its CPU default, one like the rest)",
+    )
     p.add_argument("--loss-chunk", type=int, default=0, help="tetrad's (0: full logits, as DDP)")
+    p.add_argument(
+        "--ddp-bucket-cap-mb",
+        type=float,
+        help="DDP's bucket_cap_mb (default: DDP's defaults, a 1 MiB first bucket and "
+        "25 MiB; given, every bucket is that size, so 25 makes one of this model)",
+    )
     args = p.parse_args()
     bucket = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
+    bucket["first_bucket_mb"] = args.first_bucket_mb
     rows = []
     for world in args.worlds:
         total = args.warmup + args.rounds * args.steps
         cfg = harness.job(asdict(model_preset("small")), {"dp": world} | bucket, total)
         cfg.train.loss_chunk = args.loss_chunk
         out = spawn(worker, world, cfg.to_dict(), args.steps, args.warmup, args.rounds,
-                    timeout=1200)[0]  # fmt: skip
+                    args.ddp_bucket_cap_mb, timeout=1200)[0]  # fmt: skip
         rows.append(summarize(world, cfg, out, args.steps))
+    tetrad_first = cfg.parallel.first_bucket_mb * 2**20 or first_bucket_bytes(
+        torch.device("cpu"), int(cfg.parallel.bucket_mb * 2**20)
+    )
     harness.report("dp", cfg, rows, tetrad_bucket_mb=cfg.parallel.bucket_mb,
-                   tetrad_first_bucket_mb=FIRST_BUCKET_BYTES / 2**20,
+                   tetrad_first_bucket_mb=tetrad_first / 2**20,
                    tetrad_loss_chunk=args.loss_chunk, ddp_loss="full logits",
+                   ddp_bucket_cap_mb=args.ddp_bucket_cap_mb or "default",
                    steps_per_round=args.steps, rounds=args.rounds)  # fmt: skip
 
 

@@ -13,10 +13,10 @@ pytestmark = pytest.mark.distributed
 LAYOUTS = [(2, 1), (4, 1), (2, 2), (4, 2)]  # (dp, microbatches)
 COMM = tiny_config(parallel={"dp": 4, "bucket_mb": 0.01}, train={"steps": 2})
 NAN = tiny_config(parallel={"dp": 2}, train={"steps": 2})
-# wide enough (about 1.6 MB of gradients) that the default buckets are two: the small first
-# one (FIRST_BUCKET_BYTES) and the rest (bucket_mb 25)
+# wide enough (about 1.6 MB of gradients) that a GPU's default buckets are two: the small
+# first one (FIRST_BUCKET_BYTES) and the rest (bucket_mb 25); on CPU the default is one
 WIDE = {"dim": 128}
-OVERLAP = tiny_config(model=WIDE, parallel={"dp": 2})
+OVERLAP = tiny_config(model=WIDE, parallel={"dp": 2, "first_bucket_mb": 1})
 
 
 def declare_jobs(jobs: Jobs) -> None:
@@ -41,9 +41,9 @@ def test_dp_comm_volume_is_theoretical(jobs):
     psi = param_count(COMM.model)
     stats = got["comm"]["data/all_reduce"]
     # every gradient element all-reduced exactly once per step: buffer 4Ψ bytes per rank,
-    # plus the one float64 that agrees on the global token count (the loss denominator)
-    assert stats["bytes"] == 4 * psi + 8
-    assert stats["bus_bytes"] == pytest.approx(2 * 3 / 4 * (4 * psi + 8))
+    # and nothing else over data (the token count rides the step's scalars)
+    assert stats["bytes"] == 4 * psi
+    assert stats["bus_bytes"] == pytest.approx(2 * 3 / 4 * 4 * psi)
     assert stats["calls"] > 1  # bucketed, not one monolithic all-reduce
 
 
@@ -86,13 +86,12 @@ def _overlap_worker(rank: int, world: int, cfg_dict: dict) -> dict:
         out.register_hook(record)
 
     def forward_done(_module, _inputs, _out) -> None:
-        # the newest call on the data group: the step's token count (buckets come later)
-        count = [c for c in trainer.comm.ledger.ring if c.group == "data"][-1]
-        in_flight.append((count.bytes, count.done))
+        stats = trainer.comm.summary()
+        at_forward_end.append(sum(stats[k]["calls"] for k in stats if k.endswith("all_reduce")))
 
     trainer.engine.model.tok_embeddings.register_forward_hook(watch)
     trainer.engine.model.register_forward_hook(forward_done)
-    steps, in_flight, scalars = [], [], []
+    steps, at_forward_end, scalars = [], [], []
     for _ in range(trainer.cfg.train.steps):
         trainer.comm.reset()
         result = trainer.train_step()
@@ -105,7 +104,7 @@ def _overlap_worker(rank: int, world: int, cfg_dict: dict) -> dict:
         "grad_norms": [norm for _, norm in steps],
         "state": state if rank == 0 else None,
         "seen_at_embedding_grad": seen,
-        "count_at_forward_end": in_flight,
+        "collectives_at_forward_end": at_forward_end,
         "scalar_bytes": scalars,
         "bucket_bytes": buckets,
     }
@@ -120,17 +119,26 @@ def test_first_bucket_is_reduced_during_backward(jobs):
         # the first bucket closes at the parameter that takes it to FIRST_BUCKET_BYTES
         first, *rest = got["bucket_bytes"]
         assert len(rest) == 1 and FIRST_BUCKET_BYTES <= first < 1.1 * FIRST_BUCKET_BYTES
-        # every step: the token count (8 bytes), then the first bucket, nothing else yet
-        assert got["seen_at_embedding_grad"] == [(2, 8 + first)] * OVERLAP.train.steps
+        # every step: the first bucket, nothing else yet
+        assert got["seen_at_embedding_grad"] == [(1, first)] * OVERLAP.train.steps
+
+
+def test_first_bucket_by_device():
+    """Small on a GPU, where it overlaps backward; on CPU one bucket like the others."""
+    from tetrad.parallel.data import FIRST_BUCKET_BYTES, first_bucket_bytes
+
+    assert first_bucket_bytes(torch.device("cuda"), 25 * 2**20) == FIRST_BUCKET_BYTES
+    assert first_bucket_bytes(torch.device("cpu"), 25 * 2**20) == 25 * 2**20
 
 
 def test_dp_step_blocks_on_nothing_before_backward(jobs):
-    """The token count's all-reduce is still in flight when the forward ends (not waited
-    for before it), and with data parallelism alone the step's scalars all-reduce the loss
-    and two flags but no norm: each rank takes the norm of its whole reduced gradient."""
+    """No collective before backward: every rank knows the loss's divisor, and the token
+    count rides the step's scalars, which with data parallelism alone are the loss, two
+    flags and the count but no norm: each rank takes the norm of its whole reduced
+    gradient."""
     for got in jobs["overlap"]:
-        assert got["count_at_forward_end"] == [(8, False)] * OVERLAP.train.steps
-        assert got["scalar_bytes"] == [3 * 8] * OVERLAP.train.steps
+        assert got["collectives_at_forward_end"] == [0] * OVERLAP.train.steps
+        assert got["scalar_bytes"] == [4 * 8] * OVERLAP.train.steps
 
 
 def test_dp_with_a_small_first_bucket_matches_single_process(reference, jobs):

@@ -54,6 +54,7 @@ TRAIN_FLAGS = {
     "virtual_stages": ("parallel", "virtual_stages", int),
     "pp_split": ("parallel", "pp_split", str),
     "bucket_mb": ("parallel", "bucket_mb", float),
+    "first_bucket_mb": ("parallel", "first_bucket_mb", float),
     "elastic_max_world": ("parallel", "elastic_max_world", int),
     "layers": ("model", "layers", int),
     "dim": ("model", "dim", int),
@@ -110,6 +111,10 @@ FLAG_HELP = {
     "balance": "load balance: aux (sequence-wise auxiliary loss), bias (DeepSeek-V3's "
     "loss-free per-expert bias) or none",
     "aux_loss_coef": "the auxiliary loss's coefficient (default 0.01)",
+    "bucket_mb": "data parallelism's gradient buckets, MiB (default 25)",
+    "first_bucket_mb": "the first gradient bucket, the first to be reduced during backward "
+    "(default: 1 on a GPU; on CPU, where the reduction takes the cores backward uses, "
+    "--bucket-mb, which makes one bucket of a small model; docs/dp.md)",
     "cp": "context parallelism: split every sequence over N ranks (2N load-balanced chunks; "
     "seq-len must be divisible by 2N), attention exchanging keys and values (docs/cp.md)",
     "ep": "expert parallelism (MoE models): shard each layer's experts over N ranks taken "

@@ -163,6 +163,8 @@ class ParallelConfig:
     virtual_stages: int = 1
     pp_split: str = ""
     bucket_mb: float = 25.0
+    # the first (earliest-ready) DP bucket; 0: 1 MiB on a GPU, bucket_mb on CPU (docs/dp.md)
+    first_bucket_mb: float = 0.0
     reshard_after_forward: bool = True
     reduce_dtype: str = "fp32"
     # elastic shrink (docs/checkpoint.md): "dp" or "fsdp" (--dp auto / --fsdp auto) takes

@@ -50,6 +50,7 @@ class Layout:
     zero_stage: int
     reshard_after_forward: bool
     bucket_bytes: int
+    first_bucket_bytes: int  # 0: by the device (`parallel._replicated_grads`)
     schedule: str
     virtual_stages: int
     split: tuple[int, ...] | None  # layers per global stage; None: balanced on costs
@@ -85,6 +86,7 @@ class Layout:
             zero_stage=p.zero_stage,
             reshard_after_forward=p.reshard_after_forward,
             bucket_bytes=int(p.bucket_mb * 2**20),
+            first_bucket_bytes=int(p.first_bucket_mb * 2**20),
             schedule=p.pp_schedule,
             virtual_stages=p.virtual_stages,
             split=split,
@@ -285,6 +287,7 @@ def _check_parallel(p: ParallelConfig, world: int | None) -> None:
     _require(p.cp_kernel in CP_KERNELS, f"cp_kernel={p.cp_kernel!r} is not one of {CP_KERNELS}")
     _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
     _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
+    _require(p.first_bucket_mb >= 0, f"first_bucket_mb must be >= 0, got {p.first_bucket_mb}")
     _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {tuple(DTYPES)}")
     _require(not p.sp or p.tp > 1, "sp=True needs tp > 1 (sequence parallelism splits over tp)")
     _require(

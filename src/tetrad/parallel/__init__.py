@@ -11,7 +11,7 @@ from tetrad.mesh import Group, Mesh
 from tetrad.models.families import spec_for
 from tetrad.models.init import materialize
 from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
-from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads
+from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads, first_bucket_bytes
 from tetrad.parallel.engine import Engine
 from tetrad.parallel.expert import EPLayout, ExpertGrads
 from tetrad.parallel.local import local_model
@@ -119,7 +119,8 @@ def _replicated_grads(named, layout: Layout, data: Group, comm: Comm) -> LocalGr
     dtype = layout.compute_dtype
     if data.size == 1:
         return LocalGrads(named, dtype)
-    return GradBuckets(named, data, comm, layout.bucket_bytes, dtype, layout.reduce_dtype)
+    first = layout.first_bucket_bytes or first_bucket_bytes(comm.device, layout.bucket_bytes)
+    return GradBuckets(named, data, comm, layout.bucket_bytes, dtype, layout.reduce_dtype, first)
 
 
 def _loss_fn(model: torch.nn.Module, chunk: int, tp: TPLayout | None) -> LossFn:

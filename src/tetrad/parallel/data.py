@@ -40,6 +40,15 @@ Named = list[tuple[str, nn.Parameter]]
 FIRST_BUCKET_BYTES = 2**20
 
 
+def first_bucket_bytes(device: torch.device, bucket_bytes: int) -> int:
+    """The first bucket's size by default: `FIRST_BUCKET_BYTES` on a GPU, whose collectives
+    run on their own streams while backward computes, so an early first bucket hides its
+    reduction; on CPU `bucket_bytes`, one bucket like the others. gloo reduces there on
+    the cores backward computes on, so an early all-reduce moves work rather than hiding
+    it, and each extra all-reduce costs its fixed part (docs/dp.md: measured)."""
+    return bucket_bytes if device.type == "cpu" else FIRST_BUCKET_BYTES
+
+
 class Masters:
     """fp32 master copies of parameters that compute in a lower precision.
 
