@@ -37,6 +37,7 @@ import dp
 import harness
 from tetrad.config import from_dict, model_preset
 from tetrad.parallel.model_state import measured_model_state
+from tetrad.parallel.runner import Denominator
 from tetrad.testing import spawn
 
 BINS = ("forward", "backward", "comm", "optimizer", "framework")
@@ -86,7 +87,7 @@ def cpu_ms(fn, calls: int = 100) -> float:
 def parts(trainer) -> dict[str, float]:
     """tetrad's per-step bookkeeping, each piece timed alone on the gradients of a step."""
     engine = trainer.engine
-    engine.forward_backward(trainer.loader.next(), torch.tensor(4096.0))
+    engine.forward_backward(trainer.loader.next(), Denominator(torch.tensor(4096.0)))
     engine.sync_grads()
     return {
         "grad_sq_norm": cpu_ms(engine.grad_sq_norm),

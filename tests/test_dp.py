@@ -41,9 +41,9 @@ def test_dp_comm_volume_is_theoretical(jobs):
     psi = param_count(COMM.model)
     stats = got["comm"]["data/all_reduce"]
     # every gradient element all-reduced exactly once per step: buffer 4Ψ bytes per rank,
-    # and nothing else over data (the token count rides the step's scalars)
-    assert stats["bytes"] == 4 * psi
-    assert stats["bus_bytes"] == pytest.approx(2 * 3 / 4 * 4 * psi)
+    # plus the one float64 that agrees on the global token count (the loss denominator)
+    assert stats["bytes"] == 4 * psi + 8
+    assert stats["bus_bytes"] == pytest.approx(2 * 3 / 4 * (4 * psi + 8))
     assert stats["calls"] > 1  # bucketed, not one monolithic all-reduce
 
 
@@ -86,12 +86,13 @@ def _overlap_worker(rank: int, world: int, cfg_dict: dict) -> dict:
         out.register_hook(record)
 
     def forward_done(_module, _inputs, _out) -> None:
-        stats = trainer.comm.summary()
-        at_forward_end.append(sum(stats[k]["calls"] for k in stats if k.endswith("all_reduce")))
+        # the newest call on the data group: the step's token count (buckets come later)
+        count = [c for c in trainer.comm.ledger.ring if c.group == "data"][-1]
+        in_flight.append((count.bytes, count.done))
 
     trainer.engine.model.tok_embeddings.register_forward_hook(watch)
     trainer.engine.model.register_forward_hook(forward_done)
-    steps, at_forward_end, scalars = [], [], []
+    steps, in_flight, scalars = [], [], []
     for _ in range(trainer.cfg.train.steps):
         trainer.comm.reset()
         result = trainer.train_step()
@@ -104,7 +105,7 @@ def _overlap_worker(rank: int, world: int, cfg_dict: dict) -> dict:
         "grad_norms": [norm for _, norm in steps],
         "state": state if rank == 0 else None,
         "seen_at_embedding_grad": seen,
-        "collectives_at_forward_end": at_forward_end,
+        "count_at_forward_end": in_flight,
         "scalar_bytes": scalars,
         "bucket_bytes": buckets,
     }
@@ -119,8 +120,8 @@ def test_first_bucket_is_reduced_during_backward(jobs):
         # the first bucket closes at the parameter that takes it to FIRST_BUCKET_BYTES
         first, *rest = got["bucket_bytes"]
         assert len(rest) == 1 and FIRST_BUCKET_BYTES <= first < 1.1 * FIRST_BUCKET_BYTES
-        # every step: the first bucket, nothing else yet
-        assert got["seen_at_embedding_grad"] == [(1, first)] * OVERLAP.train.steps
+        # every step: the token count (8 bytes), then the first bucket, nothing else yet
+        assert got["seen_at_embedding_grad"] == [(2, 8 + first)] * OVERLAP.train.steps
 
 
 def test_first_bucket_by_device():
@@ -132,13 +133,12 @@ def test_first_bucket_by_device():
 
 
 def test_dp_step_blocks_on_nothing_before_backward(jobs):
-    """No collective before backward: every rank knows the loss's divisor, and the token
-    count rides the step's scalars, which with data parallelism alone are the loss, two
-    flags and the count but no norm: each rank takes the norm of its whole reduced
-    gradient."""
+    """The token count's all-reduce is still in flight when the forward ends (not waited
+    for before it), and with data parallelism alone the step's scalars all-reduce the loss
+    and two flags but no norm: each rank takes the norm of its whole reduced gradient."""
     for got in jobs["overlap"]:
-        assert got["collectives_at_forward_end"] == [0] * OVERLAP.train.steps
-        assert got["scalar_bytes"] == [4 * 8] * OVERLAP.train.steps
+        assert got["count_at_forward_end"] == [(8, False)] * OVERLAP.train.steps
+        assert got["scalar_bytes"] == [3 * 8] * OVERLAP.train.steps
 
 
 def test_dp_with_a_small_first_bucket_matches_single_process(reference, jobs):

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import tiny_config
 from tetrad.mesh import Mesh
+from tetrad.parallel.runner import Denominator
 from tetrad.train.loop import Trainer
 
 
@@ -31,7 +32,7 @@ def trainer_with_grads() -> Trainer:
     torch.manual_seed(0)
     cfg = tiny_config()
     trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, 0), torch.device("cpu"))
-    trainer.engine.forward_backward(trainer.loader.next(), torch.tensor(100.0))
+    trainer.engine.forward_backward(trainer.loader.next(), Denominator(torch.tensor(100.0)))
     trainer.engine.sync_grads()
     return trainer
 

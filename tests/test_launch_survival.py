@@ -134,7 +134,7 @@ def test_watchdog_names_the_stuck_collective(tmp_path):
     assert code == 1
     (line,) = error_lines(err)
     assert "rank 0: all_reduce over data (ranks [0, 1]) did not complete within 3 s" in line
-    # rank 1 never issued step 2's first collective (its first gradient bucket): every
+    # rank 1 never issued step 2's first collective (the token count over data): every
     # rank's trace says so, and the launcher names it and what rank 0 waits in
     (behind,) = [x for x in err.splitlines() if x.startswith("tetrad: behind on data")]
     assert "rank 1 at #" in behind and "ranks [0] wait in all_reduce #" in behind, behind

@@ -23,7 +23,7 @@ from torch import nn
 from tetrad.comm import Comm
 from tetrad.mesh import Mesh
 from tetrad.models.batch import Microbatch
-from tetrad.parallel.runner import GradSync, Runner, RunResult
+from tetrad.parallel.runner import Denominator, GradSync, Runner, RunResult
 from tetrad.parallel.state_adapter import PlainAdapter
 
 
@@ -72,7 +72,7 @@ class Engine:
         """Whether this rank's loss contribution is counted (once per data rank)."""
         return self.mesh.coord["tp"] == 0 and self.runner.holds_loss
 
-    def forward_backward(self, micro: list[Microbatch], denom: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, micro: list[Microbatch], denom: Denominator) -> torch.Tensor:
         """Accumulate gradients of sum(token losses)/denom; return this rank's loss share."""
         self.last_run = self.runner.run(micro, denom, self.grads)
         return self.last_run.loss

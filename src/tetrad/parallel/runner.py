@@ -23,6 +23,29 @@ from tetrad.parallel.activation_meter import ActivationMeter
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class Denominator:
+    """The loss's divisor: the token count of the global batch, summed over the data ranks
+    by a collective launched as the step starts (`work`) and waited for at its first use,
+    when the first microbatch's forward is done: the forward overlaps the collective
+    instead of waiting for it. The value is the count, at least 1, in fp32 like the loss
+    it divides (the same quotient as dividing by a Python number)."""
+
+    def __init__(self, count: torch.Tensor, work=None):  # noqa: ANN001 (a comm Work)
+        self.count, self.work = count, work
+        self._value: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.count.device
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            if self.work is not None:
+                self.work.wait()
+            self._value = self.count.clamp(min=1).float()
+        return self._value
+
+
 @dataclass
 class RunResult:
     """What one step's forward and backward did on this rank."""
@@ -86,7 +109,7 @@ class Runner(Protocol):
     holds_loss: bool  # whether this rank computes the loss (holds the head)
     meter: ActivationMeter  # counts the activations its forwards save
 
-    def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> RunResult:
+    def run(self, micro: list[Microbatch], denom: Denominator, grads: GradSync) -> RunResult:
         """Accumulate gradients of sum(token losses)/denom into the parameters."""
 
 
@@ -100,7 +123,7 @@ class MicrobatchLoop:
         self.meter = ActivationMeter()  # what autograd saves: the step's activations
         self.meter_every = meter_every
 
-    def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> RunResult:
+    def run(self, micro: list[Microbatch], denom: Denominator, grads: GradSync) -> RunResult:
         device = denom.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         self.meter.measure(self.meter_every)
@@ -110,7 +133,7 @@ class MicrobatchLoop:
             grads.reduce_in_backward(i == len(micro) - 1)
             with self.meter.saving():
                 logits = self.model(mb.inputs.to(device))
-                loss = self.loss_fn(logits, mb.targets.to(device)) / denom
+                loss = self.loss_fn(logits, mb.targets.to(device)) / denom.value()
             del logits  # the graph keeps what backward needs; the logits may go (b·s·V)
             loss.backward()
             total += loss.detach().double()

@@ -25,6 +25,7 @@ from tetrad.models.families import spec_for
 from tetrad.parallel import parallelize
 from tetrad.parallel.model_state import measure_at_each_step, model_state_bytes
 from tetrad.parallel.pipeline.split_costs import resolve_split
+from tetrad.parallel.runner import Denominator
 from tetrad.train import checkpoint
 from tetrad.train.balance import ExpertBalance
 from tetrad.train.data import Loader, source_of
@@ -176,44 +177,33 @@ class Trainer:
             values = torch.cat([agreed, count.view(1)]).tolist()
         loss, sq_norm, stops, writing, *moe, tokens = values
         self.balance.take(agreed[4:], moe)  # MoE: the expert loads, summed over the world
-        # the gradients are of the summed token loss over `full_batch`: over the count, now
-        rescale = self.full_batch / max(tokens, 1.0)
-        loss, norm = loss * rescale, math.sqrt(sq_norm) * rescale
+        norm = math.sqrt(sq_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if not skipped:
-            self._apply(norm, rescale)
+            self._apply(norm)
         self.engine.zero_grad()
         self.step += 1
         return StepResult(loss, norm, int(tokens), skipped, stops > 0, writing == 0)
 
-    @property
-    def full_batch(self) -> int:
-        """The global batch's token count were no target padding: the loss's divisor."""
-        return self.cfg.train.global_batch * self.cfg.train.seq_len
-
     def _forward_backward(self, micro) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients of the global batch's summed token loss over `full_batch`; ([loss,
-        grad norm^2, flags, MoE loads], token count), summed over the world, still on the
-        device. The caller rescales loss, norm and gradients by `full_batch` / count (1
-        without padding).
+        """Gradients of the global batch's mean token loss; ([loss, grad norm^2, flags,
+        MoE loads], token count), agreed by every rank, still on the device.
 
-        Nothing blocks before backward is done: every rank knows the divisor, and the token
-        count rides the step's one all-reduce of scalars after the gradients'. With data
-        parallelism alone (`Engine.whole_grads`) that one is launched behind the last
-        bucket and each rank takes the norm of its whole, reduced gradient meanwhile;
-        otherwise each rank's share of the norm rides it too."""
+        Nothing here blocks before backward is done: the token count is all-reduced while
+        the first forward runs (`Denominator`), and the step's scalars ride one all-reduce
+        after the gradients'. With data parallelism alone (`Engine.whole_grads`) that one
+        is launched behind the last bucket and each rank takes the norm of its whole,
+        reduced gradient meanwhile; otherwise each rank's share of the norm rides it too."""
         f64 = dict(dtype=torch.float64, device=self.device)
-        # fp32, like the loss it divides: the same quotient as dividing by a Python number
-        denom = torch.tensor(float(self.full_batch), device=self.device)
+        count = torch.tensor(float(sum(mb.tokens for mb in micro)), **f64)
+        denom = Denominator(count, self.comm.all_reduce(count, self.mesh["data"], async_op=True))
         loss_share = self.engine.forward_backward(micro, denom)
+        denom.value()  # a rank that holds no loss never divided: the count must land
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
-        # counted once per data coordinate (tp and pp ranks read the same targets); a
-        # stop request and a busy checkpoint writer ride on the same all-reduce, and the
+        # a stop request and a busy checkpoint writer ride on the same all-reduce, and the
         # MoE layers' routing statistics (empty without MoE): no collective of their own
-        coord = self.mesh.coord
-        count = sum(mb.tokens for mb in micro) if coord["tp"] == coord["pp"] == 0 else 0
-        flags = [float(self.stop.requested), float(self.saver.writing), float(count)]
-        scalars = torch.cat([own_loss.view(1), torch.tensor(flags, **f64), self.balance.local()])
+        flags = torch.tensor([float(self.stop.requested), float(self.saver.writing)], **f64)
+        scalars = torch.cat([own_loss.view(1), flags, self.balance.local()])
         world = self.mesh["world"]
         if self.engine.whole_grads:
             self.engine.launch_grads()  # so that every rank issues the scalars' after them
@@ -225,9 +215,9 @@ class Trainer:
             self.engine.sync_grads()
             scalars = torch.cat([scalars, self.engine.grad_sq_norm().view(1)])
             self.comm.all_reduce(scalars, world)
-            sq_norm, scalars = scalars[-1], scalars[:-1]
-        agreed = torch.cat([scalars[:1], sq_norm.view(1), scalars[1:3], scalars[4:]])
-        return agreed, scalars[3]
+            sq_norm = scalars[-1]
+            scalars = scalars[:-1]
+        return torch.cat([scalars[:1], sq_norm.view(1), scalars[1:]]), count
 
     def evaluate(self) -> float:
         """Mean token loss over `eval_batches` global batches of the held-out split.
@@ -240,18 +230,16 @@ class Trainer:
         for k in range(self.cfg.train.eval_batches):
             agreed, count = self._forward_backward(self.eval_loader.batch(k))
             self.engine.zero_grad()
-            total += torch.stack([agreed[0] * self.full_batch, count])  # summed token loss
+            total += torch.stack([agreed[0] * count, count])
         self.engine.last_run = last_step
         with self.comm.watching("evaluation's host sync"):
             loss_sum, tokens = total.tolist()
         return loss_sum / max(tokens, 1.0)
 
-    def _apply(self, norm: float, rescale: float) -> None:
-        """Rescale the gradients (see `_forward_backward`) and clip them, in one pass."""
+    def _apply(self, norm: float) -> None:
         clip = self.cfg.train.grad_clip
-        scale = rescale * (clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0)
-        if scale != 1.0:
-            self.engine.scale_grads(scale)
+        if clip > 0 and norm > clip:
+            self.engine.scale_grads(clip / (norm + 1e-6))
         set_lr(self.optimizer, lr_at(self.step, self.cfg.train))
         self.optimizer.step()
         self.engine.after_step()

@@ -60,7 +60,7 @@ from tetrad.parallel.pipeline.schedules import (
 from tetrad.parallel.pipeline.stage import Chunk
 from tetrad.parallel.pipeline.timeline import Event
 from tetrad.parallel.pipeline.weightgrad import WeightGradStore, defer_weight_grads
-from tetrad.parallel.runner import GradSync, LossFn, RunResult
+from tetrad.parallel.runner import Denominator, GradSync, LossFn, RunResult
 
 # receives posted this many computes early, so their transfer overlaps the compute: gloo
 # (CPU) posts each on its own; on NCCL's in-order stream only 0 is safe (see p2p.py)
@@ -75,7 +75,7 @@ class PipelineStep(RunResult):
     """Everything one optimizer step's schedule keeps between actions (and its result)."""
 
     micro: list[Microbatch]
-    denom: torch.Tensor
+    denom: Denominator
     box: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     recvs: dict[tuple[str, int, int], tuple[Work, torch.Tensor]] = field(default_factory=dict)
     sends: dict[Wire, tuple[Work, torch.Tensor]] = field(default_factory=dict)  # in flight
@@ -149,7 +149,7 @@ class PipelineRuntime:
         self.pool: list[torch.Tensor] = []  # free receive buffers, reused across microbatches
         self.allocated = 0  # receive buffers ever allocated (the pool's size, at most)
 
-    def run(self, micro: list[Microbatch], denom: torch.Tensor, grads: GradSync) -> PipelineStep:
+    def run(self, micro: list[Microbatch], denom: Denominator, grads: GradSync) -> PipelineStep:
         """Execute the whole schedule for one optimizer step. A stage's reductions start
         with its last backward work (`grads.final`); `grads.finish` waits for them."""
         grads.reduce_in_backward(False)  # only `final`: a stage's last backward is not the step's
@@ -317,7 +317,7 @@ class PipelineRuntime:
         with self.meter.saving():
             out = self.model.forward_span(x, list(chunk.layers), chunk.first, chunk.last)
             if chunk.last:
-                loss = self.loss_fn(out, st.targets_of[i]) / st.denom
+                loss = self.loss_fn(out, st.targets_of[i]) / st.denom.value()
         if chunk.last:
             st.loss += loss.detach().double()
             st.outputs[(s, i)] = loss
