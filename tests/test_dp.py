@@ -11,7 +11,11 @@ from tetrad.models.flops import param_count
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = [(2, 1), (4, 1), (2, 2), (4, 2)]  # (dp, microbatches)
-COMM = tiny_config(parallel={"dp": 4, "bucket_mb": 0.01}, train={"steps": 2})
+# a token stream (the stdlib corpus): no target is padding, so no count is all-reduced
+COMM = tiny_config(
+    model={"vocab": 256}, parallel={"dp": 4, "bucket_mb": 0.01}, train={"steps": 2},
+    data={"source": "stdlib"},
+)  # fmt: skip
 NAN = tiny_config(parallel={"dp": 2}, train={"steps": 2})
 # wide enough (about 1.6 MB of gradients) that a GPU's default buckets are two: the small
 # first one (FIRST_BUCKET_BYTES) and the rest (bucket_mb 25); on CPU the default is one
@@ -41,9 +45,10 @@ def test_dp_comm_volume_is_theoretical(jobs):
     psi = param_count(COMM.model)
     stats = got["comm"]["data/all_reduce"]
     # every gradient element all-reduced exactly once per step: buffer 4Ψ bytes per rank,
-    # plus the one float64 that agrees on the global token count (the loss denominator)
-    assert stats["bytes"] == 4 * psi + 8
-    assert stats["bus_bytes"] == pytest.approx(2 * 3 / 4 * (4 * psi + 8))
+    # and nothing else (the token count of a stream without padding is its batch's size;
+    # with padding, one float64 more: `test_first_bucket_is_reduced_during_backward`)
+    assert stats["bytes"] == 4 * psi
+    assert stats["bus_bytes"] == pytest.approx(2 * 3 / 4 * 4 * psi)
     assert stats["calls"] > 1  # bucketed, not one monolithic all-reduce
 
 

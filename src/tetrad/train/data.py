@@ -69,6 +69,7 @@ def check_ids(tokens: np.ndarray, vocab: int, name: str) -> None:
 
 class TokenStream:
     """A long token array read in epochs: shuffled passes over fixed windows, no repetition.
+    Every target is a token (`padded` False: the trainer needs no count of them).
 
     Window w is tokens [w·s, w·s + s + 1) (s = seq_len). Sequence `index` of step k is the
     global sequence g = k·B + index; it is window order(epoch)[g mod n] of epoch g div n,
@@ -77,6 +78,8 @@ class TokenStream:
     and a changed data-parallel degree re-deals the same sequences. The last `heldout`
     windows (after a one-token gap) are in no epoch: they are the evaluation split.
     """
+
+    padded = False  # whether some targets are IGNORE (`Trainer._token_count`)
 
     def __init__(
         self,
@@ -135,6 +138,8 @@ class HeldOut:
     """The evaluation split of a `TokenStream`: its last windows, in order (batch k holds
     sequences k·B to (k+1)·B - 1, wrapping around)."""
 
+    padded = False  # whether some targets are IGNORE (`Trainer._token_count`)
+
     def __init__(self, stream: TokenStream):
         if not stream.heldout:
             raise ValueError("no held-out windows were set aside")
@@ -149,6 +154,8 @@ class HeldOut:
 
 class Synthetic:
     """Learnable synthetic sequences (arithmetic progressions with noise), variably padded."""
+
+    padded = True  # whether some targets are IGNORE (`Trainer._token_count`)
 
     def __init__(self, vocab: int, seed: int, split: str = "synthetic"):
         self.vocab, self.seed, self.split = vocab, seed, split

@@ -149,6 +149,9 @@ class Trainer:
         self.eval_loader = (
             Loader(source.heldout_split(), t.global_batch, t.seq_len, *split) if heldout else None
         )
+        # whether a source's targets can be padding: its token counts need a collective
+        self.padded = getattr(source, "padded", True)
+        self.eval_padded = getattr(self.eval_loader.source if heldout else source, "padded", True)
         self.step = 0
         # in-memory checkpoints with a partner copy (a collective: the partner group)
         local = cfg.checkpoint.local_every > 0
@@ -169,7 +172,7 @@ class Trainer:
         """
         self.balance.begin_step()
         self.straggler.start()
-        agreed, count = self._forward_backward(self.loader.next())
+        agreed, count = self._forward_backward(self.loader.next(), self.padded)
         self.straggler.stop()
         # the host sync (watched: on a GPU a hung collective shows here, not in its call);
         # the flags: a stop was asked for, a checkpoint writer is busy
@@ -185,19 +188,38 @@ class Trainer:
         self.step += 1
         return StepResult(loss, norm, int(tokens), skipped, stops > 0, writing == 0)
 
-    def _forward_backward(self, micro) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_count(self, micro, padded: bool) -> Denominator:
+        """The global batch's target count, the loss's divisor. From a source with padding
+        it is all-reduced over the data ranks while the first forward runs; without (a
+        token stream, every target a token) it is the global batch's size, known to every
+        rank: no collective, each rank checking that its own share is whole."""
+        tokens = sum(mb.tokens for mb in micro)
+        if padded:
+            count = torch.tensor(float(tokens), dtype=torch.float64, device=self.device)
+            return Denominator(count, self.comm.all_reduce(count, self.mesh["data"], async_op=True))
+        whole = sum(mb.targets.numel() for mb in micro)
+        if tokens != whole:
+            raise RuntimeError(
+                f"{whole - tokens} of this rank's {whole} targets are padding, from a data "
+                "source that declares none (its `padded`)"
+            )
+        full = float(self.cfg.train.global_batch * self.cfg.train.seq_len)
+        return Denominator(torch.tensor(full, dtype=torch.float64, device=self.device))
+
+    def _forward_backward(self, micro, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the global batch's mean token loss; ([loss, grad norm^2, flags,
         MoE loads], token count), agreed by every rank, still on the device.
 
-        Nothing here blocks before backward is done: the token count is all-reduced while
-        the first forward runs (`Denominator`), and the step's scalars ride one all-reduce
-        after the gradients'. With data parallelism alone (`Engine.whole_grads`) that one
-        is launched behind the last bucket and each rank takes the norm of its whole,
-        reduced gradient meanwhile; otherwise each rank's share of the norm rides it too."""
+        Nothing here blocks before backward is done: the token count is known, or
+        all-reduced while the first forward runs (`_token_count`), and the step's scalars
+        ride one all-reduce after the gradients'. With data parallelism alone
+        (`Engine.whole_grads`) that one is launched behind the last bucket and each rank
+        takes the norm of its whole, reduced gradient meanwhile; otherwise each rank's
+        share of the norm rides it too."""
         f64 = dict(dtype=torch.float64, device=self.device)
-        count = torch.tensor(float(sum(mb.tokens for mb in micro)), **f64)
-        denom = Denominator(count, self.comm.all_reduce(count, self.mesh["data"], async_op=True))
+        denom = self._token_count(micro, padded)
         loss_share = self.engine.forward_backward(micro, denom)
+        count = denom.count
         denom.value()  # a rank that holds no loss never divided: the count must land
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
         # a stop request and a busy checkpoint writer ride on the same all-reduce, and the
@@ -228,7 +250,7 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         last_step = self.engine.last_run  # the training step's record (pipeline timeline)
         for k in range(self.cfg.train.eval_batches):
-            agreed, count = self._forward_backward(self.eval_loader.batch(k))
+            agreed, count = self._forward_backward(self.eval_loader.batch(k), self.eval_padded)
             self.engine.zero_grad()
             total += torch.stack([agreed[0] * count, count])
         self.engine.last_run = last_step
