@@ -95,12 +95,13 @@ def summarize(world: int, cfg: Config, out: dict, steps: int) -> dict[str, Any]:
         "world": world,
         **harness.timing(out["seconds"], cfg, steps),
         **harness.memory(out["peaks"]),
-        # the data group's all-reduces are the gradient buckets plus one float64 token count
-        "tetrad_grad_bytes_per_step": grad["bytes"] - 8,
+        # the data group's all-reduces are the gradient buckets alone: the corpus has no
+        # padding, so tetrad all-reduces no token count
+        "tetrad_grad_bytes_per_step": grad["bytes"],
         "ddp_grad_bytes_per_step": ddp["bytes"],
         "theory_grad_bytes_per_step": 4 * param_count(cfg.model),
         "tetrad_bus_bytes_per_step": grad["bus_bytes"],
-        "tetrad_buckets_per_step": grad["calls"] - 1,
+        "tetrad_buckets_per_step": grad["calls"],
         "ddp_buckets_per_step": ddp["calls"],
         # the project's bar: relative 1e-5 over 20 steps. Later steps may drift further:
         # with 4 ranks the two bucket layouts make gloo's ring add in different orders.
