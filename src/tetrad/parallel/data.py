@@ -5,9 +5,10 @@ place with no copies. A post-accumulate-grad hook marks a parameter ready; when 
 parameter of a bucket is ready the bucket's all-reduce is launched asynchronously, while
 backward keeps computing the layers before them. Buckets are launched strictly in index order,
 so every rank issues the same collectives in the same order. The first bucket (the last
-layers, whose gradients backward produces first) closes at `FIRST_BUCKET_BYTES`: with one
-big bucket nothing could launch before backward ends, and the whole reduction would wait
-after it; a small first bucket starts it a few layers into backward. On accumulation
+layers, whose gradients backward produces first) closes at `first_bucket_bytes` (by
+default, on a GPU, `FIRST_BUCKET_BYTES`: with one big bucket nothing could launch before
+backward ends, and a small first one starts the reduction a few layers into it; on CPU
+one bucket like the others, see `first_bucket_bytes`). On accumulation
 microbatches (`sync=False`) the hooks do nothing: gradients accumulate locally (`no_sync`).
 
 No averaging: the trainer divides every microbatch's summed token loss by the token count
