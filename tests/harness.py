@@ -129,7 +129,6 @@ class Jobs:
         self._results: dict[str, list[Any]] = {}
         self._failed: dict[int, BaseException] = {}
         self._done: dict[int, threading.Event] = {}  # the worlds `start` runs, set when run
-        self._last: set[str] = set()  # jobs run after the others of their world
 
     def scoped(self, prefix: str) -> Jobs:
         """A view of these jobs whose names are prefixed with `prefix:`."""
@@ -147,17 +146,13 @@ class Jobs:
             self._tmp[key] = self._mktemp(key.replace(":", "-").replace(".", "-"))
         return self._tmp[key]
 
-    def add(self, name: str, world: int, fn: Callable, *args: Any, last: bool = False) -> None:
-        """Queue a job; `last`: after every other job of its world (one that times its
-        steps, when the tests running beside the worlds have most likely finished)."""
+    def add(self, name: str, world: int, fn: Callable, *args: Any) -> None:
         name = self._prefix + name
         if any(name in queued for queued in self._queued.values()):
             raise ValueError(f"job {name!r} added twice")
         if world in self._done:
             raise ValueError(f"job {name!r}: the {world}-rank world has already started")
         self._queued.setdefault(world, {})[name] = (fn, args)
-        if last:
-            self._last.add(name)
 
     def add_training(self, name: str, cfgs: list[Config]) -> None:
         """Queue the training of `cfgs` (one world size, see train_many): jobs[name][0] is
@@ -186,7 +181,7 @@ class Jobs:
                 self._done[world].set()
 
     def _run(self, world: int) -> None:
-        queued = dict(sorted(self._queued[world].items(), key=lambda job: job[0] in self._last))
+        queued = dict(self._queued[world])
         try:
             per_rank = spawn(run_jobs, world, list(queued.values()), timeout=self.timeout)
         except Exception as e:

@@ -93,10 +93,10 @@ def _interleaved(rank: int, world: int, dicts: dict[str, dict]) -> float:
 
 
 def declare_jobs(jobs: Jobs) -> None:
-    """The three layouts, interleaved, in the shared 2-rank world, after its other jobs."""
+    """The three layouts, interleaved, in the shared 2-rank world."""
     root = jobs.tmp("runs")
     cfgs = {name: job_config(layout, root / name) for name, layout in LAYOUTS.items()}
-    jobs.add("interleaved", 2, _interleaved, {n: c.to_dict() for n, c in cfgs.items()}, last=True)
+    jobs.add("interleaved", 2, _interleaved, {n: c.to_dict() for n, c in cfgs.items()})
 
 
 @pytest.fixture(scope="module")
