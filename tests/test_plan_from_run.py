@@ -143,6 +143,7 @@ def test_each_layout_from_the_other_two(runs):
     if _oversubscribed(load):
         pytest.skip(f"{load:.1f} tasks runnable on average on {os.cpu_count()} cores while the "
                     "runs trained: their step times measure other work")  # fmt: skip
+    print(f"{load:.1f} tasks runnable on average while the runs trained")
     measured = {name: read_run(path) for name, path in paths.items()}
     errors = {}
     for name, run in measured.items():
