@@ -12,9 +12,9 @@ is built and warmed up (`--warmup` steps, peak memory measured), then timed roun
 The DDP side takes the usual mean loss over its tokens (the corpus has no padding, so
 that is tetrad's loss over the global batch's token count), and the norm of its whole
 reduced gradient itself while the loss is all-reduced, as tetrad does with data
-parallelism alone. It sums gradients with a comm hook that counts each bucket's bytes (DDP's own
-hook averages; tetrad divides the loss by the global token count, so the sum is the
-single-process gradient and the two runs' losses must agree). tetrad's bytes come from its
+parallelism alone. It sums gradients with a comm hook that counts each bucket's bytes
+(DDP's own hook averages; tetrad divides the loss by the global token count, so the sum is
+the single-process gradient and the two runs' losses must agree). tetrad's bytes come from its
 comm counters. Bytes and buckets are those of each side's last step.
 
     .venv/bin/python benchmarks/dp.py            # worlds 2 and 4, prints JSON
@@ -115,12 +115,6 @@ def summarize(world: int, cfg: Config, out: dict, steps: int) -> dict[str, Any]:
 def main() -> None:
     p = harness.arguments(__doc__, "--worlds", steps=1, rounds=24, warmup=2)
     p.add_argument("--bucket-mb", type=float, help="tetrad's bucket size (default: its config)")
-    p.add_argument(
-        "--first-bucket-mb",
-        type=float,
-        default=0.0,
-        help="tetrad's first bucket (default 0: its CPU default, one like the rest)",
-    )
     p.add_argument("--loss-chunk", type=int, default=0, help="tetrad's (0: full logits, as DDP)")
     p.add_argument(
         "--ddp-bucket-cap-mb",
@@ -130,7 +124,6 @@ def main() -> None:
     )
     args = p.parse_args()
     bucket = {"bucket_mb": args.bucket_mb} if args.bucket_mb is not None else {}
-    bucket["first_bucket_mb"] = args.first_bucket_mb
     rows = []
     for world in args.worlds:
         total = args.warmup + args.rounds * args.steps
@@ -139,11 +132,9 @@ def main() -> None:
         out = spawn(worker, world, cfg.to_dict(), args.steps, args.warmup, args.rounds,
                     args.ddp_bucket_cap_mb, timeout=1200)[0]  # fmt: skip
         rows.append(summarize(world, cfg, out, args.steps))
-    tetrad_first = cfg.parallel.first_bucket_mb * 2**20 or first_bucket_bytes(
-        torch.device("cpu"), int(cfg.parallel.bucket_mb * 2**20)
-    )
+    cpu, bucket_bytes = torch.device("cpu"), int(cfg.parallel.bucket_mb * 2**20)
     harness.report("dp", cfg, rows, tetrad_bucket_mb=cfg.parallel.bucket_mb,
-                   tetrad_first_bucket_mb=tetrad_first / 2**20,
+                   tetrad_first_bucket_mb=first_bucket_bytes(cpu, bucket_bytes) / 2**20,
                    tetrad_loss_chunk=args.loss_chunk, ddp_loss="full logits",
                    ddp_bucket_cap_mb=args.ddp_bucket_cap_mb or "default",
                    steps_per_round=args.steps, rounds=args.rounds)  # fmt: skip

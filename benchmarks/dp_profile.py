@@ -30,6 +30,7 @@ import pstats
 import statistics
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -56,13 +57,24 @@ def bin_of(file: str, func: str, caller_bins: set[str]) -> str:
             if b in caller_bins:
                 return b
         return "framework"
-    if "/torch/distributed/" in file or "/tetrad/comm/" in file:
+    if _within(file, "torch.distributed", "tetrad.comm"):
         return "comm"
-    if "/torch/optim/" in file:
+    if _within(file, "torch.optim"):
         return "optimizer"
-    if "/tetrad/models/" in file or "/torch/nn/modules/" in file or "/torch/nn/functional" in file:
+    if _within(file, "tetrad.models", "torch.nn.modules", "torch.nn.functional"):
         return "forward"
     return "framework"
+
+
+def _within(file: str, *packages: str) -> bool:
+    """Whether the source file `file` is one of `packages`' modules (dotted names), wherever
+    the packages are installed."""
+    names = tuple(Path(part).stem for part in Path(file).parts)
+    for package in packages:
+        want = tuple(package.split("."))
+        if any(names[i : i + len(want)] == want for i in range(len(names))):
+            return True
+    return False
 
 
 def split(profile: cProfile.Profile, steps: int) -> dict[str, float]:

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from tetrad.comm import Work
 from tetrad.models.batch import Microbatch
 from tetrad.parallel.activation_meter import ActivationMeter
 
@@ -30,7 +31,7 @@ class Denominator:
     instead of waiting for it. The value is the count, at least 1, in fp32 like the loss
     it divides (the same quotient as dividing by a Python number)."""
 
-    def __init__(self, count: torch.Tensor, work=None):  # noqa: ANN001 (a comm Work)
+    def __init__(self, count: torch.Tensor, work: Work | None = None):
         self.count, self.work = count, work
         self._value: torch.Tensor | None = None
 

@@ -149,9 +149,6 @@ class Trainer:
         self.eval_loader = (
             Loader(source.heldout_split(), t.global_batch, t.seq_len, *split) if heldout else None
         )
-        # whether a source's targets can be padding: its token counts need a collective
-        self.padded = getattr(source, "padded", True)
-        self.eval_padded = getattr(self.eval_loader.source if heldout else source, "padded", True)
         self.step = 0
         # in-memory checkpoints with a partner copy (a collective: the partner group)
         local = cfg.checkpoint.local_every > 0
@@ -172,7 +169,7 @@ class Trainer:
         """
         self.balance.begin_step()
         self.straggler.start()
-        agreed, count = self._forward_backward(self.loader.next(), self.padded)
+        agreed, count = self._forward_backward(self.loader.next(), self.loader.source.padded)
         self.straggler.stop()
         # the host sync (watched: on a GPU a hung collective shows here, not in its call);
         # the flags: a stop was asked for, a checkpoint writer is busy
@@ -190,9 +187,9 @@ class Trainer:
 
     def _token_count(self, micro, padded: bool) -> Denominator:
         """The global batch's target count, the loss's divisor. From a source with padding
-        it is all-reduced over the data ranks while the first forward runs; without (a
-        token stream, every target a token) it is the global batch's size, known to every
-        rank: no collective, each rank checking that its own share is whole."""
+        (its `padded`) it is all-reduced over the data ranks while the first forward runs;
+        without (a token stream, every target a token) it is the global batch's size, known
+        to every rank: no collective, each rank checking that its own share is whole."""
         tokens = sum(mb.tokens for mb in micro)
         if padded:
             count = torch.tensor(float(tokens), dtype=torch.float64, device=self.device)
@@ -206,7 +203,7 @@ class Trainer:
         full = float(self.cfg.train.global_batch * self.cfg.train.seq_len)
         return Denominator(torch.tensor(full, dtype=torch.float64, device=self.device))
 
-    def _forward_backward(self, micro, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_backward(self, micro, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the global batch's mean token loss; ([loss, grad norm^2, flags,
         MoE loads], token count), agreed by every rank, still on the device.
 
@@ -250,7 +247,8 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         last_step = self.engine.last_run  # the training step's record (pipeline timeline)
         for k in range(self.cfg.train.eval_batches):
-            agreed, count = self._forward_backward(self.eval_loader.batch(k), self.eval_padded)
+            loader = self.eval_loader
+            agreed, count = self._forward_backward(loader.batch(k), loader.source.padded)
             self.engine.zero_grad()
             total += torch.stack([agreed[0] * count, count])
         self.engine.last_run = last_step
