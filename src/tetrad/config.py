@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-# compute and reduction dtypes by name: the one table every part reads
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# compute and reduction dtypes by name: the one table every part reads (fp64 verifies:
+# every part in float64, tetrad.precision)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # activation recomputation: nothing, the cheap and large parts, or whole blocks
 RECOMPUTE = ("none", "selective", "full")

@@ -30,6 +30,7 @@ from tetrad.config import (
     ParallelConfig,
     check_sections,
 )
+from tetrad.precision import wide
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 SPLIT_BACKWARD = ("zb-h1", "zb-v")  # backward split into B (inputs) and W (weights)
@@ -57,7 +58,7 @@ class Layout:
     split_measured: bool  # --pp-split measured: timed in a warm-up, then fixed
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    master_dtype: torch.dtype = torch.float32  # the optimizer's copy of the weights
+    master_dtype: torch.dtype = torch.float32  # the optimizer's copy of the weights (wide)
     ep: int = 1  # expert parallelism: ranks one MoE layer's experts are sharded over
     cp_kernel: str = "fused"  # a cp core's block attention (parallel/context_kernels.py)
 
@@ -92,7 +93,8 @@ class Layout:
             split=split,
             split_measured=p.pp_split == "measured",
             compute_dtype=DTYPES[cfg.train.dtype],
-            reduce_dtype=DTYPES[p.reduce_dtype],
+            reduce_dtype=_reduce_dtype(cfg),
+            master_dtype=wide(DTYPES[cfg.train.dtype]),
             ep=p.ep,
             cp_kernel=p.cp_kernel,
         )
@@ -271,6 +273,19 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int]) -> None:
     )
 
 
+def _reduce_dtype(cfg: Config) -> torch.dtype:
+    """Gradients cross ranks in `parallel.reduce_dtype`, or in float64 under fp64 compute,
+    where every part is float64 (tetrad.precision); fp64 with bf16 reductions is refused."""
+    if cfg.train.dtype != "fp64":
+        return DTYPES[cfg.parallel.reduce_dtype]
+    _require(
+        cfg.parallel.reduce_dtype == "fp32",
+        f"dtype='fp64' reduces in float64; reduce_dtype={cfg.parallel.reduce_dtype!r} would"
+        " round its gradients: leave reduce_dtype at its default",
+    )
+    return torch.float64
+
+
 def _check_parallel(p: ParallelConfig, world: int | None) -> None:
     for name in ("dp", "fsdp", "tp", "pp", "cp", "microbatches", "virtual_stages"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
@@ -289,6 +304,9 @@ def _check_parallel(p: ParallelConfig, world: int | None) -> None:
     _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
     _require(p.first_bucket_mb >= 0, f"first_bucket_mb must be >= 0, got {p.first_bucket_mb}")
     _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {tuple(DTYPES)}")
+    _require(
+        p.reduce_dtype != "fp64", "reduce_dtype='fp64' is fp64 compute's alone: use dtype='fp64'"
+    )
     _require(not p.sp or p.tp > 1, "sp=True needs tp > 1 (sequence parallelism splits over tp)")
     _require(
         p.pp_schedule in SCHEDULES,

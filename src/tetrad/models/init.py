@@ -60,8 +60,9 @@ def materialize(
     slicer: Slicer | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """Allocate `model`'s (meta) parameters on `device` and fill each with its slice."""
-    model.to_empty(device=device)
+    """Allocate `model`'s (meta) parameters on `device` in `dtype` (its master weights':
+    float32, or float64 to verify) and fill each with its slice of the float32 init."""
+    model.to_empty(device=device).to(dtype)  # buffers too: a router's bias, updated in it
     for name, p in model.named_parameters():
         full = full_value(seed, name, full_shape(name, cfg), cfg)
         index = slicer(name) if slicer else None

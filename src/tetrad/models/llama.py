@@ -18,6 +18,7 @@ from tetrad.config import ModelConfig
 from tetrad.models.loss import cross_entropy_sum  # noqa: F401  (its historical home)
 from tetrad.models.recompute import recompute
 from tetrad.models.spec import Keep
+from tetrad.precision import widen
 
 # What selective recomputation does not redo in a block (models/recompute.py), by the
 # module running the kernel: the k, v, o and gate projections' matmuls and the attention
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = widen(x)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
@@ -63,7 +64,7 @@ def rotary_at(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Ten
 
 def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x [b, s, heads, head_dim] by position."""
-    xr = x.float().unflatten(-1, (-1, 2))  # [b, s, h, d/2, 2]
+    xr = widen(x).unflatten(-1, (-1, 2))  # [b, s, h, d/2, 2]
     cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
     out = torch.stack(
         (xr[..., 0] * cos - xr[..., 1] * sin, xr[..., 0] * sin + xr[..., 1] * cos), dim=-1

@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from tetrad.models.batch import IGNORE
+from tetrad.precision import wide, widen
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of token losses (targets == -100 are padding); callers divide by the global count."""
     return F.cross_entropy(
-        logits.float().flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=IGNORE
+        widen(logits).flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=IGNORE
     )
 
 
@@ -53,10 +54,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = weight.shape[0]
         mine = valid & (local >= 0) & (local < rows)
         local = local.clamp(0, max(rows - 1, 0))
-        lse = x.new_empty(t.shape, dtype=torch.float32)
-        picked = x.new_zeros(t.shape, dtype=torch.float32)
+        lse = x.new_empty(t.shape, dtype=wide(x.dtype))
+        picked = x.new_zeros(t.shape, dtype=wide(x.dtype))
         for lo, hi in _chunks(t.numel(), chunk):
-            z = F.linear(x[lo:hi], weight).float()  # [c, V_r]: the only logits alive
+            z = widen(F.linear(x[lo:hi], weight))  # [c, V_r]: the only logits alive
             lse[lo:hi] = torch.logsumexp(z, dim=1) if rows else float("-inf")
             if rows:
                 picked[lo:hi] = z.gather(1, local[lo:hi, None])[:, 0]
@@ -72,17 +73,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h, weight, lse, local, mine, valid = ctx.saved_tensors
         x = h.flatten(0, -2)
         grad_x = torch.zeros_like(x)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_w = torch.zeros(weight.shape, dtype=wide(weight.dtype), device=weight.device)
         if weight.shape[0]:
             for lo, hi in _chunks(x.shape[0], ctx.chunk):
                 # in place, one chunk of logits alive: the softmax, minus the one-hot target
-                dz = F.linear(x[lo:hi], weight).float()
+                dz = widen(F.linear(x[lo:hi], weight))
                 dz.sub_(lse[lo:hi, None]).exp_().mul_(valid[lo:hi, None])
                 own = mine[lo:hi].nonzero()[:, 0]
                 dz[own, local[lo:hi][own]] -= 1.0
                 dz = dz.mul_(grad).to(x.dtype)
                 torch.mm(dz, weight, out=grad_x[lo:hi])
-                grad_w += (dz.t() @ x[lo:hi]).float()
+                grad_w += widen(dz.t() @ x[lo:hi])
         return grad_x.view_as(h), grad_w.to(weight.dtype), None, None, None, None
 
 

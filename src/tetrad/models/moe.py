@@ -34,6 +34,7 @@ from torch import nn
 from tetrad.config import ModelConfig
 from tetrad.models.llama import KEEP_SELECTIVE, Block, Llama
 from tetrad.models.spec import Keep
+from tetrad.precision import wide, widen
 
 # A sum over the ranks that hold parts of the same sequences (identity: whole sequences)
 SequenceSum = Callable[[torch.Tensor], torch.Tensor]
@@ -80,7 +81,7 @@ class Router(nn.Module):
         all fp32 but the int64 ids."""
         logits = self.logits(x)  # [T, E]
         scores = logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
-        ids = top_k_stable(scores + self.expert_bias.float(), self.top_k)
+        ids = top_k_stable(scores + widen(self.expert_bias), self.top_k)
         chosen = scores.gather(1, ids)
         probs = scores if self.kind == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         return probs, ids, chosen / chosen.sum(dim=-1, keepdim=True)
@@ -89,7 +90,7 @@ class Router(nn.Module):
         """x [T, d] -> the scores' logits [T, E], fp32. A method of its own so that
         parallel code can change how the weight meets the tokens (its gradient summed
         over ranks, or computed later), not what the router computes."""
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(widen(x), widen(self.weight))
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:
@@ -216,7 +217,7 @@ class _WithAuxGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+        return grad, torch.ones((), dtype=wide(grad.dtype), device=grad.device)
 
 
 class MoEFeedForward(nn.Module):
@@ -265,9 +266,10 @@ class MoEFeedForward(nn.Module):
         counts are the whole sequence's and each rank adds its tokens' part of P."""
         b, s, n = probs.shape
         k = ids.shape[-1]
-        counts = torch.zeros(b, n, dtype=torch.float32, device=probs.device)
-        counts.scatter_add_(1, ids.reshape(b, -1), torch.ones(b, s * k, device=probs.device))
-        lengths = torch.full((b, 1), float(s), device=probs.device)
+        like = dict(dtype=probs.dtype, device=probs.device)
+        counts = torch.zeros(b, n, **like)
+        counts.scatter_add_(1, ids.reshape(b, -1), torch.ones(b, s * k, **like))
+        lengths = torch.full((b, 1), float(s), **like)
         whole = self.sequence_sum(torch.cat([counts, lengths], dim=1))
         counts, lengths = whole[:, :n], whole[:, n:]
         f = counts * (n / k) / lengths

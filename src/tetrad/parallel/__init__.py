@@ -46,7 +46,8 @@ def parallelize(
       6. data parallelism last, over the final local parameters: ZeRO shards (fsdp) or
          bucketed all-reduce (dp), and the matching state adapter. Either one owns the
          mixed precision: compute parameters in `train.dtype` (cast here, from the fp32
-         values just materialised, which become the fp32 master weights).
+         values just materialised, which become the fp32 master weights). fp64 verifies:
+         materialised in float64, it has no masters (tetrad.precision).
     """
     if mesh.ep != layout.ep:
         raise ValueError(f"the mesh has ep={mesh.ep} groups, the layout ep={layout.ep}")
@@ -56,7 +57,7 @@ def parallelize(
     unshard, slicer = (tp.unshard, tp.slicer) if tp else (None, None)
     if local.ep:  # the expert weights: this rank's experts, joined over ep
         unshard, slicer = local.ep.unshard(unshard), local.ep.slicer(slicer)
-    materialize(model, model_cfg, train.seed, device, slicer)
+    materialize(model, model_cfg, train.seed, device, slicer, layout.master_dtype)
     spec.set_recompute(model, train.recompute)
     loss_fn = _loss_fn(model, train.loss_chunk, tp)
     replicated = local.replicated

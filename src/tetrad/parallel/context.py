@@ -45,6 +45,7 @@ from tetrad.models.llama import apply_rotary, rotary_at
 from tetrad.models.plans import matches
 from tetrad.models.spec import set_module
 from tetrad.parallel.context_kernels import BlockKernel, pick_kernel
+from tetrad.precision import wide, widen
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -141,8 +142,10 @@ class _Online:
         self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
         # laid out [b, s, H, hd] (seen as [b, H, s, hd]): in fp32 the result handed on is
         # this very tensor, so the next matmul's saved input and ours are one
-        self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device).transpose(1, 2)
-        self.lse = torch.full(self.q.shape[:-1], float("-inf"), device=q.device)  # [b, H, s]
+        self.out = torch.zeros(q.shape, dtype=wide(q.dtype), device=q.device).transpose(1, 2)
+        self.lse = torch.full(
+            self.q.shape[:-1], float("-inf"), dtype=wide(q.dtype), device=q.device
+        )  # [b, H, s]
 
     def add(self, kv: torch.Tensor, where: tuple[int, int, int]) -> None:
         """Merge the block of rank `src`'s keys and values; `where` = (rank, src, chunk)."""
@@ -155,7 +158,7 @@ class _Online:
         merged = torch.logaddexp(lse, block_lse)
         self.out[:, :, rows] = (
             self.out[:, :, rows] * torch.exp(lse - merged)[..., None]
-            + block_out.float() * torch.exp(block_lse - merged)[..., None]
+            + widen(block_out) * torch.exp(block_lse - merged)[..., None]
         )
         self.lse[..., rows] = merged
 
@@ -170,7 +173,7 @@ class _Grads:
         self.q, self.dout = q.transpose(1, 2).contiguous(), grad.transpose(1, 2).contiguous()
         self.out, self.lse = out.to(q.dtype), lse  # out, lse: [b, H, s, hd], [b, H, s]
         self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
-        self.dq = torch.zeros(self.q.shape, dtype=torch.float32, device=q.device)
+        self.dq = torch.zeros(self.q.shape, dtype=wide(q.dtype), device=q.device)
         self._mine = (self.dout, self.q, self.out, self.lse)  # what the rows slice
         self.kernel = kernel
 
@@ -181,11 +184,11 @@ class _Grads:
         k, v = k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
         dout, q, out, lse = (t[:, :, rows].contiguous() for t in self._mine)
         dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, diag, self.scale)
-        self.dq[:, :, rows] += dq.float()
-        grads = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=kv.device)
+        self.dq[:, :, rows] += widen(dq)
+        grads = torch.zeros((2, *kv.shape[1:]), dtype=wide(kv.dtype), device=kv.device)
         for i, g in enumerate((dk, dv)):  # [b, H, m, hd] -> summed per kv head [b, m, kvh, hd]
             b, _, m, hd = g.shape
-            grads[i][:, cols] = g.float().view(b, -1, self.rep, m, hd).sum(2).transpose(1, 2)
+            grads[i][:, cols] = widen(g).view(b, -1, self.rep, m, hd).sum(2).transpose(1, 2)
         return grads
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
@@ -212,7 +215,7 @@ class _GatheredAttention(torch.autograd.Function):
         q, kv, out, lse = ctx.saved_tensors
         s, n = q.shape[1], kv.shape[2] // q.shape[1]
         grads = _Grads(q, grad, out, lse, kv.shape[3], ctx.kernel)
-        dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+        dkv = torch.empty(kv.shape, dtype=wide(kv.dtype), device=kv.device)
         for src in range(n):
             dkv[:, :, src * s : (src + 1) * s] = grads.block(
                 kv[:, :, src * s : (src + 1) * s], (ctx.rank, src, s // 2)
@@ -251,7 +254,7 @@ class _RingAttention(torch.autograd.Function):
         n, r, c = group.size, group.rank, q.shape[1] // 2
         grads = _Grads(q, grad, out, lse, k.shape[2], ctx.kernel)
         kv = torch.stack((k, v)).contiguous()
-        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # travels
+        dkv = torch.zeros((2, *k.shape), dtype=wide(k.dtype), device=q.device)  # travels
         incoming: list = []  # the dkv of the block now in hand, still arriving
         for i in range(n):
             works, nxt = [], None

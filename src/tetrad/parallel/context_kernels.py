@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tetrad.config import CP_KERNELS
+from tetrad.precision import widen
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class BlockKernel:
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     """fp32 scores [..., n, m] of a block; masked causally (top-left) on the diagonal."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.matmul(widen(q), widen(k).transpose(-1, -2)) * scale
     if causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
@@ -62,16 +63,16 @@ def unfused_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
     """softmax(qkᵀ·scale)v of one block and its fp32 log-sum-exp, from the whole score block."""
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v.float()).to(q.dtype), lse
+    return torch.matmul(torch.exp(s - lse[..., None]), widen(v)).to(q.dtype), lse
 
 
 def unfused_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """dq, dk, dv of one block given the *merged* output and log-sum-exp of all blocks:
     P = exp(qkᵀ·scale − lse) is then the block's share of the whole softmax, and
     dS = P ∘ (dO·vᵀ − rowsum(dO ∘ O)) the exact gradient of its scores."""
-    d, qf, kf = dout.float(), q.float(), k.float()
+    d, qf, kf = widen(dout), widen(q), widen(k)
     p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
-    ds = p * (torch.matmul(d, v.float().transpose(-1, -2)) - (d * out.float()).sum(-1)[..., None])
+    ds = p * (torch.matmul(d, widen(v).transpose(-1, -2)) - (d * widen(out)).sum(-1)[..., None])
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
     dv = torch.matmul(p.transpose(-1, -2), d)

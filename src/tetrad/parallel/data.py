@@ -33,6 +33,7 @@ from torch import nn
 from tetrad.comm import Comm, Work
 from tetrad.mesh import Group
 from tetrad.parallel.runner import Held
+from tetrad.precision import mixed, widen
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -61,7 +62,7 @@ class Masters:
         self.named: Named = []
         with torch.no_grad():
             for name, p in named:
-                master = nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                master = nn.Parameter(widen(p.detach()).clone(), requires_grad=p.requires_grad)
                 p.data = p.data.to(dtype)
                 self.named.append((name, master))
         self.of = {id(p): m for (_, p), (_, m) in zip(named, self.named)}
@@ -69,7 +70,7 @@ class Masters:
     def take_grads(self) -> None:
         """The masters' fp32 gradients from the parameters' (no data axis)."""
         for (_, p), (_, m) in zip(self.model, self.named):
-            m.grad = None if p.grad is None else p.grad.float()
+            m.grad = None if p.grad is None else p.grad.to(m.dtype)
 
     def drop_grads(self) -> None:
         for _, m in self.named:
@@ -103,7 +104,7 @@ class LocalGrads:
 
     def __init__(self, named: Named, dtype: torch.dtype = torch.float32):
         self.named = named
-        self.masters = Masters(named, dtype) if dtype != torch.float32 else None
+        self.masters = Masters(named, dtype) if mixed(dtype) else None
         self.sync = True
 
     def reduce_in_backward(self, on: bool) -> None:
@@ -247,7 +248,7 @@ class GradBuckets(LocalGrads):
             if sent is not bucket.buffer:
                 bucket.buffer.copy_(sent)
             return
-        full = sent if sent.dtype == torch.float32 else sent.float()
+        full = widen(sent)
         offset = 0
         for p in bucket.params:
             self.masters.of[id(p)].grad = full[offset : offset + p.numel()].view_as(p)

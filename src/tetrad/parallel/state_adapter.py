@@ -1,8 +1,8 @@
 """State adapters: a layout's parameters and AdamW state as full logical tensors, and back.
 
-Checkpoints, tests and export speak full logical tensors (by parameter name, whole,
-float32, on CPU); each layout holds something else (tp shards, some stages, ZeRO
-flat shards). A state adapter owns that translation for one engine. Out is a collective
+Checkpoints, tests and export speak full logical tensors (by parameter name, whole, in
+the masters' dtype: float32, or float64 under fp64; on CPU); each layout holds something
+else (tp shards, some stages, ZeRO flat shards). A state adapter owns that translation for one engine. Out is a collective
 (tp shards all-gathered, every stage broadcast over pp); in needs none: every rank loads
 from the full tensors and keeps its slices.
 
@@ -29,6 +29,7 @@ from tetrad.mesh import Mesh
 from tetrad.models.init import Slicer, full_shape
 from tetrad.parallel.boxes import Box, box_shape, index_box
 from tetrad.parallel.local import stage_param_names
+from tetrad.precision import wide, widen
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state, as torch names it
 Unshard = Callable[[str, torch.Tensor], torch.Tensor]
@@ -180,9 +181,9 @@ class PlainAdapter:
         return out
 
     def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full fp32 CPU tensors from per-parameter local ones (a collective): tp shards
-        joined, and every stage's names on every rank."""
-        state = {n: self.unshard(n, t).float().cpu().clone() for n, t in local.items()}
+        """Full wide (fp32; fp64 under fp64) CPU tensors from per-parameter local ones (a
+        collective): tp shards joined, and every stage's names on every rank."""
+        state = {n: widen(self.unshard(n, t)).cpu().clone() for n, t in local.items()}
         if self.mesh.degrees["pp"] > 1:
             state = self._gather_stages(state)
         return state
@@ -195,7 +196,8 @@ class PlainAdapter:
             for name in stage_param_names(self.layout, self.model_cfg, r):
                 if name in out:
                     continue  # a tied embedding held by two stages: the first one's value
-                t = state[name] if r == pp.rank else torch.empty(full_shape(name, self.model_cfg))
+                shape, dtype = full_shape(name, self.model_cfg), self.layout.master_dtype
+                t = state[name] if r == pp.rank else torch.empty(shape, dtype=dtype)
                 t = t.to(self.device)  # NCCL broadcasts device tensors only
                 self.comm.broadcast(t, r, pp)
                 out[name] = t.cpu()
@@ -226,9 +228,10 @@ class PlainAdapter:
 
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A float32 CPU copy of `t` that later updates of `t` cannot change."""
+    """A wide (float32; float64 under fp64) CPU copy of `t` that later updates of `t`
+    cannot change."""
     t = t.detach()
-    return t.to("cpu", torch.float32, copy=True).contiguous()
+    return t.to("cpu", wide(t.dtype), copy=True).contiguous()
 
 
 def set_adam_state(

@@ -54,6 +54,7 @@ from tetrad.models.moe import Router
 from tetrad.models.plans import assign
 from tetrad.models.spec import module_at
 from tetrad.parallel.pipeline.weightgrad import Deferrable, SplitLinear, accumulate, split_matmul
+from tetrad.precision import widen
 
 SHARDED = ("dp", "fsdp", "cp")  # a tp-sharded parameter is still replicated over these
 
@@ -199,7 +200,7 @@ class SequenceParallelRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the same arithmetic as llama.RMSNorm, with the weight entering the tp region
-        xf = x.float()
+        xf = widen(x)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = copy_to_tp(self.weight, self.tp.comm, self.tp.group, self.tp.reduce_dtype)
         return normed.type_as(x) * weight
@@ -218,9 +219,9 @@ class SequenceParallelRouter(Router, Deferrable):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.store is not None:
-            return split_matmul(x.float(), self.weight.float(), self.store, self._sink())
+            return split_matmul(widen(x), widen(self.weight), self.store, self._sink())
         weight = copy_to_tp(self.weight, self.tp.comm, self.tp.group, self.tp.reduce_dtype)
-        return F.linear(x.float(), weight.float())  # [T/t, E]
+        return F.linear(widen(x), widen(weight))  # [T/t, E]
 
     def _sink(self):
         """W's destination: this rank's partial gradient, summed over tp (as f's backward
@@ -263,7 +264,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, start, comm, group):
-        z = logits.float().flatten(0, -2)  # [N, V_r]: this rank's vocabulary only
+        z = widen(logits).flatten(0, -2)  # [N, V_r]: this rank's vocabulary only
         t = targets.flatten()
         valid = t != IGNORE
         local = t - start

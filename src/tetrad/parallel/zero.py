@@ -55,6 +55,7 @@ from tetrad.mesh import Group, Mesh
 from tetrad.models.plans import decays
 from tetrad.models.spec import ModelSpec
 from tetrad.parallel.runner import Held
+from tetrad.precision import mixed
 
 ROOT = "root"
 # (weight decay?, axes the values are replicated over besides fsdp)
@@ -189,7 +190,7 @@ class FlatUnit:
         # optimizer write through it without invalidating tensors autograd saved.
         self.data = self.flat.data
         lo, hi = rank * layout.shard, (rank + 1) * layout.shard
-        if dtype == torch.float32:
+        if not mixed(dtype):
             self._load(model, self.data)
             self.master = self.data[lo:hi] if self.stage < 3 else self.data[lo:hi].clone()
         else:  # the master shard from the fp32 values, not from their bf16 rounding
@@ -205,7 +206,7 @@ class FlatUnit:
         self.grad: torch.Tensor | None = None
         if self.stage == 1:
             self.flat.grad = torch.zeros_like(self.data)
-            inplace = dtype == torch.float32
+            inplace = not mixed(dtype)
             self.attach_grad(
                 self.flat.grad[lo:hi] if inplace else torch.zeros(layout.shard, device=device)
             )
@@ -520,7 +521,7 @@ class ZeroShards:
             if self.stage == 1 and out is not unit.grad:
                 unit.grad.copy_(out)
             elif self.stage > 1:
-                unit.attach_grad(out.float())  # a no-op cast when reduced in fp32
+                unit.attach_grad(out.to(unit.master.dtype))  # no-op when reduced in it
         self.replicating.clear()
         for u in self.units:
             u.reduced = False
@@ -550,11 +551,11 @@ class ZeroShards:
     def held(self) -> Held:
         """fp32: the master shards are the parameters (views of them below stage 3);
         mixed precision: the compute buffers, and the masters beside them."""
-        mixed = any(u.data.dtype != torch.float32 for u in self.units)
+        two = any(mixed(u.data.dtype) for u in self.units)
         masters = [u.master for u in self.units]
-        params = [u.data for u in self.units] + ([] if mixed else masters)
+        params = [u.data for u in self.units] + ([] if two else masters)
         grads = [u.flat.grad for u in self.units] + [u.grad for u in self.units]
-        return Held(params, grads, masters if mixed else [])
+        return Held(params, grads, masters if two else [])
 
     # --- views for the engine ------------------------------------------------------------
     def params(self) -> list[tuple[str, nn.Parameter]]:

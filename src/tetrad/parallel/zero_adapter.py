@@ -24,6 +24,7 @@ from tetrad.parallel.state_adapter import (
     snapshot,
 )
 from tetrad.parallel.zero import FlatUnit, UnitLayout, ZeroShards
+from tetrad.precision import widen
 
 
 class ZeroAdapter(PlainAdapter):
@@ -42,7 +43,7 @@ class ZeroAdapter(PlainAdapter):
 
     @torch.no_grad()
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every local parameter, full size, float32, from the master shards."""
+        """Every local parameter, full size, in the masters' dtype, from the master shards."""
         self.shards.drain()
         return gather_units(self.shards, lambda u: u.master)
 
@@ -185,11 +186,13 @@ class ZeroWithExpertShards(ZeroAdapter):
 def gather_units(
     shards: ZeroShards, shard_of: Callable[[FlatUnit], torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Every local parameter, full size, float32, on CPU, from each unit's `shard_of(unit)`."""
+    """Every local parameter, full size, wide (float32; float64 under fp64), on CPU, from
+    each unit's `shard_of(unit)`."""
     out = {}
     for u in shards.units:
-        full = torch.empty(u.layout.padded, dtype=torch.float32, device=shards.device)
-        shards.comm.all_gather(full, shard_of(u).float(), shards.group)
+        shard = widen(shard_of(u))
+        full = torch.empty(u.layout.padded, dtype=shard.dtype, device=shards.device)
+        shards.comm.all_gather(full, shard, shards.group)
         for name, off, shape in zip(u.layout.names, u.layout.offsets, u.layout.shapes):
             out[name] = full[off : off + math.prod(shape)].view(shape).cpu().clone()
     return out
@@ -197,7 +200,7 @@ def gather_units(
 
 def optimizer_shard(u: FlatUnit, optimizer: torch.optim.Optimizer, kind: str) -> torch.Tensor:
     """One AdamW moment over `u`'s shard (zeros for padding and before the first step)."""
-    shard = torch.zeros(u.layout.shard, dtype=torch.float32, device=u.data.device)
+    shard = torch.zeros(u.layout.shard, dtype=u.master.dtype, device=u.data.device)
     for (_, p), v in zip(u.params, u.views):
         if kind in optimizer.state.get(p, {}):
             shard[v.start : v.stop] = optimizer.state[p][kind]
@@ -217,18 +220,20 @@ def load_units(
     shards.drain()
     for u in shards.units:
         lo, hi = u.rank * u.layout.shard, (u.rank + 1) * u.layout.shard
-        full = _flatten(u.layout, params).to(u.data.device)
+        full = _flatten(u.layout, params, u.master.dtype).to(u.data.device)
         if u.gathered:  # stages 1-2 between steps: the compute weights persist
             u.data.copy_(full)
         u.master.copy_(full[lo:hi])
         if moments is None:
             continue
-        moment_shards = [_flatten(u.layout, moments[k])[lo:hi] for k in MOMENTS]
+        moment_shards = [_flatten(u.layout, moments[k], u.master.dtype)[lo:hi] for k in MOMENTS]
         for (_, p), v in zip(u.params, u.views):
             set_adam_state(optimizer, p, step, *(m[v.start : v.stop] for m in moment_shards))
 
 
-def _flatten(layout: UnitLayout, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A unit's flat fp32 buffer (padding zeroed) from its parameters' tensors by name."""
-    pad = torch.zeros(layout.padded - layout.numel)
-    return torch.cat([tensors[n].reshape(-1).float().cpu() for n in layout.names] + [pad])
+def _flatten(
+    layout: UnitLayout, tensors: dict[str, torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """A unit's flat `dtype` buffer (padding zeroed) from its parameters' tensors by name."""
+    pad = torch.zeros(layout.padded - layout.numel, dtype=dtype)
+    return torch.cat([tensors[n].reshape(-1).to("cpu", dtype) for n in layout.names] + [pad])

@@ -34,6 +34,7 @@ from torch import nn
 
 from tetrad.models.moe import Experts, Router, grouped_linear
 from tetrad.parallel.pipeline.schedules import StageMb
+from tetrad.precision import widen
 
 Sink = Callable[[torch.Tensor], None]  # takes one weight gradient and accumulates it
 
@@ -181,7 +182,7 @@ def defer_router(router: Router, store: WeightGradStore) -> None:
     def logits(x: torch.Tensor) -> torch.Tensor:
         weight = router.weight
         sink = lambda g: accumulate(weight, g)  # noqa: E731
-        return split_matmul(x.float(), weight.float(), store, sink)
+        return split_matmul(widen(x), widen(weight), store, sink)
 
     router.logits = logits
 
