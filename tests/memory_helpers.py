@@ -3,20 +3,20 @@ per rank, the losses, norms, final weights (rank 0), model state measured and pr
 and the measured peak of saved activations; and the bf16 layout check.
 
 bf16 rounds differently when a layout splits a matmul (tp's partial sums) or a batch (each
-data rank's gradient is rounded before the fp32 reduction), so a bf16 layout is held to a
-stated tolerance of the bf16 single process rather than to fp32 round-off: over 20 steps
-of the tiny model, losses within 1e-3 relative (seen: at most 1.7e-4, tp), gradient norms
-within 1e-2 (seen: 3e-3) and weights within 5e-2 norm-wise (seen: 1.7e-2). That bf16 is
-really on is checked too: the losses differ from the fp32 single process by more than
-2e-5 (fp32 layouts agree with it to 1e-5, in practice 1e-7), and the model state measured
-on every rank is the bf16 prediction (2-byte compute parameters), to the byte.
+data rank's gradient is rounded before the fp32 reduction), by amounts that depend on the
+CPU's kernels, so a bf16 layout is held to a multiple of the bf16 single process's own
+distance from the fp64 single process (harness.check_rounded, whose docstring states the
+bound and its reason). That bf16 is really on is checked too: the bf16 single process's
+losses differ from the fp64 ones by more than 2e-5 (an fp32 run's differ by about 1e-6),
+and the model state measured on every rank is the bf16 prediction (2-byte compute
+parameters), to the byte.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from harness import trainer_for
+from harness import check_rounded, trainer_for
 from tetrad.config import from_dict
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
@@ -51,24 +51,19 @@ def by_layout(per_rank: list[list[dict]]) -> list[list[dict]]:
     return [list(r) for r in zip(*per_rank)]
 
 
-LOSS_TOL, NORM_TOL, WEIGHT_TOL = 1e-3, 1e-2, 5e-2
-BF16_VISIBLE = 2e-5  # a bf16 run differs from the fp32 one by more than this somewhere
+BF16_VISIBLE = 2e-5  # a bf16 run differs from the fp64 one by more than this somewhere
 
 
 def max_rel(got: list[float], want: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, want))
 
 
-def check_bf16(layout: Any, ranks: list[dict], bf16: dict, fp32: dict) -> None:
-    """A bf16 layout's run (per rank) against the bf16 and fp32 single-process runs."""
+def check_bf16(layout: Any, ranks: list[dict], bf16: dict, fp64: dict) -> None:
+    """A bf16 layout's run (per rank) against the bf16 and fp64 single-process runs."""
     got = ranks[0]
     try:
-        assert max_rel(got["losses"], bf16["losses"]) < LOSS_TOL
-        assert max_rel(got["grad_norms"], bf16["grad_norms"]) < NORM_TOL
-        for name, want in bf16["state"].items():
-            err = float((got["state"][name] - want).norm() / want.norm())
-            assert err < WEIGHT_TOL, f"{name}: {err:.1e}"
-        assert max_rel(got["losses"], fp32["losses"]) > BF16_VISIBLE, "bf16 is not on"
+        check_rounded(got, bf16, fp64)
+        assert max_rel(bf16["losses"], fp64["losses"]) > BF16_VISIBLE, "bf16 is not on"
         for rank, r in enumerate(ranks):
             measured, predicted = r["memory"]
             assert measured == predicted, f"rank {rank}: measured {measured} != {predicted}"

@@ -1,7 +1,10 @@
 """In-memory checkpoints with a partner copy (train/local_checkpoint.py): training with them
 on is the single-process run; a restart resumes from memory, a rank whose own copy is gone
 taking it from its partner; a corrupt partner copy is skipped for the next older generation
-or the durable checkpoint; a full local directory turns them off with one warning.
+or the durable checkpoint (saying why); a full local directory turns them off with one
+warning. A partner copy never touches the compute device: it is staged, swapped and
+gathered in host memory over a gloo group of its own. A generation is a step and the world
+that wrote it, so a directory rewritten after a shrink cannot pass off a mixture.
 
 The oracle is the single-process 20-step run (the `reference` fixture): a run stopped at
 step 12 and resumed from the generation of step 10 must give its last 10 losses and its
@@ -15,8 +18,10 @@ from __future__ import annotations
 import errno
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from harness import Jobs, assert_close_run, tiny_config, trainer_for
@@ -88,8 +93,47 @@ def _jobs(rank: int, world: int, out: Path) -> dict:
     return {"straight": straight, "first": first, "partner": from_partner, "durable": durable}
 
 
+def _staging(rank: int, world: int, out: Path) -> dict:
+    """A generation swapped, committed and restored by checkpoints whose compute device is
+    `meta` (a partner copy staged there would fail its exchange: meta tensors hold no
+    bytes); what each of their calls was handed, and the backend their group asked for."""
+    trainer = trainer_for(from_dict(_cfg(out, ZERO3, local_every=0)), rank)
+    trainer.fit(stop=1)
+    asked, new_group = [], dist.new_group
+    dist.new_group = lambda *a, **kw: asked.append(kw.get("backend")) or new_group(*a, **kw)
+    try:
+        fake = SimpleNamespace(device=torch.device("meta"), watchdog=None)
+        local = lc.LocalCheckpoints(from_dict(_cfg(out, ZERO3)), trainer.engine, fake)
+    finally:
+        dist.new_group = new_group
+    seen = []
+    for comm in (local.swap_comm, local.host_comm):
+        for op in ("batch_p2p", "broadcast", "all_reduce"):
+            setattr(comm, op, _recording(op, getattr(comm, op), seen))
+    local.start(1, trainer.optimizer, trainer.loader)
+    row = local.finish()
+    restored = local.restore(trainer.optimizer, trainer.loader)
+    local.close(finished=True)
+    return {"asked": asked, "seen": seen, "row": row, "restored": restored}
+
+
+def _recording(op: str, call, seen: list):
+    """`call`, noting for each tensor it is handed (op, device, pinned, group backend)."""
+
+    def wrapped(*args, **kwargs):
+        group = next(a for a in (*args, *kwargs.values()) if isinstance(a, lc.Group))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [t for a in args if isinstance(a, list) for _, t, _ in a]
+        backend = dist.get_backend(group.pg)
+        seen.extend((op, t.device.type, t.is_pinned(), backend) for t in tensors)
+        return call(*args, **kwargs)
+
+    return wrapped
+
+
 def declare_jobs(jobs: Jobs) -> None:
     jobs.add("memory", 2, _jobs, jobs.tmp("memory"))
+    jobs.add("staging", 2, _staging, jobs.tmp("staging"))
 
 
 def _tail(ref: dict, start: int) -> dict:
@@ -105,21 +149,75 @@ def test_partner_is_a_node_ahead_or_on_one_node_the_next_rank():
     assert all(lc.source_of(lc.partner_of(r, 6, 2), 6, 2) == r for r in range(6))
 
 
+def _gen(step: int, world: int, *ranks: int) -> dict:
+    return {"step": step, "world": world, "ranks": list(ranks)}
+
+
 def test_newest_complete_generation_takes_lost_copies_from_partners():
     # 4 ranks, 2 per node: rank q's copy is on q + 2. Step 10: rank 1 lost its own copy,
     # rank 3 (its partner) holds it. Step 15: rank 1's own and partner copies both gone.
-    def row(*ranks):
-        return {"world": 4, "ranks": list(ranks)}
-
     held = [
-        {"10": row(0, 2), "15": row(0, 2)},
-        {"10": row(3), "15": row(3)},
-        {"10": row(2, 0), "15": row(2, 0)},
-        {"10": row(3, 1), "15": row(3)},
+        [_gen(10, 4, 0, 2), _gen(15, 4, 0, 2)],
+        [_gen(10, 4, 3), _gen(15, 4, 3)],
+        [_gen(10, 4, 2, 0), _gen(15, 4, 2, 0)],
+        [_gen(10, 4, 3, 1), _gen(15, 4, 3)],
     ]
     assert lc.newest_complete(held) == (10, [0, 3, 2, 3])
-    two = [{"5": {"world": 2, "ranks": [1]}}, {"5": {"world": 2, "ranks": []}}]
+    assert lc.why_not(held, 10, 11) == (
+        "the newest complete in-memory checkpoint, of step 10, is older than the durable "
+        "checkpoint of step 12"
+    )
+    two = [[_gen(5, 2, 1)], [_gen(5, 2)]]
     assert lc.newest_complete(two) == (None, [])
+    assert (
+        lc.why_not(two, None, -1)
+        == "no in-memory checkpoint is complete (step 5 of 2 ranks lacks rank(s) 0)"
+    )
+    assert lc.why_not([[], []], None, -1) is None  # nothing held: nothing to explain
+
+
+def _write_state(directory: Path, stem: str, rank: int, world: int, cfg) -> None:
+    """Rank `rank`'s state of a world of `world` ranks (2 a node), as file `stem`."""
+    info = {
+        "training": {"step": int(directory.name[5:]), "config": cfg.to_dict()},
+        "placement": {"saved_from": {"world": world}},
+        "local_world": 2,
+    }
+    meta, data = lc.pack(rank, [("w", ((0, 1),), torch.full((1,), float(world)))], info)
+    directory.mkdir(parents=True, exist_ok=True)
+    lc.store(directory, stem, meta, data)
+
+
+def test_a_step_rewritten_by_a_shrunk_world_is_not_taken_as_a_mixture(tmp_path):
+    """A world of 4 (two nodes of 2) wrote steps 10 and 15; the node left, shrunk to 2
+    ranks, resumed from 10 and began step 15 again in the same directory: rank 0 of world
+    2 wrote its file, rank 1 had not. step_15 holds rank files of world 2 (rank-00000) and
+    of world 4 (rank-00001, stale) and partner copies of world 4 (ranks 2 and 3): every
+    rank number is there, but no one world's states are all there, so step 10 is taken."""
+    cfg, root = tiny_config(), tmp_path
+    for step in (10, 15):
+        for q in range(4):  # this node's files of world 4: its ranks' own, the others' copies
+            _write_state(
+                root / f"step_{step:08d}", f"{'rank' if q < 2 else 'copy'}-{q:05d}", q, 4, cfg
+            )
+    _write_state(root / "step_00000015", "rank-00000", 0, 2, cfg)
+    warned: list[str] = []
+    scans = [lc.scan(root, local, 2, cfg, warned.append) for local in (0, 1)]
+    assert warned == []
+    held = [h for h, _ in scans]
+    assert held[0] == [_gen(15, 2, 0), _gen(15, 4, 2), _gen(10, 4, 0, 2)]
+    assert held[1] == [_gen(15, 4, 1, 3), _gen(10, 4, 1, 3)]
+    assert lc.newest_complete(held) == (10, [0, 1, 0, 1])
+    blobs = scans[0][1]
+    assert lc.unpack(blobs[(15, 2, 0)])[0]["placement"]["saved_from"]["world"] == 2
+    assert lc.why_not([h[:-1] for h in held], None, -1) == (
+        "no in-memory checkpoint is complete (step 15 of 4 ranks lacks rank(s) 0; "
+        "step 15 of 2 ranks lacks rank(s) 1)"
+    )
+    # once world 2's rank 1 writes too, step 15 is complete: world 2's, not a mixture
+    _write_state(root / "step_00000015", "rank-00001", 1, 2, cfg)
+    held = [lc.scan(root, local, 2, cfg, warned.append)[0] for local in (0, 1)]
+    assert lc.newest_complete(held) == (15, [0, 1])
 
 
 def test_negative_k_is_refused_naming_it():
@@ -196,6 +294,23 @@ def test_corrupt_partner_copy_with_no_older_generation_falls_back_to_durable(ref
     by_rank = jobs["memory"]
     got = by_rank[0]["durable"]
     assert got["start"] == 10 and got["resumed"]["resumed_from"] == "checkpoint"
-    (warning,) = got["warnings"]  # rank 0 holds rank 1's copy
-    assert "copy-00001" in warning and "sha256" in warning
+    skipped, why = got["warnings"]  # rank 0 holds rank 1's copy
+    assert "copy-00001" in skipped and "sha256" in skipped
+    assert why == (
+        "tetrad: warning: not resuming from memory: no in-memory checkpoint is complete "
+        "(step 10 of 2 ranks lacks rank(s) 1)"
+    )
     assert_close_run(got, _tail(reference(), 10))
+
+
+@pytest.mark.distributed
+def test_partner_copies_never_stage_on_the_compute_device(jobs):
+    """The compute device was `meta`: the generation still swapped, committed and restored,
+    and every tensor its exchanges were handed was in host memory (pageable: over gloo
+    nothing is copied to a device), on the gloo group it asked for."""
+    for got in jobs["staging"]:
+        assert got["asked"] == ["gloo"]
+        assert got["row"]["local_checkpoint"] == 1 and got["restored"] == 1
+        ops = {op for op, *_ in got["seen"]}
+        assert ops == {"batch_p2p", "all_reduce", "broadcast"}
+        assert {tuple(where) for _, *where in got["seen"]} == {("cpu", False, "gloo")}

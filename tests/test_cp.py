@@ -145,7 +145,7 @@ VOLUME = {  # world -> [(parallel, kv heads per rank)]; tiny: 2 layers, kv 2 x h
 
 
 def _volume(world: int) -> list:
-    return [tiny_config(parallel=par) for par, _ in VOLUME[world]]
+    return [tiny_config(parallel=par, train={"dtype": "fp32"}) for par, _ in VOLUME[world]]
 
 
 @pytest.mark.distributed
@@ -179,16 +179,20 @@ BF16 = [
 @pytest.mark.distributed
 def test_cp_in_bf16_is_the_bf16_single_process(reference, jobs):
     """bf16 compute under cp (both cores), 20 steps, held to the bf16 single process as
-    every other axis is (memory_helpers.py's tolerances), and visibly not the fp32 one."""
-    bf16, fp32 = reference(train={"dtype": "bf16"}), reference(parallel={"microbatches": 1})
+    every other axis is (memory_helpers.check_bf16), and visibly not the fp64 one."""
+    bf16, fp64 = reference(train={"dtype": "bf16"}), reference(parallel={"microbatches": 1})
     for cfg, ranks in zip(BF16, by_layout(jobs["bf16"]), strict=True):
-        check_bf16(cfg.parallel.cp_attention, ranks, bf16, fp32)
+        check_bf16(cfg.parallel.cp_attention, ranks, bf16, fp64)
 
 
 ACTIVATIONS = [
-    tiny_config(parallel={"cp": 2} | par, train={"steps": 2})
+    tiny_config(parallel={"cp": 2} | par, train={"steps": 2, "dtype": "fp32"})
     for par in ({}, RING, {"cp_attention": "allgather"})
-] + [tiny_config(parallel={"cp": 2} | RING, train={"steps": 2, "recompute": "selective"})]
+] + [
+    tiny_config(
+        parallel={"cp": 2} | RING, train={"steps": 2, "recompute": "selective", "dtype": "fp32"}
+    )
+]
 
 
 @pytest.mark.distributed

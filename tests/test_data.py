@@ -126,6 +126,18 @@ def test_token_file_is_memory_mapped(tmp_path, suffix, dtype):
     assert targets.tolist() == tokens[start + 1 : start + 21].tolist()
 
 
+@pytest.mark.parametrize("suffix,size", [(".u16", 2001), (".u32", 4002), (".u16", 0)])
+def test_ragged_token_file_is_an_error_naming_it(tmp_path, suffix, size):
+    path = tmp_path / f"ragged{suffix}"
+    path.write_bytes(bytes(size))
+    item = 4 if suffix == ".u32" else 2
+    want = rf"token file .*ragged\{suffix} is {size} bytes, not a positive multiple of {item}"
+    with pytest.raises(ValueError, match=want):
+        load_path(str(path), max_bytes=1 << 20)
+    with pytest.raises(ValueError, match=want):  # before the sidecar check, or numpy's error
+        make_source(str(path), 1000, 0, 1 << 20, B, 20)
+
+
 def test_text_file_and_folder(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n" * 20)
     (tmp_path / "b.txt").write_text("second file\n" * 20)

@@ -164,12 +164,16 @@ def test_one_rank_resumes_a_two_rank_world_from_memory(reference, jobs):
 @pytest.mark.distributed
 def test_one_rank_falls_back_to_the_durable_checkpoint_when_memory_is_incomplete(reference, jobs):
     """Rank 1's own and partner copies of generation 10 gone: no complete generation, so the
-    durable checkpoint of step 10, resharded to one rank."""
+    durable checkpoint of step 10, resharded to one rank, with a warning saying why."""
     jobs["shrink"]
     out = jobs.tmp("shrink").with_name(jobs.tmp("shrink").name + "-copy")
     for f in lc.generations(out / "shm")[0].glob("*-00001.*"):
         f.unlink()
-    _resume_alone(reference, out, "checkpoint")
+    trainer = _resume_alone(reference, out, "checkpoint")
+    assert trainer.local.warnings == [
+        "tetrad: warning: not resuming from memory: no in-memory checkpoint is complete "
+        "(step 10 of 2 ranks lacks rank(s) 1)"
+    ]
 
 
 def test_a_job_that_cannot_re_form_ends_with_one_line_saying_so(tmp_path, capsys):

@@ -98,7 +98,7 @@ def test_predicted_is_the_formula_up_to_padding(name, model, n, dtype):
 
 def test_plain_data_parallel_measured_equals_predicted():
     """fsdp = 1 (one process here): 4 + 4 + 8 bytes per parameter plus the step counters."""
-    cfg = tiny_config(train={"steps": 2})
+    cfg = tiny_config(train={"steps": 2, "dtype": "fp32"})
     trainer = trainer_for(cfg, 0)
     found = measure_at_each_step(trainer.engine, trainer.optimizer)
     trainer.train_step()

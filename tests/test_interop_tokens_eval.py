@@ -221,7 +221,7 @@ def test_readme_flow_import_prepare_train_export(prepared, tmp_path, capsys):
     )
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_loss" in r] == [1, 3]
-    # generate: greedy is deterministic and continues the prompt in the run's tokenizer
+    # generate: seeded sampling is reproducible and continues the prompt in the run's tokenizer
     capsys.readouterr()
     assert cli_main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "8"]) == 0
     first = capsys.readouterr().out

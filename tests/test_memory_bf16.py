@@ -20,7 +20,8 @@ BF16 = {"dtype": "bf16"}
 def test_bf16_single_process_keeps_fp32_masters(reference):
     """Compute parameters bf16 (2 bytes each), gradients bf16 plus the fp32 ones the
     optimizer reads, masters and AdamW fp32: 2 + 6 + 12 bytes a parameter, measured."""
-    cfgs = [tiny_config(train={**BF16, "steps": 2}), tiny_config(train={"steps": 2})]
+    fp32 = {"steps": 2, "dtype": "fp32"}
+    cfgs = [tiny_config(train={**BF16, "steps": 2}), tiny_config(train=fp32)]
     bf16, fp32 = (r[0] for r in by_layout([train_and_measure(0, 1, [c.to_dict() for c in cfgs])]))
     psi, tensors = param_count(cfgs[0].model), len(bf16["state"])
     assert bf16["memory"][0] == bf16["memory"][1]

@@ -13,6 +13,9 @@ from memory_helpers import by_layout, max_rel, predicted_activations, train_and_
 from tetrad.models.llama import cross_entropy_sum
 from tetrad.models.loss import linear_cross_entropy
 
+# activation bytes are measured and predicted as users run them: fp32
+FP32 = {"dtype": "fp32"}
+
 
 def _inputs(n_seq=3, seq=7, dim=16, vocab=50):
     gen = torch.Generator().manual_seed(0)
@@ -71,14 +74,14 @@ LAYOUTS = [  # (parallel, model), 2 ranks
     ({"pp": 2, "microbatches": 2, "pp_schedule": "zb-h1"}, {}),
 ]
 EVERY = [
-    tiny_config(parallel=par, model=model, train={"loss_chunk": chunk})
+    tiny_config(parallel=par, model=model, train={"loss_chunk": chunk, **FP32})
     for par, model in LAYOUTS
     for chunk in (0, 24)  # 24 does not divide a microbatch's 128 or 64 tokens
 ]
 ZB_TP = [  # pp 2 x tp 2 with zb-h1, with and without sp, full and chunked loss
     tiny_config(
         parallel={"pp": 2, "tp": 2, "microbatches": 2, "pp_schedule": "zb-h1", "sp": sp},
-        train={"loss_chunk": chunk, "steps": 2},
+        train={"loss_chunk": chunk, "steps": 2, **FP32},
     )
     for sp in (False, True)
     for chunk in (0, 24)

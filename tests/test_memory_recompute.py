@@ -23,6 +23,9 @@ LAYOUTS = [  # (parallel, model)
     ({"pp": 2, "microbatches": 4, "pp_schedule": "zb-v", "virtual_stages": 2}, DEEP),
 ]
 
+# activation bytes are measured and predicted as users run them: fp32
+FP32 = {"dtype": "fp32"}
+
 
 def _equal(got: dict, want: dict, rtol: float = 1e-6) -> None:
     assert max_rel(got["losses"], want["losses"]) <= rtol
@@ -54,7 +57,9 @@ def _check_modes(layout, runs: list[list[dict]], cfgs) -> None:
 
 
 def test_recompute_single_process_with_accumulation():
-    cfgs = [tiny_config(parallel={"microbatches": 2}, train={"recompute": m}) for m in MODES]
+    cfgs = [
+        tiny_config(parallel={"microbatches": 2}, train={"recompute": m, **FP32}) for m in MODES
+    ]
     runs = by_layout([train_and_measure(0, 1, [c.to_dict() for c in cfgs])])
     _check_modes("single process, 2 microbatches", runs, cfgs)
 
@@ -62,7 +67,7 @@ def test_recompute_single_process_with_accumulation():
 def _configs() -> tuple[list, list]:
     """The trained configs (each layout in each mode) and the counted ones."""
     cfgs = [  # 8 steps: recomputation changes no bit, so more steps would show nothing more
-        tiny_config(parallel=par, model=model, train={"recompute": mode, "steps": 8})
+        tiny_config(parallel=par, model=model, train={"recompute": mode, "steps": 8, **FP32})
         for par, model in LAYOUTS
         for mode in MODES
     ]
@@ -70,7 +75,7 @@ def _configs() -> tuple[list, list]:
         tiny_config(
             parallel={"pp": 2, "microbatches": 4, "pp_schedule": name, "virtual_stages": v},
             model=DEEP,
-            train={"recompute": "full", "steps": 1},
+            train={"recompute": "full", "steps": 1, **FP32},
         )
         for name, v in (("zb-h1", 1), ("zb-v", 2))
     ]

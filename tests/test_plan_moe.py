@@ -106,7 +106,9 @@ MEASURED = {  # name -> (model preset, parallel degrees): 2 ranks, 2 steps
 
 
 def _measured_config(preset: str, parallel: dict):
-    return tiny_config(model=dict(MODEL_PRESETS[preset]), parallel=parallel, train={"steps": 2})
+    return tiny_config(
+        model=dict(MODEL_PRESETS[preset]), parallel=parallel, train={"steps": 2, "dtype": "fp32"}
+    )
 
 
 def _state_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> list[int]:

@@ -34,7 +34,7 @@ from tetrad.plan.search import Space, search
 # big enough that the loss chunk, a block's backward and ZeRO's buffers are 5-20% of the
 # peak (the test model's are a few KB); 2 steps: the second has the optimizer state
 MODEL = {"layers": 2, "dim": 128, "heads": 4, "kv_heads": 2, "vocab": 512}
-TRAIN = {"steps": 2, "seq_len": 64, "global_batch": 8}
+TRAIN = {"steps": 2, "seq_len": 64, "global_batch": 8, "dtype": "fp32"}  # what users run
 MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 128, "shared_experts": 1}
 # every token to both experts: under ep each rank receives exactly the even share the
 # planner counts (a learned router's imbalance is the run's, not the planner's: docs/plan.md)

@@ -32,6 +32,7 @@ COMM = [
     tiny_config(
         model={"heads": 4, "kv_heads": 4, "dim": COMM_H, "layers": layers},
         parallel={"tp": COMM_T, "sp": sp, "microbatches": COMM_MB},
+        train={"dtype": "fp32"},  # Megatron's bytes as users move them: fp32
     )
     for sp in (False, True)
     for layers in (1, 2)

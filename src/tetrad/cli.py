@@ -600,11 +600,10 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tetrad.generate import generate
+    from tetrad.generate import Sampling, generate
 
-    text = generate(
-        args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed
-    )
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    text = generate(args.run, args.prompt, args.max_new_tokens, sampling, args.seed)
     print(args.prompt + text)
     return 0
 
@@ -622,6 +621,24 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     from tetrad.commbench import main as bench_main
 
     return bench_main(args, argv)
+
+
+def add_generate_args(gen: argparse.ArgumentParser) -> None:
+    """`tetrad generate`'s flags; the sampling defaults are `generate.Sampling`'s."""
+    from tetrad.generate import Sampling
+
+    d = Sampling()
+    gen.add_argument("run", help="a run directory (its newest checkpoint) or a checkpoint")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    temperature = f"divides the logits (default {d.temperature}); 0: greedy (argmax)"
+    top_k = f"draw from the k most likely tokens only (default {d.top_k}; 0: no limit)"
+    top_p = f"then from the fewest whose probabilities sum to p (default {d.top_p}; 1: no limit)"
+    gen.add_argument("--temperature", type=float, default=d.temperature, help=temperature)
+    gen.add_argument("--top-k", type=int, default=d.top_k, help=top_k)
+    gen.add_argument("--top-p", type=float, default=d.top_p, help=top_p)
+    seed = "the draws' seed (default 0): the same seed, the same text"
+    gen.add_argument("--seed", type=int, default=0, help=seed)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -649,12 +666,7 @@ def parser() -> argparse.ArgumentParser:
         "--out", required=True, help="the token file: NAME.u16 or NAME.u32 (+ NAME.u16.json)"
     )
     gen = sub.add_parser("generate", help="continue a prompt with a run's newest checkpoint")
-    gen.add_argument("run", help="a run directory (its newest checkpoint) or a checkpoint")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely")
-    gen.add_argument("--seed", type=int, default=0)
+    add_generate_args(gen)
     rep = sub.add_parser("report", help="plots (PNG) and a summary of a run's metrics")
     rep.add_argument("run", help="a run directory (holding metrics.jsonl)")
     rep.add_argument("--out", help="where to write (default: RUN/report)")

@@ -7,26 +7,62 @@ a sanity check on a small model and keeps the model code the training code.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from tetrad.models.families import spec_for
 from tetrad.train.checkpoint import load_model
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the model's logits. Sampled by default: greedy
+    decoding of a small, briefly trained model repeats its most frequent token ("the the
+    the"). temperature 0 is greedy (argmax; top_k and top_p then play no part)."""
+
+    temperature: float = 0.8  # the logits are divided by it
+    top_k: int = 50  # only the k most likely tokens are drawn from (0: all)
+    top_p: float = 0.95  # only the fewest most likely whose probabilities reach p (1: all)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # NaN included
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0: no limit), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1] (1: no limit), got {self.top_p}")
+
+    def pick(self, logits: torch.Tensor, gen: torch.Generator) -> int:
+        """The next token id from `logits` [vocab]: argmax, or a draw from the
+        temperature-scaled softmax restricted to the top k, then to the top p of it."""
+        if self.temperature == 0:
+            return int(logits.argmax())
+        logits = logits.float() / self.temperature
+        if 0 < self.top_k < logits.numel():
+            top = torch.topk(logits, self.top_k)  # exactly k, ties broken by topk
+            logits = logits.new_full(logits.shape, float("-inf")).scatter(
+                0, top.indices, top.values
+            )
+        if self.top_p < 1:
+            probs, order = torch.sort(torch.softmax(logits, dim=-1), descending=True)
+            before = probs.cumsum(dim=0) - probs  # the mass of the likelier tokens
+            logits[order[before >= self.top_p]] = float("-inf")  # the most likely stays
+        probs = torch.softmax(logits, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def generate(
     run: str | Path,
     prompt: str,
     max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
+    sampling: Sampling = Sampling(),
     seed: int = 0,
 ) -> str:
-    """The prompt's continuation by the newest checkpoint of `run` (or checkpoint `run`):
-    greedy when temperature is 0, else sampled (from the top_k most likely, if > 0)."""
-    if temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    """The prompt's continuation by the newest checkpoint of `run` (or checkpoint `run`),
+    drawn as `sampling` says; the same seed gives the same text."""
     cfg, state = load_model(run, buffers=True)
     model = spec_for(cfg.model).build(cfg.model).to_empty(device="cpu")
     model.load_state_dict(state)
@@ -38,24 +74,20 @@ def generate(
     if max(ids) >= cfg.model.vocab:
         raise ValueError(f"prompt token id {max(ids)} >= model.vocab={cfg.model.vocab}")
     window = min(cfg.model.max_seq_len, cfg.train.seq_len)
+    return decode(continue_ids(model, ids, max_new_tokens, window, sampling, seed))
+
+
+@torch.no_grad()
+def continue_ids(
+    model: nn.Module, ids: list[int], n: int, window: int, sampling: Sampling, seed: int
+) -> list[int]:
+    """`n` token ids after `ids`, each from the model's logits over the last `window`."""
     gen = torch.Generator().manual_seed(seed)
     out: list[int] = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            context = torch.tensor([(ids + out)[-window:]])
-            logits = model(context)[0, -1].float()
-            out.append(_pick(logits, temperature, top_k, gen))
-    return decode(out)
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    if top_k > 0:
-        cut = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < cut, float("-inf"))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    for _ in range(n):
+        context = torch.tensor([(ids + out)[-window:]])
+        out.append(sampling.pick(model(context)[0, -1].float(), gen))
+    return out
 
 
 def _codec(tokenizer: str):

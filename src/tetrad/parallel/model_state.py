@@ -33,10 +33,18 @@ from tetrad.models.families import spec_for
 from tetrad.parallel.expert import REPLICATED as EXPERT_REPLICATED
 from tetrad.parallel.local import planned
 from tetrad.parallel.zero import UnitLayout, plan_units
+from tetrad.precision import mixed, wide
 
 STEP_BYTES = 4  # AdamW's per-tensor step counter: a float32 scalar
 ADAM_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per element
 MASTER_BYTES = 4  # fp32 master weights and the sharded fp32 gradient
+# under fp64 (verification) masters, their gradients and AdamW are float64: twice these
+
+
+def _wide_bytes(dtype: torch.dtype) -> tuple[int, int]:
+    """(master or wide-gradient bytes, AdamW bytes) per element beside compute `dtype`."""
+    scale = wide(dtype).itemsize // 4
+    return MASTER_BYTES * scale, ADAM_BYTES * scale
 
 
 @dataclass(frozen=True)
@@ -73,19 +81,20 @@ def zero_bytes(
     layouts: list[UnitLayout], fsdp_rank: int, stage: int, dtype: torch.dtype
 ) -> ModelState:
     """Model state of fsdp rank `fsdp_rank` for these units, ZeRO `stage`, compute `dtype`."""
-    c, mixed = dtype.itemsize, dtype != torch.float32
+    c, two = dtype.itemsize, mixed(dtype)
+    master, adam = _wide_bytes(dtype)
     padded = sum(u.padded for u in layouts)
     shard = sum(u.shard for u in layouts)
     views = [v for u in layouts for v in u.views(fsdp_rank)]
     elements = sum(v.stop - v.start for v in views)  # the shard less its padding
     full_params = padded * c if stage < 3 else 0
     # fp32 compute: the master shard is the parameters (a slice of them below stage 3)
-    master_params = shard * MASTER_BYTES if stage == 3 and not mixed else 0
+    master_params = shard * master if stage == 3 and not two else 0
     full_grads = padded * c if stage == 1 else 0
     # stage 1 in fp32 reduces in place: the sharded gradient is a slice of the full one
-    shard_grads = 0 if stage == 1 and not mixed else shard * MASTER_BYTES
-    optimizer = ADAM_BYTES * elements + STEP_BYTES * len(views)
-    optimizer += shard * MASTER_BYTES if mixed else 0
+    shard_grads = 0 if stage == 1 and not two else shard * master
+    optimizer = adam * elements + STEP_BYTES * len(views)
+    optimizer += shard * master if two else 0
     return ModelState(full_params + master_params, full_grads + shard_grads, optimizer)
 
 
@@ -99,11 +108,12 @@ def replicated_bytes(
     (+4, alive from the reduction to the next step's zero_grad), the fp32 masters and
     AdamW (4 + 8): 20 bytes, where the ZeRO paper's 2 + 2 + 12 has no fp32 gradient."""
     psi = sum(math.prod(s) for _, s in named_shapes)
-    optimizer = ADAM_BYTES * psi + STEP_BYTES * len(named_shapes)
-    if dtype == torch.float32:
-        return ModelState(4 * psi, 4 * psi, optimizer)
+    master, adam = _wide_bytes(dtype)
+    optimizer = adam * psi + STEP_BYTES * len(named_shapes)
     c = dtype.itemsize
-    return ModelState(c * psi, (c + MASTER_BYTES) * psi, optimizer + MASTER_BYTES * psi)
+    if not mixed(dtype):  # fp32 (fp64: 8 + 8 + 16)
+        return ModelState(c * psi, c * psi, optimizer)
+    return ModelState(c * psi, (c + master) * psi, optimizer + master * psi)
 
 
 def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelState:

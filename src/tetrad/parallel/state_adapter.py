@@ -2,9 +2,9 @@
 
 Checkpoints, tests and export speak full logical tensors (by parameter name, whole, in
 the masters' dtype: float32, or float64 under fp64; on CPU); each layout holds something
-else (tp shards, some stages, ZeRO flat shards). A state adapter owns that translation for one engine. Out is a collective
-(tp shards all-gathered, every stage broadcast over pp); in needs none: every rank loads
-from the full tensors and keeps its slices.
+else (tp shards, some stages, ZeRO flat shards). A state adapter owns that translation
+for one engine. Out is a collective (tp shards all-gathered, every stage broadcast over
+pp); in needs none: every rank loads from the full tensors and keeps its slices.
 
 `PlainAdapter` serves every layout whose optimizer tensors are the model's parameters (DP,
 TP, PP); `ZeroAdapter` (zero_adapter.py) overrides the local half for ZeRO's flat shards.

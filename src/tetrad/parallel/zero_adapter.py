@@ -100,8 +100,8 @@ class ZeroAdapter(PlainAdapter):
         """Each unit's shard of master weights and moments, read box by box (padding 0)."""
         self.shards.drain()
         for u in self.shards.units:
-            master = torch.zeros(u.layout.shard)
-            moments = {k: torch.zeros(u.layout.shard) for k in MOMENTS}
+            master = torch.zeros(u.layout.shard, dtype=u.master.dtype)
+            moments = {k: torch.zeros(u.layout.shard, dtype=u.master.dtype) for k in MOMENTS}
             for name, at, box in self.shard_boxes(u):
                 n = box_numel(box)
                 master[at : at + n] = read(name, box).reshape(-1)

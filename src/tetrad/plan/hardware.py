@@ -3,7 +3,7 @@
 Every number here is a vendor specification or a published measurement (the sources are
 in the reference notes and docs/plan.md), except `GEMM_EFFICIENCY`: the share of the
 dense peak a training step's large GEMMs reach on that device kind, fitted once per kind
-and stated in docs/plan.md (with `plan.compute.GEMM_HALF_WIDTH` and `cost.TP_OVERLAP`,
+and stated in docs/plan.md (with `plan.compute.GEMM_HALF_WIDTH` and `plan.engines.TP_OVERLAP`,
 the planner's only fitted constants).
 
 Links follow the alpha-beta model: a collective over n ranks on a buffer of S bytes takes
@@ -208,7 +208,8 @@ def cpu_cluster() -> Cluster:
     peak = cpu_core_tflops()
     # efficiency: tetrad's own single-process runs of the small models here reach about a
     # quarter of the declared one-core peak (metrics.jsonl mfu); stated, not fitted
-    device = Device("cpu", {"fp32": peak, "bf16": peak}, mem / cores, 10e9, 0.25, 0.25 * GiB)
+    peaks = {"fp32": peak, "bf16": peak, "fp64": peak / 2}  # fp64: half the SIMD lanes
+    device = Device("cpu", peaks, mem / cores, 10e9, 0.25, 0.25 * GiB)
     # spread: the measured steps of docs/plan.md's table, -25% to +30% of the predicted
     return Cluster(device, cores, GLOO_LOOPBACK, GLOO_LOOPBACK, sized=False, spread=(0.75, 1.3),
                    overlap=False, core_bound=True)  # fmt: skip

@@ -36,11 +36,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
-from tetrad.config import Config, from_dict
+from tetrad.config import DTYPES, Config, from_dict
 from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
 from tetrad.parallel.boxes import Box, box_numel, box_shape, intersect, relative
 from tetrad.parallel.state_adapter import BUFFER
+from tetrad.precision import wide
 from tetrad.train.optim import lr_at
 
 FORMAT = "tetrad-checkpoint"
@@ -266,15 +267,20 @@ def commit(path: Path, shard, error, info: dict, engine, cfg: Config) -> Path:
     return path
 
 
+# the dtypes a manifest may name: the masters' (float64 under fp64 verification)
+SAVED_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
 def build_manifest(shards: list[dict], info: dict, cfg: Config) -> dict[str, Any]:
     """Files with their sha256, and every logical tensor's full shape and saved boxes;
     the boxes must tile each tensor exactly (a layout bug otherwise, caught before commit)."""
     files = {s["file"]: {"sha256": s["sha256"], "bytes": s["bytes"]} for s in shards if s["file"]}
+    saved = str(wide(DTYPES[cfg.train.dtype])).removeprefix("torch.")  # the masters' dtype
     tensors: dict[str, dict] = {}
     for s in shards:
         for key, pieces in s["slices"].items():
             shape = list(full_shape(key.rsplit("/", 1)[-1], cfg.model))
-            entry = tensors.setdefault(key, {"shape": shape, "dtype": "float32", "slices": []})
+            entry = tensors.setdefault(key, {"shape": shape, "dtype": saved, "slices": []})
             entry["slices"] += pieces
     for key, entry in tensors.items():
         covered = sum(box_numel(tuple(map(tuple, p["box"]))) for p in entry["slices"])
@@ -385,7 +391,10 @@ class SliceReader:
         entry = self.tensors.get(key)
         if entry is None:
             raise CorruptCheckpoint(f"checkpoint {self.path} has no tensor {key!r}")
-        out = torch.empty(box_shape(box))
+        dtype = SAVED_DTYPES.get(entry.get("dtype", "float32"))
+        if dtype is None:
+            raise CorruptCheckpoint(f"checkpoint {self.path}: {key} has dtype {entry['dtype']!r}")
+        out = torch.empty(box_shape(box), dtype=dtype)
         covered = 0
         for piece in entry["slices"]:
             saved = tuple(tuple(b) for b in piece["box"])

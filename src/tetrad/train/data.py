@@ -41,11 +41,24 @@ def load_path(path: str, max_bytes: int) -> np.ndarray:
     """A pre-tokenised .u16/.u32 file (memory-mapped), or text file(s) read as bytes."""
     p = Path(path)
     if p.suffix in (".u16", ".u32", ".bin"):
-        dtype = np.uint32 if p.suffix == ".u32" else np.uint16
-        return np.memmap(p, dtype=dtype, mode="r")
+        return token_file(p, np.dtype(np.uint32 if p.suffix == ".u32" else np.uint16))
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
     data = b"".join(f.read_bytes() for f in files)[:max_bytes]
     return np.frombuffer(data, dtype=np.uint8)
+
+
+def token_file(path: Path, dtype: np.dtype) -> np.memmap:
+    """The token ids of `path`, memory-mapped, or a ValueError naming the file if its size
+    cannot hold whole ids of `dtype` (numpy's own error names no file). Every rank opens
+    the file before the first collective, so a truncated file fails every rank alike."""
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise ValueError(
+            f"token file {path} is {size} bytes, not a positive multiple of {dtype.itemsize}, "
+            f"the size of one {dtype.name} token id its suffix {path.suffix} implies: a "
+            "truncated file, or one written with another dtype"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 CHECK_CHUNK = 1 << 24  # tokens per vectorised pass: 32-64 MiB of a memory-mapped file
@@ -260,8 +273,8 @@ def make_source(
     elif Path(source).suffix in (".u16", ".u32"):
         from tetrad.interop.tokenizer import check_token_file
 
+        tokens = load_path(source, max_bytes)  # a ragged file fails here, by name
         check_token_file(source, vocab, tokenizer)
-        tokens = load_path(source, max_bytes)
     elif tokenizer:
         from tetrad.interop.tokenizer import encode_text
 

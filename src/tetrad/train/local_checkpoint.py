@@ -6,10 +6,20 @@ RNG) on the training thread, and a background thread then
 
   1. serialises them and writes LOCAL/step_S/rank-R.safetensors, then rank-R.json (last,
      by rename: the sha256 of the tensor file, the boxes, the training state);
-  2. swaps them with its partners through `Comm` (counted): sends its own to
-     `partner_of(R)`, the rank `local_world_size` ahead (on another node, so that losing
-     a node loses no rank's only copy; on one node, the next rank), and receives, and
-     writes as copy-Q.*, the state of the rank Q whose partner it is.
+  2. swaps them with its partners (counted): sends its own to `partner_of(R)`, the rank
+     `local_world_size` ahead (on another node, so that losing a node loses no rank's only
+     copy; on one node, the next rank), and receives, and writes as copy-Q.*, the state of
+     the rank Q whose partner it is.
+
+The swap is host to host: the bytes go from host memory over a gloo group made for it,
+never through the compute device or an NCCL communicator (`STAGING`). On the order of the
+exchanges: that group carries nothing but this module's calls, and they are issued in the
+same order on every rank: a generation's three swaps (sizes, JSON, tensor bytes) by its
+thread, then, on the training thread after joining that thread, the commit's all-reduce,
+then the next generation's swaps (at most one generation in flight); a restore runs before
+the first. So no rank can pair a swap with another rank's commit, and the training
+thread's NCCL collectives share no communicator with the thread (NCCL documents that
+concurrent communicators on one device can deadlock; a gloo group holds none).
 
 LOCAL is node-local memory (/dev/shm by default). At most one generation is in flight:
 when the next is due, every rank first waits for its writer (counted when it had to
@@ -22,16 +32,19 @@ finds the directory; the launcher frees it when the job ends): every rank checks
 of its node that its local rank wrote (its own and the partner copies it holds; sha256
 against their JSON: a bad copy is skipped with a warning); one all-gather of which ranks'
 states each holds lets every rank pick the same newest generation that every rank's state
-is complete in, wherever it is held. Each state is then broadcast from one rank that
-holds it (every rank reads the boxes it needs, as from a durable checkpoint, so replicas
-are filled too), and loaded. The ranks of the generation are those of the world that
-wrote it, not necessarily this one's: after an elastic shrink (`--dp auto`, a node lost)
-the survivors hold every rank's state between their own files and the copies of the lost
-node's ranks, and the boxes, pieces of whole logical tensors, are read into the new
-layout's shards as the durable checkpoint's resume at another layout reads them. A
-generation older than the newest durable checkpoint, or none complete, falls back to the
-durable checkpoint. A failed write (a full /dev/shm) turns in-memory checkpoints off for
-the rest of the run with one warning; durable checkpoints go on.
+is complete in, wherever it is held. Each state is then broadcast, host to host over the
+partner group, from one rank that holds it (every rank reads the boxes it needs, as from a
+durable checkpoint, so replicas are filled too), and only the boxes loaded reach the
+device. The ranks of the generation are those of the world that wrote it, not necessarily
+this one's: after an elastic shrink (`--dp auto`, a node lost) the survivors hold every
+rank's state between their own files and the copies of the lost node's ranks, and the
+boxes, pieces of whole logical tensors, are read into the new layout's shards as the
+durable checkpoint's resume at another layout reads them. A generation is its step and the
+world that wrote it: a directory written again after a shrink may still hold the old
+world's files, and a state of one world never completes the other's. A generation older
+than the newest durable checkpoint, or none complete, falls back to the durable
+checkpoint, with a line saying why. A failed write (a full /dev/shm) turns in-memory
+checkpoints off for the rest of the run with one warning; durable checkpoints go on.
 """
 
 from __future__ import annotations
@@ -66,6 +79,9 @@ from tetrad.train.checkpoint import CorruptCheckpoint, agree, describe, gather_j
 FORMAT = "tetrad-local-checkpoint"
 _GEN = re.compile(r"step_(\d{8})")
 _HEADER = struct.Struct("<Q")  # a blob a restore moves: JSON length, JSON, tensor bytes
+# where a partner copy is staged, sent, received and gathered: host memory, never the
+# compute device (the exchanges run on a gloo group; see the module docstring)
+STAGING = torch.device("cpu")
 
 
 def local_root(cfg: Config) -> Path:
@@ -95,32 +111,60 @@ def source_of(rank: int, world: int, local_world: int) -> int:
     return (rank - partner_shift(world, local_world)) % world
 
 
-def newest_complete(held: list[dict[str, dict]]) -> tuple[int | None, list[int]]:
+def newest_complete(held: list[list[dict]]) -> tuple[int | None, list[int]]:
     """The newest generation every rank's state is in, and for each rank q of the world
     that wrote it the rank of this world that provides q's state (q itself if it holds it,
     else the lowest that does); (None, []) if none.
 
-    held[r] maps a generation's step (a JSON key: a string) to {"world": the size of the
-    world that wrote it, "ranks": the ranks whose state r holds, verified}. A generation
-    the ranks disagree on the world of is skipped. Pure: every rank computes it from the
-    same gather."""
-    steps = sorted({int(s) for h in held for s in h}, reverse=True)
-    for step in steps:
-        rows = [h[str(step)] for h in held if str(step) in h]
-        worlds = {row["world"] for row in rows if row["ranks"]}
-        if len(worlds) != 1:
-            continue
-        (world,) = worlds
-        holders = [set(h.get(str(step), {}).get("ranks", ())) for h in held]
-        providers = []
-        for q in range(world):
-            have = [r for r, ranks in enumerate(holders) if q in ranks]
-            if not have:
-                break
-            providers.append(q if q in have else have[0])
-        if len(providers) == world:
+    held[r] lists the generations rank r holds states of, each {"step", "world": the size
+    of the world that wrote it, "ranks": the ranks whose state r holds, verified}. A
+    generation is its step and its world: one step written by two worlds (a directory
+    reused after a shrink) is two generations, neither completed by the other's states
+    (both complete: the larger world's, either would do). Pure: every rank computes it
+    from the same gather."""
+    for step, world in _generations_held(held):
+        providers = _providers(held, step, world)
+        if providers is not None:
             return step, providers
     return None, []
+
+
+def why_not(held: list[list[dict]], step: int | None, newer_than: int) -> str | None:
+    """Why a restore takes no in-memory generation (`newest_complete` gave `step`, too old
+    if not newer than `newer_than`); None when no rank holds any."""
+    if step is not None:
+        return (
+            f"the newest complete in-memory checkpoint, of step {step}, is older than the "
+            f"durable checkpoint of step {newer_than + 1}"
+        )
+    gaps = []
+    for s, world in _generations_held(held):
+        have = set().union(*_holders(held, s, world))
+        lost = [q for q in range(world) if q not in have]
+        gaps.append(f"step {s} of {world} ranks lacks rank(s) {', '.join(map(str, lost))}")
+    return f"no in-memory checkpoint is complete ({'; '.join(gaps)})" if gaps else None
+
+
+def _generations_held(held: list[list[dict]]) -> list[tuple[int, int]]:
+    """(step, world) of every generation some rank holds a state of, newest first."""
+    return sorted({(g["step"], g["world"]) for h in held for g in h if g["ranks"]}, reverse=True)
+
+
+def _holders(held: list[list[dict]], step: int, world: int) -> list[set[int]]:
+    """For each rank, the ranks of generation (step, world) whose states it holds."""
+    mine = [[g["ranks"] for g in h if (g["step"], g["world"]) == (step, world)] for h in held]
+    return [set().union(*rows) for rows in mine]
+
+
+def _providers(held: list[list[dict]], step: int, world: int) -> list[int] | None:
+    """Who provides each rank's state of generation (step, world); None if one is lost."""
+    holders, providers = _holders(held, step, world), []
+    for q in range(world):
+        have = [r for r, ranks in enumerate(holders) if q in ranks]
+        if not have:
+            return None
+        providers.append(q if q in have else have[0])
+    return providers
 
 
 @dataclass
@@ -135,11 +179,12 @@ class Generation:
 class LocalCheckpoints:
     """This rank's in-memory checkpoints: start a generation, commit it, restore from one.
 
-    Built by every rank (with `checkpoint.local_every` > 0) before its first step: the
-    partner group it makes is a collective."""
+    Built by every rank (with `checkpoint.local_every` > 0) before its first step, on the
+    training thread: the partner group it makes is a collective. `comm` lends only its
+    watchdog: nothing here is staged on its compute device."""
 
     def __init__(self, cfg: Config, engine, comm: Comm):
-        self.cfg, self.engine, self.comm = cfg, engine, comm
+        self.cfg, self.engine = cfg, engine
         self.every = cfg.checkpoint.local_every
         self.root = local_root(cfg)
         mesh = engine.mesh
@@ -148,10 +193,13 @@ class LocalCheckpoints:
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank % self.local_world))
         self.partner = partner_of(self.rank, self.world, self.local_world)
         self.source = source_of(self.rank, self.world, self.local_world)
-        # the swaps run on a thread of their own: their own group and `Comm` (no watchdog:
-        # its one armed slot is the training thread's; the group's timeout bounds a wait)
+        # the partner copies move on one gloo group, from host memory: the swaps on a thread
+        # of their own, through their own `Comm` (no watchdog: its one armed slot is the
+        # training thread's; the group's timeout bounds a wait), the commit's all-reduce
+        # and a restore's broadcasts on the training thread, watched
         self.group = _partner_group(mesh.rank, self.world, cfg.train.timeout + 60)
-        self.swap_comm = Comm(comm.device)
+        self.swap_comm = Comm(STAGING)
+        self.host_comm = Comm(STAGING, comm.watchdog)
         self.enabled = True
         self.pending: Generation | None = None
         self.restored_world: int | None = None  # the world of the generation restored
@@ -196,10 +244,11 @@ class LocalCheckpoints:
         self.pending = gen
 
     def _write(self, step: int, owned: list, info: dict) -> None:
-        """The background half: own files, the swap with the partners, the copy held."""
-        if self.comm.device.type == "cuda":
-            torch.cuda.set_device(self.comm.device)  # this thread's current device
+        """The background half: own files, the swap with the partners, the copy held (host
+        memory only: this thread touches no device)."""
         directory = self.root / f"step_{step:08d}"
+        # it may hold an older world's files of this step (a shrunk world that reached it
+        # again): harmless, since a file counts only towards the world its JSON names
         directory.mkdir(parents=True, exist_ok=True)
         meta, data = pack(self.rank, owned, info)
         store(directory, f"rank-{self.rank:05d}", meta, data)
@@ -209,17 +258,19 @@ class LocalCheckpoints:
 
     def _swap(self, meta: dict, data: bytes) -> tuple[dict, Any]:
         """Send this rank's JSON and tensor bytes to the partner and receive the source's
-        (sizes first; what is received is written as it came, without another copy)."""
+        (sizes first; what is received is written as it came, without another copy). Host
+        buffers, pageable: over gloo nothing crosses to a device, so pinning would only lock
+        RAM (and cost a slow allocation per generation)."""
         head = json.dumps(meta).encode()
-        sizes = torch.tensor([len(head), len(data)], dtype=torch.int64, device=self.comm.device)
-        theirs = torch.zeros(2, dtype=torch.int64, device=self.comm.device)
+        sizes = torch.tensor([len(head), len(data)], dtype=torch.int64, device=STAGING)
+        theirs = torch.zeros(2, dtype=torch.int64, device=STAGING)
         self._exchange(sizes, theirs)
         got = []
         for mine, n in zip((head, data), theirs.tolist()):
-            send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(self.comm.device)
-            recv = torch.empty(int(n), dtype=torch.uint8, device=self.comm.device)
+            send = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            recv = torch.empty(int(n), dtype=torch.uint8, device=STAGING)
             self._exchange(send, recv)
-            got.append(recv.cpu().numpy())
+            got.append(recv.numpy())
         return json.loads(got[0].tobytes()), got[1]
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
@@ -243,8 +294,8 @@ class LocalCheckpoints:
         error = gen.result.get("error")
         os_error = isinstance(error, OSError)
         flags = [float(os_error), float(error is not None and not os_error)]
-        failed = torch.tensor(flags, dtype=torch.float64, device=self.comm.device)
-        self.comm.all_reduce(failed, self.engine.mesh["world"])
+        failed = torch.tensor(flags, dtype=torch.float64, device=STAGING)
+        self.host_comm.all_reduce(failed, self.group)  # the writers joined: the group is idle
         n_os, n_other = (int(x) for x in failed.tolist())
         if n_other:  # not a fault of the medium: a bug, raised alike on every rank
             if error is not None and not os_error:
@@ -303,91 +354,47 @@ class LocalCheckpoints:
 
     def restore(self, optimizer, loader, newer_than: int = -1) -> int | None:
         """Load the newest generation that every rank's state is complete in, if newer than
-        `newer_than` (every rank calls; the choice is agreed). Returns its step, or None."""
-        held, metas = self.scan()
-        step, providers = newest_complete(gather_json(self.engine, held))
+        `newer_than` (every rank calls; the choice is agreed). Returns its step, or None,
+        then saying why (rank 0) if any rank held a generation."""
+        mine, blobs = self.scan()
+        held = gather_json(self.engine, mine)
+        step, providers = newest_complete(held)
         if step is None or step <= newer_than:
+            reason = why_not(held, step, newer_than)
+            if reason is not None:  # a warning when memory held something unusable
+                level = "warning: " if step is None else ""
+                self.warn_once(f"tetrad: {level}not resuming from memory: {reason}")
             return None
-        self.restored_world = len(providers)
-        blobs = self._gather_states(step, providers, metas)
+        self.restored_world = world = len(providers)
+        states = self._gather_states([blobs.get((step, world, q)) for q in range(world)], providers)
         error = None
         try:
-            self._load(blobs, optimizer, loader)
+            self._load(states, optimizer, loader)
         except Exception as e:  # a rank that cannot load must not leave the others waiting
             error = e
         agree(self.engine, error, f"loading the in-memory checkpoint of step {step}")
         self.engine.after_load()
         return step
 
-    def scan(self) -> tuple[dict[str, dict], dict[tuple[int, int], bytes]]:
-        """Which ranks' states of which generations this rank holds (its node's files that
-        its local rank wrote, each verified: format, this run's model and fixed layout,
-        sha256), with the size of the world that wrote them; and those blobs by (step,
-        rank)."""
-        held: dict[str, dict] = {}
-        blobs: dict[tuple[int, int], bytes] = {}
-        for directory in generations(self.root):
-            step, world, ranks = int(directory.name[5:]), None, []
-            for stem, rank in self._written_here(directory):
-                blob = blobs.get((step, rank)) or self._verified(stem, step, rank)
-                if blob is not None:
-                    blobs[(step, rank)] = blob
-                    world = unpack(blob)[0]["placement"]["saved_from"]["world"]
-                    ranks.append(rank)
-            held[str(step)] = {"world": world, "ranks": sorted(set(ranks))}
-        return held, blobs
+    def scan(self) -> tuple[list[dict], dict[tuple[int, int, int], bytes]]:
+        """This rank's `scan` of its node's files (see the module function)."""
+        return scan(self.root, self.local_rank, self.local_world, self.cfg, self.warn)
 
-    def _written_here(self, directory: Path) -> list[tuple[Path, int]]:
-        """The stems (and the rank whose state each is) that this local rank wrote, own
-        state first: the node's local ranks share its files, each reading its own."""
-        found = []
-        for path in sorted(directory.glob("*.json")):
-            kind, _, number = path.stem.partition("-")
-            if kind not in ("rank", "copy") or not number.isdigit():
-                continue
-            rank, writer = int(number), int(number)
-            if kind == "copy":  # written by the rank it was sent to
-                try:
-                    meta = json.loads(path.read_text())
-                    world = meta["placement"]["saved_from"]["world"]
-                    writer = partner_of(rank, world, meta.get("local_world", self.local_world))
-                except (OSError, ValueError, KeyError, TypeError):
-                    pass  # unreadable: the rank it names reports it
-            if writer % self.local_world == self.local_rank:
-                found.append((kind != "rank", path.with_suffix(""), rank))
-        return [(stem, rank) for _, stem, rank in sorted(found)]
-
-    def _verified(self, stem: Path, step: int, rank: int) -> bytes | None:
-        """The blob of `stem` (.json + .safetensors) if it is whole and this run's; a
-        present but bad one is skipped with a warning."""
-        if not stem.with_suffix(".json").is_file():
-            return None
-        try:
-            blob = read_blob(stem)
-            check_meta(unpack(blob)[0], step, rank, self.cfg)
-            return blob
-        except CorruptCheckpoint as e:
-            self.warn(f"tetrad: warning: skipping the in-memory checkpoint {stem}: {e}")
-            return None
-
-    def _gather_states(
-        self, step: int, providers: list[int], held: dict[tuple[int, int], bytes]
-    ) -> list[bytes]:
-        """Every saved rank's blob of generation `step` on every rank: each broadcast from
-        its provider (the rank itself, or a rank holding its copy)."""
-        world, out = self.engine.mesh["world"], []
+    def _gather_states(self, mine: list[bytes | None], providers: list[int]) -> list[bytes]:
+        """Every saved rank's blob on every rank: rank q's broadcast from `providers[q]`
+        (q itself, or a rank holding its copy), which holds it in mine[q]. Host to host
+        over the partner group: nothing of it is staged on the device."""
+        out = []
         for q, provider in enumerate(providers):
-            blob = b""
-            if provider == self.rank:
-                blob = held[(step, q)]
-            size = torch.tensor([len(blob)], dtype=torch.int64, device=self.comm.device)
-            self.comm.broadcast(size, provider, world)
-            buf = torch.zeros(int(size), dtype=torch.uint8)
-            if provider == self.rank:
+            blob = mine[q] if provider == self.rank else None
+            size = torch.tensor([len(blob or b"")], dtype=torch.int64, device=STAGING)
+            self.host_comm.broadcast(size, provider, self.group)
+            if blob is not None:
                 buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            buf = buf.to(self.comm.device)
-            self.comm.broadcast(buf, provider, world)
-            out.append(blob if provider == self.rank else buf.cpu().numpy().tobytes())
+            else:
+                buf = torch.empty(int(size), dtype=torch.uint8, device=STAGING)
+            self.host_comm.broadcast(buf, provider, self.group)
+            out.append(blob if blob is not None else buf.numpy().tobytes())
         return out
 
     def _load(self, blobs: list[bytes], optimizer, loader) -> None:
@@ -484,6 +491,72 @@ def check_meta(meta: dict, step: int, rank: int, cfg: Config) -> None:
         raise CorruptCheckpoint("written by another model or layout")
 
 
+def scan(
+    root: Path, local_rank: int, local_world: int, cfg: Config, warn
+) -> tuple[list[dict], dict[tuple[int, int, int], bytes]]:
+    """Which ranks' states of which generations a rank holds (the files under `root` that
+    its local rank wrote, each verified: format, this run's model and fixed layout, world,
+    sha256), as `newest_complete`'s rows; and those blobs by (step, world, rank). A
+    generation is a step and a world: a directory may hold files of two worlds (written
+    again after a shrink), each file counted in its own. `warn(message)`: a bad file."""
+    held: list[dict] = []
+    blobs: dict[tuple[int, int, int], bytes] = {}
+    for directory in generations(root):
+        step, worlds = int(directory.name[5:]), {}
+        for stem, rank, world in _written_here(directory, local_rank, local_world):
+            if (step, world, rank) in blobs:  # its own file and a copy: the same state
+                continue
+            blob = _verified(stem, step, rank, world, cfg, warn)
+            if blob is not None:
+                blobs[(step, world, rank)] = blob
+                worlds.setdefault(world, []).append(rank)
+        held += [{"step": step, "world": w, "ranks": sorted(r)} for w, r in sorted(worlds.items())]
+    return held, blobs
+
+
+def _written_here(directory: Path, local_rank: int, local_world: int) -> list[tuple]:
+    """(stem, the rank whose state it is, the world its JSON names) of the files this local
+    rank wrote, own states first: the node's local ranks share its files, each reading its
+    own. A copy was written by the rank it was sent to; an unreadable JSON's world is None
+    (its check then says why)."""
+    found = []
+    for path in sorted(directory.glob("*.json")):
+        kind, _, number = path.stem.partition("-")
+        if kind not in ("rank", "copy") or not number.isdigit():
+            continue
+        rank, writer, world = int(number), int(number), None
+        try:
+            meta = json.loads(path.read_text())
+            world = meta["placement"]["saved_from"]["world"]
+            if kind == "copy":
+                writer = partner_of(rank, world, meta.get("local_world", local_world))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: the rank it names reports it
+        if writer % local_world == local_rank:
+            found.append((kind != "rank", path.with_suffix(""), rank, world))
+    return [(stem, rank, world) for _, stem, rank, world in sorted(found, key=lambda f: f[:2])]
+
+
+def _verified(stem: Path, step: int, rank: int, world: int | None, cfg: Config, warn):
+    """The blob of `stem` (.json + .safetensors) if it is whole and this run's, of `world`;
+    a present but bad one is skipped with a warning."""
+    if not stem.with_suffix(".json").is_file():
+        return None
+    try:
+        blob = read_blob(stem)
+        meta = unpack(blob)[0]
+        check_meta(meta, step, rank, cfg)
+        if meta["placement"]["saved_from"]["world"] != world:  # rewritten while scanned
+            raise CorruptCheckpoint(f"changed while read (its JSON named a world of {world})")
+        return blob
+    except (KeyError, TypeError) as e:
+        warn(f"tetrad: warning: skipping the in-memory checkpoint {stem}: no field {e}")
+        return None
+    except CorruptCheckpoint as e:
+        warn(f"tetrad: warning: skipping the in-memory checkpoint {stem}: {e}")
+        return None
+
+
 def generations(root: Path) -> list[Path]:
     """Generation directories under `root`, newest first."""
     if not root.is_dir():
@@ -541,8 +614,10 @@ class BlobReader:
                     self.pieces.setdefault(key, []).append((box, named[p["key"]]))
 
     def __call__(self, key: str, box: Box) -> torch.Tensor:
-        out, covered = torch.empty(box_shape(box)), 0
-        for saved, values in self.pieces.get(key, []):
+        pieces = self.pieces.get(key, [])
+        dtype = pieces[0][1].dtype if pieces else torch.float32  # as saved: fp64 stays fp64
+        out, covered = torch.empty(box_shape(box), dtype=dtype), 0
+        for saved, values in pieces:
             common = intersect(saved, box)
             if common is None:
                 continue
@@ -554,13 +629,14 @@ class BlobReader:
 
 
 def _partner_group(rank: int, world: int, timeout_s: float) -> Group:
-    """Every rank, in a process group of its own (a collective: every rank makes it)."""
+    """Every rank, in a gloo group of its own, whatever the training's backend (a
+    collective: every rank makes it, in the same order, on the training thread)."""
     ranks = list(range(world))
     if world == 1:
         return Group("partner", ranks, 0)
     import torch.distributed as dist
 
-    pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+    pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
     return Group("partner", ranks, rank, pg)
 
 

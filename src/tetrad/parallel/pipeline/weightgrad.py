@@ -109,7 +109,8 @@ def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tenso
     x_e` (zeros for an empty group). One grouped matmul where the kernel takes the shapes
     (what autograd's backward of the forward's kernel computes), else a loop."""
     n = counts.shape[0]
-    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and x.shape[0]:
+    fp64 = x.dtype == torch.float64  # the kernel takes no float64 (fp64 verification)
+    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and x.shape[0] and not fp64:
         rows_ok = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], grad.shape[1]))
         if rows_ok:
             offs = counts.cumsum(0).to(torch.int32)
