@@ -59,6 +59,7 @@ def declare_jobs(jobs: Jobs) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.rounding  # rerun on SSE4.2 kernels (scripts/test.sh)
 def test_bf16_every_axis(reference, jobs):
     """dp (gradients reduced in fp32, or in bf16), ZeRO-1, -2 and -3, tp with and without
     sp, pp under GPipe, 1F1B, interleaved 1F1B and the zero-bubble schedules (zb-h1, zb-v):

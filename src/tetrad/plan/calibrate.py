@@ -26,6 +26,12 @@ the measured ones) and only e is fitted.
 The spread of the runs' implied efficiencies around the fitted one (at the fitted k)
 is the prediction's uncertainty (`Cluster.spread`), as the development rows' spread is
 for the presets.
+
+A run may be timed in CPU seconds instead (`Run.cpu`: its busiest rank's, all of its
+process's threads), which other work on the machine does not inflate the way it does
+the wall step; it is then fitted to the planner's work of the busiest rank
+(`busy_time`), without the pipeline's idle time, which uses no CPU.
+`tests/test_plan_from_run.py` times its runs so; `tetrad train` writes wall steps.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class Run:
     cfg: Config
     step_time_s: float
     noise: float = 0.0
+    cpu: bool = False  # step_time_s is the busiest rank's CPU seconds a step (`busy_time`)
 
 
 def read_run(path: str | Path) -> Run:
@@ -73,10 +80,15 @@ def read_run(path: str | Path) -> Run:
             times.append(float(row["step_time_s"]))
     if len(times) < 2:
         raise ValueError(f"{metrics}: {len(times)} timed steps; need at least 2")
+    return Run(str(path), cfg, *steady_median(times))
+
+
+def steady_median(times: list[float]) -> tuple[float, float]:
+    """The median of the steps after warm-up, and their spread: the median absolute
+    deviation over the median."""
     steady = steady_steps(times)
     median = statistics.median(steady)
-    mad = statistics.median(abs(t - median) for t in steady)
-    return Run(str(path), cfg, median, mad / median)
+    return median, statistics.median(abs(t - median) for t in steady) / median
 
 
 def steady_steps(times: list[float]) -> list[float]:
@@ -98,18 +110,29 @@ def with_link_scale(cluster: Cluster, scale: float) -> Cluster:
     return replace(cluster, intra=scaled(cluster.intra), inter=scaled(cluster.inter))
 
 
-def predicted_step(planner: Any, cfg: Config, efficiency: float) -> float:
-    """`planner`'s step for `cfg` at GEMM efficiency `efficiency`."""
-    return planner.on(at_efficiency(planner.cluster, efficiency)).predict(cfg, False).step_time_s
+def busy_time(pred: Any) -> float:
+    """A prediction's seconds of work on its busiest rank: the step less the pipeline's
+    idle time (its bubble and its waits for transfers), in which a rank runs nothing.
+    What the rank's CPU time measures: its computing, its communication (gloo's threads
+    move and reduce the bytes), its optimizer step."""
+    return pred.step_time_s - pred.breakdown["bubble"] - pred.breakdown["pp"]
 
 
-def implied_efficiency(planner: Any, cfg: Config, step_s: float) -> float:
-    """The GEMM efficiency at which `planner` predicts `step_s` for `cfg`, within
-    EFFICIENCY_BOUNDS (a bound where even it cannot reproduce the step)."""
+def predicted_step(planner: Any, cfg: Config, efficiency: float, cpu: bool = False) -> float:
+    """`planner`'s step for `cfg` at GEMM efficiency `efficiency` (with `cpu`, the
+    busiest rank's work, `busy_time`)."""
+    pred = planner.on(at_efficiency(planner.cluster, efficiency)).predict(cfg, False)
+    return busy_time(pred) if cpu else pred.step_time_s
+
+
+def implied_efficiency(planner: Any, cfg: Config, step_s: float, cpu: bool = False) -> float:
+    """The GEMM efficiency at which `planner` predicts `step_s` for `cfg` (with `cpu`,
+    as the busiest rank's work), within EFFICIENCY_BOUNDS (a bound where even it cannot
+    reproduce the step)."""
     lo, hi = EFFICIENCY_BOUNDS
     for _ in range(16):  # to 0.03% of the bounds' log range
         mid = math.sqrt(lo * hi)
-        if predicted_step(planner, cfg, mid) > step_s:
+        if predicted_step(planner, cfg, mid, cpu) > step_s:
             lo = mid
         else:
             hi = mid
@@ -144,11 +167,11 @@ def _sigma(run: Run) -> float:
 def _trial(planner: Any, runs: list[Run], scale: float, prior: bool) -> _Trial:
     """The best efficiency at link scale `scale` and the fit's objective there."""
     linked = planner.on(with_link_scale(planner.cluster, scale))
-    implied = [implied_efficiency(linked, r.cfg, r.step_time_s) for r in runs]
+    implied = [implied_efficiency(linked, r.cfg, r.step_time_s, r.cpu) for r in runs]
     weights = [1 / _sigma(r) ** 2 for r in runs]
     log_eff = sum(w * math.log(e) for w, e in zip(weights, implied)) / sum(weights)
     eff = math.exp(log_eff)
-    predicted = [predicted_step(linked, r.cfg, eff) for r in runs]
+    predicted = [predicted_step(linked, r.cfg, eff, r.cpu) for r in runs]
     objective = sum((math.log(p / r.step_time_s) / _sigma(r)) ** 2 for p, r in zip(predicted, runs))
     if prior:
         objective += (math.log(scale) / LINK_PRIOR) ** 2
