@@ -11,33 +11,34 @@ slow in (`straggler_rank`, `straggler_score`); a window at or under the threshol
 it. NVIDIA's straggler detection (nvidia-resiliency-ext) scores ranks relative to the
 others over a reporting interval in the same spirit; this is tetrad's own, on its timings.
 
-What "compute time" is, per device:
+What "compute time" is: a rank's own time, the span from a step's start to its host sync
+minus the time it blocked in collectives (the marks `Comm` records around every blocking
+wait, handed over by `Comm.waits`). What is left is what its peers wait for: its work,
+and also the time it could not run (paused, preempted, throttled, waiting on its input).
+CPU time would miss that second kind, the common one: a starved rank's CPU time does not
+grow while its peers wait for it. The span is read on the device's timeline:
 
-* CPU: the training thread's CPU time (`time.thread_time`) from a step's start to its
-  host sync. A rank blocked in a collective uses no CPU (gloo's own threads move and
-  reduce the bytes while the caller sleeps on its work), so the waits drop out by
-  themselves, and so does the time the OS gave to other processes. Wall time minus the
-  collective waits would count that time too: on a machine shared with other jobs (the
-  test machine: two cores, several processes) whichever rank the scheduler happened to
-  preempt would look slow. CPU time names a rank whose hardware is slow at the work (a
-  slower or throttled core, starved memory bandwidth), not one that lost its core to a
-  neighbour. With several torch threads the training thread runs its share of each
-  parallel region and then spins at its barrier, so its CPU time still follows the
-  region's length.
-* CUDA: the compute stream's timeline from the step's start to its host sync, minus the
-  stream's stalls in collectives (the marks `Comm` records around every blocking wait,
-  handed over by `Comm.waits`), all CUDA events. They are read only at a window's end,
-  after that step's host sync: the stream has passed every one of them by then, so
-  reading waits for nothing, and no step adds a device sync of its own. (The optimizer's
-  update runs after the host sync, so it is outside the span: a mark after it could only
-  be read by waiting for the device. The same span is kept on CPU.)
+* CPU: the host's wall clock.
+* CUDA: the compute stream's timeline, in CUDA events (a starved host lets the stream run
+  dry, and the idle stream is in the span). They are read only at a window's end, after
+  that step's host sync: the stream has passed every one of them by then, so reading
+  waits for nothing, and no step adds a device sync of its own. (The optimizer's update
+  runs after the host sync, so it is outside the span: a mark after it could only be read
+  by waiting for the device. The same span is kept on CPU.)
+
+A pause that lands while the paused rank itself waits in a collective counts as a wait for
+both ranks, and one outside the span (the update, the metrics row) for neither. The rest
+are in the proportion that a peer's own time is of a step, so a rank paused half the time
+has about twice a peer's own time (a score near 1.33 against one peer). A wall clock counts
+the time the OS gave to other processes, so on a loaded machine whichever rank happened to
+lose its core looks slow for a while: the window and the `windows` slow windows in a row
+are what keep that from naming anyone (docs/straggler.md has the measurements).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,42 +109,27 @@ class Detector:
 
 
 class ComputeMeter:
-    """This rank's compute seconds between `start` and `stop` marks, summed until `take`
-    (see the module's docstring for what is measured on each device).
+    """This rank's own seconds between `start` and `stop` marks, summed until `take`: each
+    span on the device's timeline minus the collective waits logged inside it (see the
+    module's docstring)."""
 
-    `span`: measure the device's timeline minus the logged collective waits (CUDA's way;
-    on CPU the host's wall clock, which is how tests check the subtraction); the default
-    is that on CUDA and the training thread's CPU time on CPU."""
-
-    def __init__(self, comm: Comm, span: bool | None = None):
+    def __init__(self, comm: Comm):
         self.comm, self.clock = comm, comm.clock
-        self.span = self.clock.cuda if span is None else span
-        if self.span:
-            comm.waits.start()
+        comm.waits.start()
         self._t0: Any = None
-        self._cpu = 0.0
         self._spans: list[tuple[Any, Any, list[tuple[Any, Any]]]] = []  # start, stop, waits
 
     def start(self) -> None:
-        if not self.span:
-            self._t0 = time.thread_time()
-            return
         self.comm.waits.take()  # waits before this step's start are not this span's
         self._t0 = self.clock.mark()
 
     def stop(self) -> None:
         """Just before the step's host sync (on a GPU, only records an event)."""
-        if not self.span:
-            self._cpu += time.thread_time() - self._t0
-            return
         self._spans.append((self._t0, self.clock.mark(), self.comm.waits.take()))
 
     def take(self) -> float:
         """The seconds measured since the last take (after a host sync: on a GPU every
         mark is already behind the stream, so reading them does not wait)."""
-        if not self.span:
-            seconds, self._cpu = self._cpu, 0.0
-            return seconds
         seconds = 0.0
         for start, end, waits in self._spans:
             seconds += self.clock.interval(start, end)
@@ -163,11 +149,11 @@ def warning(s: Straggler, windows: int, every: int) -> str:
 class StragglerWatch:
     """The trainer's part: marks each step, gathers at each window's end, names."""
 
-    def __init__(self, t: TrainConfig, mesh: Mesh, comm: Comm, span: bool | None = None):
+    def __init__(self, t: TrainConfig, mesh: Mesh, comm: Comm):
         # one rank has nobody to be compared with: nothing is measured
         self.every = t.straggler_every if mesh.world_size > 1 else 0
         self.windows, self.rank, self.world = t.straggler_windows, mesh.rank, mesh.world_size
-        self.meter = ComputeMeter(comm, span) if self.every else None
+        self.meter = ComputeMeter(comm) if self.every else None
         peers = peer_groups(mesh.degrees)
         self.detector = Detector(peers, t.straggler_threshold, t.straggler_windows)
 
