@@ -123,8 +123,9 @@ class Clock:
     nothing). Events are placed on the host's clock through one origin taken when the
     clock is made: the device drained once, then an event and the host's time at once (a
     synchronize serves where no event can). Nothing after that drains the device: a
-    pipeline step's marks cost an event each, and no step waits for the device beyond its
-    one host sync. (The GPU's and the host's clocks drift apart by parts per million: a
+    pipeline step's marks cost an event each, and the clock adds no wait to those a step
+    already has (docs/architecture.md, "Where the host waits for the device"). (The GPU's
+    and the host's clocks drift apart by parts per million: a
     millisecond an hour, well under a step; `drain` re-takes the origin.)
     """
 

@@ -20,8 +20,9 @@ Every async collective of the step is recorded (`Comm.trace`): the timeline's
 communication lane.
 
 Per-action overhead is kept off the schedule's path: the loop never waits for the device
-(on a GPU, computes and transfers are only enqueued; the step's one host sync is the
-trainer's, after the schedule), the step's inputs and targets go to the device once,
+(on a GPU, computes and transfers are only enqueued; the runtime's one host read is the
+trainer's, after the schedule; what the model's layers read is theirs: docs/architecture.md),
+the step's inputs and targets go to the device once,
 before the loop, and receive buffers are reused across microbatches: a buffer returns to
 the pool once nothing the meter counts (autograd's saved tensors, deferred-W inputs)
 still refers to it, which is after the backward that consumed it. The meter's saved-tensor
