@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tetrad.cli import main as cli_main
+from tetrad.config import Config
 
 TINY = [
     "--layers", "2", "--dim", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64",
@@ -93,3 +94,81 @@ def test_help():
     with pytest.raises(SystemExit) as end:
         cli_main(["bench", "--help"])
     assert end.value.code == 0
+
+
+# config fields settable only in a --config file; every other field is an option of
+# `tetrad train`, declared once, by its `cli` metadata (config.py)
+CONFIG_ONLY = {
+    "model": {"name", "family", "ffn_dim", "max_seq_len", "rope_theta", "norm_eps", "init_std",
+              "head_size", "qk_norm", "bias_rate", "capacity_factor"},
+    "parallel": {"reshard_after_forward", "reduce_dtype", "elastic"},
+    "train": {"min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip"},
+    "data": {"max_bytes"},
+    "checkpoint": {"keep"},
+}  # fmt: skip
+
+
+def train_parser():
+    from tetrad.cli import parser
+
+    return parser()._subparsers._group_actions[0].choices["train"]
+
+
+def test_every_config_field_is_an_option_declared_once():
+    """A new config field is either an option (with its help in `cli` metadata) or listed
+    above as config-only; no flag is declared twice."""
+    from dataclasses import fields
+
+    from tetrad.cli import TRAIN_OPTIONS
+
+    cfg = Config()
+    for section in fields(cfg):
+        for f in fields(getattr(cfg, section.name)):
+            meant = f.name not in CONFIG_ONLY[section.name]
+            assert ("cli" in f.metadata) == meant, f"{section.name}.{f.name}"
+            if meant:
+                assert f.metadata["cli"]["help"], f"{section.name}.{f.name} has no help"
+    assert {(s, f.name) for s, f in TRAIN_OPTIONS.values()} == {
+        (s.name, f.name)
+        for s in fields(cfg)
+        for f in fields(getattr(cfg, s.name))
+        if f.name not in CONFIG_ONLY[s.name]
+    }
+    flags = [o for a in train_parser()._actions for o in a.option_strings]
+    assert len(flags) == len(set(flags))
+    assert all(a.help for a in train_parser()._actions), "an option without help"
+
+
+def test_a_flag_declared_twice_is_refused(monkeypatch):
+    from dataclasses import fields
+
+    from tetrad.cli import config_options
+    from tetrad.config import TrainConfig
+
+    seed = next(f for f in fields(TrainConfig) if f.name == "seed")
+    monkeypatch.setattr(seed, "metadata", {"cli": {**seed.metadata["cli"], "flag": "steps"}})
+    with pytest.raises(ValueError, match="--steps is declared twice: train.steps, train.seed"):
+        config_options()
+
+
+def test_flags_override_the_config_file(tmp_path):
+    """Flags beat the --config file; bool flags set the opposite of the default (--no-X
+    forms included); --dp auto makes dp the elastic degree."""
+    from tetrad.cli import build_config
+
+    path = tmp_path / "c.toml"
+    path.write_text("[parallel]\ntp = 2\nzero_stage = 1\n[train]\nsteps = 5\nprogress = true\n")
+    argv = ["train", "--config", str(path), "--steps", "7", "--data", "synthetic", "--sp",
+            "--no-progress", "--no-final-checkpoint", "--async-checkpoint", "--dp", "auto",
+            "--pp-schedule", "zb-h1", "--checkpoint-every", "3", "--lr", "1e-3"]  # fmt: skip
+    cfg = build_config(train_parser().parse_args(argv[1:]))
+    assert (cfg.parallel.tp, cfg.parallel.zero_stage, cfg.parallel.sp) == (2, 1, True)
+    assert (cfg.parallel.dp, cfg.parallel.elastic, cfg.parallel.pp_schedule) == (1, "dp", "zb-h1")
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.progress) == (7, 1e-3, False)
+    assert (cfg.data.source, cfg.checkpoint.every) == ("synthetic", 3)
+    assert not cfg.checkpoint.final and cfg.checkpoint.async_save and not cfg.checkpoint.resume
+    expected = Config()
+    expected.data.source = "synthetic"
+    assert build_config(train_parser().parse_args(["--data", "synthetic"])) == expected
+    with pytest.raises(SystemExit):
+        train_parser().parse_args(["--tp", "auto"])  # only dp and fsdp follow the world

@@ -6,15 +6,12 @@ import argparse
 import os
 import sys
 import traceback
+from dataclasses import Field, fields
 from pathlib import Path
+from typing import Any
 
 from tetrad.config import (
-    BALANCE,
-    CP_ATTENTION,
-    CP_KERNELS,
     DTYPES,
-    RECOMPUTE,
-    ROUTERS,
     Config,
     ModelConfig,
     load_raw,
@@ -37,128 +34,55 @@ def degree(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"invalid degree {text!r}: a count, or auto") from None
 
 
-# flag -> (section, field); every one of these is also settable in a --config TOML file
-# (an elastic degree there: [parallel] elastic = "dp")
-TRAIN_FLAGS = {
-    "dp": ("parallel", "dp", degree),
-    "fsdp": ("parallel", "fsdp", degree),
-    "tp": ("parallel", "tp", int),
-    "pp": ("parallel", "pp", int),
-    "cp": ("parallel", "cp", int),
-    "cp_attention": ("parallel", "cp_attention", str),
-    "cp_kernel": ("parallel", "cp_kernel", str),
-    "ep": ("parallel", "ep", int),
-    "zero_stage": ("parallel", "zero_stage", int),
-    "pp_schedule": ("parallel", "pp_schedule", str),
-    "microbatches": ("parallel", "microbatches", int),
-    "virtual_stages": ("parallel", "virtual_stages", int),
-    "pp_split": ("parallel", "pp_split", str),
-    "bucket_mb": ("parallel", "bucket_mb", float),
-    "first_bucket_mb": ("parallel", "first_bucket_mb", float),
-    "elastic_max_world": ("parallel", "elastic_max_world", int),
-    "layers": ("model", "layers", int),
-    "dim": ("model", "dim", int),
-    "heads": ("model", "heads", int),
-    "kv_heads": ("model", "kv_heads", int),
-    "vocab": ("model", "vocab", int),
-    "experts": ("model", "experts", int),
-    "top_k": ("model", "top_k", int),
-    "moe_ffn_dim": ("model", "moe_ffn_dim", int),
-    "shared_experts": ("model", "shared_experts", int),
-    "dense_layers": ("model", "dense_layers", int),
-    "router": ("model", "router", str),
-    "balance": ("model", "balance", str),
-    "aux_loss_coef": ("model", "aux_loss_coef", float),
-    "seq_len": ("train", "seq_len", int),
-    "global_batch": ("train", "global_batch", int),
-    "steps": ("train", "steps", int),
-    "lr": ("train", "lr", float),
-    "seed": ("train", "seed", int),
-    "dtype": ("train", "dtype", str),
-    "device": ("train", "device", str),
-    "peak_tflops": ("train", "peak_tflops", float),
-    "recompute": ("train", "recompute", str),
-    "loss_chunk": ("train", "loss_chunk", int),
-    "meter_every": ("train", "meter_every", int),
-    "out": ("train", "out", str),
-    "data": ("data", "source", str),
-    "tokenizer": ("data", "tokenizer", str),
-    "eval_every": ("train", "eval_every", int),
-    "eval_batches": ("train", "eval_batches", int),
-    "checkpoint_every": ("checkpoint", "every", int),
-    "local_checkpoint_every": ("checkpoint", "local_every", int),
-    "local_dir": ("checkpoint", "local_dir", str),
-    "timeout": ("train", "timeout", float),
-    "straggler_every": ("train", "straggler_every", int),
-    "straggler_threshold": ("train", "straggler_threshold", float),
-    "straggler_windows": ("train", "straggler_windows", int),
-}
+def flag(dest: str) -> str:
+    return dest.replace("_", "-")
+
+
+def config_options() -> dict[str, tuple[str, Field]]:
+    """`tetrad train`'s options that set a config field (those with `cli` metadata,
+    config.py), by argparse dest: (section, field). Every one is also settable in a --config
+    TOML file (an elastic degree there: [parallel] elastic = "dp")."""
+    options: dict[str, tuple[str, Field]] = {}
+    cfg = Config()
+    for section in fields(cfg):
+        for f in fields(getattr(cfg, section.name)):
+            if "cli" not in f.metadata:
+                continue
+            dest = (f.metadata["cli"]["flag"] or f.name).replace("-", "_")
+            if dest in options:
+                first = f"{options[dest][0]}.{options[dest][1].name}"
+                raise ValueError(
+                    f"--{flag(dest)} is declared twice: {first}, {section.name}.{f.name}"
+                )
+            options[dest] = (section.name, f)
+    return options
+
+
+TRAIN_OPTIONS = config_options()
 DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
-FLAG_HELP = {
-    "dp": "data-parallel degree; auto (with --nnodes MIN:MAX): the world over the other "
-    "degrees at each (re)start, so that losing a node shrinks the job (docs/checkpoint.md)",
-    "fsdp": "sharded data-parallel degree (ZeRO, --zero-stage); auto: as --dp auto",
-    "elastic_max_world": "with --dp/--fsdp auto: the world whose microbatch size every smaller "
-    "world keeps, accumulating more microbatches (default: the launcher's nnodes MAX x nproc)",
-    "experts": "routed experts per MoE layer (docs/moe.md); > 0 on a dense model makes it a "
-    "mixture of experts, 0 makes an MoE preset dense",
-    "top_k": "experts each token is sent to",
-    "moe_ffn_dim": "one expert's SwiGLU inner size (default: the dense ffn size)",
-    "shared_experts": "experts every token runs through, beside its top-k",
-    "dense_layers": "the first N layers keep a dense feed-forward",
-    "router": "softmax: top-k of the softmax, renormalised (Mixtral, Qwen3); sigmoid: "
-    "sigmoid scores, top-k normalised (DeepSeek-V3)",
-    "balance": "load balance: aux (sequence-wise auxiliary loss), bias (DeepSeek-V3's "
-    "loss-free per-expert bias) or none",
-    "aux_loss_coef": "the auxiliary loss's coefficient (default 0.01)",
-    "bucket_mb": "data parallelism's gradient buckets, MiB (default 25)",
-    "first_bucket_mb": "the first gradient bucket, the first to be reduced during backward "
-    "(default: 1 on a GPU; on CPU, where the reduction takes the cores backward uses, "
-    "--bucket-mb, which makes one bucket of a small model; docs/dp.md)",
-    "cp": "context parallelism: split every sequence over N ranks (2N load-balanced chunks; "
-    "seq-len must be divisible by 2N), attention exchanging keys and values (docs/cp.md)",
-    "ep": "expert parallelism (MoE models): shard each layer's experts over N ranks taken "
-    "from the data ranks (and the tensor ranks where there are too few); tokens reach their "
-    "experts by all-to-all (docs/moe.md). The world size is unchanged",
-    "local_checkpoint_every": "every K steps keep each rank's state in node-local memory, with "
-    "a copy on a partner rank (the same local rank of the next node; on one node, the next "
-    "rank); a restart resumes from it first, losing at most K steps (docs/checkpoint.md; "
-    "default 0: off)",
-    "local_dir": "where in-memory checkpoints live, per node (default /dev/shm/tetrad-<hash "
-    "of --out>)",
-    "timeout": "seconds a collective may block before the job ends naming it, and a signalled "
-    "rank may take to save and exit (default 600)",
-    "data": "synthetic, stdlib (default), a text file or folder, or a prepared .u16/.u32 file",
-    "tokenizer": "a local tokenizer.json for text data (default: bytes, vocabulary 256)",
-    "eval_every": "every K steps (and at the end) log eval_loss on a held-out split",
-    "eval_batches": "global batches in the held-out split (default 4)",
-    "device": "auto (default: CUDA if available, else CPU), cpu or cuda",
-    "peak_tflops": "declared dense peak of one device in TFLOP/s, for MFU (default: the "
-    "table in devices.py; needed for a GPU not in it)",
-    "cp_attention": "how attention crosses the cp ranks: allgather (default: keys and values "
-    "all-gathered) or ring (kv blocks passed around, online softmax)",
-    "cp_kernel": "how a cp core attends one block: fused (default: torch's flash or "
-    "memory-efficient kernel for the device and dtype, tiled; plain matmuls where there is "
-    "none) or unfused (plain fp32 matmuls holding a whole block of scores)",
-    "pp_split": "layers per pipeline stage: balanced on analytic FLOPs (default), 'measured' "
-    "(balanced on the embedding, layer and head costs timed in a short warm-up, agreed by "
-    "every rank), or counts such as 5,3",
-    "recompute": "activation recomputation (default none): selective keeps k/v, attention's "
-    "output, wo's and w1's outputs and redoes the rest of each block in backward, full "
-    "redoes whole blocks from their inputs",
-    "loss_chunk": "apply the head and the loss this many tokens at a time, never holding "
-    "full logits (default 1024; 0: full logits)",
-    "straggler_every": "every N steps compare each rank's compute time (its own, without "
-    "collective waits) with the median of its pipeline stage's ranks (default 20; 0: off; "
-    "docs/straggler.md)",
-    "straggler_threshold": "a rank slower than X times that median is slow in that window "
-    "(default 1.2)",
-    "straggler_windows": "a rank slow in W windows in a row is named in one warning line and "
-    "in metrics.jsonl (straggler_rank, straggler_score) (default 3)",
-    "meter_every": "count the activations autograd saves (metrics' peak_activation_bytes) on "
-    "the first step and every N steps after (default 0: the first step only; the shapes "
-    "are the same every step, and the count's hooks cost a few percent of a small step)",
-}
+CHOICES = {"pp_schedule": SCHEDULES}  # choices config.py cannot import (layout is above it)
+
+
+def option_kwargs(section: str, f: Field) -> dict[str, Any]:
+    """add_argument's keywords for a config field's option; its default is None (not given:
+    the --config file's value, or the field's default, stands)."""
+    meta = f.metadata["cli"]
+    kw: dict[str, Any] = {"help": meta["help"], "default": None}
+    if isinstance(f.default, bool):  # the flag sets the opposite of the default
+        return kw | {"action": "store_true"}
+    elastic = section == "parallel" and f.name in ELASTIC_AXES
+    kw["type"] = degree if elastic else type(f.default)
+    kw["metavar"] = "N|auto" if elastic else meta["metavar"]
+    kw["choices"] = meta["choices"] or CHOICES.get(f.name)
+    return kw
+
+
+def option_value(args: argparse.Namespace, dest: str, f: Field) -> Any:
+    """The value a config field's option gives it (None: not given)."""
+    value = getattr(args, dest)
+    if isinstance(f.default, bool):
+        return (not f.default) if value else None
+    return value
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -201,77 +125,6 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="model preset: tiny, small, base, llama3-8b, llama3-70b; mixtures of experts: "
         "moe-tiny, moe-small, mixtral-8x7b, qwen3-30b-a3b, qwen3-235b-a22b",
     )
-    for flag, (_, _, typ) in TRAIN_FLAGS.items():
-        kw = {"choices": SCHEDULES} if flag == "pp_schedule" else {}
-        if flag == "dtype":
-            kw = {"choices": ("fp32", "bf16")}
-        if flag == "device":
-            kw = {"choices": ("auto", "cpu", "cuda")}
-        if flag == "zero_stage":
-            kw = {"choices": (1, 2, 3)}
-        if flag == "timeout":
-            kw = {"metavar": "S"}
-        if flag == "recompute":
-            kw = {"choices": RECOMPUTE}
-        if flag == "cp_attention":
-            kw = {"choices": CP_ATTENTION}
-        if flag == "cp_kernel":
-            kw = {"choices": CP_KERNELS}
-        if flag == "router":
-            kw = {"choices": ROUTERS}
-        if flag == "balance":
-            kw = {"choices": BALANCE}
-        if flag in ("cp", "ep", "elastic_max_world"):
-            kw = {"metavar": "N"}
-        if flag in ("dp", "fsdp"):
-            kw = {"metavar": "N|auto"}
-        if flag == "loss_chunk":
-            kw = {"metavar": "TOKENS"}
-        if flag in ("meter_every", "straggler_every"):
-            kw = {"metavar": "N"}
-        if flag == "local_checkpoint_every":
-            kw = {"metavar": "K"}
-        if flag == "local_dir":
-            kw = {"metavar": "DIR"}
-        if flag == "straggler_threshold":
-            kw = {"metavar": "X"}
-        if flag == "straggler_windows":
-            kw = {"metavar": "W"}
-        p.add_argument("--" + flag.replace("_", "-"), type=typ, help=FLAG_HELP.get(flag), **kw)
-    p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (tp>1)")
-    p.add_argument("--tie-embeddings", action="store_true", default=None)
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        default=None,
-        help="continue from the newest checkpoint under OUT/checkpoints, in any layout",
-    )
-    p.add_argument(
-        "--async-checkpoint",
-        action="store_true",
-        default=None,
-        help="write checkpoints in a background thread while training continues (the state "
-        "is copied first; at most one save in flight; committed once every rank has written)",
-    )
-    p.add_argument(
-        "--init-from-hf",
-        metavar="DIR",
-        help="start from a local Hugging Face Llama directory (config.json + safetensors): "
-        "the model's shape and weights; shape flags that contradict config.json are errors",
-    )
-    p.add_argument(
-        "--tensorboard",
-        action="store_true",
-        default=None,
-        help="also write TensorBoard event files to OUT/tensorboard (needs tetrad[tensorboard])",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress display")
-    p.add_argument(
-        "--no-final-checkpoint",
-        action="store_true",
-        help="keep no checkpoint of the last step (by default OUT/checkpoints holds it, for "
-        "tetrad generate, export and --resume)",
-    )
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores/N)")
     p.add_argument(
         "--timeline",
@@ -279,6 +132,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="pp>1: write the last step's measured and simulated pipeline timeline to "
         "DIR/timeline.png, DIR/timeline.json and DIR/timeline_sim.json (Chrome traces)",
     )
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for dest, (section, f) in TRAIN_OPTIONS.items():
+        if section not in groups:
+            about = f"also settable in a --config file's [{section}] table"
+            groups[section] = p.add_argument_group(f"[{section}] options", about)
+        groups[section].add_argument("--" + flag(dest), dest=dest, **option_kwargs(section, f))
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -290,30 +149,16 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.model.init_from_hf = args.init_from_hf
     if cfg.model.init_from_hf:
         cfg.model = hf_model(cfg, args)
-    for flag, (section, name, _) in TRAIN_FLAGS.items():
-        value = getattr(args, flag)
-        if value == "auto":
-            value = elastic_axis(cfg, flag)
+    for dest, (section, f) in TRAIN_OPTIONS.items():
+        value = option_value(args, dest, f)
+        if value == "auto" and dest in ELASTIC_AXES:  # only their type lets auto through
+            value = elastic_axis(cfg, dest)
         if value is not None:
-            setattr(getattr(cfg, section), name, value)
+            setattr(getattr(cfg, section), f.name, value)
     if args.experts is not None:  # experts make a mixture of experts, none a dense model
         cfg.model.family = "moe" if args.experts > 0 else "llama"
-    if args.sp:
-        cfg.parallel.sp = True
-    if args.tie_embeddings:
-        cfg.model.tie_embeddings = True
-    if args.resume:
-        cfg.checkpoint.resume = True
-    if args.async_checkpoint:
-        cfg.checkpoint.async_save = True
-    if args.tensorboard:
-        cfg.train.tensorboard = True
     if cfg.data.tokenizer:  # absolute: export and generate find it from anywhere
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)
-    if args.no_progress:
-        cfg.train.progress = False
-    if args.no_final_checkpoint:
-        cfg.checkpoint.final = False
     args.vocab_note = vocab_from_data(cfg, args)
     return cfg
 
@@ -414,11 +259,10 @@ def hf_model(cfg: Config, args: argparse.Namespace) -> ModelConfig:
         for f in hf.HF_KEYS
         if getattr(cfg.model, f) != getattr(defaults, f)
     }
-    for flag, (section, name, _) in TRAIN_FLAGS.items():
-        if section == "model" and getattr(args, flag) is not None:
-            given[f"--{flag.replace('_', '-')}"] = (name, getattr(args, flag))
-    if args.tie_embeddings:
-        given["--tie-embeddings"] = ("tie_embeddings", True)
+    for dest, (section, f) in TRAIN_OPTIONS.items():
+        value = option_value(args, dest, f)
+        if section == "model" and f.name != "init_from_hf" and value is not None:
+            given[f"--{flag(dest)}"] = (f.name, value)
     return hf.model_config(cfg.model.init_from_hf, given)
 
 
