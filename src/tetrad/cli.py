@@ -21,7 +21,7 @@ from tetrad.config import (
 from tetrad.devices import pick
 from tetrad.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE, rank_and_attempt, report
 from tetrad.launch import LOG_DIR, die_with_parent, launch, under_torchrun
-from tetrad.layout import ELASTIC_AXES, SCHEDULES, Layout, elastic_config
+from tetrad.layout import ELASTIC_AXES, Layout, elastic_config
 
 
 def degree(text: str) -> int | str:
@@ -60,7 +60,6 @@ def config_options() -> dict[str, tuple[str, Field]]:
 
 TRAIN_OPTIONS = config_options()
 DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
-CHOICES = {"pp_schedule": SCHEDULES}  # choices config.py cannot import (layout is above it)
 
 
 def option_kwargs(section: str, f: Field) -> dict[str, Any]:
@@ -73,7 +72,7 @@ def option_kwargs(section: str, f: Field) -> dict[str, Any]:
     elastic = section == "parallel" and f.name in ELASTIC_AXES
     kw["type"] = degree if elastic else type(f.default)
     kw["metavar"] = "N|auto" if elastic else meta["metavar"]
-    kw["choices"] = meta["choices"] or CHOICES.get(f.name)
+    kw["choices"] = meta["choices"] or None
     return kw
 
 

@@ -20,6 +20,8 @@ import torch
 # every part in float64, tetrad.precision)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+# pipeline schedules (parallel/pipeline/schedules.py builds each one's action lists)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 # activation recomputation: nothing, the cheap and large parts, or whole blocks
 RECOMPUTE = ("none", "selective", "full")
 # context parallelism's attention: keys and values all-gathered, or passed around a ring
@@ -262,8 +264,9 @@ class ParallelConfig:
         ),
     )
     sp: bool = field(default=False, metadata=cli("sequence parallelism (tp>1)"))
-    pp_schedule: str = field(  # choices: layout.SCHEDULES (cli.py adds them)
-        default="1f1b", metadata=cli("pipeline schedule (default 1f1b; docs/pp.md)")
+    pp_schedule: str = field(
+        default="1f1b",
+        metadata=cli("pipeline schedule (default 1f1b; docs/pp.md)", choices=SCHEDULES),
     )
     microbatches: int = field(
         default=1, metadata=cli("microbatches each data rank's share of a step is split into")

@@ -25,6 +25,7 @@ from tetrad.config import (
     CP_ATTENTION,
     CP_KERNELS,
     DTYPES,
+    SCHEDULES,
     Config,
     ModelConfig,
     ParallelConfig,
@@ -32,7 +33,6 @@ from tetrad.config import (
 )
 from tetrad.precision import wide
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 SPLIT_BACKWARD = ("zb-h1", "zb-v")  # backward split into B (inputs) and W (weights)
 AXES = ("pp", "dp", "fsdp", "cp", "tp")  # the mesh's axes, outermost first
 
