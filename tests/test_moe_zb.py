@@ -116,6 +116,7 @@ def test_b_leaves_router_and_expert_weight_gradients_to_w(ffn):
     """Under a B action the MoE layer's backward files the router's logits matmul and each
     expert weight's grouped matmul with the store (no weight has a gradient yet, the
     input has its own); W then gives them the gradients a plain backward gives."""
+    from tetrad.models.moe_spec import MOE
     from tetrad.parallel.pipeline.weightgrad import WeightGradStore, defer_weight_grads
 
     plain, split = _layer(0, ffn), _layer(0, ffn)
@@ -125,7 +126,7 @@ def test_b_leaves_router_and_expert_weight_gradients_to_w(ffn):
     plain(xa).backward(g)
 
     store = WeightGradStore()
-    names = defer_weight_grads(split, store)
+    names = defer_weight_grads(split, store, MOE)
     assert set(names) >= {"router.weight", "experts.w1", "experts.w2", "experts.w3"}
     with store.filing((0, 0)):
         split(xb).backward(g)

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from tetrad.models import llama_activations
 from tetrad.models.flops import block_linears, flops_per_token, layer_costs
-from tetrad.models.llama import KEEP_SELECTIVE, meta_llama, param_shape, set_recompute
+from tetrad.models.llama import (
+    KEEP_SELECTIVE,
+    RMSNorm,
+    apply_rotary,
+    meta_llama,
+    param_shape,
+    rotary_at,
+    set_recompute,
+)
 from tetrad.models.plans import LLAMA_PLAN
-from tetrad.models.spec import ModelSpec
+from tetrad.models.spec import ModelSpec, Rotary
 
 # tetrad parameter -> Hugging Face LlamaForCausalLM parameter ("{i}": the block index)
 HF_NAMES = {
@@ -42,4 +50,6 @@ LLAMA = ModelSpec(
     block_linears=block_linears,
     activations=llama_activations,
     hf_names=HF_NAMES,
+    norm_class=RMSNorm,
+    rotary=Rotary(tables=rotary_at, apply=apply_rotary),
 )

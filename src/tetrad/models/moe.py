@@ -61,6 +61,10 @@ def top_k_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+# (tokens grouped by expert, a stacked weight, tokens per expert) -> each group times its expert
+GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Router(nn.Module):
     """Scores tokens against experts in fp32 and picks each token's top k.
 
@@ -75,11 +79,12 @@ class Router(nn.Module):
         self.kind, self.top_k = cfg.router, cfg.top_k
         self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.dim))
         self.register_buffer("expert_bias", torch.zeros(cfg.experts))
+        self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> (affinities [T, E] normalised over experts, ids [T, k], weights [T, k]),
         all fp32 but the int64 ids."""
-        logits = self.logits(x)  # [T, E]
+        logits = self.logits(x) if self._logits is None else self._logits(x)  # [T, E]
         scores = logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
         ids = top_k_stable(scores + widen(self.expert_bias), self.top_k)
         chosen = scores.gather(1, ids)
@@ -87,10 +92,19 @@ class Router(nn.Module):
         return probs, ids, chosen / chosen.sum(dim=-1, keepdim=True)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d] -> the scores' logits [T, E], fp32. A method of its own so that
-        parallel code can change how the weight meets the tokens (its gradient summed
-        over ranks, or computed later), not what the router computes."""
+        """x [T, d] -> the scores' logits [T, E], fp32."""
         return F.linear(widen(x), widen(self.weight))
+
+    def use_logits(self, logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Take the logits from `logits(x)` (the same F.linear of the fp32 weight): how
+        parallel code changes the way the weight meets the tokens (its gradient summed
+        over ranks, or computed later), not what the router computes."""
+        self._logits = logits
+
+    @property
+    def logits_fn(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What `use_logits` installed, if anything."""
+        return self._logits
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:
@@ -110,6 +124,12 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n, ffn, dim))
         self.w3 = nn.Parameter(torch.empty(n, ffn, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, ffn))
+        self._matmul: GroupedMatmul | None = None
+
+    def use_matmul(self, matmul: GroupedMatmul) -> None:
+        """Apply each weight with `matmul` (what `matmul` computes): how parallel code
+        changes when its weight gradient is computed (zero-bubble's W), not what it is."""
+        self._matmul = matmul
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] grouped by expert, counts [n] -> [N, dim]."""
@@ -118,9 +138,10 @@ class Experts(nn.Module):
         return _ContiguousGrad.apply(out)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One of the experts' weights applied to its groups (`grouped_linear`). A method
-        of its own so that parallel code can change when its weight gradient is computed
-        (zero-bubble's W), not what it computes."""
+        """One of the experts' weights applied to its groups (`grouped_linear`, or what
+        `use_matmul` installed)."""
+        if self._matmul is not None:
+            return self._matmul(x, weight, counts)
         return grouped_linear(x, weight, counts)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

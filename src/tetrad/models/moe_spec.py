@@ -14,9 +14,20 @@ from tetrad.models import llama_activations
 from tetrad.models.flops import llama_layer_costs
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import LLAMA
-from tetrad.models.moe import keep_selective, meta_moe, param_shape, set_recompute
+from tetrad.models.moe import (
+    STAT_EXTRA,
+    Experts,
+    Router,
+    grouped_linear,
+    keep_selective,
+    meta_moe,
+    param_shape,
+    set_aux_scale,
+    set_recompute,
+)
+from tetrad.models.moe import moe_layers as moe_feed_forwards
 from tetrad.models.plans import MOE_PLAN
-from tetrad.models.spec import Saved
+from tetrad.models.spec import MoEParts, Saved
 
 
 def active_ffn(m: ModelConfig) -> int:
@@ -173,4 +184,12 @@ MOE = dataclasses.replace(
     block_linears=block_linears,
     activations=MoEActivations(),
     hf_names=MIXTRAL_NAMES,  # Qwen3-MoE's: interop/hf.py, by `hf_architecture`
+    moe=MoEParts(
+        router=Router,
+        experts=Experts,
+        grouped_linear=grouped_linear,
+        layers=moe_feed_forwards,
+        set_aux_scale=set_aux_scale,
+        stat_extra=STAT_EXTRA,
+    ),
 )

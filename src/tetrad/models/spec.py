@@ -9,6 +9,10 @@ never spells a parameter name itself, so a new family adds files here, not in pa
 What the spec cannot say, the family's model class provides (the interface the engine
 calls): `first`, `last` and `logits` flags, `forward_span(x, layers, embed, head)`,
 `head_weight()`, and its blocks in a `ModuleDict` keyed by `str(layer index)` at `blocks`.
+The pieces parallel code changes the behaviour of (the norm under sequence parallelism,
+rotary under context parallelism, an MoE layer's router and experts under sequence
+parallelism and zero-bubble) it reaches through the spec too (`norm_class`, `rotary`, `moe`),
+and calls only through the seams documented here.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import nn
 
 from tetrad.config import ModelConfig
@@ -90,6 +95,40 @@ class ActivationFormulas(Protocol):
 
 
 @dataclass(frozen=True)
+class Rotary:
+    """The family's rotary position embedding, which context parallelism applies at a
+    rank's global positions: `tables(positions, head_dim, theta)` -> the tables of those
+    positions; `apply(x, tables)` -> x [b, s, heads, head_dim] rotated."""
+
+    tables: Callable[[torch.Tensor, int, float], torch.Tensor]
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MoEParts:
+    """A mixture-of-experts family's layers as parallel and training code reach them.
+
+    `router`: the router class, with a `weight` and `use_logits(fn)` (fn: x [T, d] -> the
+    fp32 logits [T, E] of `F.linear` by the weight; sequence parallelism and zero-bubble
+    change how the weight meets the tokens, not what the router computes) and `logits_fn`
+    (what it installed). `experts`: the routed experts' class, with stacked weights and
+    `use_matmul(fn)`, fn computing `grouped_linear(x, weight, counts)` (an expert weight
+    [n, out, in] over the token groups of `counts`). `layers(model)`: a model's MoE
+    feed-forwards by block index (a pipeline stage holds some); each has `stats` (its
+    step's statistics, [experts + stat_extra] float64, or None), `reset_stats()` and
+    `router.update_bias(load, rate)`.
+    `set_aux_scale(model, sequences)`: the auxiliary loss as a mean over the global batch's
+    sequences."""
+
+    router: type[nn.Module]
+    experts: type[nn.Module]
+    grouped_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    layers: Callable[[nn.Module], dict[int, nn.Module]]
+    set_aux_scale: Callable[[nn.Module, int], None]
+    stat_extra: int  # statistics of a layer after the per-expert loads
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A model family as parallel code sees it. Module paths are dotted, relative to the
     model (`embedding`, `final_norm`, `head`, `blocks`) or to a block (the recompute
@@ -116,6 +155,12 @@ class ModelSpec:
     # parameter -> Hugging Face name; "{i}" is a block index, and "{j}" (a stacked tensor,
     # such as an MoE layer's experts) the index along its first dimension
     hf_names: Mapping[str, str]
+    # the norm class (every one is a weight-carrying module the tp plan must cover), with a
+    # gain `weight` and `use_gain(fn)`: its forward then multiplies by fn(weight) (sequence
+    # parallelism passes the gain through the tp region)
+    norm_class: type[nn.Module]
+    rotary: Rotary  # what context parallelism's attention cores rotate with
+    moe: MoEParts | None = None  # the router and experts, in a mixture-of-experts family
 
     @property
     def roots(self) -> tuple[str, ...]:

@@ -41,9 +41,8 @@ from tetrad.comm import Comm
 from tetrad.comm.cp import gather_from_cp, ring_pass
 from tetrad.config import CP_ATTENTION
 from tetrad.mesh import Group, Mesh
-from tetrad.models.llama import apply_rotary, rotary_at
 from tetrad.models.plans import matches
-from tetrad.models.spec import set_module
+from tetrad.models.spec import ModelSpec, Rotary, set_module
 from tetrad.parallel.context_kernels import BlockKernel, pick_kernel
 from tetrad.precision import wide, widen
 
@@ -67,13 +66,15 @@ def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
 
 
 class _CPCore(nn.Module):
-    """What both cores share: the cp group, the rotary of this rank's global positions, and
-    the block kernel's kind (parallel.cp_kernel: fused or unfused)."""
+    """What both cores share: the cp group, the rotary of this rank's global positions (the
+    family's, `rotary`), and the block kernel's kind (parallel.cp_kernel: fused or unfused)."""
 
-    def __init__(self, head_dim: int, theta: float, comm: Comm, group: Group, kernel: str):
+    def __init__(
+        self, head_dim: int, theta: float, rotary: Rotary, comm: Comm, group: Group, kernel: str
+    ):
         super().__init__()
         self.head_dim, self.theta, self.comm, self.group = head_dim, theta, comm, group
-        self.kernel = kernel
+        self.rotary, self.kernel = rotary, kernel
 
     def positions(self, local: int, device) -> torch.Tensor:
         return chunk_positions(local * self.group.size, self.group.size, self.group.rank, device)
@@ -84,8 +85,8 @@ class _CPCore(nn.Module):
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         pos = self.positions(s, q.device)
-        rope = rotary_at(pos, self.head_dim, self.theta)
-        return apply_rotary(q, rope), apply_rotary(k, rope), v, pos
+        rope = self.rotary.tables(pos, self.head_dim, self.theta)
+        return self.rotary.apply(q, rope), self.rotary.apply(k, rope), v, pos
 
 
 class AllGatherCore(_CPCore):
@@ -280,12 +281,19 @@ CORES = dict(zip(CP_ATTENTION, (AllGatherCore, RingCore)))
 
 
 def apply_cp(
-    model: nn.Module, mesh: Mesh, comm: Comm, attention: str, pattern: str, kernel: str = "fused"
+    model: nn.Module,
+    mesh: Mesh,
+    comm: Comm,
+    attention: str,
+    spec: ModelSpec,
+    kernel: str = "fused",
 ) -> None:
-    """Swap every attention core of `model` (the modules `pattern`, its family's spec,
-    names) for the cp core `attention` (allgather or ring), attending block by block with
-    the `kernel` kind (fused or unfused): no parameters, nothing to shard or materialise."""
+    """Swap every attention core of `model` (the modules its family's `spec` names, with
+    their `head_dim` and `theta`) for the cp core `attention` (allgather or ring), rotating
+    with the spec's rotary and attending block by block with the `kernel` kind (fused or
+    unfused): no parameters, nothing to shard or materialise."""
     kind = CORES[attention]
-    cores = [(n, m) for n, m in model.named_modules() if matches(pattern, n)]
+    cores = [(n, m) for n, m in model.named_modules() if matches(spec.attention_core, n)]
     for name, core in cores:
-        set_module(model, name, kind(core.head_dim, core.theta, comm, mesh["cp"], kernel))
+        new = kind(core.head_dim, core.theta, spec.rotary, comm, mesh["cp"], kernel)
+        set_module(model, name, new)

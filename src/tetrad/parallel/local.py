@@ -58,7 +58,7 @@ def local_model(layout: Layout, m: ModelConfig, mesh: Mesh, comm: Comm) -> Local
     if layout.tp > 1:
         tp = apply_tp(model, spec.tp_plan, mesh, comm, m, layout.sp, layout.reduce_dtype)
     if layout.cp > 1:
-        apply_cp(model, mesh, comm, layout.cp_attention, spec.attention_core, layout.cp_kernel)
+        apply_cp(model, mesh, comm, layout.cp_attention, spec, layout.cp_kernel)
     # MoE's per-sequence expert counts: a sequence is split over cp, and over tp with sp
     split = [mesh[axis] for axis, on in (("cp", layout.cp > 1), ("tp", layout.sp)) if on]
     if split:

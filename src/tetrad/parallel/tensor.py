@@ -48,9 +48,7 @@ from tetrad.mesh import Group, Mesh
 from tetrad.models.batch import IGNORE
 from tetrad.models.families import spec_for
 from tetrad.models.init import Slicer, full_shape
-from tetrad.models.llama import RMSNorm
 from tetrad.models.loss import linear_cross_entropy
-from tetrad.models.moe import Router
 from tetrad.models.plans import assign
 from tetrad.models.spec import module_at
 from tetrad.parallel.pipeline.weightgrad import Deferrable, SplitLinear, accumulate, split_matmul
@@ -183,8 +181,9 @@ class VocabParallelHead(SplitLinear):
         return self.matmul(self.tp.enter(x))
 
 
-class SequenceParallelRMSNorm(RMSNorm):
-    """The model's RMSNorm on s/t of the sequence; its weight's gradient is summed over tp.
+def sequence_parallel_norm(module: nn.Module, tp: TP) -> nn.Module:
+    """The family's norm (`ModelSpec.norm_class`) on s/t of the sequence, its weight's gradient
+    summed over tp: its gain enters the tp region (`use_gain`), its arithmetic its own.
 
     Each rank sees a different part of the sequence, so each holds a partial gradient of
     the (replicated) weight: forgetting this sum is the bug that shipped in Megatron and
@@ -192,41 +191,31 @@ class SequenceParallelRMSNorm(RMSNorm):
     and in `reduce_dtype`, as the data axis sums every other gradient (under bf16 compute,
     fp32 by default: one rounding to bf16 after the sum, not one per ring step).
     """
-
-    def __init__(self, dim: int, eps: float, tp: TP, device=None):
-        with torch.device(device or "cpu"):
-            super().__init__(dim, eps)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the same arithmetic as llama.RMSNorm, with the weight entering the tp region
-        xf = widen(x)
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = copy_to_tp(self.weight, self.tp.comm, self.tp.group, self.tp.reduce_dtype)
-        return normed.type_as(x) * weight
+    module.use_gain(lambda weight: copy_to_tp(weight, tp.comm, tp.group, tp.reduce_dtype))
+    return module
 
 
-class SequenceParallelRouter(Router, Deferrable):
-    """An MoE layer's router under SP: each tp rank routes its own s/t of the tokens, so
-    each holds a partial gradient of the (replicated) weight, summed over tp in the graph
-    (f on the weight, in `reduce_dtype`), as `SequenceParallelRMSNorm` sums its gain's.
-    Deferred to W (zero-bubble), the sum is W's: it runs where the gradient is made."""
+class SequenceParallelLogits(Deferrable):
+    """An MoE layer's router logits under SP (the router's `logits` seam, `MoEParts`):
+    each tp rank routes its own s/t of the tokens, so each holds a partial gradient of the
+    (replicated) weight, summed over tp in the graph (f on the weight, in `reduce_dtype`),
+    as `sequence_parallel_norm` sums its gain's. Deferred to W (zero-bubble), the sum is
+    W's: it runs where the gradient is made."""
 
-    def __init__(self, m: ModelConfig, tp: TP, device=None):
-        with torch.device(device or "cpu"):
-            super().__init__(m)
-        self.tp = tp
+    def __init__(self, router: nn.Module, tp: TP):
+        self.router, self.tp = router, tp
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight, tp = self.router.weight, self.tp
         if self.store is not None:
-            return split_matmul(widen(x), widen(self.weight), self.store, self._sink())
-        weight = copy_to_tp(self.weight, self.tp.comm, self.tp.group, self.tp.reduce_dtype)
+            return split_matmul(widen(x), widen(weight), self.store, self._sink(weight))
+        weight = copy_to_tp(weight, tp.comm, tp.group, tp.reduce_dtype)
         return F.linear(widen(x), widen(weight))  # [T/t, E]
 
-    def _sink(self):
+    def _sink(self, weight: torch.Tensor):
         """W's destination: this rank's partial gradient, summed over tp (as f's backward
         sums it in an ordinary backward), into the weight used in this forward."""
-        weight, tp = self.weight, self.tp
+        tp = self.tp
 
         def sink(g: torch.Tensor) -> None:
             summed = g.to(tp.reduce_dtype)
@@ -234,6 +223,13 @@ class SequenceParallelRouter(Router, Deferrable):
             accumulate(weight, summed.to(g.dtype))
 
         return sink
+
+
+def sequence_parallel_router(router: nn.Module, tp: TP) -> nn.Module:
+    """`router` (an MoE layer's) routing this rank's own tokens: its logits'
+    weight gradient summed over tp (`SequenceParallelLogits`)."""
+    router.use_logits(SequenceParallelLogits(router, tp))
+    return router
 
 
 def token_region(module: nn.Module, tp: TP) -> None:
@@ -362,9 +358,10 @@ def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[
 
 
 def _tp_module(name: str, module: nn.Module, style: str, tp: TP, m: ModelConfig):
-    """(replacement module, shard kind of its weight) for one planned module."""
+    """(replacement module, shard kind of its weight) for one planned module (the same
+    module, rewired in place, for a norm or router under SP)."""
     if style == "once" and tp.sp:  # the MoE layer's tokens stay split: see the plan
-        return SequenceParallelRouter(m, tp, module.weight.device), None
+        return sequence_parallel_router(module, tp), None
     if style in ("region", "replicated", "once", "tokens"):
         return module, None
     device, t = module.weight.device, tp.group.size
@@ -381,14 +378,15 @@ def _tp_module(name: str, module: nn.Module, style: str, tp: TP, m: ModelConfig)
     if style == "vocab":
         return VocabParallelHead(m.dim, m.vocab, tp, device), "vocab"
     if style == "sequence" and tp.sp:
-        return SequenceParallelRMSNorm(module.weight.shape[0], module.eps, tp, device), None
+        return sequence_parallel_norm(module, tp), None
     return module, None  # a norm without SP: replicated
 
 
-def _check_coverage(model: nn.Module, styles: dict[str, str]) -> None:
-    """Every weight-carrying layer must be planned: an unplanned one would be silently wrong."""
+def _check_coverage(model: nn.Module, styles: dict[str, str], norm_class: type[nn.Module]) -> None:
+    """Every weight-carrying layer (`norm_class`: the family's norms) must be planned: an
+    unplanned one would be silently wrong."""
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)) and name not in styles:
+        if isinstance(module, (nn.Linear, nn.Embedding, norm_class)) and name not in styles:
             raise ValueError(f"tensor-parallel plan has no entry for module {name!r}")
         linear = isinstance(module, nn.Linear) and module.bias is None
         if styles.get(name) in ("colwise", "rowwise", "kv") and not linear:
@@ -407,9 +405,10 @@ def apply_tp(
     """Shrink `model` (on the meta device) to this rank's tp shards, following `plan`;
     `sp`: sequence parallelism in the norms and between the blocks; `reduce_dtype`: what
     the norm weights' gradients are summed over tp in, with SP."""
+    spec = spec_for(m)
     tp = TP(comm, mesh["tp"], sp, reduce_dtype)
     styles = assign([n for n, _ in model.named_modules() if n], plan)
-    _check_coverage(model, styles)
+    _check_coverage(model, styles, spec.norm_class)
     kinds: dict[str, str] = {}  # parameter name -> shard kind
     for name, style in styles.items():
         module = model.get_submodule(name)
@@ -421,7 +420,7 @@ def apply_tp(
             kinds[name + ".weight"] = kind
     for name, style in styles.items():
         _enter_region(model.get_submodule(name), style, tp)
-    final = module_at(model, spec_for(m).final_norm)
+    final = module_at(model, spec.final_norm)
     if m.tie_embeddings and final is not None:
         # tied head: the final norm's output feeds F.linear with the embedding's vocab rows
         final.register_forward_hook(lambda _, __, out: tp.enter(out))

@@ -1,7 +1,8 @@
 """The MoE layers' step bookkeeping: the auxiliary loss's scale, the loss-free bias update,
 and the expert-load metrics (docs/moe.md).
 
-Each `MoEFeedForward` adds its routing statistics to its `stats` during forward; here they
+Each MoE layer (the family's spec names them, `ModelSpec.moe`) adds its routing
+statistics to its `stats` during forward; here they
 are reset before each step, laid out for the step's one all-reduce over the world (the
 trainer's: loss, norm and flags ride on it too, so MoE adds no collective and no host
 sync to a step) and turned into the bias update (after the optimizer step, on the device)
@@ -16,7 +17,7 @@ import torch
 
 from tetrad.config import Config
 from tetrad.mesh import Mesh
-from tetrad.models.moe import STAT_EXTRA, moe_layers, set_aux_scale
+from tetrad.models.families import spec_for
 
 
 class ExpertBalance:
@@ -25,11 +26,15 @@ class ExpertBalance:
     def __init__(self, engine, cfg: Config, mesh: Mesh):
         self.model_cfg, self.mesh = cfg.model, mesh
         self.tokens_split_over_tp = cfg.parallel.sp  # each tp rank routes its own tokens
-        self.layers = moe_layers(engine.model)  # this rank's (a pipeline stage holds some)
+        moe = spec_for(cfg.model).moe  # None: a family without experts
+        # this rank's MoE layers (a pipeline stage holds some), by block index
+        self.layers = moe.layers(engine.model) if moe is not None else {}
+        self.extra = moe.stat_extra if moe is not None else 0  # statistics after the loads
         self.device = engine.device
         # the auxiliary loss is a mean over the global batch's sequences, like the token
         # loss is over its tokens: every layout injects the same gradient per sequence
-        set_aux_scale(engine.model, cfg.train.global_batch)
+        if moe is not None:
+            moe.set_aux_scale(engine.model, cfg.train.global_batch)
         self.sequences = cfg.train.global_batch
         self.summed: torch.Tensor | None = None  # the last step's statistics (`take`)
         self.rows: list[list[float]] = []
@@ -43,14 +48,15 @@ class ExpertBalance:
 
     def local(self) -> torch.Tensor:
         """This rank's statistics, flat [MoE layers of the whole model x (experts +
-        STAT_EXTRA)] float64 on the device (empty without MoE), for the trainer to ride on
-        the step's one all-reduce over the world: summed there, each layer's row is the
-        whole global batch's (a stage fills the rows of its layers; tp ranks route the same
-        tokens, so only tp rank 0 counts them, unless sp gives each its own)."""
+        `MoEParts.stat_extra`)] float64 on the device (empty without MoE), for the
+        trainer to ride on the step's one all-reduce over the world: summed there, each
+        layer's row is the whole global batch's (a stage fills the rows of its layers; tp
+        ranks route the same tokens, so only tp rank 0 counts them, unless sp gives each
+        its own)."""
         m = self.model_cfg
         if not m.moe:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
-        out = torch.zeros(m.layers, m.experts + STAT_EXTRA, dtype=torch.float64, device=self.device)
+        out = torch.zeros(m.layers, m.experts + self.extra, dtype=torch.float64, device=self.device)
         if self.mesh.coord["tp"] == 0 or self.tokens_split_over_tp:
             for i, ffn in self.layers.items():
                 if ffn.stats is not None:
@@ -61,7 +67,9 @@ class ExpertBalance:
         """The step's statistics summed over the world: on the device (`summed`, for the
         bias update) and on the host (`values`, read by the step's one host sync, for the
         metrics), as `local` laid them out."""
-        width = self.model_cfg.experts + STAT_EXTRA
+        if not self.model_cfg.moe:
+            return
+        width = self.model_cfg.experts + self.extra
         self.summed = summed.view(-1, width)
         self.rows = [values[i : i + width] for i in range(0, len(values), width)]
 

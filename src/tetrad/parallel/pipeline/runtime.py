@@ -382,7 +382,7 @@ def build_pipeline(
     mine = actions[mesh["pp"].rank]
     if any(a.kind == "W" for a in mine):
         store = WeightGradStore()
-        defer_weight_grads(model, store)
+        defer_weight_grads(model, store, spec)
     names = [n for n, _ in model.named_parameters()]
     backward_takes_edges()  # probed here, once: not a first call inside the schedule loop
     if comm.device.type == "cuda":

@@ -10,10 +10,11 @@ weight gradients. The matmuls of W are those of a plain backward, so the split c
 nothing but memory: B ≈ W ≈ F in FLOPs, which is what lets ZB-H1 fill the cool-down
 bubble. Norm gains and the embedding (cheap) keep their gradient in B.
 
-A mixture-of-experts layer's router and routed experts are deferred too (their seams,
-`Router.logits` and `Experts.matmul`, are rewired): the router's logits are a linear like
-any other, and each expert weight is a grouped matmul, whose W is one grouped matmul of
-the output gradients' transposes with the inputs (`dW[e] = g_e^T x_e`, group by group).
+A mixture-of-experts layer's router and routed experts (the classes its family's spec
+names, `ModelSpec.moe`) are deferred too (their seams, the router's `logits` and the
+experts' `matmul`, are rewired): the router's logits are a linear like any other, and each
+expert weight is a grouped matmul, whose W is one grouped matmul of the output gradients'
+transposes with the inputs (`dW[e] = g_e^T x_e`, group by group).
 
 W needs no weight values, only where the gradient goes (`accumulate`): a parameter's
 `.grad`, or, for a view of a flat parameter (ZeRO's units), the matching slice of the flat
@@ -32,11 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.models.moe import Experts, Router, grouped_linear
+from tetrad.models.spec import ModelSpec
 from tetrad.parallel.pipeline.schedules import StageMb
 from tetrad.precision import widen
 
 Sink = Callable[[torch.Tensor], None]  # takes one weight gradient and accumulates it
+# a family's grouped linear (`MoEParts.grouped_linear`): x [N, in] grouped by `counts`,
+# weight [n, out, in] -> [N, out]
+GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def accumulate(weight: torch.Tensor, g: torch.Tensor) -> None:
@@ -105,7 +109,7 @@ class WeightGradStore:
 
 
 def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The gradient [n, out, in] of `grouped_linear`'s weight: per group e, `grad_e^T
+    """The gradient [n, out, in] of a grouped linear's weight: per group e, `grad_e^T
     x_e` (zeros for an empty group). One grouped matmul where the kernel takes the shapes
     (what autograd's backward of the forward's kernel computes), else a loop."""
     n = counts.shape[0]
@@ -152,9 +156,10 @@ def split_matmul(
 
 class _DeferredGroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, counts, store, sink):
+    def forward(ctx, x, weight, counts, store, sink, grouped_linear):
         ctx.save_for_backward(x, counts)
         ctx.weight, ctx.store, ctx.sink = weight, store, sink  # the weight itself: see above
+        ctx.grouped_linear = grouped_linear
         return grouped_linear(x, weight, counts)
 
     @staticmethod
@@ -162,35 +167,51 @@ class _DeferredGroupedMatmul(torch.autograd.Function):
         x, counts = ctx.saved_tensors
         grad = grad.contiguous()
         ctx.store.defer(ctx.sink, x, grad, counts)
-        return grouped_linear(grad, ctx.weight.transpose(-2, -1), counts), None, None, None, None
+        dx = ctx.grouped_linear(grad, ctx.weight.transpose(-2, -1), counts)
+        return dx, None, None, None, None, None
 
 
 def split_grouped_matmul(
-    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, store: WeightGradStore
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: torch.Tensor,
+    store: WeightGradStore,
+    grouped_linear: GroupedLinear,
 ) -> torch.Tensor:
     """`grouped_linear(x, weight, counts)` (an expert weight [n, out, in] over its token
     groups), whose weight gradient waits for W."""
     if not torch.is_grad_enabled():
         return grouped_linear(x, weight, counts)
     sink = lambda g: accumulate(weight, g)  # noqa: E731
-    return _DeferredGroupedMatmul.apply(x, weight, counts, store, sink)
+    return _DeferredGroupedMatmul.apply(x, weight, counts, store, sink, grouped_linear)
 
 
-def defer_router(router: Router, store: WeightGradStore) -> None:
+def defer_router(router: nn.Module, store: WeightGradStore) -> None:
     """The router's logits (fp32) with their weight gradient waiting for W. Under bf16 the
-    fp32 copy is what meets the tokens; W's gradient goes to the parameter."""
+    fp32 copy is what meets the tokens; W's gradient goes to the parameter. Logits that
+    are a `Deferrable` already (sequence parallelism's, parallel/tensor.py) are armed."""
+    if isinstance(router.logits_fn, Deferrable):
+        router.logits_fn.store = store
+        return
 
     def logits(x: torch.Tensor) -> torch.Tensor:
         weight = router.weight
         sink = lambda g: accumulate(weight, g)  # noqa: E731
         return split_matmul(widen(x), widen(weight), store, sink)
 
-    router.logits = logits
+    router.use_logits(logits)
 
 
-def defer_experts(experts: Experts, store: WeightGradStore) -> None:
-    """Each expert weight's grouped matmul with its gradient waiting for W."""
-    experts.matmul = lambda x, weight, counts: split_grouped_matmul(x, weight, counts, store)
+def defer_experts(
+    experts: nn.Module, store: WeightGradStore, grouped_linear: GroupedLinear
+) -> None:
+    """Each expert weight's grouped matmul (`grouped_linear`, what the experts' `matmul`
+    computes) with its gradient waiting for W."""
+
+    def matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return split_grouped_matmul(x, weight, counts, store, grouped_linear)
+
+    experts.use_matmul(matmul)
 
 
 class Deferrable:
@@ -222,10 +243,12 @@ class DeferredLinear(nn.Module):
         return split_matmul(x, self.weight, self.store)
 
 
-def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> list[str]:
+def defer_weight_grads(model: nn.Module, store: WeightGradStore, spec: ModelSpec) -> list[str]:
     """Swap every plain bias-free nn.Linear under `model` for a DeferredLinear, arm
-    every `Deferrable` layer (the tp layers) and rewire MoE routers and experts; return
-    the names of the weights whose gradient W now computes."""
+    every `Deferrable` layer (the tp layers) and rewire MoE routers and experts (of the
+    classes its family's `spec` names); return the names of the weights whose gradient W
+    now computes."""
+    moe = spec.moe
     deferred = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -234,10 +257,10 @@ def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> list[str]:
                 setattr(parent, name, DeferredLinear(child, store))
             elif isinstance(child, Deferrable):
                 child.store = store
-            elif type(child) is Router:  # a tp twin is a Deferrable, armed above
+            elif moe is not None and isinstance(child, moe.router):
                 defer_router(child, store)
-            elif isinstance(child, Experts):
-                defer_experts(child, store)
+            elif moe is not None and isinstance(child, moe.experts):
+                defer_experts(child, store, moe.grouped_linear)
                 deferred += [f"{path}.{w}" for w, _ in child.named_parameters()]
                 continue
             else:
