@@ -9,8 +9,9 @@ reaches its k experts, whatever the batch.
 Free of parallelism like the dense family: how token copies reach the experts is the
 dispatcher's business (`LocalDispatch` here; expert parallelism swaps in one that moves
 tokens to the ranks holding their experts, through `MoEFeedForward.use_dispatch`), and
-the per-sequence reduction the auxiliary loss needs is a hook (`sequence_sum`) that
-context parallelism, which splits a sequence over ranks, sets.
+the per-sequence reduction the auxiliary loss needs is a function
+(`MoEFeedForward.use_sequence_sum`) that context parallelism, which splits a sequence over
+ranks, gives it. The dispatcher also runs the shared expert (it may while tokens travel).
 
 Load balance (`ModelConfig.balance`):
 - "aux": DeepSeek-V3's sequence-wise auxiliary loss, coef · Σ_e f_e · P_e per sequence,
@@ -205,8 +206,15 @@ class LocalDispatch:
     the k copies of a token summed back in the order of its top-k list."""
 
     def __call__(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: Experts,
+        shared: nn.Module | None = None,
     ) -> torch.Tensor:
+        """The weighted sum of each token's k expert outputs [T, d], plus the shared
+        expert's output on x when there is one."""
         t, k = ids.shape
         flat = ids.reshape(-1)  # [T·k]: copy j of token i at i·k + j
         order = torch.sort(flat, stable=True).indices
@@ -214,7 +222,8 @@ class LocalDispatch:
         y = experts(x[order // k], counts)  # [T·k, d], grouped by expert
         back = torch.empty_like(y)
         back[order] = y  # token-major again
-        return (back.view(t, k, -1) * weights[..., None]).sum(dim=1)
+        out = (back.view(t, k, -1) * weights[..., None]).sum(dim=1)
+        return out if shared is None else out + shared(x)
 
 
 class SwiGLU(nn.Module):
@@ -267,13 +276,16 @@ class MoEFeedForward(nn.Module):
         """Route token copies through `dispatch` (the same protocol as `LocalDispatch`)."""
         self.dispatch = dispatch
 
+    def use_sequence_sum(self, sequence_sum: SequenceSum) -> None:
+        """Sum per-sequence expert counts with `sequence_sum` (a sequence split over ranks:
+        context parallelism, tp under sp)."""
+        self.sequence_sum = sequence_sum
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         flat = x.reshape(-1, d)  # [T, d]
         probs, ids, weights = self.router(flat)
-        out = self.dispatch(flat, ids, weights.to(x.dtype), self.experts)
-        if self.shared is not None:
-            out = out + self.shared(flat)
+        out = self.dispatch(flat, ids, weights.to(x.dtype), self.experts, self.shared)
         out = out.view(b, s, d)
         aux = self._aux_per_sequence(probs.view(b, s, -1), ids.view(b, s, -1))  # [b]
         if not (self.recomputed and torch.is_grad_enabled()):

@@ -12,8 +12,8 @@ run to the rank holding its expert (counts first, then rows: `comm.ep`), runs th
 experts over what arrived, regrouped by expert, and sends the outputs back, where they
 are weighted and summed per token. The result equals the single process's: the same
 copies meet the same expert weights. The dispatch all-to-all is launched asynchronously
-and the layer's shared expert computes while the copies travel (`serve_early` hands its
-output to the layer's own call), then the transfer is waited for.
+and the layer's shared expert (handed to the dispatcher by the layer) computes while the
+copies travel, then the transfer is waited for.
 
 Tensor parallelism. Without sequence parallelism every tp rank holds the same tokens. We
 do not compute them tp times: each tp rank dispatches its share of the tokens
@@ -65,42 +65,39 @@ class AllToAllDispatch:
     """The MoE layer's dispatch protocol over an ep group: `d(x [T, dim], ids [T, k],
     weights [T, k], experts) -> [T, dim]`, `experts` holding this rank's slice."""
 
-    def __init__(
-        self,
-        experts_total: int,
-        comm: Comm,
-        ep: Group,
-        tp: Group | None,
-        shared: nn.Module | None = None,
-    ):
+    def __init__(self, experts_total: int, comm: Comm, ep: Group, tp: Group | None):
         self.n, self.comm, self.ep, self.tp = experts_total, comm, ep, tp
-        # the layer's shared expert, run while the tokens are in flight (`serve_early`)
-        self.shared = shared
-        self.early: tuple[torch.Tensor, torch.Tensor] | None = None  # (its input, output)
         self.events: list[str] | None = None  # when a list: what ran in which order
 
     def __call__(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.Module
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: nn.Module,
+        shared: nn.Module | None = None,
     ) -> torch.Tensor:
         tokens, k = ids.shape
-        layer_input = x
+        layer_input, early = x, []
         if self.tp is not None:  # each tp rank sends its share of the (identical) tokens
             x, ids = (
                 share_of_tp(x, self.tp),
                 ids[slice(*tp_share(tokens, self.tp.size, self.tp.rank))],
             )
-        meanwhile = lambda: self._run_shared(layer_input)  # noqa: E731
+        meanwhile = lambda: early.append(self._run_shared(shared, layer_input))  # noqa: E731
         copies = self._through_experts(x, ids.reshape(-1), k, experts, meanwhile)  # [t*k, d]
         if self.tp is not None:
             copies = join_over_tp(copies.view(-1, k, x.shape[-1]), tokens, self.comm, self.tp)
         copies = copies.view(tokens, k, -1)  # [T, k, dim], unweighted
-        return (copies * weights.unsqueeze(-1).to(copies.dtype)).sum(1)
+        out = (copies * weights.unsqueeze(-1).to(copies.dtype)).sum(1)
+        return out if shared is None else out + early[0]
 
-    def _run_shared(self, x: torch.Tensor) -> None:
-        """The shared expert on the layer's input, kept for the layer's own call."""
-        if self.shared is not None:
-            self._note("shared expert")
-            self.early = (x, self.shared(x))
+    def _run_shared(self, shared: nn.Module | None, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert on the layer's input, while the tokens travel."""
+        if shared is None:
+            return None
+        self._note("shared expert")
+        return shared(x)
 
     def _note(self, event: str) -> None:
         if self.events is not None:
@@ -193,28 +190,8 @@ def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayo
             local = nn.Parameter(p.new_empty((total // ep.size, *p.shape[1:])))
             setattr(experts, pname, local)
             rows[".".join(filter(None, (name, "experts", pname)))] = total // ep.size
-        dispatch = AllToAllDispatch(total, comm, ep, tp, getattr(layer, "shared", None))
-        layer.use_dispatch(dispatch)
-        serve_early(dispatch)
+        layer.use_dispatch(AllToAllDispatch(total, comm, ep, tp))
     return EPLayout(frozenset(rows), ep, comm, rows) if rows else None
-
-
-def serve_early(dispatch: AllToAllDispatch) -> None:
-    """Let the layer's own call of its shared expert take the output the dispatcher
-    computed while the tokens were in flight (the same input tensor, the same module, so
-    the same values and graph); any other call computes as usual."""
-    shared = dispatch.shared
-    if shared is None:
-        return
-    compute = shared.forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        early, dispatch.early = dispatch.early, None
-        if early is not None and early[0] is x:
-            return early[1]
-        return compute(x)
-
-    shared.forward = forward
 
 
 def sum_sequences_over(model: nn.Module, comm: Comm, groups: list[Group]) -> None:
@@ -229,7 +206,7 @@ def sum_sequences_over(model: nn.Module, comm: Comm, groups: list[Group]) -> Non
         return total
 
     for _, layer in expert_layers(model):
-        layer.sequence_sum = whole
+        layer.use_sequence_sum(whole)
 
 
 class ExpertGrads:

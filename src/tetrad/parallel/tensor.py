@@ -236,15 +236,10 @@ def token_region(module: nn.Module, tp: TP) -> None:
     """Under SP, make `module` (an MoE layer's shared expert, fed this rank's flat tokens
     [T/t, h]) a tp region of its own: the tokens are all-gathered in (viewed as one
     sequence [1, T/t, h], so the region's gather and its row-wise linear's reduce-scatter
-    work along the sequence dim as everywhere else) and its output is this rank's again.
-    The forward is wrapped, not hooked, so the call keeps its input tensor (what
-    `parallel.expert.serve_early` recognises it by)."""
-    compute = module.forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return compute(tp.enter(x.unsqueeze(0))).squeeze(0)  # [T/t, h]
-
-    module.forward = forward
+    work along the sequence dim as everywhere else) and its output is this rank's again
+    (torch's forward hooks: the module's own way in and out)."""
+    module.register_forward_pre_hook(lambda _, args: (tp.enter(args[0].unsqueeze(0)),))
+    module.register_forward_hook(lambda _, args, out: out.squeeze(0))  # [T/t, h]
 
 
 def _takes_dispatch(module: nn.Module) -> bool:
