@@ -72,10 +72,15 @@ class Engine:
         """Whether this rank's loss contribution is counted (once per data rank)."""
         return self.mesh.coord["tp"] == 0 and self.runner.holds_loss
 
-    def forward_backward(self, micro: list[Microbatch], denom: Denominator) -> torch.Tensor:
-        """Accumulate gradients of sum(token losses)/denom; return this rank's loss share."""
-        self.last_run = self.runner.run(micro, denom, self.grads)
-        return self.last_run.loss
+    def forward_backward(
+        self, micro: list[Microbatch], denom: Denominator, record: bool = True
+    ) -> torch.Tensor:
+        """Accumulate gradients of sum(token losses)/denom; return this rank's loss share.
+        `record`: keep the run as `last_run` (a training step's; an evaluation's is not)."""
+        run = self.runner.run(micro, denom, self.grads)
+        if record:
+            self.last_run = run
+        return run.loss
 
     def launch_grads(self) -> None:
         """Launch every gradient reduction backward did not (`whole_grads` only: what is

@@ -203,7 +203,9 @@ class Trainer:
         full = float(self.cfg.train.global_batch * self.cfg.train.seq_len)
         return Denominator(torch.tensor(full, dtype=torch.float64, device=self.device))
 
-    def _forward_backward(self, micro, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_backward(
+        self, micro, padded: bool, record: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the global batch's mean token loss; ([loss, grad norm^2, flags,
         MoE loads], token count), agreed by every rank, still on the device.
 
@@ -215,7 +217,7 @@ class Trainer:
         share of the norm rides it too."""
         f64 = dict(dtype=torch.float64, device=self.device)
         denom = self._token_count(micro, padded)
-        loss_share = self.engine.forward_backward(micro, denom)
+        loss_share = self.engine.forward_backward(micro, denom, record)
         count = denom.count
         denom.value()  # a rank that holds no loss never divided: the count must land
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
@@ -245,13 +247,11 @@ class Trainer:
         non-finite step takes): every layout, pipeline schedules included, evaluates
         unchanged, at the price of a backward pass nobody uses."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        last_step = self.engine.last_run  # the training step's record (pipeline timeline)
-        for k in range(self.cfg.train.eval_batches):
+        for k in range(self.cfg.train.eval_batches):  # `last_run` stays the training step's
             loader = self.eval_loader
-            agreed, count = self._forward_backward(loader.batch(k), loader.source.padded)
+            agreed, count = self._forward_backward(loader.batch(k), loader.source.padded, False)
             self.engine.zero_grad()
             total += torch.stack([agreed[0] * count, count])
-        self.engine.last_run = last_step
         with self.comm.watching("evaluation's host sync"):
             loss_sum, tokens = total.tolist()
         return loss_sum / max(tokens, 1.0)
@@ -318,11 +318,8 @@ class Trainer:
 
         A stop request (a signal on any rank) ends every rank after the same step: the state
         is saved and `Preempted` raised."""
-        self.stop.deferring = True  # from here a signal is agreed on, and saved for
-        try:
+        with self.stop.deferred():  # from here a signal is agreed on, and saved for
             return self._fit(writer, stop)
-        finally:
-            self.stop.deferring = False
 
     def _fit(self, writer: MetricsWriter | None, stop: int | None) -> list[dict]:
         rows = []

@@ -11,11 +11,13 @@ training loop (starting, loading: nothing to agree on or save), exits at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from tetrad.errors import EXIT_PREEMPTED, rank_and_attempt, report
@@ -41,7 +43,17 @@ class StopRequest:
         self._event = threading.Event()
         self._restore: tuple | None = None  # what install() replaced
         self._timer: threading.Timer | None = None
-        self.deferring = False  # set by the trainer while its steps can agree on a stop
+        self.deferring = False  # while the trainer's steps can agree on a stop: `deferred`
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """While inside, a signal is agreed on by the steps and saved for, not fatal at once
+        (the trainer's loop)."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
 
     @property
     def requested(self) -> bool:
