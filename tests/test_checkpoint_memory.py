@@ -146,7 +146,7 @@ def _tail(ref: dict, start: int) -> dict:
 def test_partner_is_a_node_ahead_or_on_one_node_the_next_rank():
     assert [lc.partner_of(r, 8, 4) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]
     assert [lc.partner_of(r, 4, 4) for r in range(4)] == [1, 2, 3, 0]
-    assert all(lc.source_of(lc.partner_of(r, 6, 2), 6, 2) == r for r in range(6))
+    assert all(lc.held_from(lc.partner_of(r, 6, 2), 6, 2) == r for r in range(6))
 
 
 def _gen(step: int, world: int, *ranks: int) -> dict:

@@ -36,7 +36,7 @@ def active_ffn(m: ModelConfig) -> int:
     return (m.top_k + m.shared_experts) * m.expert_dim
 
 
-def moe_layers(m: ModelConfig) -> int:
+def moe_layer_count(m: ModelConfig) -> int:
     return m.layers - m.dense_layers
 
 
@@ -46,7 +46,7 @@ def matmul_params(m: ModelConfig) -> int:
     d, hd = m.dim, m.head_dim
     attn = d * hd * (2 * m.heads + 2 * m.kv_heads)
     dense = m.dense_layers * 3 * d * m.hidden_dim
-    routed = moe_layers(m) * (3 * d * active_ffn(m) + d * m.experts)
+    routed = moe_layer_count(m) * (3 * d * active_ffn(m) + d * m.experts)
     return m.layers * attn + dense + routed + m.vocab * d
 
 

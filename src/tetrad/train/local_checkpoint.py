@@ -106,7 +106,7 @@ def partner_of(rank: int, world: int, local_world: int) -> int:
     return (rank + partner_shift(world, local_world)) % world
 
 
-def source_of(rank: int, world: int, local_world: int) -> int:
+def held_from(rank: int, world: int, local_world: int) -> int:
     """The rank whose copy `rank` holds."""
     return (rank - partner_shift(world, local_world)) % world
 
@@ -192,7 +192,7 @@ class LocalCheckpoints:
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank % self.local_world))
         self.partner = partner_of(self.rank, self.world, self.local_world)
-        self.source = source_of(self.rank, self.world, self.local_world)
+        self.source = held_from(self.rank, self.world, self.local_world)
         # the partner copies move on one gloo group, from host memory: the swaps on a thread
         # of their own, through their own `Comm` (no watchdog: its one armed slot is the
         # training thread's; the group's timeout bounds a wait), the commit's all-reduce
