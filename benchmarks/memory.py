@@ -37,6 +37,7 @@ import torch
 
 import harness
 from tetrad.config import Config, from_dict, model_preset
+from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import TETRAD
@@ -133,7 +134,8 @@ def configured(cfg: Config, row: tuple[str, str, int]) -> Config:
 
 def predicted_saved(cfg: Config, rank: int) -> float:
     planner = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute)
-    return planner.rank_activations(cfg, Mesh.plan(cfg.parallel.degrees, rank).coord["pp"])
+    pp_rank = Mesh.plan(cfg.parallel.degrees, rank).coord["pp"]
+    return planner.rank_activations(Layout.build(cfg), cfg.model, pp_rank)
 
 
 def summarize(cfg: Config, row: tuple[str, str, int], out: dict, steps: int) -> dict[str, Any]:

@@ -60,8 +60,9 @@ def predicted(raw: dict, rank: int) -> tuple[int, float]:
     cfg = from_dict(raw)
     planner = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute)
     pp_rank = Mesh.plan(cfg.parallel.degrees, rank).coord["pp"]
-    return model_state_bytes(Layout.build(cfg), cfg.model, rank).total, planner.rank_activations(
-        cfg, pp_rank
+    lay = Layout.build(cfg)
+    return model_state_bytes(lay, cfg.model, rank).total, planner.rank_activations(
+        lay, cfg.model, pp_rank
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness import check_rounded, trainer_for
+from plan_helpers import planned
 from tetrad.config import from_dict
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
@@ -79,4 +80,6 @@ def predicted_activations(cfg, rank: int) -> float:
     from tetrad.plan.hardware import cluster_preset
 
     planner = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute)
-    return planner.rank_activations(cfg, Mesh.plan(cfg.parallel.degrees, rank).coord["pp"])
+    return planner.rank_activations(
+        *planned(cfg), Mesh.plan(cfg.parallel.degrees, rank).coord["pp"]
+    )

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import statistics
 
+from plan_helpers import planned
 from tetrad.config import ModelConfig, model_preset
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, MEGATRON
@@ -105,7 +106,7 @@ def megatron_case(row: tuple) -> tuple[Planner, object, float]:
     planner = Planner(cluster_preset("h100"), MEGATRON)
     space = Space(dp=1, fsdp=dp, tp=tp, pp=pp, zero_stage=1,
                   pp_schedule=("1f1b", "interleaved-1f1b"))  # fmt: skip
-    best = search(planner, cfg, tp * pp * dp, space, top=1)[0]
+    best = search(planner, *planned(cfg), tp * pp * dp, space, top=1)[0]
     lay = best.layout
     cfg.parallel = dataclasses.replace(
         cfg.parallel, microbatches=lay["microbatches"], pp_schedule=lay["pp_schedule"],
@@ -132,7 +133,7 @@ def validation_rows() -> tuple[dict, ...]:
     out = []
     mfus = [r[-1] / 989 for r in MEGATRON_ROWS] + [None] * len(TORCHTITAN_ROWS)
     for (label, planner, cfg, published), mfu in zip(all_cases(), mfus):
-        pred = planner.predict(cfg)
+        pred = planner.predict(*planned(cfg))
         ratio = pred.tokens_per_s / published
         out.append({
             "label": label, "device": planner.cluster.device.name, "pred": pred,
@@ -170,7 +171,7 @@ def leave_one_source_out(cases=None) -> list[dict]:
         others = [j for j, c in enumerate(cases) if source_of(c[0]) != source_of(label)]
         kind = [implied[j] for j in others if devices[j] == devices[i]]
         eff = statistics.median(kind or [implied[j] for j in others])
-        got = at_efficiency(planner, eff).predict(cfg, detail=False).tokens_per_s
+        got = at_efficiency(planner, eff).predict(*planned(cfg), detail=False).tokens_per_s
         out.append({
             "label": label, "source": source_of(label), "device": devices[i],
             "implied": implied[i], "efficiency": eff, "error": got / published - 1,
@@ -181,7 +182,7 @@ def leave_one_source_out(cases=None) -> list[dict]:
 def bubble_rate(planner: Planner, cfg) -> float:
     """The paper's bubble rate: 1 - (busiest stage's compute) / step."""
     p = cfg.parallel
-    pred = planner.predict(cfg)
+    pred = planner.predict(*planned(cfg))
     busy = pred.breakdown["compute"] + pred.breakdown["tp"] + pred.breakdown["fsdp"]
     return 1 - busy / (busy + pred.breakdown["bubble"] + pred.breakdown["pp"]) if p.pp > 1 else 0.0
 
@@ -202,7 +203,7 @@ def implied_efficiency(planner: Planner, cfg, published: float) -> float:
     for _ in range(24):
         mid = (lo + hi) / 2
         # detail=False: the same step time, without the idle time's split into bubble and p2p
-        got = at_efficiency(planner, mid).predict(cfg, detail=False).tokens_per_s
+        got = at_efficiency(planner, mid).predict(*planned(cfg), detail=False).tokens_per_s
         lo, hi = (mid, hi) if got < published else (lo, mid)
     return (lo + hi) / 2
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from harness import EXACT, Jobs, assert_close_run, tiny_config, train_resumed, trainer_for
+from plan_helpers import planned
 from tetrad.plan.cost import Planner
 from tetrad.plan.hardware import cluster_preset
 from tetrad.plan.layouts import layout_config
@@ -154,7 +155,7 @@ def test_planner_predicts_the_measured_state(jobs, name):
     plan = layout_config(cfg.model, cfg.train.global_batch, cfg.train.seq_len, cfg.train.dtype, **{
         k: getattr(cfg.parallel, k) for k in ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero_stage")
     })  # fmt: skip
-    predicted = Planner(cluster_preset("cpu")).rank_facts(plan, 0).state.total
+    predicted = Planner(cluster_preset("cpu")).rank_facts(*planned(plan), 0).state.total
     for rank in jobs[name]:
         assert rank["measured"] == rank["predicted"]
     assert jobs[name][0]["measured"] == predicted

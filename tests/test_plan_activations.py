@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness import reference_csv
+from plan_helpers import planned
 from tetrad.config import ModelConfig, model_preset
 from tetrad.models.llama_spec import LLAMA
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
@@ -113,14 +114,16 @@ def test_cp_halves_activations_and_compute():
     and the mask by global position, per layer."""
     one, two = _cp_pair()
     ring = Planner(cluster_preset("h100"), MEGATRON)
-    assert ring.rank_activations(two, 0) == pytest.approx(ring.rank_activations(one, 0) / 2)
+    assert ring.rank_activations(*planned(two), 0) == pytest.approx(
+        ring.rank_activations(*planned(one), 0) / 2
+    )
     tetrad = Planner(cluster_preset("h100"))
     m = one.model
     extra = act.total_bytes(LLAMA.activations.cp_gathered_kv(m, 1, "bf16", 2, 8192), 1, 4096)
-    want = tetrad.rank_activations(one, 0) / 2 + m.layers * extra
-    assert tetrad.rank_activations(two, 0) == pytest.approx(want)
+    want = tetrad.rank_activations(*planned(one), 0) / 2 + m.layers * extra
+    assert tetrad.rank_activations(*planned(two), 0) == pytest.approx(want)
     assert extra == 2 * 2 * 4096 * 4096 + 4096 * 8192  # repeated k, v of 4096 more tokens; mask
-    c1, c2 = (tetrad.predict(c).breakdown["compute"] for c in (one, two))
+    c1, c2 = (tetrad.predict(*planned(c)).breakdown["compute"] for c in (one, two))
     assert c2 == pytest.approx(c1 / 2)
 
 
@@ -130,7 +133,7 @@ def test_interleaved_with_one_warm_up_per_rank_holds_1f1b_layers():
     rank fewer than at lag 2. The lists stay complete and deadlock-free with
     asynchronous sends (a transfer then stalls the next chunk round: slower, not stuck),
     not with blocking ones: Llama 3 ran asynchronous p2p."""
-    from tetrad.parallel.pipeline.check import check_schedule
+    from tetrad.parallel.pipeline.check import check_actions
     from tetrad.parallel.pipeline.schedules import build_schedule, placement
     from tetrad.parallel.pipeline.simulate import simulate
 
@@ -138,13 +141,13 @@ def test_interleaved_with_one_warm_up_per_rank_holds_1f1b_layers():
     peaks = {}
     for lag in (1, 2):
         actions = build_schedule("interleaved-1f1b", p, m, v, lag)
-        check_schedule(actions, p, m, v, placement(p, v, "interleaved-1f1b"))
+        check_actions(actions, p, m, v, placement(p, v, "interleaved-1f1b"))
         timed = simulate(actions, Costs(1, 1, 1, comm=0.3))
         peaks[lag] = [act.peak_in_flight(timed, r, [per_chunk] * (p * v)) for r in range(p)]
     assert peaks[1][0] == per_chunk * p * v
     with pytest.raises(ValueError, match="deadlock with blocking sends"):  # async p2p only
         lag1 = build_schedule("interleaved-1f1b", p, m, v, 1)
-        check_schedule(lag1, p, m, v, placement(p, v, "interleaved-1f1b"), rendezvous=True)
+        check_actions(lag1, p, m, v, placement(p, v, "interleaved-1f1b"), rendezvous=True)
     assert all(a < b for a, b in zip(peaks[1][:-1], peaks[2][:-1]))
     with pytest.raises(ValueError, match="lag"):
         build_schedule("interleaved-1f1b", p, m, v, 3)

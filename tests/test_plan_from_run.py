@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from harness import Jobs, trainer_for
+from plan_helpers import planned
 from tetrad.cli import build_config, parser
 from tetrad.config import model_preset
 from tetrad.plan.calibrate import (
@@ -191,7 +192,8 @@ def _left_out(runs: dict[str, Run], links: float | None = None) -> dict[str, flo
     for name, run in runs.items():
         others = [r for n, r in runs.items() if n != name]
         cluster, _ = calibrate(base, TETRAD, others, fit_links=links is None)
-        errors[name] = busy_time(Planner(cluster).predict(run.cfg)) / run.step_time_s - 1
+        pred = Planner(cluster).predict(run.layout, run.model)
+        errors[name] = busy_time(pred) / run.step_time_s - 1
     return errors
 
 
@@ -255,7 +257,10 @@ def _made_up(efficiency: float, scale: float) -> dict[str, Run]:
     cluster = at_efficiency(with_link_scale(cluster_preset("cpu"), scale), efficiency)
     planner = Planner(cluster)
     cfgs = {"dp2": _small(dp=2), "fsdp2": _small(fsdp=2), "pp2": _small(pp=2, microbatches=4)}
-    return {n: Run(n, c, planner.predict(c, False).step_time_s, 0.02) for n, c in cfgs.items()}
+    return {
+        n: Run(n, *planned(c), planner.predict(*planned(c), False).step_time_s, 0.02)
+        for n, c in cfgs.items()
+    }
 
 
 @pytest.mark.parametrize("efficiency", [0.3, 0.7])
@@ -269,7 +274,7 @@ def test_fit_recovers_the_efficiency_and_predicts_the_third(efficiency):
         cluster, cal = calibrate(cluster_preset("cpu"), TETRAD, others)
         assert cal.efficiency == pytest.approx(efficiency, rel=0.05)
         assert 0.25 <= cal.link_scale <= 4
-        got = Planner(cluster).predict(run.cfg).step_time_s
+        got = Planner(cluster).predict(run.layout, run.model).step_time_s
         assert got == pytest.approx(run.step_time_s, rel=0.03), name
 
 
@@ -295,4 +300,4 @@ def test_read_run_takes_the_median_after_warm_up(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     run = read_run(tmp_path)
     assert run.step_time_s == pytest.approx(0.11)
-    assert run.cfg.parallel.dp == 2 and 0 < run.noise < 0.2
+    assert run.layout.dp == 2 and 0 < run.noise < 0.2

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from plan_helpers import planned
 from plan_published import LLAMA31_405B
 from tetrad.config import model_preset
 from tetrad.layout import Layout
@@ -34,7 +35,7 @@ def test_model_state_is_memory_py_exactly(layout):
     for r in range(p.pp):
         rank = rank_of({**{a: 0 for a in deg}, "pp": r}, deg)
         predicted = model_state_bytes(Layout.build(cfg), cfg.model, rank)
-        assert planner.rank_facts(cfg, r).state == predicted
+        assert planner.rank_facts(*planned(cfg), r).state == predicted
 
 
 def test_model_state_against_the_zero_formula():
@@ -45,7 +46,7 @@ def test_model_state_against_the_zero_formula():
     planner = Planner(cluster_preset("h100"))
     for stage in (1, 2, 3):
         cfg = layout_config(model_preset("llama3-8b"), 64, 8192, "fp32", fsdp=64, zero_stage=stage)
-        got = planner.rank_facts(cfg, 0).state.total
+        got = planner.rank_facts(*planned(cfg), 0).state.total
         want = zero_formula_bytes(psi, 64, stage, 4, 4, 8).total
         assert got == pytest.approx(want, rel=1e-4)
 
@@ -59,9 +60,9 @@ def test_llama3_405b_production_layout_fits():
     tetrad's own eager count of the same layout does not."""
     cfg = layout_config(LLAMA31_405B, 2048, 8192, fsdp=64, tp=8, pp=16, sp=True,
                         zero_stage=3, microbatches=32)  # fmt: skip
-    mem = Planner(cluster_preset("h100"), MEGATRON).predict(cfg).memory
+    mem = Planner(cluster_preset("h100"), MEGATRON).predict(*planned(cfg)).memory
     assert mem.fits, mem
-    assert not Planner(cluster_preset("h100")).predict(cfg).memory.fits
+    assert not Planner(cluster_preset("h100")).predict(*planned(cfg)).memory.fits
 
 
 # the margin the planner states for the Llama 3 405B layouts (docs/plan.md, "Llama 3 405B")
@@ -84,10 +85,10 @@ def test_llama3_405b_published_layouts_fit(seq, batch, fsdp, cp, microbatches):
                         zero_stage=2, microbatches=microbatches,
                         pp_schedule="interleaved-1f1b", virtual_stages=2)  # fmt: skip
     planner = Planner(cluster_preset("h100"), LLAMA3)
-    assert planner.split(cfg) == [3] + [4] * 30 + [3]
-    mem = planner.predict(cfg).memory
+    assert planner.split(*planned(cfg)) == [3] + [4] * 30 + [3]
+    mem = planner.predict(*planned(cfg)).memory
     assert mem.total + LLAMA3_MARGIN_GIB * GiB <= mem.capacity, mem
-    megatron = Planner(cluster_preset("h100"), MEGATRON).predict(cfg).memory
+    megatron = Planner(cluster_preset("h100"), MEGATRON).predict(*planned(cfg)).memory
     assert megatron.activations > mem.activations + 2 * GiB and not megatron.fits
 
 
@@ -98,9 +99,9 @@ def test_deepspeed_zero3_keeps_its_live_parameters():
     of gathered bf16 blocks alone) would not."""
     model = gpt_as_llama(105, 20480, 128, 51200, 2048)
     cfg = layout_config(model, 2240, 2048, fsdp=560, zero_stage=3)
-    ds = Planner(cluster_preset("a100"), ENGINES["deepspeed"], "full").predict(cfg).memory
+    ds = Planner(cluster_preset("a100"), ENGINES["deepspeed"], "full").predict(*planned(cfg)).memory
     whole = dataclasses.replace(ENGINES["deepspeed"], max_live_params=0.0)
-    wb = Planner(cluster_preset("a100"), whole, "full").predict(cfg).memory
+    wb = Planner(cluster_preset("a100"), whole, "full").predict(*planned(cfg)).memory
     assert ds.fits and not wb.fits
     block = 12 * 20480**2  # elements of a GPT block
     assert wb.overhead - ds.overhead > 2 * 2 * block  # at least two bf16 blocks fewer

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from harness import Jobs, tiny_config, trainer_for
+from plan_helpers import planned
 from tetrad.config import DTYPE_BYTES, MODEL_PRESETS, model_preset
 from tetrad.layout import Layout
 from tetrad.mesh import rank_of
@@ -78,7 +79,7 @@ def test_model_state_under_ep_is_model_state_bytes(layout):
     lay, planner = Layout.build(cfg), Planner(cluster_preset("h100"))
     for r in range(pp):
         rank = rank_of({**{a: 0 for a in lay.degrees}, "pp": r}, lay.degrees)
-        assert planner.rank_facts(cfg, r).state == model_state_bytes(lay, cfg.model, rank)
+        assert planner.rank_facts(*planned(cfg), r).state == model_state_bytes(lay, cfg.model, rank)
 
 
 def test_ep_divides_the_expert_weights_only():
@@ -86,8 +87,8 @@ def test_ep_divides_the_expert_weights_only():
     the dense first block, router, shared expert, embedding, head) is unchanged."""
     m = model_preset("moe-small")
     planner = Planner(cluster_preset("h100"))
-    whole = planner.rank_facts(layout_config(m, 8, 16, "fp32", dp=2), 0)
-    half = planner.rank_facts(layout_config(m, 8, 16, "fp32", dp=2, ep=2), 0)
+    whole = planner.rank_facts(*planned(layout_config(m, 8, 16, "fp32", dp=2)), 0)
+    half = planner.rank_facts(*planned(layout_config(m, 8, 16, "fp32", dp=2, ep=2)), 0)
     experts = (m.layers - m.dense_layers) * m.experts * 3 * m.dim * m.expert_dim
     assert half.psi_experts == experts // 2
     assert whole.psi - half.psi == experts // 2
@@ -136,7 +137,7 @@ def test_predicted_model_state_is_the_measured(jobs, name):
     plan = layout_config(cfg.model, cfg.train.global_batch, cfg.train.seq_len, "fp32", **{
         k: getattr(cfg.parallel, k) for k in ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero_stage")
     })  # fmt: skip
-    predicted = Planner(cluster_preset("cpu")).rank_facts(plan, 0).state.total
+    predicted = Planner(cluster_preset("cpu")).rank_facts(*planned(plan), 0).state.total
     measured = jobs["plan-moe-" + name]
     if cfg.parallel.fsdp == 1:
         assert measured == [predicted] * 2
@@ -176,15 +177,15 @@ def test_all_to_all_bytes_are_the_formula():
     m = model_preset("moe-small")
     cfg = layout_config(m, 8, 128, "bf16", dp=4, ep=4)
     tokens = 2 * 128  # 8 sequences over 4 data ranks
-    assert ep_bytes_per_layer(cfg) == 4 * tokens * 2 * 128 * 2 * 3 / 4
+    assert ep_bytes_per_layer(*planned(cfg)) == 4 * tokens * 2 * 128 * 2 * 3 / 4
     tp = layout_config(m, 8, 128, "bf16", dp=2, tp=2, ep=2)
-    assert ep_bytes_per_layer(tp) == 4 * (4 * 128 / 2) * 2 * 128 * 2 * 1 / 2
-    assert ep_bytes_per_layer(layout_config(m, 8, 128, "bf16", dp=4)) == 0
+    assert ep_bytes_per_layer(*planned(tp)) == 4 * (4 * 128 / 2) * 2 * 128 * 2 * 1 / 2
+    assert ep_bytes_per_layer(*planned(layout_config(m, 8, 128, "bf16", dp=4))) == 0
 
 
 def _ep_seconds(cluster, **parallel) -> float:
     cfg = layout_config(model_preset("mixtral-8x7b"), 64, 1024, "bf16", **parallel)
-    return Planner(cluster).predict(cfg).breakdown["ep"], cfg
+    return Planner(cluster).predict(*planned(cfg)).breakdown["ep"], cfg
 
 
 def test_all_to_all_priced_on_the_links_the_group_spans():
@@ -194,7 +195,7 @@ def test_all_to_all_priced_on_the_links_the_group_spans():
     m, c = model_preset("mixtral-8x7b"), DTYPE_BYTES["bf16"]
     seconds, cfg = _ep_seconds(_bandwidth_cluster(8), fsdp=8, ep=8)
     counts = 8 * m.experts * 7 / 8
-    per_layer = ep_bytes_per_layer(cfg) + counts
+    per_layer = ep_bytes_per_layer(*planned(cfg)) + counts
     assert seconds == pytest.approx(m.layers * per_layer / 100e9, rel=1e-9)
     # tp 2 x fsdp 4 on nodes of 4: the ep group (fsdp ranks 0, 2, 4, 6) spans two nodes
     seconds, cfg = _ep_seconds(_bandwidth_cluster(4), fsdp=4, tp=2, ep=4)
@@ -213,7 +214,7 @@ def test_shared_experts_hide_the_dispatch():
 
     def ep_time(model) -> float:
         cfg = layout_config(model, 64, 2048, "bf16", fsdp=8, ep=8)
-        return Planner(cluster).predict(cfg).breakdown["ep"]
+        return Planner(cluster).predict(*planned(cfg)).breakdown["ep"]
 
     assert ep_time(m) < ep_time(dataclasses.replace(m, shared_experts=0))
 
@@ -232,10 +233,10 @@ def test_search_proposes_ep_when_the_experts_do_not_fit_replicated():
     planner = Planner(cluster_preset("h100"))
     base = layout_config(m, 16, 2048, "bf16")
     space = Space(fsdp=1, tp=1, pp=1, cp=1)
-    found = search(planner, base, 8, space, top=3)
+    found = search(planner, *planned(base), 8, space, top=3)
     assert found and all(p.layout["ep"] > 1 for p in found)
     assert all(p.memory.fits for p in found)
-    alone = planner.predict(layout_config(m, 16, 2048, "bf16", dp=8, microbatches=2))
+    alone = planner.predict(*planned(layout_config(m, 16, 2048, "bf16", dp=8, microbatches=2)))
     assert not alone.memory.fits
 
 
@@ -264,10 +265,10 @@ def test_zero_buffers_leave_the_ep_experts_out():
     m = model_preset("moe-small")
     planner = Planner(cluster_preset("h100"))
     cfg = layout_config(m, 8, 16, "bf16", fsdp=2, ep=2, zero_stage=3, microbatches=2)
-    fa = planner.rank_facts(cfg, 0)
+    fa = planner.rank_facts(*planned(cfg), 0)
     c = DTYPE_BYTES["bf16"]
     assert 0 < fa.psi_dense < fa.psi
     # tetrad's ZeRO-3 also holds a unit's incoming microbatch gradient before the sum
     want = (c * (fa.block + fa.psi_root), c * (fa.psi_dense + fa.block + fa.psi_root))
-    assert planner.footprint._zero_buffers(cfg, fa) == pytest.approx(want)
+    assert planner.footprint._zero_buffers(*planned(cfg), fa) == pytest.approx(want)
     assert fa.block * fa.layer_units + fa.psi_root == fa.psi_dense

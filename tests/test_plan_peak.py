@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from harness import Jobs, reference_csv, tiny_config
+from plan_helpers import planned
 from plan_published import MODELS
 from tetrad.config import from_dict
 from tetrad.mesh import Mesh
@@ -133,7 +134,7 @@ def test_peak_within_5_percent_of_the_measured(jobs):
     for i, (layout, cfg) in enumerate(zip(LAYOUTS, CFGS)):
         measured = max(r[i]["peak"] for r in per_rank)
         steady = max(r[i]["steady"] for r in per_rank)
-        mem = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute).memory(cfg)
+        mem = Planner(cluster_preset("cpu"), TETRAD, cfg.train.recompute).memory(*planned(cfg))
         err = mem.allocated / measured - 1
         # where a collective allocates its output (tp, ep's all-to-alls, ZeRO's gathers and
         # reduce-scatters) the last reference to it can drop on a gloo thread, a free the
@@ -185,7 +186,7 @@ def published_peak(table: str, layout: str, techniques: str) -> float:
 
 def titan_memory(model, fsdp, cp, tp, seq, local, recompute, engine):
     cfg = layout_config(MODELS[model], local * fsdp, seq, fsdp=fsdp, cp=cp, tp=tp, sp=tp > 1)
-    return Planner(cluster_preset("h100-hbm2e"), ENGINES[engine], recompute).memory(cfg)
+    return Planner(cluster_preset("h100-hbm2e"), ENGINES[engine], recompute).memory(*planned(cfg))
 
 
 def test_peak_against_torchtitan():
@@ -218,12 +219,12 @@ def test_eager_loss_terms_are_what_closes_the_published_peaks():
         model, fsdp, cp, tp, seq, local, recompute, engine = case
         cfg = layout_config(MODELS[model], local * fsdp, seq, fsdp=fsdp, cp=cp, tp=tp, sp=tp > 1)
         plain = dataclasses.replace(ENGINES[engine], eager_loss=False)
-        without = Planner(cluster_preset("h100-hbm2e"), plain, recompute).memory(cfg)
+        without = Planner(cluster_preset("h100-hbm2e"), plain, recompute).memory(*planned(cfg))
         with_ = titan_memory(*case)
         assert without.total / GiB < (1 - miss) * published_peak(*key), key
         n_v = local * seq // cp * MODELS[model].vocab / tp  # logits of the rank, elements
-        assert eager_loss_backward(cfg) == (12 if tp > 1 else 8) * n_v
-        assert eager_loss_hole(cfg) == 2 * n_v
+        assert eager_loss_backward(*planned(cfg)) == (12 if tp > 1 else 8) * n_v
+        assert eager_loss_hole(*planned(cfg)) == 2 * n_v
         assert dict(with_.peak.reserved) == {"freed logits' space": 2 * n_v}
         assert with_.allocated - without.allocated == pytest.approx((4 if tp > 1 else 0) * n_v)
 
@@ -237,7 +238,7 @@ def test_torchtitan_shards_the_state_over_cp_at_fsdp_1():
     assert cp8.model_state == fsdp8.model_state < 20 * GiB
     assert dict(cp8.peak.terms)["ZeRO-3 gathered parameters"] > 0
     cfg = layout_config(MODELS["llama3-8b"], 1, 262144, fsdp=1, cp=8)
-    whole = Planner(cluster_preset("h100-hbm2e"), TETRAD, "full").memory(cfg)
+    whole = Planner(cluster_preset("h100-hbm2e"), TETRAD, "full").memory(*planned(cfg))
     assert whole.model_state > 100 * GiB and "ZeRO-3 gathered parameters" not in dict(
         whole.peak.terms
     )
@@ -260,13 +261,13 @@ def test_search_refuses_a_layout_whose_peak_does_not_fit():
 
     cfg = CFGS[0]  # dp 2: its peak is at the loss backward, 1.1 MiB of transients
     cpu = cluster_preset("cpu")
-    mem = Planner(cpu, TETRAD).memory(cfg)
+    mem = Planner(cpu, TETRAD).memory(*planned(cfg))
     steady = mem.model_state + mem.activations
     without = steady + cpu.device.workspace_bytes + ALLOCATOR * mem.activations
     assert mem.peak.transient > 1e6 and without < mem.total
     space = Space(dp=2, fsdp=1, tp=1, pp=1, cp=1, ep=1, microbatches=1)
     tight = Planner(_capped(cpu, (without + mem.total) / 2), TETRAD)
-    assert search(tight, cfg, 2, space, top=3) == []
+    assert search(tight, *planned(cfg), 2, space, top=3) == []
     roomy = Planner(_capped(cpu, mem.total * 1.001), TETRAD)
-    found = search(roomy, cfg, 2, space, top=3)
+    found = search(roomy, *planned(cfg), 2, space, top=3)
     assert [p.memory.total for p in found] == [pytest.approx(mem.total)]

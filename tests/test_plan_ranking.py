@@ -18,6 +18,7 @@ import itertools
 import pytest
 
 from harness import reference_csv
+from plan_helpers import planned
 from plan_published import LLAMA31_405B
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES
@@ -41,7 +42,7 @@ def _zero_bubble_groups() -> dict[tuple, list[tuple[str, int, float, float]]]:
         model = gpt_as_llama(layers, hidden, heads, 50304, seq)  # GPT-2's vocab, assumed
         cfg = layout_config(model, b * m, seq, pp=p, pp_schedule=SCHEDULES[r["schedule"]],
                             microbatches=m)  # fmt: skip
-        step = planner.predict(cfg, detail=False).step_time_s
+        step = planner.predict(*planned(cfg), detail=False).step_time_s
         groups.setdefault((r["table"], layers, p, b), []).append(
             (r["schedule"], m, float(r["samples_per_gpu_per_s"]), b * m / step / p)
         )
@@ -79,5 +80,5 @@ def test_torchtitan_405b_interleaved_over_1f1b(microbatches):
     for name, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
         cfg = layout_config(LLAMA31_405B, 256, 8192, fsdp=8, tp=8, pp=8, sp=True,
                             pp_schedule=name, virtual_stages=v, microbatches=m)  # fmt: skip
-        tokens[name] = planner.predict(cfg, detail=False).tokens_per_s
+        tokens[name] = planner.predict(*planned(cfg), detail=False).tokens_per_s
     assert tokens["interleaved-1f1b"] > tokens["1f1b"]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from plan_helpers import planned
 from tetrad.config import model_preset
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import MEGATRON
@@ -21,15 +22,15 @@ def test_search_fits_and_beats_naive_layouts(model, gpus, batch, seq):
     cluster = cluster_preset("h100") if model != "small" else cluster_preset("cpu")
     planner = Planner(cluster)
     base = layout_config(model_preset(model), batch, seq)
-    best = search(planner, base, gpus, top=3)
+    best = search(planner, *planned(base), gpus, top=3)
     assert best and all(p.memory.fits for p in best)
     assert [p.step_time_s for p in best] == sorted(p.step_time_s for p in best)
     naive = [dict(fsdp=gpus), dict(dp=gpus)]
     for layout in naive:
         per = batch // gpus
         for m in (d for d in (1, 2, 4, 8, 16) if per % d == 0):
-            pred = planner.predict(layout_config(model_preset(model), batch, seq, **layout,
-                                                 microbatches=m))  # fmt: skip
+            pred = planner.predict(*planned(layout_config(model_preset(model), batch, seq, **layout,
+                                                 microbatches=m)))  # fmt: skip
             if pred.memory.fits:
                 assert best[0].step_time_s <= pred.step_time_s * (1 + 1e-9), layout
 
@@ -37,7 +38,7 @@ def test_search_fits_and_beats_naive_layouts(model, gpus, batch, seq):
 def test_search_honours_fixed_degrees():
     planner = Planner(cluster_preset("h100"))
     base = layout_config(model_preset("llama3-8b"), 64, 4096)
-    found = search(planner, base, 16, Space(tp=2, pp=2), top=5)
+    found = search(planner, *planned(base), 16, Space(tp=2, pp=2), top=5)
     assert found and all(p.layout["tp"] == 2 and p.layout["pp"] == 2 for p in found)
 
 
@@ -46,8 +47,8 @@ def test_search_finds_cp_where_nothing_else_fits():
     recompute): no layout without cp fits; the search finds tp 8 x cp 2."""
     planner = Planner(cluster_preset("h100"), MEGATRON)
     base = layout_config(model_preset("llama3-8b"), 4, 131072)
-    assert search(planner, base, 16, Space(cp=1)) == []
-    best = search(planner, base, 16, top=3)
+    assert search(planner, *planned(base), 16, Space(cp=1)) == []
+    best = search(planner, *planned(base), 16, top=3)
     assert best and all(p.layout["cp"] > 1 and p.memory.fits for p in best)
     assert all(131072 % (2 * p.layout["cp"]) == 0 for p in best)
 
@@ -97,10 +98,10 @@ def _answer(preds):
 def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu):
     planner = Planner(cluster_preset(gpu))
     base = layout_config(model_preset(model), batch, seq)
-    full = search(planner, base, gpus, top=6, prune=False)
+    full = search(planner, *planned(base), gpus, top=6, prune=False)
     assert len(full) == 6
-    assert _answer(search(planner, base, gpus, top=6)) == _answer(full)
-    assert search(planner, base, gpus, top=0) == []
+    assert _answer(search(planner, *planned(base), gpus, top=6)) == _answer(full)
+    assert search(planner, *planned(base), gpus, top=0) == []
 
 
 def test_step_floor_bounds_the_step_and_grows_with_the_count():
@@ -109,17 +110,17 @@ def test_step_floor_bounds_the_step_and_grows_with_the_count():
     from tetrad.plan.search import families, valid
 
     planner = Planner(cluster_preset("h100"))
-    base = layout_config(model_preset("llama3-8b"), 64, 4096)
+    base, m = planned(layout_config(model_preset("llama3-8b"), 64, 4096))
     checked = 0
-    for family in families(base, 16, 8, Space()):
+    for family in families(base, m, 16, 8, Space()):
         floors = []
-        for _, cand in valid(family):
-            floor = planner.step_floor(cand)
+        for _, cand in valid(base, m, family):
+            floor = planner.step_floor(cand, m)
             if checked % 7 == 0:  # a sample: predicting every layout is the slow path
-                assert floor <= planner.predict(cand, detail=False).step_time_s * (1 + 1e-9)
+                assert floor <= planner.predict(cand, m, detail=False).step_time_s * (1 + 1e-9)
             floors.append(floor)
             checked += 1
-        assert floors == sorted(floors), family[0].parallel
+        assert floors == sorted(floors), family[0]
     assert checked > 100
 
 

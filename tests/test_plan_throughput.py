@@ -11,6 +11,7 @@ import statistics
 import pytest
 
 from harness import reference_csv
+from plan_helpers import planned
 from plan_published import (
     LLAMA31_405B,
     LOSO_MEDIAN,
@@ -64,7 +65,7 @@ def test_prediction_ranges_cover_the_rows():
     prediction and holds nine in ten development rows' published throughput."""
     inside = 0
     for _, planner, cfg, published in all_cases():
-        pred = planner.with_range(cfg, planner.predict(cfg))
+        pred = planner.with_range(*planned(cfg), planner.predict(*planned(cfg)))
         low, high = pred.tokens_per_s_range
         assert low <= pred.tokens_per_s <= high
         assert pred.step_time_range_s[0] <= pred.step_time_s <= pred.step_time_range_s[1]
@@ -118,14 +119,14 @@ def test_megatron_split_counts_embedding_and_loss():
     layer fewer on the first and last stages). tetrad balances on analytic costs."""
     cfg = layout_config(LLAMA31_405B, 2048, 8192, fsdp=64, tp=8, pp=16, sp=True,
                         microbatches=32)  # fmt: skip
-    assert Planner(cluster_preset("h100"), MEGATRON).split(cfg) == [7] + [8] * 14 + [7]
+    assert Planner(cluster_preset("h100"), MEGATRON).split(*planned(cfg)) == [7] + [8] * 14 + [7]
     # the README's 70B (84 layers, pp 2, 7 chunks a rank): 6 layers a chunk, the head on top
     # of the last; tetrad's balanced split gives that chunk fewer
     cfg70 = layout_config(gpt_as_llama(84, 8192, 64, 131072, 4096), 384, 4096, fsdp=48, tp=8,
                           pp=2, sp=True, pp_schedule="interleaved-1f1b", virtual_stages=7,
                           microbatches=4)  # fmt: skip
-    assert Planner(cluster_preset("h100"), MEGATRON).split(cfg70) == [6] * 14
-    assert Planner(cluster_preset("h100")).split(cfg70) != [6] * 14
+    assert Planner(cluster_preset("h100"), MEGATRON).split(*planned(cfg70)) == [6] * 14
+    assert Planner(cluster_preset("h100")).split(*planned(cfg70)) != [6] * 14
 
 
 def test_unfused_attention_of_2021_megatron():
@@ -145,9 +146,9 @@ def test_unfused_attention_of_2021_megatron():
     cfg = layout_config(m, 32, 2048, fsdp=32)
     new = Planner(cluster_preset("a100"), MEGATRON, "none")
     old = Planner(cluster_preset("a100"), engine, "none")
-    assert old.predict(cfg).step_time_s > 1.2 * new.predict(cfg).step_time_s
+    assert old.predict(*planned(cfg)).step_time_s > 1.2 * new.predict(*planned(cfg)).step_time_s
     scores = 5 * 24 * 2048 * 2048 * m.layers  # one sequence a microbatch
-    assert old.rank_activations(cfg, 0) - new.rank_activations(cfg, 0) >= scores
+    assert old.rank_activations(*planned(cfg), 0) - new.rank_activations(*planned(cfg), 0) >= scores
 
 
 def test_gradient_reduction_is_charged_to_its_axis():
@@ -157,15 +158,15 @@ def test_gradient_reduction_is_charged_to_its_axis():
     cpu = cluster_preset("cpu")  # nothing overlaps: every second of the reduction shows
     planner = Planner(cpu)
     small = model_preset("small")
-    fsdp = planner.predict(layout_config(small, 16, 128, "fp32", fsdp=2))
+    fsdp = planner.predict(*planned(layout_config(small, 16, 128, "fp32", fsdp=2)))
     assert fsdp.breakdown["dp"] == 0.0
-    fa = planner.rank_facts(layout_config(small, 16, 128, "fp32", fsdp=2), 0)
+    fa = planner.rank_facts(*planned(layout_config(small, 16, 128, "fp32", fsdp=2)), 0)
     units = fa.layer_units + 1
     rs = units * cpu.link(1, 2).time("reduce_scatter", 2, fa.psi * 4 / units)
     assert fsdp.breakdown["fsdp"] >= rs
-    hsdp = planner.predict(layout_config(small, 16, 128, "fp32", dp=2, fsdp=2))
+    hsdp = planner.predict(*planned(layout_config(small, 16, 128, "fp32", dp=2, fsdp=2)))
     assert hsdp.breakdown["dp"] > 0 and hsdp.breakdown["fsdp"] > 0
-    dp = planner.predict(layout_config(small, 16, 128, "fp32", dp=2))
+    dp = planner.predict(*planned(layout_config(small, 16, 128, "fp32", dp=2)))
     assert dp.breakdown["dp"] > 0 and dp.breakdown["fsdp"] == 0.0
 
 
@@ -176,14 +177,16 @@ def test_cp_exchange_bytes_and_time():
     m = model_preset("llama3-8b")
     cfg = layout_config(m, 2, 8192, fsdp=2, tp=2, cp=2, sp=True)  # one sequence a rank
     kv = m.kv_heads // 2
-    assert cp_exchange_bytes(cfg) == 2 * (2 - 1) / 2 * 1 * 8192 * kv * m.head_dim * 2
+    assert cp_exchange_bytes(*planned(cfg)) == 2 * (2 - 1) / 2 * 1 * 8192 * kv * m.head_dim * 2
     cluster = cluster_preset("h100")
     link = cluster.link(2, 2)  # cp ranks tp apart
-    whole = 2 * cp_exchange_bytes(cfg)
+    whole = 2 * cp_exchange_bytes(*planned(cfg))
     one = link.time("all_gather", 2, whole) + link.time("reduce_scatter", 2, whole)
-    pred = Planner(cluster).predict(cfg)
+    pred = Planner(cluster).predict(*planned(cfg))
     assert pred.breakdown["cp"] == pytest.approx(m.layers * one)
-    assert Planner(cluster, MEGATRON).predict(cfg).breakdown["cp"] < pred.breakdown["cp"] / 2
+    assert (
+        Planner(cluster, MEGATRON).predict(*planned(cfg)).breakdown["cp"] < pred.breakdown["cp"] / 2
+    )
     assert pred.layout["cp"] == 2
 
 
@@ -191,7 +194,7 @@ def test_prediction_breakdown_adds_up():
     planner = Planner(cluster_preset("h100"))
     cfg = layout_config(model_preset("llama3-8b"), 64, 4096, fsdp=4, tp=2, pp=2, sp=True,
                         microbatches=8)  # fmt: skip
-    pred = planner.predict(cfg)
+    pred = planner.predict(*planned(cfg))
     assert sum(pred.breakdown.values()) == pytest.approx(pred.step_time_s)
     assert all(v >= 0 for v in pred.breakdown.values())
     assert pred.tokens_per_s == pytest.approx(64 * 4096 / pred.step_time_s)

@@ -6,7 +6,7 @@ import pytest
 
 from harness import valid_schedule as _valid
 from tetrad.layout import SCHEDULES
-from tetrad.parallel.pipeline.check import check_schedule
+from tetrad.parallel.pipeline.check import check_actions
 from tetrad.parallel.pipeline.schedules import (
     Action,
     build_schedule,
@@ -26,7 +26,7 @@ GRID = [
 
 
 def _check(actions, name, pp, m, v, **kw):
-    check_schedule(actions, pp, m, v, placement(pp, v, name), **kw)
+    check_actions(actions, pp, m, v, placement(pp, v, name), **kw)
 
 
 def _kinds(rank_actions):

@@ -37,11 +37,28 @@ SPLIT_BACKWARD = ("zb-h1", "zb-v")  # backward split into B (inputs) and W (weig
 AXES = ("pp", "dp", "fsdp", "cp", "tp")  # the mesh's axes, outermost first
 
 
+class Degrees(dict):
+    """Axis -> size, outermost first: a dict to read (`[axis]`, `items()`, equal to a
+    plain dict) that cannot change and hashes by its items, so a `Layout` is a key."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self.items()))
+
+    def __reduce__(self):
+        return (Degrees, (dict(self),))
+
+    def _frozen(self, *args, **kwargs):
+        raise TypeError("a Layout's degrees cannot change: build another Layout")
+
+    __setitem__ = __delitem__ = __ior__ = _frozen  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _frozen  # type: ignore[assignment]
+
+
 @dataclass(frozen=True)
 class Layout:
     """The validated layout of one job on `world` ranks (see the module docstring)."""
 
-    degrees: dict[str, int]  # axis -> size, outermost first (pp, dp, fsdp, cp, tp)
+    degrees: Degrees  # axis -> size, outermost first (pp, dp, fsdp, cp, tp)
     microbatches: int
     microbatch_size: int  # sequences per microbatch on one data rank
     seq_len: int  # a whole sequence's tokens
@@ -61,6 +78,11 @@ class Layout:
     master_dtype: torch.dtype = torch.float32  # the optimizer's copy of the weights (wide)
     ep: int = 1  # expert parallelism: ranks one MoE layer's experts are sharded over
     cp_kernel: str = "fused"  # a cp core's block attention (parallel/context_kernels.py)
+    loss_chunk: int = 0  # tokens the head and loss run at a time (0: all of them at once)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.degrees, Degrees):  # a plain dict given: freeze it
+            object.__setattr__(self, "degrees", Degrees(self.degrees))
 
     @classmethod
     def build(cls, cfg: Config, world: int | None = None) -> Layout:
@@ -77,7 +99,7 @@ class Layout:
             " heads, and the norms' gradients are not summed over tp; use tp=1",
         )
         return cls(
-            degrees={axis: getattr(p, axis) for axis in AXES},
+            degrees=Degrees((axis, getattr(p, axis)) for axis in AXES),
             microbatches=p.microbatches,
             microbatch_size=cfg.train.global_batch // (p.data_ranks * p.microbatches),
             seq_len=cfg.train.seq_len,
@@ -97,11 +119,20 @@ class Layout:
             master_dtype=wide(DTYPES[cfg.train.dtype]),
             ep=p.ep,
             cp_kernel=p.cp_kernel,
+            loss_chunk=cfg.train.loss_chunk,
         )
 
     @property
     def world(self) -> int:
         return math.prod(self.degrees.values())
+
+    @property
+    def dp(self) -> int:
+        return self.degrees["dp"]
+
+    @property
+    def fsdp(self) -> int:
+        return self.degrees["fsdp"]
 
     @property
     def pp(self) -> int:
@@ -119,6 +150,43 @@ class Layout:
     def data_ranks(self) -> int:
         """Ranks that read different sequences (cp ranks share theirs)."""
         return self.degrees["dp"] * self.degrees["fsdp"]
+
+    @property
+    def data(self) -> int:
+        """Ranks of a stage that hold the same weights' tp slice: dp·fsdp·cp."""
+        return self.data_ranks * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over every data rank."""
+        return self.microbatch_size * self.microbatches * self.data_ranks
+
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype's name (`config.DTYPES`' key: "bf16", "fp32", "fp64")."""
+        return dtype_name(self.compute_dtype)
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element in the compute dtype."""
+        return self.compute_dtype.itemsize
+
+    @property
+    def ep_spans_tp(self) -> bool:
+        """Whether an ep group takes whole tp groups (the data ranks alone are too few:
+        `mesh.expert_groups`)."""
+        return self.ep > 1 and self.data % self.ep != 0
+
+    @property
+    def expert_data(self) -> int:
+        """Ranks of a stage holding the same experts' slice (the expert-data group):
+        dp·fsdp·cp·tp / ep."""
+        return self.data * self.tp // self.ep
+
+    def kv_heads(self, kv_heads: int) -> int:
+        """Key/value heads one tp rank holds of a model's `kv_heads` (a head shared by
+        several ranks when tp exceeds them)."""
+        return max(kv_heads // self.tp, 1)
 
     @property
     def stages(self) -> int:
@@ -140,6 +208,11 @@ class Layout:
         """This layout with the stage split fixed (a measured split, once agreed)."""
         check_split(split, None, self.stages)
         return dataclasses.replace(self, split=tuple(split), split_measured=False)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`dtype`'s name in the configuration (`config.DTYPES`' key: "bf16", "fp32", "fp64")."""
+    return next(name for name, dt in DTYPES.items() if dt == dtype)
 
 
 # --- elastic shrink: the one degree that follows the world -----------------------------

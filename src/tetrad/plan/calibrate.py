@@ -44,7 +44,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tetrad.config import Config, from_dict
+from tetrad.config import ModelConfig, from_dict
+from tetrad.layout import Layout
 from tetrad.plan.hardware import Cluster, Link, at_efficiency
 
 LINK_SCALES = tuple(2.0 ** (k / 2) for k in range(-8, 9))  # 1/16 to 16, by sqrt(2)
@@ -55,11 +56,12 @@ EFFICIENCY_BOUNDS = (1e-3, 1.0)
 
 @dataclass
 class Run:
-    """One measured run: its Config, its steady step time (seconds, the median after
-    warm-up) and that figure's relative noise (the steps' spread over the median)."""
+    """One measured run: its Layout and model, its steady step time (seconds, the median
+    after warm-up) and that figure's relative noise (the steps' spread over the median)."""
 
     path: str
-    cfg: Config
+    layout: Layout
+    model: ModelConfig
     step_time_s: float
     noise: float = 0.0
     cpu: bool = False  # step_time_s is the busiest rank's CPU seconds a step (`busy_time`)
@@ -80,7 +82,7 @@ def read_run(path: str | Path) -> Run:
             times.append(float(row["step_time_s"]))
     if len(times) < 2:
         raise ValueError(f"{metrics}: {len(times)} timed steps; need at least 2")
-    return Run(str(path), cfg, *steady_median(times))
+    return Run(str(path), Layout.build(cfg), cfg.model, *steady_median(times))
 
 
 def steady_median(times: list[float]) -> tuple[float, float]:
@@ -118,21 +120,24 @@ def busy_time(pred: Any) -> float:
     return pred.step_time_s - pred.breakdown["bubble"] - pred.breakdown["pp"]
 
 
-def predicted_step(planner: Any, cfg: Config, efficiency: float, cpu: bool = False) -> float:
-    """`planner`'s step for `cfg` at GEMM efficiency `efficiency` (with `cpu`, the
-    busiest rank's work, `busy_time`)."""
-    pred = planner.on(at_efficiency(planner.cluster, efficiency)).predict(cfg, False)
+def predicted_step(planner: Any, run: Run, efficiency: float) -> float:
+    """`planner`'s step for `run`'s layout at GEMM efficiency `efficiency` (for a run
+    timed in CPU seconds, the busiest rank's work, `busy_time`)."""
+    cpu = run.cpu
+    pred = planner.on(at_efficiency(planner.cluster, efficiency)).predict(
+        run.layout, run.model, False
+    )
     return busy_time(pred) if cpu else pred.step_time_s
 
 
-def implied_efficiency(planner: Any, cfg: Config, step_s: float, cpu: bool = False) -> float:
-    """The GEMM efficiency at which `planner` predicts `step_s` for `cfg` (with `cpu`,
-    as the busiest rank's work), within EFFICIENCY_BOUNDS (a bound where even it cannot
-    reproduce the step)."""
+def implied_efficiency(planner: Any, run: Run) -> float:
+    """The GEMM efficiency at which `planner` predicts `run`'s step time (as the busiest
+    rank's work where it is CPU seconds), within EFFICIENCY_BOUNDS (a bound where even it
+    cannot reproduce the step)."""
     lo, hi = EFFICIENCY_BOUNDS
     for _ in range(16):  # to 0.03% of the bounds' log range
         mid = math.sqrt(lo * hi)
-        if predicted_step(planner, cfg, mid, cpu) > step_s:
+        if predicted_step(planner, run, mid) > run.step_time_s:
             lo = mid
         else:
             hi = mid
@@ -167,11 +172,11 @@ def _sigma(run: Run) -> float:
 def _trial(planner: Any, runs: list[Run], scale: float, prior: bool) -> _Trial:
     """The best efficiency at link scale `scale` and the fit's objective there."""
     linked = planner.on(with_link_scale(planner.cluster, scale))
-    implied = [implied_efficiency(linked, r.cfg, r.step_time_s, r.cpu) for r in runs]
+    implied = [implied_efficiency(linked, r) for r in runs]
     weights = [1 / _sigma(r) ** 2 for r in runs]
     log_eff = sum(w * math.log(e) for w, e in zip(weights, implied)) / sum(weights)
     eff = math.exp(log_eff)
-    predicted = [predicted_step(linked, r.cfg, eff, r.cpu) for r in runs]
+    predicted = [predicted_step(linked, r, eff) for r in runs]
     objective = sum((math.log(p / r.step_time_s) / _sigma(r)) ** 2 for p, r in zip(predicted, runs))
     if prior:
         objective += (math.log(scale) / LINK_PRIOR) ** 2
@@ -194,17 +199,18 @@ def calibrate(
     fitted = at_efficiency(with_link_scale(cluster, best.scale), best.efficiency)
     fitted = replace(fitted, spread=(min(ratios[0], 1.0), max(ratios[1], 1.0)))
     table = [
-        {"run": r.path, "layout": _layout(r.cfg), "step_time_s": r.step_time_s,
+        {"run": r.path, "layout": _layout(r.layout), "step_time_s": r.step_time_s,
          "noise": r.noise, "implied_efficiency": e, "predicted_step_time_s": p}
         for r, e, p in zip(runs, best.implied, best.predicted)
     ]  # fmt: skip
     return fitted, Calibration(best.efficiency, best.scale, fitted.spread, table)
 
 
-def _layout(cfg: Config) -> dict[str, Any]:
-    p = cfg.parallel
-    keys = ("dp", "fsdp", "tp", "pp", "zero_stage", "pp_schedule", "microbatches")
-    return {k: getattr(p, k) for k in keys}
+def _layout(lay: Layout) -> dict[str, Any]:
+    keys = ("dp", "fsdp", "tp", "pp", "zero_stage")
+    return {k: getattr(lay, k) for k in keys} | {
+        "pp_schedule": lay.schedule, "microbatches": lay.microbatches
+    }  # fmt: skip
 
 
 def to_dict(cal: Calibration) -> dict[str, Any]:

@@ -22,14 +22,14 @@ import json
 import sys
 from typing import Any
 
-from tetrad.config import Config, ModelConfig, model_preset
-from tetrad.layout import SCHEDULES
+from tetrad.config import ModelConfig, model_preset
+from tetrad.layout import SCHEDULES, Layout
 from tetrad.plan.activations import RECOMPUTE
 from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES
 from tetrad.plan.hardware import CLUSTERS, Cluster, at_efficiency, calibrated, cluster_preset
-from tetrad.plan.layouts import layout_config
+from tetrad.plan.layouts import layout_for
 from tetrad.plan.search import Space, search
 
 GiB = 2**30
@@ -79,11 +79,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 def fill_from_runs(args: argparse.Namespace) -> list[Run]:
     """Read --from-run directories; unset job flags take the first run's values."""
     runs = [read_run(path) for path in args.from_run]
-    first = runs[0].cfg if runs else None
+    first = runs[0].layout if runs else None
     defaults = {"gpu": "cpu" if runs else "h100", "dtype": "bf16"}
     if first is not None:
-        defaults.update(gpus=first.parallel.world_size, global_batch=first.train.global_batch,
-                        seq_len=first.train.seq_len, dtype=first.train.dtype)  # fmt: skip
+        defaults.update(gpus=first.world, global_batch=first.global_batch,
+                        seq_len=first.seq_len, dtype=first.dtype_name)  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -100,7 +100,7 @@ def build_model(args: argparse.Namespace, runs: list[Run] | None = None) -> Mode
     if args.tie_embeddings:
         overrides["tie_embeddings"] = True
     if args.model is None and runs:
-        return dataclasses.replace(runs[0].cfg.model, **overrides)
+        return dataclasses.replace(runs[0].model, **overrides)
     return dataclasses.replace(model_preset(args.model or "llama3-8b"), **overrides)
 
 
@@ -118,7 +118,7 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
     return cluster
 
 
-def build_layout(args: argparse.Namespace, model: ModelConfig) -> Config:
+def build_layout(args: argparse.Namespace, model: ModelConfig) -> Layout:
     """The full layout to predict: dp fills the world, microbatches default to pp."""
     given = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
     rest = [given.get(a, 1) for a in ("fsdp", "tp", "pp", "cp")]
@@ -138,7 +138,7 @@ def build_layout(args: argparse.Namespace, model: ModelConfig) -> Config:
     if given.get("pp_schedule") == "zb-v":
         given.setdefault("virtual_stages", 2)
     given["sp"] = given.get("tp", 1) > 1 and not args.no_sp and not model.moe
-    return layout_config(model, args.global_batch, args.seq_len, args.dtype, **given)
+    return layout_for(model, args.global_batch, args.seq_len, args.dtype, world, **given)
 
 
 def build_space(args: argparse.Namespace) -> Space:
@@ -156,13 +156,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cluster, calibration = calibrate(cluster, engine, runs, fit_links=not args.calibration)
     planner = Planner(cluster, engine, args.recompute)
     if args.search:
-        base = layout_config(model, args.global_batch, args.seq_len, args.dtype)
-        preds = search(planner, base, args.gpus, build_space(args), top=args.top)
+        base = layout_for(model, args.global_batch, args.seq_len, args.dtype)
+        preds = search(planner, base, model, args.gpus, build_space(args), top=args.top)
         mode = "search"
     else:
-        preds = [planner.predict(build_layout(args, model))]
+        preds = [planner.predict(build_layout(args, model), model)]
         mode = "predict"
-    preds = [planner.with_range(_config_of(p, model, args), p) for p in preds]
+    preds = [planner.with_range(_layout_of(p, model), model, p) for p in preds]
     answer = {
         "mode": mode,
         "cluster": dataclasses.asdict(cluster),
@@ -175,13 +175,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return answer
 
 
-def _config_of(pred: Any, model: ModelConfig, args: argparse.Namespace) -> Config:
-    """The Config a prediction's layout describes."""
+def _layout_of(pred: Any, model: ModelConfig) -> Layout:
+    """The Layout a prediction describes."""
     lay = pred.layout
     keys = ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero_stage", "sp", "pp_schedule",
             "microbatches", "virtual_stages")  # fmt: skip
-    return layout_config(model, lay["global_batch"], lay["seq_len"], lay["dtype"],
-                         **{k: lay[k] for k in keys})  # fmt: skip
+    return layout_for(model, lay["global_batch"], lay["seq_len"], lay["dtype"], lay["world"],
+                      **{k: lay[k] for k in keys})  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

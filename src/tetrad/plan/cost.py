@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tetrad.config import DTYPE_BYTES, Config
+from tetrad.config import ModelConfig
 from tetrad.layout import SPLIT_BACKWARD, Layout
 from tetrad.models.families import spec_for
 from tetrad.parallel.pipeline.partition import stage_costs
@@ -60,14 +60,11 @@ from tetrad.plan.engines import TETRAD, Implementation
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster, at_efficiency
 from tetrad.plan.layouts import (
-    cbytes,
     cp_exchange_bytes,
     describe,
     ep_bytes_per_layer,
     ep_groups,
     held_stages,
-    layout_of,
-    local_tokens,
     model_key,
 )
 
@@ -153,147 +150,155 @@ class Planner:
         out.footprint.share_caches(self.footprint)
         return out
 
-    def schedule(self, cfg: Config) -> list:
+    def schedule(self, lay: Layout) -> list:
         """The schedule's action lists (built once per schedule, pp, m, v and the engine's
         interleaved warm-up)."""
-        p = cfg.parallel
-        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages, self.engine.interleaved_lag)
+        key = (
+            lay.schedule,
+            lay.pp,
+            lay.microbatches,
+            lay.virtual_stages,
+            self.engine.interleaved_lag,
+        )
         if key not in self._schedules:
             self._schedules[key] = build_schedule(*key)
         return self._schedules[key]
 
-    def order(self, cfg: Config) -> Timeline:
+    def order(self, lay: Layout) -> Timeline:
         """Each rank's compute actions in the order it runs them, one unit of time each
         (built once per schedule, pp, m and v): a rank runs its actions in one order
         whatever they cost, so what is in flight when, all that memory reads off a
         timeline, is read off this one without simulating the step."""
-        p = cfg.parallel
-        key = (p.pp_schedule, p.pp, p.microbatches, p.virtual_stages, self.engine.interleaved_lag)
+        key = (
+            lay.schedule,
+            lay.pp,
+            lay.microbatches,
+            lay.virtual_stages,
+            self.engine.interleaved_lag,
+        )
         if key not in self._orders:
             orders = compute_orders(*key)
             ranks = [[Event(a.kind, a.stage, a.microbatch, i, i + 1) for i, a in enumerate(acts)]
                      for acts in orders]  # fmt: skip
-            self._orders[key] = Timeline(ranks, unit="cost", schedule=p.pp_schedule)
+            self._orders[key] = Timeline(ranks, unit="cost", schedule=lay.schedule)
         return self._orders[key]
 
-    def split(self, cfg: Config) -> list[int]:
+    def split(self, lay: Layout, m: ModelConfig) -> list[int]:
         """Layers per global stage, as the runtime splits them (`stage.layer_split`)."""
-        p = cfg.parallel
-        key = (model_key(cfg.model), p.pp, p.virtual_stages, p.pp_split, cfg.train.seq_len)
+        key = (model_key(m), lay.pp, lay.virtual_stages, lay.split, lay.split_measured, lay.seq_len)
         if key not in self._splits:
-            uniform = self.engine.split == "uniform" and not p.pp_split
-            split = (uniform and _uniform_split(cfg)) or layer_split(layout_of(cfg), cfg.model)
+            uniform = (
+                self.engine.split == "uniform" and lay.split is None and not lay.split_measured
+            )
+            split = (uniform and _uniform_split(lay, m)) or layer_split(lay, m)
             self._splits[key] = split
         return self._splits[key]
 
-    def predict(self, cfg: Config, detail: bool = True, memory: Memory | None = None) -> Prediction:
-        """Step time, throughput, MFU, memory and breakdown of `cfg`'s layout.
+    def predict(
+        self, lay: Layout, m: ModelConfig, detail: bool = True, memory: Memory | None = None
+    ) -> Prediction:
+        """Step time, throughput, MFU, memory and breakdown of layout `lay` of model `m`.
 
         detail=False skips the second simulation (without transfer delays) that splits
         the pipeline's idle time into bubble and p2p: the search's fast path. `memory`:
-        `self.memory(cfg)` where the caller has it already.
+        `self.memory(lay, m)` where the caller has it already.
         """
-        Layout.build(cfg, cfg.parallel.world_size)  # the runtime's every rule
-        p = cfg.parallel
-        facts = [self.rank_facts(cfg, r) for r in range(p.pp)]
-        times = self.stage_times(cfg, facts)
-        actions = self.schedule(cfg)
-        timeline = simulate(actions, times.costs(self.p2p_time(cfg)), p.pp_schedule)
-        free = simulate(actions, times.costs(0.0), p.pp_schedule) if detail else timeline
-        tails = [self.after_schedule(cfg, r, facts[r], times) for r in range(p.pp)]
-        busy = [timeline.busy(r) for r in range(p.pp)]
-        busiest = max(range(p.pp), key=lambda r: busy[r])
+        facts = [self.rank_facts(lay, m, r) for r in range(lay.pp)]
+        times = self.stage_times(lay, m, facts)
+        actions = self.schedule(lay)
+        timeline = simulate(actions, times.costs(self.p2p_time(lay, m)), lay.schedule)
+        free = simulate(actions, times.costs(0.0), lay.schedule) if detail else timeline
+        tails = [self.after_schedule(lay, r, facts[r], times) for r in range(lay.pp)]
+        busy = [timeline.busy(r) for r in range(lay.pp)]
+        busiest = max(range(lay.pp), key=lambda r: busy[r])
         pipe = {"makespan": timeline.makespan, "free": free.makespan, "busy": busy[busiest]}
-        breakdown = self._breakdown(cfg, times, busiest, pipe, tails)
+        breakdown = self._breakdown(lay, times, busiest, pipe, tails)
         step = sum(breakdown.values())
-        memory = memory or self.memory(cfg, facts)
-        return self._prediction(cfg, step, timeline.bubble_fraction, memory, breakdown)
+        memory = memory or self.memory(lay, m, facts)
+        return self._prediction(lay, m, step, timeline.bubble_fraction, memory, breakdown)
 
-    def memory(self, cfg: Config, facts: list[RankFacts] | None = None) -> Memory:
+    def memory(self, lay: Layout, m: ModelConfig, facts: list[RankFacts] | None = None) -> Memory:
         """The fullest rank's memory (what `predict` reports), without timing the step."""
-        facts = facts or [self.rank_facts(cfg, r) for r in range(cfg.parallel.pp)]
-        order, deferred = self.order(cfg), self._w_deferred(cfg)
-        return self.footprint.memory(cfg, self.split(cfg), facts, order, deferred)
+        facts = facts or [self.rank_facts(lay, m, r) for r in range(lay.pp)]
+        order, deferred = self.order(lay), self._w_deferred(lay)
+        return self.footprint.memory(lay, m, self.split(lay, m), facts, order, deferred)
 
-    def step_floor(self, cfg: Config) -> float:
-        """A lower bound of `predict(cfg).step_time_s` without simulating the schedule: no
+    def step_floor(self, lay: Layout, m: ModelConfig) -> float:
+        """A lower bound of `predict(lay, m).step_time_s` without simulating the schedule: no
         rank finishes before its own work is done (the makespan is at least any rank's
         busy time), and the step adds the longest tail after the schedule."""
-        p = cfg.parallel
-        facts = [self.rank_facts(cfg, r) for r in range(p.pp)]
-        times = self.stage_times(cfg, facts)
+        facts = [self.rank_facts(lay, m, r) for r in range(lay.pp)]
+        times = self.stage_times(lay, m, facts)
         busy = tail = 0.0
-        for r in range(p.pp):
-            stages = held_stages(cfg, r)
+        for r in range(lay.pp):
+            stages = held_stages(lay, r)
             work = sum(times.total(k, s) for k in "FBW" for s in stages)
-            busy = max(busy, p.microbatches * work)
-            tail = max(tail, sum(self.after_schedule(cfg, r, facts[r], times).values()))
+            busy = max(busy, lay.microbatches * work)
+            tail = max(tail, sum(self.after_schedule(lay, r, facts[r], times).values()))
         return busy + tail
 
-    def rank_activations(self, cfg: Config, pp_rank: int) -> float:
+    def rank_activations(self, lay: Layout, m: ModelConfig, pp_rank: int) -> float:
         """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory)."""
-        split, deferred = self.split(cfg), self._w_deferred(cfg)
-        return self.footprint.rank_activations(cfg, split, self.order(cfg), pp_rank, deferred)
+        split, deferred = self.split(lay, m), self._w_deferred(lay)
+        return self.footprint.rank_activations(lay, m, split, self.order(lay), pp_rank, deferred)
 
-    def with_range(self, cfg: Config, pred: Prediction) -> Prediction:
+    def with_range(self, lay: Layout, m: ModelConfig, pred: Prediction) -> Prediction:
         """`pred` with a step-time range: the layout predicted at the lowest and highest
         efficiency of the rows (or runs) the device was fitted to (`Cluster.spread`)."""
         lo, hi = self.cluster.spread
         steps = []
         for ratio in (hi, lo):  # the faster end first
             cluster = at_efficiency(self.cluster, self.cluster.device.efficiency * ratio)
-            steps.append(self.on(cluster).predict(cfg, False))
+            steps.append(self.on(cluster).predict(lay, m, False))
         low, high = steps[0].step_time_s, steps[1].step_time_s
-        tokens = cfg.train.global_batch * cfg.train.seq_len
+        tokens = lay.global_batch * lay.seq_len
         return dataclasses.replace(
             pred, step_time_range_s=(low, high), tokens_per_s_range=(tokens / high, tokens / low)
         )
 
-    def rank_facts(self, cfg: Config, pp_rank: int) -> RankFacts:
+    def rank_facts(self, lay: Layout, m: ModelConfig, pp_rank: int) -> RankFacts:
         """Local parameter counts and exact model state of pp rank `pp_rank`."""
-        return self.footprint.rank_facts(cfg, self.split(cfg), pp_rank)
+        return self.footprint.rank_facts(lay, m, self.split(lay, m), pp_rank)
 
-    def memory_floor(self, cfg: Config) -> float:
+    def memory_floor(self, lay: Layout, m: ModelConfig) -> float:
         """A lower bound of the layout's memory per device, without simulating it."""
-        facts = [self.rank_facts(cfg, r) for r in range(cfg.parallel.pp)]
-        return self.footprint.floor(cfg, self.split(cfg), facts)
+        facts = [self.rank_facts(lay, m, r) for r in range(lay.pp)]
+        return self.footprint.floor(lay, m, self.split(lay, m), facts)
 
     # --- compute and per-microbatch communication -----------------------------------------
 
-    def stage_times(self, cfg: Config, facts: list[RankFacts]) -> StageTimes:
+    def stage_times(self, lay: Layout, m: ModelConfig, facts: list[RankFacts]) -> StageTimes:
         """Seconds per microbatch, per global stage: compute, exposed TP, exposed ZeRO-3."""
-        p = cfg.parallel
-        compute = self._stage_seconds(cfg)
-        tp = self._tp_times(cfg)
-        fsdp = self._zero3_gathers(cfg, facts, compute)
+        compute = self._stage_seconds(lay, m)
+        tp = self._tp_times(lay, m)
+        fsdp = self._zero3_gathers(lay, m, facts, compute)
         if self.engine.reduce_every_microbatch:
-            for s, seconds in enumerate(self._per_micro_reduction(cfg, facts, compute)):
+            for s, seconds in enumerate(self._per_micro_reduction(lay, m, facts, compute)):
                 fsdp["B"][s] += seconds
-        cp = self._cp_times(cfg)
-        ep = self._ep_times(cfg)
-        if p.pp_schedule in SPLIT_BACKWARD and not self._w_deferred(cfg):
+        cp = self._cp_times(lay, m)
+        ep = self._ep_times(lay, m)
+        if lay.schedule in SPLIT_BACKWARD and not self._w_deferred(lay):
             return _fold_w(compute, tp, fsdp, cp, ep)
         return StageTimes(compute, tp, fsdp, cp, ep)
 
-    def _w_deferred(self, cfg: Config) -> bool:
+    def _w_deferred(self, lay: Layout) -> bool:
         """Whether the schedule's W actions hold deferred weight gradients."""
-        if cfg.parallel.pp_schedule not in SPLIT_BACKWARD:
+        if lay.schedule not in SPLIT_BACKWARD:
             return False
-        return cfg.parallel.tp == 1 or self.engine.split_w_with_tp
+        return lay.tp == 1 or self.engine.split_w_with_tp
 
-    def _stage_seconds(self, cfg: Config) -> dict[str, list[float]]:
+    def _stage_seconds(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
-        m, p, s, dt = cfg.model, cfg.parallel, cfg.train.seq_len, cfg.train.dtype
-        lay = layout_of(cfg)
+        s, dt = lay.seq_len, lay.dtype_name
         b, tokens = lay.microbatch_size, lay.microbatch_tokens  # tokens: cp splits sequences
-        fwd = self.compute.block_forward(m, p.tp, p.sp, tokens, b, s, dt, p.cp)
+        fwd = self.compute.block_forward(m, lay.tp, lay.sp, tokens, b, s, dt, lay.cp)
         bwd = self.compute.backward(fwd)
-        selective = self.compute.selective_redo(m, p.tp, tokens, dt, fwd)
+        selective = self.compute.selective_redo(m, lay.tp, tokens, dt, fwd)
         redo = {"none": 0.0, "selective": selective, "full": fwd.total, "op": fwd.gemm / 2}
-        embed = tokens * m.dim * cbytes(cfg) / self.cluster.device.hbm_Bps  # a lookup's write
-        head = self.compute.head(m, p.tp, tokens, dt)
+        embed = tokens * m.dim * lay.element_bytes / self.cluster.device.hbm_Bps  # a lookup's write
+        head = self.compute.head(m, lay.tp, tokens, dt)
         # a chunked loss computes the head's weight gradient in B, chunk by chunk
-        head_w = 0.0 if self.engine.chunked_loss and cfg.train.loss_chunk > 0 else head.gemm
+        head_w = 0.0 if self.engine.chunked_loss and lay.loss_chunk > 0 else head.gemm
         per = {
             "F": [embed] + [fwd.total] * m.layers + [head.total],
             "B": [embed]
@@ -301,57 +306,57 @@ class Planner:
             + [self.compute.backward(head).total + head.gemm - head_w],
             "W": [0.0] + [fwd.gemm] * m.layers + [head_w],
         }
-        split = self.split(cfg)
+        split = self.split(lay, m)
         return {k: stage_costs(v, split) for k, v in per.items()}
 
-    def _tp_times(self, cfg: Config) -> dict[str, list[float]]:
+    def _tp_times(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """Exposed TP seconds per microbatch per stage: 2 all-reduces of b·s·h per layer
         forward and 2 backward; the vocab-parallel embedding 1 forward, the head 1 backward
         (and 1 forward with SP, where it gathers the sequence)."""
-        p, split = cfg.parallel, self.split(cfg)
+        split = self.split(lay, m)
         zero = [0.0] * len(split)
-        if p.tp == 1:
+        if lay.tp == 1:
             return {"F": list(zero), "B": list(zero), "W": list(zero)}
-        nbytes = local_tokens(cfg) * cfg.model.dim * cbytes(cfg)
-        one = self.cluster.link(1, p.tp).time("all_reduce", p.tp, nbytes)
+        nbytes = lay.microbatch_tokens * m.dim * lay.element_bytes
+        one = self.cluster.link(1, lay.tp).time("all_reduce", lay.tp, nbytes)
         one *= 1.0 - self.engine.tp_overlap
         f = [2 * n * one for n in split]
         bwd = list(f)
         f[0] += one
         bwd[-1] += one
-        if p.sp:
+        if lay.sp:
             f[-1] += one
         return {"F": f, "B": bwd, "W": list(zero)}
 
-    def _cp_times(self, cfg: Config) -> dict[str, list[float]]:
+    def _cp_times(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """Exposed context-parallel seconds per microbatch per stage: every attention
         layer receives the keys and values of the other cp - 1 shards (a ring over the
         cp ranks, or an all-gather: (cp - 1)/cp of 2·b·s·kv·hd·c bytes, kv the rank's
         kv heads) forward, and the same for dk and dv backward; on the link the cp group
         spans (cp ranks tp apart). A ring runs each of its cp - 1 hops beside one block's
         attention (1/cp of the layer's): only what a hop takes beyond that block shows."""
-        p, split = cfg.parallel, self.split(cfg)
+        split = self.split(lay, m)
         out = {k: [0.0] * len(split) for k in "FBW"}
-        if p.cp == 1:
+        if lay.cp == 1:
             return out
-        nbytes = cp_exchange_bytes(cfg) * p.cp / (p.cp - 1)  # the gathered buffer
-        link = self.cluster.link(p.tp, p.cp)
-        seconds = {"F": link.time("all_gather", p.cp, nbytes),
-                   "B": link.time("reduce_scatter", p.cp, nbytes)}  # fmt: skip
-        m, s, lay = cfg.model, cfg.train.seq_len, layout_of(cfg)
+        nbytes = cp_exchange_bytes(lay, m) * lay.cp / (lay.cp - 1)  # the gathered buffer
+        link = self.cluster.link(lay.tp, lay.cp)
+        seconds = {"F": link.time("all_gather", lay.cp, nbytes),
+                   "B": link.time("reduce_scatter", lay.cp, nbytes)}  # fmt: skip
+        s = lay.seq_len
         b, tokens = lay.microbatch_size, lay.microbatch_tokens
-        fwd = self.compute.block_forward(m, p.tp, p.sp, tokens, b, s, cfg.train.dtype, p.cp)
+        fwd = self.compute.block_forward(m, lay.tp, lay.sp, tokens, b, s, lay.dtype_name, lay.cp)
         window = {"F": fwd.attention, "B": self.compute.backward(fwd).attention}
-        ring = self.engine.cp_overlap or (p.cp_attention == "ring" and self.cluster.overlap)
+        ring = self.engine.cp_overlap or (lay.cp_attention == "ring" and self.cluster.overlap)
         for kind in "FB":
             exposed = seconds[kind]
             if ring:  # each of the cp - 1 hops beside one block's attention
-                hop, block = exposed / (p.cp - 1), window[kind] / p.cp
-                exposed = (p.cp - 1) * max(0.0, hop - block)
+                hop, block = exposed / (lay.cp - 1), window[kind] / lay.cp
+                exposed = (lay.cp - 1) * max(0.0, hop - block)
             out[kind] = [n * exposed for n in split]
         return out
 
-    def _ep_times(self, cfg: Config) -> dict[str, list[float]]:
+    def _ep_times(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """Exposed expert-parallel seconds per microbatch per stage. Every MoE layer sends
         its tokens' k copies to their experts and the outputs back (dispatch and combine)
         forward, and both again backward (docs/moe.md, "Bytes per token per layer"): each
@@ -361,16 +366,16 @@ class Planner:
         dispatch the ranks exchange their per-expert counts (8·E bytes). Forward, the
         layer's shared experts compute while the dispatch travels (where communication
         runs beside compute): only what the dispatch takes beyond them shows."""
-        p, m, split = cfg.parallel, cfg.model, self.split(cfg)
+        split = self.split(lay, m)
         out = {k: [0.0] * len(split) for k in "FBW"}
-        if p.ep == 1:
+        if lay.ep == 1:
             return out
-        group = ep_groups(cfg)[0][0]  # every group spans the same links
-        buffer = ep_bytes_per_layer(cfg) / 4 * p.ep / (p.ep - 1)  # one call's copies
+        group = ep_groups(lay)[0][0]  # every group spans the same links
+        buffer = ep_bytes_per_layer(lay, m) / 4 * lay.ep / (lay.ep - 1)  # one call's copies
         one = self.cluster.all_to_all(group, buffer)
         counts = self.cluster.all_to_all(group, 8.0 * m.experts)
         overlap = self.cluster.overlap
-        shared = self._shared_expert_seconds(cfg, local_tokens(cfg)) if overlap else 0.0
+        shared = self._shared_expert_seconds(lay, m, lay.microbatch_tokens) if overlap else 0.0
         forward = max(0.0, one - shared) + one + counts
         starts = [sum(split[:s]) for s in range(len(split))]
         for stage, layers in enumerate(split):
@@ -380,35 +385,38 @@ class Planner:
             out["B"][stage] = moe * 2 * one
         return out
 
-    def _shared_expert_seconds(self, cfg: Config, tokens: float) -> float:
+    def _shared_expert_seconds(self, lay: Layout, m: ModelConfig, tokens: float) -> float:
         """Forward GEMM seconds of one layer's shared experts on one rank (split over tp
         like a dense SwiGLU): the compute a dispatch all-to-all hides behind."""
-        m, p = cfg.model, cfg.parallel
-        width = m.shared_experts * m.expert_dim / p.tp
+        width = m.shared_experts * m.expert_dim / lay.tp
         if width == 0:
             return 0.0
-        rate = self.cluster.device.flops_per_s(cfg.train.dtype)
+        rate = self.cluster.device.flops_per_s(lay.dtype_name)
         return 3 * 2 * tokens * m.dim * width / rate
 
     def _zero3_gathers(
-        self, cfg: Config, facts: list[RankFacts], compute: dict[str, list[float]]
+        self, lay: Layout, m: ModelConfig, facts: list[RankFacts], compute: dict[str, list[float]]
     ) -> dict[str, list[float]]:
         """Exposed ZeRO-3 block gathers per microbatch per stage: forward gathers hide
         behind F, backward re-gathers behind B + W, prefetched one block ahead, so the
         first block's gather is always exposed."""
-        p, split = cfg.parallel, self.split(cfg)
+        split = self.split(lay, m)
         out = {k: [0.0] * len(split) for k in "FBW"}
-        if p.fsdp == 1 or p.zero_stage < 3:
+        if lay.fsdp == 1 or lay.zero_stage < 3:
             return out
-        link = self.cluster.link(p.tp * p.cp, p.fsdp)
+        link = self.cluster.link(lay.tp * lay.cp, lay.fsdp)
         for stage, layers in enumerate(split):
             if layers == 0:
                 continue
-            fa = facts[_rank_of_stage(cfg, stage)]
+            fa = facts[_rank_of_stage(lay, stage)]
             block = fa.block
             calls = _calls(block, 1, self.engine.gather_bucket)
-            gather = layers * calls * link.time("all_gather", p.fsdp, block * cbytes(cfg) / calls)
-            gather += self._expert_gathers(cfg, fa, layers)
+            gather = (
+                layers
+                * calls
+                * link.time("all_gather", lay.fsdp, block * lay.element_bytes / calls)
+            )
+            gather += self._expert_gathers(lay, fa, layers)
             first = gather / layers
             hide = 1.0 if self.engine.gather_overlap else 0.0
             fwd_window = hide * compute["F"][stage]
@@ -417,68 +425,68 @@ class Planner:
             out["B"][stage] = first + max(0.0, gather - first - bwd_window)
         return out
 
-    def _expert_gathers(self, cfg: Config, fa: RankFacts, layers: int) -> float:
+    def _expert_gathers(self, lay: Layout, fa: RankFacts, layers: int) -> float:
         """Seconds of one pass's gathers of the expert units of `layers` blocks (their MoE
         share), each over the expert-data group, where ZeRO shards the experts."""
         if not fa.expert_unit:
             return 0.0
-        group = ep_groups(cfg)[1][0]
+        group = ep_groups(lay)[1][0]
         link = self.cluster.group_link(group)
         moe = layers * fa.moe_units / max(fa.layer_units, 1)
-        return moe * link.time("all_gather", len(group), fa.expert_unit * cbytes(cfg))
+        return moe * link.time("all_gather", len(group), fa.expert_unit * lay.element_bytes)
 
     def _per_micro_reduction(
-        self, cfg: Config, facts: list[RankFacts], compute: dict[str, list[float]]
+        self, lay: Layout, m: ModelConfig, facts: list[RankFacts], compute: dict[str, list[float]]
     ) -> list[float]:
         """Exposed gradient reduction per microbatch per stage, for engines that reduce
         after every microbatch (FSDP2): hidden behind that microbatch's backward."""
         out = []
-        for stage, layers in enumerate(self.split(cfg)):
-            fa = facts[_rank_of_stage(cfg, stage)]
+        for stage, layers in enumerate(self.split(lay, m)):
+            fa = facts[_rank_of_stage(lay, stage)]
             share = (layers + 1) / (fa.layer_units + 1)  # this chunk's share of the rank
-            seconds = sum(self._grad_reduction(cfg, fa).values()) * share
+            seconds = sum(self._grad_reduction(lay, fa).values()) * share
             unit = seconds / (layers + 1)
             window = compute["B"][stage] + compute["W"][stage]
             out.append(unit + max(0.0, seconds - unit - window))
         return out
 
-    def p2p_time(self, cfg: Config) -> float:
+    def p2p_time(self, lay: Layout, m: ModelConfig) -> float:
         """One activation (or its gradient) across one stage boundary."""
-        p = cfg.parallel
-        if p.pp == 1:
+        if lay.pp == 1:
             return 0.0
-        nbytes = local_tokens(cfg) * cfg.model.dim * cbytes(cfg)
-        nbytes /= p.tp if p.sp else 1
-        return self.cluster.p2p_link(p.dp * p.fsdp * p.cp * p.tp).time("send_recv", 2, nbytes)
+        nbytes = lay.microbatch_tokens * m.dim * lay.element_bytes
+        nbytes /= lay.tp if lay.sp else 1
+        return self.cluster.p2p_link(lay.dp * lay.fsdp * lay.cp * lay.tp).time(
+            "send_recv", 2, nbytes
+        )
 
     # --- once per step, after the schedule ------------------------------------------------
 
-    def _grad_reduction(self, cfg: Config, fa: RankFacts) -> dict[str, float]:
+    def _grad_reduction(self, lay: Layout, fa: RankFacts) -> dict[str, float]:
         """Seconds of one rank's gradient reduction over the data axes, unhidden, by
         axis: "fsdp" the reduce-scatter over the shard group, "dp" the all-reduce over
         the replicas (plain DP's whole gradients, or HSDP's shard)."""
-        p = cfg.parallel
-        reps = p.dp * p.cp  # the replicas: cp ranks hold different tokens, the same weights
-        experts = self._expert_grad_reduction(cfg, fa)
+        reps = lay.dp * lay.cp  # the replicas: cp ranks hold different tokens, the same weights
+        experts = self._expert_grad_reduction(lay, fa)
         psi = fa.psi_dense
-        if reps * p.fsdp == 1:
+        if reps * lay.fsdp == 1:
             return {"dp": experts, "fsdp": 0.0}
         bucket = self.engine.reduce_bucket
-        if p.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients; dp x cp is contiguous
+        if lay.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients; dp x cp is contiguous
             n = _calls(psi, 1, bucket)
-            ar = n * self.cluster.link(p.tp, reps).time("all_reduce", reps, psi * 4 / n)
+            ar = n * self.cluster.link(lay.tp, reps).time("all_reduce", reps, psi * 4 / n)
             return {"dp": ar + experts, "fsdp": 0.0}
-        rb = DTYPE_BYTES[p.reduce_dtype]
+        rb = lay.reduce_dtype.itemsize
         n = _calls(psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
-        link = self.cluster.link(p.tp * p.cp, p.fsdp)
-        rs = n * link.time("reduce_scatter", p.fsdp, psi * rb / n)
+        link = self.cluster.link(lay.tp * lay.cp, lay.fsdp)
+        rs = n * link.time("reduce_scatter", lay.fsdp, psi * rb / n)
         # the replica group dp x cp: cp ranks tp apart, dp ranks tp·cp·fsdp apart; priced
         # as one group over the span it covers
-        outer = self.cluster.link(p.tp * (p.fsdp if p.dp > 1 else 1), reps)
-        hsdp = outer.time("all_reduce", reps, psi / p.fsdp * 4)
+        outer = self.cluster.link(lay.tp * (lay.fsdp if lay.dp > 1 else 1), reps)
+        hsdp = outer.time("all_reduce", reps, psi / lay.fsdp * 4)
         return {"dp": hsdp + experts, "fsdp": rs}
 
-    def _expert_grad_reduction(self, cfg: Config, fa: RankFacts) -> float:
+    def _expert_grad_reduction(self, lay: Layout, fa: RankFacts) -> float:
         """Seconds of the ep-sharded expert gradients' reduction over the expert-data
         group, the dp·fsdp·cp·tp / ep ranks of a stage that hold the same slice
         (`mesh.expert_groups`): without ZeRO an all-reduce of the whole gradients (fp32);
@@ -487,47 +495,46 @@ class Planner:
         `_zero3_gathers`)."""
         if not fa.psi_experts:
             return 0.0
-        group = ep_groups(cfg)[1][0]
+        group = ep_groups(lay)[1][0]
         n, link = len(group), self.cluster.group_link(group)
         if fa.expert_shards == 1:
             return link.time("all_reduce", n, fa.psi_experts * 4)
-        rb = DTYPE_BYTES[cfg.parallel.reduce_dtype]
+        rb = lay.reduce_dtype.itemsize
         return link.time("reduce_scatter", n, fa.psi_experts * rb)
 
-    def after_schedule(self, cfg: Config, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
+    def after_schedule(self, lay: Layout, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
         """Exposed seconds of one pp rank after its pipeline work: gradient reduction,
         parameter gathers outside the microbatches, optimizer step."""
-        p, eng = cfg.parallel, self.engine
+        eng = self.engine
         units = fa.layer_units + 1
-        stages = held_stages(cfg, pp_rank)
+        stages = held_stages(lay, pp_rank)
         bwd = sum(times.compute["B"][s] + times.compute["W"][s] for s in stages)
         fwd = sum(times.compute["F"][s] for s in stages)
         grad = {"dp": 0.0, "fsdp": 0.0}
         if not eng.reduce_every_microbatch:
-            parts = self._grad_reduction(cfg, fa)
+            parts = self._grad_reduction(lay, fa)
             seconds = sum(parts.values())
-            hidden = eng.grad_overlap and (p.pp == 1 or eng.grad_overlap_pp)
+            hidden = eng.grad_overlap and (lay.pp == 1 or eng.grad_overlap_pp)
             shown = _exposed(seconds, units, bwd if hidden else 0.0)
             # what shows is shared between the axes as their seconds are
             grad = {k: shown * v / seconds for k, v in parts.items()} if seconds else grad
         gather = 0.0
-        if p.fsdp > 1:
-            link = self.cluster.link(p.tp * p.cp, p.fsdp)
-            if p.zero_stage < 3:  # the updated shards, dense and (sharded) experts
-                seconds = link.time("all_gather", p.fsdp, fa.psi_dense * cbytes(cfg))
-                seconds += self._expert_gathers(cfg, fa, fa.layer_units)
+        if lay.fsdp > 1:
+            link = self.cluster.link(lay.tp * lay.cp, lay.fsdp)
+            if lay.zero_stage < 3:  # the updated shards, dense and (sharded) experts
+                seconds = link.time("all_gather", lay.fsdp, fa.psi_dense * lay.element_bytes)
+                seconds += self._expert_gathers(lay, fa, fa.layer_units)
                 gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
             else:  # the root unit: gathered once per step, before the first forward
-                gather = link.time("all_gather", p.fsdp, fa.psi_root * cbytes(cfg))
-        shard = fa.psi_dense / p.fsdp + fa.psi_experts / fa.expert_shards
+                gather = link.time("all_gather", lay.fsdp, fa.psi_root * lay.element_bytes)
+        shard = fa.psi_dense / lay.fsdp + fa.psi_experts / fa.expert_shards
         optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
         return {"dp": grad["dp"], "fsdp": gather + grad["fsdp"], "optimizer": optimizer}
 
-    def _breakdown(self, cfg, times, busiest, pipe, tails) -> dict[str, float]:
+    def _breakdown(self, lay: Layout, times, busiest, pipe, tails) -> dict[str, float]:
         """Seconds by cause on the busiest pp rank; the parts sum to the step time."""
-        p = cfg.parallel
-        stages = held_stages(cfg, busiest)
-        m = p.microbatches
+        stages = held_stages(lay, busiest)
+        m = lay.microbatches
 
         def part(table: dict[str, list[float]]) -> float:
             return m * sum(table[k][s] for k in "FBW" for s in stages)
@@ -545,13 +552,15 @@ class Planner:
             "optimizer": tail["optimizer"],
         }
 
-    def _prediction(self, cfg, step, bubble, memory, breakdown) -> Prediction:
-        tokens = cfg.train.global_batch * cfg.train.seq_len
-        flops = spec_for(cfg.model).flops_per_token(cfg.model, cfg.train.seq_len) * tokens
-        world = cfg.parallel.world_size
-        peak = self.cluster.device.peak_tflops[cfg.train.dtype] * 1e12
+    def _prediction(
+        self, lay: Layout, m: ModelConfig, step, bubble, memory, breakdown
+    ) -> Prediction:
+        tokens = lay.global_batch * lay.seq_len
+        flops = spec_for(m).flops_per_token(m, lay.seq_len) * tokens
+        world = lay.world
+        peak = self.cluster.device.peak_tflops[lay.dtype_name] * 1e12
         return Prediction(
-            layout=describe(cfg, self.recompute),
+            layout=describe(lay, self.recompute),
             step_time_s=step,
             tokens_per_s=tokens / step,
             tflops_per_gpu=flops / step / world / 1e12,
@@ -585,11 +594,11 @@ def _fold_w(compute, tp, fsdp, cp, ep) -> StageTimes:
     return StageTimes(moved, tp, fsdp, cp, ep)
 
 
-def _uniform_split(cfg: Config) -> list[int] | None:
+def _uniform_split(lay: Layout, m: ModelConfig) -> list[int] | None:
     """Megatron's split: L/S layers a stage, or, where S divides L + 2, the embedding and
     the loss counted as a layer each (one layer fewer on the first and last stages);
     None where neither divides."""
-    layers, stages = cfg.model.layers, cfg.parallel.pp * cfg.parallel.virtual_stages
+    layers, stages = m.layers, lay.pp * lay.virtual_stages
     if layers % stages == 0:
         return [layers // stages] * stages
     if stages > 1 and (layers + 2) % stages == 0 and (layers + 2) // stages > 1:
@@ -598,12 +607,11 @@ def _uniform_split(cfg: Config) -> list[int] | None:
     return None
 
 
-def _rank_of_stage(cfg: Config, stage: int) -> int:
-    p = cfg.parallel
-    return stage_to_rank(stage, p.pp, p.virtual_stages, p.pp_schedule)
+def _rank_of_stage(lay: Layout, stage: int) -> int:
+    return stage_to_rank(stage, lay.pp, lay.virtual_stages, lay.schedule)
 
 
-def predict(cfg: Config, cluster: Cluster, engine: Implementation = TETRAD,
+def predict(lay: Layout, m: ModelConfig, cluster: Cluster, engine: Implementation = TETRAD,
             recompute: str = "none") -> Prediction:  # fmt: skip
     """Predict one layout (a fresh Planner; use a Planner to predict many)."""
-    return Planner(cluster, engine, recompute).predict(cfg)
+    return Planner(cluster, engine, recompute).predict(lay, m)

@@ -21,8 +21,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from tetrad.config import DTYPE_BYTES, Config, ModelConfig
+from tetrad.config import ModelConfig
 from tetrad.devices import Device
+from tetrad.layout import Layout
 from tetrad.models.families import spec_for
 from tetrad.models.spec import ModelSpec
 from tetrad.parallel.expert import REPLICATED as EXPERT_REPLICATED
@@ -30,7 +31,7 @@ from tetrad.parallel.model_state import ModelState, local_parameters, replicated
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
-from tetrad.plan.layouts import held_stages, layout_of, model_key
+from tetrad.plan.layouts import held_stages, model_key
 from tetrad.plan.peak import Peak, PeakSettings, rank_peak
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
@@ -144,63 +145,57 @@ class Footprint:
 
     # --- model state ------------------------------------------------------------------------
 
-    def rank_facts(self, cfg: Config, split: list[int], pp_rank: int) -> RankFacts:
+    def rank_facts(self, lay: Layout, m: ModelConfig, split: list[int], pp_rank: int) -> RankFacts:
         """Counts and exact model state of pp rank `pp_rank` (coordinate 0 on the other
         axes; fsdp rank 0 holds the most elements). Looked up first by what the rank's
         place is made of (a search asks a few hundred places tens of thousands of times),
         then by what its blocks are (places with the same blocks share their facts)."""
-        p = cfg.parallel
-        place = (model_key(cfg.model), tuple(split), pp_rank, p.pp, p.virtual_stages,
-                 p.pp_schedule, p.tp, self.shards(cfg), p.zero_stage, cfg.train.dtype,
-                 _ep_shape(cfg), _expert_shards(cfg, self.shards(cfg)))  # fmt: skip
+        place = (model_key(m), tuple(split), pp_rank, lay.pp, lay.virtual_stages,
+                 lay.schedule, lay.tp, self.shards(lay), lay.zero_stage, lay.dtype_name,
+                 _ep_shape(lay), _expert_shards(lay, m, self.shards(lay)))  # fmt: skip
         if place not in self._places:
-            self._places[place] = self._rank_facts(cfg, split, pp_rank)
+            self._places[place] = self._rank_facts(lay, m, split, pp_rank)
         return self._places[place]
 
-    def _rank_facts(self, cfg: Config, split: list[int], pp_rank: int) -> RankFacts:
-        p = cfg.parallel
-        stages = held_stages(cfg, pp_rank)
-        kinds = _block_kinds(cfg.model, split, stages)
+    def _rank_facts(self, lay: Layout, m: ModelConfig, split: list[int], pp_rank: int) -> RankFacts:
+        stages = held_stages(lay, pp_rank)
+        kinds = _block_kinds(m, split, stages)
         first, last = 0 in stages, len(split) - 1 in stages
-        shards = self.shards(cfg)
-        key = (model_key(cfg.model), p.tp, shards, p.zero_stage, cfg.train.dtype, kinds, first,
-               last, _ep_shape(cfg), _expert_shards(cfg, shards))  # fmt: skip
+        shards = self.shards(lay)
+        key = (model_key(m), lay.tp, shards, lay.zero_stage, lay.dtype_name, kinds, first,
+               last, _ep_shape(lay), _expert_shards(lay, m, shards))  # fmt: skip
         if key not in self._facts:
-            named, replicated = self._local_parameters(cfg, kinds, first, last)
+            named, replicated = self._local_parameters(lay, m, kinds, first, last)
             numel = {n: math.prod(s) for n, s in named}
-            blocks = spec_for(cfg.model).blocks + "."
+            blocks = spec_for(m).blocks + "."
             layers = sum(v for n, v in numel.items() if n.startswith(blocks))
             experts = sum(numel[n] for n in numel if replicated[n] == EXPERT_REPLICATED)
-            state = _state(cfg, named, replicated, shards)
+            state = _state(lay, m, named, replicated, shards)
             held, root = sum(kinds), sum(numel.values()) - layers
-            spread = _expert_shards(cfg, shards) if experts else 1
+            spread = _expert_shards(lay, m, shards) if experts else 1
             facts = RankFacts(layers, root, held, state, experts, spread, kinds[1])
             self._facts[key] = facts
         return self._facts[key]
 
-    def shards(self, cfg: Config) -> int:
+    def shards(self, lay: Layout) -> int:
         """Ranks the ZeRO state is sharded over: fsdp, or fsdp x cp for an engine whose
         sharding group takes the cp ranks in (they hold the same weights), at fsdp 1 too
         (torchtitan shards over dp_shard x cp whatever dp_shard is)."""
-        p = cfg.parallel
-        return p.fsdp * p.cp if self.shards_over_cp else p.fsdp
+        return lay.fsdp * lay.cp if self.shards_over_cp else lay.fsdp
 
-    def _local_parameters(self, cfg: Config, kinds: tuple[int, int], first: bool, last: bool):
+    def _local_parameters(
+        self, lay: Layout, m: ModelConfig, kinds: tuple[int, int], first: bool, last: bool
+    ):
         """`memory.local_parameters` of a rank holding `kinds` = (dense, MoE) blocks (and
         the embedding if `first`, the final norm and head if `last`), from a model of one
         block of each kind: building the whole stack on the meta device for every layout
         would make a search slow. Under ep the template's data ranks are one ep group's,
         so its experts are the slice a rank holds (spanning tp where the layout's does)."""
-        m, p = cfg.model, cfg.parallel
         template_layers = min(m.layers, m.dense_layers + 1) if m.moe else 1
-        key = (model_key(m), p.tp, _ep_shape(cfg))
+        key = (model_key(m), lay.tp, _ep_shape(lay))
         if key not in self._template:
-            one = dataclasses.replace(cfg, model=dataclasses.replace(m, layers=template_layers))
-            ep_data = p.ep // p.tp if _ep_shape(cfg)[1] else p.ep
-            one.parallel = dataclasses.replace(
-                p, pp=1, dp=ep_data, fsdp=1, cp=1, virtual_stages=1, pp_split=""
-            )
-            self._template[key] = local_parameters(layout_of(one), one.model, 0)
+            one = dataclasses.replace(m, layers=template_layers)
+            self._template[key] = local_parameters(_template_layout(lay), one, 0)
         named, replicated = self._template[key]
         spec = spec_for(m)
         templates = [spec.block_prefix(i) for i in range(template_layers)]
@@ -220,119 +215,121 @@ class Footprint:
 
     # --- activations and the total ----------------------------------------------------------
 
-    def stage_activations(self, cfg: Config, split: list[int]) -> list[float]:
+    def stage_activations(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[float]:
         """Bytes one microbatch leaves on each global stage after its forward. Under
         context parallelism everything is per local token (s/cp of each sequence), and
         an all-gather core keeps the gathered keys and values of the whole sequence."""
-        m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-        lay, shards = layout_of(cfg), self.sp_saves_shards
+        dt, shards = lay.dtype_name, self.sp_saves_shards
         b, s = lay.microbatch_size, lay.local_seq
         family = spec_for(m).activations
-        layer = family.layer(m, p.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
+        layer = family.layer(m, lay.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
                              gqa_native=self.gqa_native)  # fmt: skip
-        layer_bytes = act.total_bytes(layer, b, s, p.tp, p.sp)
+        layer_bytes = act.total_bytes(layer, b, s, lay.tp, lay.sp)
         if self.scores and self.recompute in ("none", "op"):
-            scores = family.attention_scores(m, cfg.train.seq_len)
-            layer_bytes += act.total_bytes(scores, b, s, p.tp)
-        gathers = self.cp_gathers_kv and p.cp_attention != "ring"  # tetrad's ring keeps its own
-        if p.cp > 1 and gathers and self.recompute not in ("full", "op"):
-            gathered = family.cp_gathered_kv(m, p.tp, dt, p.cp, cfg.train.seq_len, self.gqa_native)
-            layer_bytes += act.total_bytes(gathered, b, s, p.tp, p.sp)
-        chunked = self.chunked_loss and cfg.train.loss_chunk > 0
-        head = family.head(m, p.tp, dt, sp_shards=shards, chunked=chunked)
-        head = act.total_bytes(head, b, s, p.tp, p.sp)
-        embed = act.total_bytes(family.embedding(p.tp, dt), b, s, p.tp, p.sp)
+            scores = family.attention_scores(m, lay.seq_len)
+            layer_bytes += act.total_bytes(scores, b, s, lay.tp)
+        gathers = self.cp_gathers_kv and lay.cp_attention != "ring"  # tetrad's ring keeps its own
+        if lay.cp > 1 and gathers and self.recompute not in ("full", "op"):
+            gathered = family.cp_gathered_kv(m, lay.tp, dt, lay.cp, lay.seq_len, self.gqa_native)
+            layer_bytes += act.total_bytes(gathered, b, s, lay.tp, lay.sp)
+        chunked = self.chunked_loss and lay.loss_chunk > 0
+        head = family.head(m, lay.tp, dt, sp_shards=shards, chunked=chunked)
+        head = act.total_bytes(head, b, s, lay.tp, lay.sp)
+        embed = act.total_bytes(family.embedding(lay.tp, dt), b, s, lay.tp, lay.sp)
         out = [n * layer_bytes for n in split]
         out[0] += embed
         out[-1] += head
         return out
 
-    def stage_pending_w(self, cfg: Config, split: list[int]) -> list[float]:
+    def stage_pending_w(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[float]:
         """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
         deferred linears, and on the last stage the head's unless a chunked loss computes
         its weight gradient in B."""
-        lay = layout_of(cfg)
-        p, b, s = cfg.parallel, lay.microbatch_size, lay.local_seq
-        family = spec_for(cfg.model).activations
-        w = family.pending_w(cfg.model, p.tp, cfg.train.dtype)
-        one = act.total_bytes(w, b, s, p.tp, p.sp)
+        b, s = lay.microbatch_size, lay.local_seq
+        family = spec_for(m).activations
+        w = family.pending_w(m, lay.tp, lay.dtype_name)
+        one = act.total_bytes(w, b, s, lay.tp, lay.sp)
         out = [n * one for n in split]
-        if not (self.chunked_loss and cfg.train.loss_chunk > 0):
-            head = family.pending_w_head(cfg.model, p.tp, cfg.train.dtype)
-            out[-1] += act.total_bytes(head, b, s, p.tp, p.sp)
+        if not (self.chunked_loss and lay.loss_chunk > 0):
+            head = family.pending_w_head(m, lay.tp, lay.dtype_name)
+            out[-1] += act.total_bytes(head, b, s, lay.tp, lay.sp)
         return out
 
     def rank_activations(
-        self, cfg: Config, split: list[int], timeline: Timeline, pp_rank: int, deferred_w: bool
+        self,
+        lay: Layout,
+        m: ModelConfig,
+        split: list[int],
+        timeline: Timeline,
+        pp_rank: int,
+        deferred_w: bool,
     ) -> float:
         """Peak activation bytes of pp rank `pp_rank` over the (simulated) step: its
         microbatches in flight, and each stage's output until its send is done."""
-        p = cfg.parallel
-        per_stage = self.stage_activations(cfg, split)
-        pending = self.stage_pending_w(cfg, split) if deferred_w else []
-        lay = layout_of(cfg)
-        sending = spec_for(cfg.model).activations.stage_output(cfg.model, cfg.train.dtype)
-        out = act.total_bytes(sending, lay.microbatch_size, lay.local_seq, p.tp, p.sp)
+        per_stage = self.stage_activations(lay, m, split)
+        pending = self.stage_pending_w(lay, m, split) if deferred_w else []
+        sending = spec_for(m).activations.stage_output(m, lay.dtype_name)
+        out = act.total_bytes(sending, lay.microbatch_size, lay.local_seq, lay.tp, lay.sp)
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
         return act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent)
 
     def memory(
-        self, cfg: Config, split: list[int], facts: list[RankFacts], timeline: Timeline,
-        deferred_w: bool,
+        self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts],
+        timeline: Timeline, deferred_w: bool,
     ) -> Memory:  # fmt: skip
         """The fullest pp rank's memory: model state + activations in flight + overhead."""
         best = None
-        for r in range(cfg.parallel.pp):
-            acts = self.rank_activations(cfg, split, timeline, r, deferred_w)
-            peak = self.peak(cfg, r, facts[r], acts)
+        for r in range(lay.pp):
+            acts = self.rank_activations(lay, m, split, timeline, r, deferred_w)
+            peak = self.peak(lay, m, r, facts[r], acts)
             mem = Memory(float(facts[r].state.total), acts, self._overhead(peak, acts),
                          self.device.hbm_bytes, peak)  # fmt: skip
             if best is None or mem.total > best.total:
                 best = mem
         return best
 
-    def floor(self, cfg: Config, split: list[int], facts: list[RankFacts]) -> float:
+    def floor(self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts]) -> float:
         """A lower bound of `memory(...).total` without a timeline: every rank holds at
         least one microbatch of its largest stage's activations."""
-        p = cfg.parallel
-        per_stage = self.stage_activations(cfg, split)
+        per_stage = self.stage_activations(lay, m, split)
         out = 0.0
-        for r in range(p.pp):
-            stages = held_stages(cfg, r)
+        for r in range(lay.pp):
+            stages = held_stages(lay, r)
             acts = max(per_stage[s] for s in stages)
-            out = max(out, facts[r].state.total + acts + self.overhead(cfg, r, facts[r], acts))
+            out = max(out, facts[r].state.total + acts + self.overhead(lay, m, r, facts[r], acts))
         return out
 
-    def overhead(self, cfg: Config, pp_rank: int, fa: RankFacts, acts: float) -> float:
+    def overhead(
+        self, lay: Layout, m: ModelConfig, pp_rank: int, fa: RankFacts, acts: float
+    ) -> float:
         """Workspace + the peak's transients + the allocator's share of transients and
         activations."""
-        return self._overhead(self.peak(cfg, pp_rank, fa, acts), acts)
+        return self._overhead(self.peak(lay, m, pp_rank, fa, acts), acts)
 
     def _overhead(self, peak: Peak, acts: float) -> float:
         transient = peak.transient
         share = ALLOCATOR * max(transient + acts, 0.0)
         return self.device.workspace_bytes + transient + peak.reserved_bytes + share
 
-    def peak(self, cfg: Config, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
+    def peak(self, lay: Layout, m: ModelConfig, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
         settings = PeakSettings(
             self.chunked_loss, self.recompute, self.fused, self.scores,
-            *self._zero_buffers(cfg, fa), _late_grads(cfg, fa, self.shards(cfg)),
-            self.eager_loss, self._accumulated_grads(cfg, fa),
+            *self._zero_buffers(lay, m, fa), _late_grads(lay, fa, self.shards(lay)),
+            self.eager_loss, self._accumulated_grads(lay, fa),
         )  # fmt: skip
-        return rank_peak(cfg, pp_rank, acts, settings)
+        return rank_peak(lay, m, pp_rank, acts, settings)
 
-    def _accumulated_grads(self, cfg: Config, fa: RankFacts) -> float:
+    def _accumulated_grads(self, lay: Layout, fa: RankFacts) -> float:
         """Bytes of ZeRO-2/3's whole unsharded gradients accumulated over microbatches (of
         `_zero_buffers`' gradients): from the first microbatch's backward to the
         reduction, so every moment of a later microbatch holds them, its loss included."""
-        p = cfg.parallel
-        whole = self.shards(cfg) > 1 and p.zero_stage >= 2 and not self.reduce_every_micro
-        if not (whole and p.microbatches > 1):
+        whole = self.shards(lay) > 1 and lay.zero_stage >= 2 and not self.reduce_every_micro
+        if not (whole and lay.microbatches > 1):
             return 0.0
-        return DTYPE_BYTES[cfg.train.dtype] * fa.psi_scattered
+        return lay.element_bytes * fa.psi_scattered
 
-    def _zero_buffers(self, cfg: Config, fa: RankFacts) -> tuple[float, float]:
+    def _zero_buffers(self, lay: Layout, m: ModelConfig, fa: RankFacts) -> tuple[float, float]:
         """(ZeRO-3's gathered compute parameters, ZeRO-2/3's unsharded gradients), bytes
         alive at the peak.
 
@@ -346,44 +343,43 @@ class Footprint:
         engine that caps its live parameters (DeepSpeed) keeps at most that many
         gathered, but never less than one module (its largest linear), and two reduce
         buckets of gradients."""
-        p, c = cfg.parallel, DTYPE_BYTES[cfg.train.dtype]
-        if self.shards(cfg) == 1:
+        c = lay.element_bytes
+        if self.shards(lay) == 1:
             return 0.0, 0.0
         gathered_blocks, grad_blocks = self.zero_blocks
         gathered = grads = 0.0
         block = fa.block + fa.expert_unit  # a block's units: its own, and its experts'
-        if p.zero_stage == 3:
+        if lay.zero_stage == 3:
             gathered = gathered_blocks * block + fa.psi_root
             if self.max_live:
-                gathered = max(min(gathered, self.max_live), _largest_linear(cfg))
-        if p.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
+                gathered = max(min(gathered, self.max_live), _largest_linear(lay, m))
+        if lay.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
             # with pp > 1 a stage reduces at its last backward work (whatever m): whole
-            whole = (p.microbatches > 1 or p.pp > 1) and not self.reduce_every_micro
+            whole = (lay.microbatches > 1 or lay.pp > 1) and not self.reduce_every_micro
             units = grad_blocks * block + fa.psi_root
             grads = fa.psi_scattered if whole else units
-            if whole and p.zero_stage == 3 and self.zero3_incoming_grad:
+            if whole and lay.zero_stage == 3 and self.zero3_incoming_grad:
                 grads += block + fa.psi_root  # the microbatch's, before the sum
             if self.max_live and self.reduce_bucket and not whole:
-                grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(cfg))
+                grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(lay, m))
         return c * gathered, c * grads
 
 
-def _late_grads(cfg: Config, fa: RankFacts, shards: int) -> float:
+def _late_grads(lay: Layout, fa: RankFacts, shards: int) -> float:
     """Gradient bytes of the model state that exist only from the reduction to the
     optimizer step, not in the forward and backward: the fp32 gradients of mixed
     precision (`model_state.replicated_bytes`) and ZeRO's fp32 gradient shards. What
     persists is the full gradient in the compute dtype, kept by plain data parallelism
     and ZeRO-1 (in fp32 that is all of it). `shards`: the ranks the state is sharded
     over (`Footprint.shards`)."""
-    persists = shards == 1 or cfg.parallel.zero_stage == 1
-    held = DTYPE_BYTES[cfg.train.dtype] * fa.psi if persists else 0.0
+    persists = shards == 1 or lay.zero_stage == 1
+    held = lay.element_bytes * fa.psi if persists else 0.0
     return max(float(fa.state.grads) - held, 0.0)
 
 
-def _largest_linear(cfg: Config) -> float:
+def _largest_linear(lay: Layout, m: ModelConfig) -> float:
     """Elements of a block's largest weight on one tp rank (an MLP matrix)."""
-    m = cfg.model
-    return max(m.dim * m.hidden_dim, m.dim * m.dim) / cfg.parallel.tp
+    return max(m.dim * m.hidden_dim, m.dim * m.dim) / lay.tp
 
 
 def _root_names(spec: ModelSpec, named, first: bool, last: bool) -> set[str]:
@@ -404,41 +400,49 @@ def _block_kinds(m: ModelConfig, split: list[int], stages: list[int]) -> tuple[i
     return dense, len(held) - dense
 
 
-def _ep_shape(cfg: Config) -> tuple[int, bool]:
+def _ep_shape(lay: Layout) -> tuple[int, bool]:
     """(ep, whether the ep group spans the tp ranks): what a rank's expert slice depends
     on (`mesh.expert_groups`)."""
-    p = cfg.parallel
-    return p.ep, p.ep > 1 and (p.dp * p.fsdp * p.cp) % p.ep != 0
+    return lay.ep, lay.ep_spans_tp
 
 
-def _state(cfg: Config, named, replicated, shards: int) -> ModelState:
+def _state(lay: Layout, m: ModelConfig, named, replicated, shards: int) -> ModelState:
     """`model_state.model_state_bytes`'s arithmetic on given local parameters (shard rank 0
     of `shards`): under ep the experts have their own ZeRO units, sharded over the ranks
     holding the same experts (ep_data), beside ZeRO's units of the rest."""
-    p = cfg.parallel
-    dtype = layout_of(cfg).compute_dtype
+    dtype = lay.compute_dtype
     if shards == 1:
         return replicated_bytes(named, dtype)
     experts = [(n, s) for n, s in named if replicated[n] == EXPERT_REPLICATED]
     rest = [(n, s) for n, s in named if replicated[n] != EXPERT_REPLICATED]
-    units = plan_units(rest, replicated, shards, spec_for(cfg.model))
-    zero = zero_bytes(units, 0, p.zero_stage, dtype)
+    units = plan_units(rest, replicated, shards, spec_for(m))
+    zero = zero_bytes(units, 0, lay.zero_stage, dtype)
     if not experts:
         return zero
-    ep_data = _expert_shards(cfg, shards)
+    ep_data = _expert_shards(lay, m, shards)
     if ep_data == 1:  # held whole
         return zero + replicated_bytes(experts, dtype)
     # ZeRO's second set of shards, over ep_data (shard rank 0)
-    units = plan_units(experts, replicated, ep_data, spec_for(cfg.model), "ep_data")
-    return zero + zero_bytes(units, 0, p.zero_stage, dtype)
+    units = plan_units(experts, replicated, ep_data, spec_for(m), "ep_data")
+    return zero + zero_bytes(units, 0, lay.zero_stage, dtype)
 
 
-def _expert_shards(cfg: Config, shards: int) -> int:
+def _expert_shards(lay: Layout, m: ModelConfig, shards: int) -> int:
     """Ranks the expert weights' ZeRO state is split over: under ZeRO (`shards` > 1) their
     expert-data group, the dp·fsdp·cp·tp / ep ranks of a stage holding the same slice
     (`mesh.expert_groups`); without it, or experts, none (1: the facts of a dense model's
     layouts stay shared across dp)."""
-    p = cfg.parallel
-    if shards == 1 or not cfg.model.moe:
+    if shards == 1 or not m.moe:
         return 1
-    return p.dp * p.fsdp * p.cp * p.tp // p.ep
+    return lay.expert_data
+
+
+def _template_layout(lay: Layout) -> Layout:
+    """`lay` on one pp rank of one stage whose data ranks are one ep group's (no fsdp, no
+    cp): its experts are the slice a rank of `lay` holds (spanning tp where `lay`'s do)."""
+    ep_data = lay.ep // lay.tp if lay.ep_spans_tp else lay.ep
+    degrees = {"pp": 1, "dp": ep_data, "fsdp": 1, "cp": 1, "tp": lay.tp}
+    return dataclasses.replace(
+        lay, degrees=degrees, virtual_stages=1, split=None, split_measured=False,
+        local_seq=lay.seq_len, microbatch_size=lay.global_batch // (ep_data * lay.microbatches),
+    )  # fmt: skip

@@ -1,6 +1,9 @@
-"""Layouts as the planner sees them: a Config from a model, batch and degrees
-(`layout_config`), the fields a prediction is about (`describe`), GPT stacks in Llama
-shapes (`gpt_as_llama`), and per-rank sizes the cost and memory models share."""
+"""Layouts as the planner sees them: a `Layout` from a model, batch and degrees
+(`layout_for`, `candidate`; the Config that validation reads stays inside this module's
+`layout_config`), the fields a prediction is about (`describe`), GPT stacks in Llama
+shapes (`gpt_as_llama`), and per-rank sizes the cost and memory models share. Every
+planner function takes a `Layout` (frozen and hashable: its caches' key) and the
+`ModelConfig`, never the whole `Config`."""
 
 from __future__ import annotations
 
@@ -8,51 +11,16 @@ import dataclasses
 import functools
 from typing import Any
 
-from tetrad.config import DTYPE_BYTES, Config, ModelConfig
-from tetrad.layout import Layout
+from tetrad.config import Config, ModelConfig
+from tetrad.layout import Layout, dtype_name
 from tetrad.mesh import expert_groups
 from tetrad.parallel.pipeline.schedules import rank_stages
 
 
-def layout_of(cfg: Config) -> Layout:
-    """A candidate's layout: the planner describes candidates as Configs (a model, a batch,
-    degrees); every derived fact of one (local shapes, dtypes, the split) is `Layout`'s.
-    Cached by the config's values: a search asks for one candidate's layout dozens of
-    times, and validating it was a third of the search."""
-    try:
-        return _layout(_ByValue(cfg))
-    except TypeError:  # a field holds an unhashable value: build it each time
-        return Layout.build(cfg)
-
-
-class _ByValue:
-    """A Config hashed and compared by its fields' values as they are now (a later change
-    to the config makes a new key, never a stale hit)."""
-
-    __slots__ = ("cfg", "key", "hash")
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.key = tuple(tuple(vars(section).values()) for section in vars(cfg).values())
-        self.hash = hash(self.key)  # TypeError here, before the cache sees it
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ByValue) and self.key == other.key
-
-
-@functools.lru_cache(maxsize=8192)
-def _layout(keyed: _ByValue) -> Layout:
-    return Layout.build(keyed.cfg)
-
-
-def held_stages(cfg: Config, pp_rank: int) -> tuple[int, ...]:
+def held_stages(lay: Layout, pp_rank: int) -> tuple[int, ...]:
     """The global stages pp rank `pp_rank` holds (`schedules.rank_stages`; cached: a
     search asks tens of thousands of times for a few dozen placements)."""
-    p = cfg.parallel
-    return _held_stages(pp_rank, p.pp, p.virtual_stages, p.pp_schedule)
+    return _held_stages(pp_rank, lay.pp, lay.virtual_stages, lay.schedule)
 
 
 @functools.cache
@@ -65,29 +33,22 @@ def model_key(model: ModelConfig) -> tuple:
     return tuple(vars(model).values())
 
 
-def local_tokens(cfg: Config) -> int:
-    """Tokens of one microbatch on one rank: cp splits every sequence."""
-    return layout_of(cfg).microbatch_tokens
-
-
-def cp_exchange_bytes(cfg: Config) -> float:
+def cp_exchange_bytes(lay: Layout, m: ModelConfig) -> float:
     """Bytes of keys and values one rank receives per attention layer and microbatch
     under context parallelism (forward; dk and dv the same backward): those of the other
     cp - 1 shards, 2·(cp - 1)/cp · b·s·kv·hd·c, with kv the rank's kv heads."""
-    p, m = cfg.parallel, cfg.model
-    kv = max(m.kv_heads // p.tp, 1)
-    whole = 2 * layout_of(cfg).microbatch_size * cfg.train.seq_len * kv * m.head_dim * cbytes(cfg)
-    return (p.cp - 1) / p.cp * whole
+    kv = lay.kv_heads(m.kv_heads)
+    whole = 2 * lay.microbatch_size * lay.seq_len * kv * m.head_dim * lay.element_bytes
+    return (lay.cp - 1) / lay.cp * whole
 
 
-def ep_bytes_per_layer(cfg: Config) -> float:
+def ep_bytes_per_layer(lay: Layout, m: ModelConfig) -> float:
     """All-to-all bytes one rank sends per MoE layer per microbatch under expert
     parallelism, forward and backward (docs/moe.md): 4·T·k·dim·c·(ep - 1)/ep, the
     dispatch and the combine each way, T the tokens the rank dispatches (1/tp of its
     microbatch's under tp), uniform routing. The counts' exchange is not included."""
-    p, m = cfg.parallel, cfg.model
-    tokens = local_tokens(cfg) / p.tp
-    return 4 * tokens * m.top_k * m.dim * cbytes(cfg) * (p.ep - 1) / p.ep
+    tokens = lay.microbatch_tokens / lay.tp
+    return 4 * tokens * m.top_k * m.dim * lay.element_bytes * (lay.ep - 1) / lay.ep
 
 
 @functools.cache
@@ -95,27 +56,22 @@ def _expert_groups(degrees: tuple[tuple[str, int], ...], ep: int) -> tuple[list,
     return expert_groups(dict(degrees), ep)
 
 
-def ep_groups(cfg: Config) -> tuple[list[list[int]], list[list[int]]]:
-    """The ep groups and expert-data groups of `cfg`'s layout, in global ranks
+def ep_groups(lay: Layout) -> tuple[list[list[int]], list[list[int]]]:
+    """The ep groups and expert-data groups of `lay`, in global ranks
     (`mesh.expert_groups`; cached: a search asks for the same degrees often)."""
-    return _expert_groups(tuple(layout_of(cfg).degrees.items()), cfg.parallel.ep)
+    return _expert_groups(tuple(lay.degrees.items()), lay.ep)
 
 
-def cbytes(cfg: Config) -> int:
-    """Bytes of one element in the compute dtype."""
-    return DTYPE_BYTES[cfg.train.dtype]
-
-
-def describe(cfg: Config, recompute: str = "none") -> dict[str, Any]:
-    """The layout fields of `cfg` a prediction is about."""
-    p = cfg.parallel
+def describe(lay: Layout, recompute: str = "none") -> dict[str, Any]:
+    """The layout fields of `lay` a prediction is about."""
+    d = lay.degrees
     return {
-        "dp": p.dp, "fsdp": p.fsdp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
-        "zero_stage": p.zero_stage,
-        "sp": p.sp, "pp_schedule": p.pp_schedule, "microbatches": p.microbatches,
-        "virtual_stages": p.virtual_stages, "microbatch_size": layout_of(cfg).microbatch_size,
-        "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
-        "dtype": cfg.train.dtype, "recompute": recompute, "world": p.world_size,
+        "dp": d["dp"], "fsdp": d["fsdp"], "tp": d["tp"], "pp": d["pp"], "cp": d["cp"],
+        "ep": lay.ep, "zero_stage": lay.zero_stage,
+        "sp": lay.sp, "pp_schedule": lay.schedule, "microbatches": lay.microbatches,
+        "virtual_stages": lay.virtual_stages, "microbatch_size": lay.microbatch_size,
+        "global_batch": lay.global_batch, "seq_len": lay.seq_len,
+        "dtype": lay.dtype_name, "recompute": recompute, "world": lay.world,
     }  # fmt: skip
 
 
@@ -140,3 +96,54 @@ def layout_config(model: ModelConfig, global_batch: int, seq_len: int, dtype: st
     cfg.train.global_batch, cfg.train.seq_len, cfg.train.dtype = global_batch, seq_len, dtype
     cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)
     return cfg
+
+
+def layout_for(model: ModelConfig, global_batch: int, seq_len: int, dtype: str = "bf16",
+               world: int | None = None, **parallel: Any) -> Layout:  # fmt: skip
+    """The validated Layout of `model`, batch, sequence, compute dtype and degrees
+    (`Layout.build` of `layout_config`'s Config; ValueError naming what fails)."""
+    cfg = layout_config(model, global_batch, seq_len, dtype, **parallel)
+    return Layout.build(cfg, world)
+
+
+def candidate(base: Layout, model: ModelConfig, **parallel: Any) -> Layout:
+    """A search's candidate: `base`'s batch, sequence, dtypes and loss chunk on the given
+    degrees, validated for their world (`Layout.build`: ValueError naming what fails).
+    Cached by the model and the candidate's values: a search asks for one candidate's
+    layout several times, and validating it was a third of the search."""
+    return _candidate(_Model(model), base, tuple(sorted(parallel.items())))
+
+
+class _Model:
+    """A ModelConfig (mutable, so unhashable) keyed by its fields' values as they are now."""
+
+    __slots__ = ("model", "key")
+
+    def __init__(self, model: ModelConfig):
+        self.model, self.key = model, model_key(model)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Model) and self.key == other.key
+
+
+@functools.lru_cache(maxsize=8192)
+def _candidate(model: _Model, base: Layout, parallel: tuple) -> Layout:
+    cfg = layout_config(model.model, base.global_batch, base.seq_len, base.dtype_name,
+                        **_carried(base) | dict(parallel))  # fmt: skip
+    cfg.train.loss_chunk = base.loss_chunk
+    return Layout.build(cfg, cfg.parallel.world_size)
+
+
+def _carried(base: Layout) -> dict[str, Any]:
+    """The parallel settings a candidate keeps from `base` (all but the degrees, the
+    schedule and the counts the search chooses)."""
+    reduce = "fp32" if base.dtype_name == "fp64" else dtype_name(base.reduce_dtype)
+    return {
+        "reduce_dtype": reduce, "cp_attention": base.cp_attention, "cp_kernel": base.cp_kernel,
+        "bucket_mb": base.bucket_bytes / 2**20, "first_bucket_mb": base.first_bucket_bytes / 2**20,
+        "reshard_after_forward": base.reshard_after_forward,
+        "pp_split": "measured" if base.split_measured else "",
+    }  # fmt: skip

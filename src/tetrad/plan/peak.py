@@ -40,10 +40,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.config import DTYPE_BYTES, Config
+from tetrad.config import ModelConfig
+from tetrad.layout import Layout
 from tetrad.models.families import spec_for
 from tetrad.plan import activations as act
-from tetrad.plan.layouts import held_stages, layout_of
+from tetrad.plan.layouts import held_stages
 
 
 @dataclass(frozen=True)
@@ -85,21 +86,20 @@ class PeakSettings:
     accumulated_grads: float = 0.0
 
 
-def rank_peak(cfg: Config, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
+def rank_peak(lay: Layout, m: ModelConfig, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
     """The largest of the rank's candidate moments (module docstring)."""
-    p = cfg.parallel
-    stages = held_stages(cfg, pp_rank)
-    last = p.pp * p.virtual_stages - 1 in stages
-    shared = _shared_terms(cfg, 0 in stages, s)
-    block = [("block backward", block_backward(cfg, s)),
+    stages = held_stages(lay, pp_rank)
+    last = lay.pp * lay.virtual_stages - 1 in stages
+    shared = _shared_terms(lay, m, 0 in stages, s)
+    block = [("block backward", block_backward(lay, m, s)),
              ("ZeRO unsharded gradients", s.zero_grads - s.accumulated_grads)]  # fmt: skip
     moments = [("block backward", block + shared, [])]
     if last:
-        fwd, bwd = loss_forward(cfg, s.chunked_loss), loss_backward(cfg, s.chunked_loss)
+        fwd, bwd = loss_forward(lay, m, s.chunked_loss), loss_backward(lay, m, s.chunked_loss)
         hole = []
-        if s.eager_loss and not _chunked(cfg, s.chunked_loss):
-            bwd = eager_loss_backward(cfg)
-            hole = [("freed logits' space", eager_loss_hole(cfg))]
+        if s.eager_loss and not _chunked(lay, s.chunked_loss):
+            bwd = eager_loss_backward(lay, m)
+            hole = [("freed logits' space", eager_loss_hole(lay, m))]
         moments.append(("loss forward", [("loss chunk, forward", fwd)] + shared, []))
         moments.append(("loss backward", [("loss chunk, backward", bwd)] + shared, hole))
     moments.append(("optimizer step", [("activations (freed by then)", -acts)], []))
@@ -111,95 +111,93 @@ def _nonzero(terms: list[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
     return tuple((k, float(v)) for k, v in terms if v)
 
 
-def _chunked(cfg: Config, chunked: bool) -> bool:
+def _chunked(lay: Layout, chunked: bool) -> bool:
     """Whether the head and loss run a chunk of tokens at a time."""
-    return chunked and cfg.train.loss_chunk > 0
+    return chunked and lay.loss_chunk > 0
 
 
-def _shared_terms(cfg: Config, first: bool, s: PeakSettings) -> list[tuple[str, float]]:
+def _shared_terms(
+    lay: Layout, m: ModelConfig, first: bool, s: PeakSettings
+) -> list[tuple[str, float]]:
     """Terms alive through the forward and backward (module docstring)."""
     out = [("ZeRO-3 gathered parameters", s.zero_gathered),
            ("ZeRO gradients accumulated over microbatches", s.accumulated_grads),
            ("gradients not yet reduced (in the state)", -s.late_grads)]  # fmt: skip
     if not first:
-        out.append(("pipeline receive pool", 2 * stage_input_bytes(cfg)))
+        out.append(("pipeline receive pool", 2 * stage_input_bytes(lay, m)))
     return out
 
 
-def stage_input_bytes(cfg: Config) -> float:
+def stage_input_bytes(lay: Layout, m: ModelConfig) -> float:
     """Bytes of one microbatch's hidden states between stages: b·s·h·c (s/tp under SP)."""
-    lay, p = layout_of(cfg), cfg.parallel
-    tokens = lay.microbatch_size * lay.local_seq / (p.tp if p.sp else 1)
-    return tokens * cfg.model.dim * DTYPE_BYTES[cfg.train.dtype]
+    tokens = lay.microbatch_size * lay.local_seq / (lay.tp if lay.sp else 1)
+    return tokens * m.dim * lay.element_bytes
 
 
-def _tokens(cfg: Config) -> int:
+def _tokens(lay: Layout) -> int:
     """Tokens of one microbatch on one rank: the head sees the whole (local) sequence."""
-    lay = layout_of(cfg)
     return lay.microbatch_size * lay.local_seq
 
 
-def loss_forward(cfg: Config, chunked: bool) -> float:
+def loss_forward(lay: Layout, m: ModelConfig, chunked: bool) -> float:
     """One chunk of logits (c bytes, and their fp32 copy where c < 4) and log-sum-exp's
     fp32 exponentials of them. Unchunked: 0 here (the logits are saved activations and
     their fp32 work is charged to the loss backward)."""
-    if not (chunked and cfg.train.loss_chunk > 0):
+    if not (chunked and lay.loss_chunk > 0):
         return 0.0
-    m, c = cfg.model, DTYPE_BYTES[cfg.train.dtype]
-    n, v = min(cfg.train.loss_chunk, _tokens(cfg)), m.vocab / cfg.parallel.tp
+    c = lay.element_bytes
+    n, v = min(lay.loss_chunk, _tokens(lay)), m.vocab / lay.tp
     return n * v * (4 + 4 + (c if c < 4 else 0))
 
 
-def loss_backward(cfg: Config, chunked: bool) -> float:
+def loss_backward(lay: Layout, m: ModelConfig, chunked: bool) -> float:
     """Chunked: a chunk's fp32 logit gradient (and its cast), the input gradient, the
     fp32 weight gradient and a chunk's share of it. Unchunked: log-softmax's backward
     holds its fp32 output gradient and its input gradient at once (its saved output is
     among the activations)."""
-    m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-    c, n_all = DTYPE_BYTES[dt], _tokens(cfg)
-    if not (chunked and cfg.train.loss_chunk > 0):  # log-softmax's backward: in and out
-        return n_all * m.vocab / p.tp * 8
-    n, v = min(cfg.train.loss_chunk, n_all), m.vocab / p.tp
+    c, n_all = lay.element_bytes, _tokens(lay)
+    if not (chunked and lay.loss_chunk > 0):  # log-softmax's backward: in and out
+        return n_all * m.vocab / lay.tp * 8
+    n, v = min(lay.loss_chunk, n_all), m.vocab / lay.tp
     cast = c if c < 4 else 0
     return n * v * (4 + cast) + n_all * m.dim * c + v * m.dim * (4 + 4 + cast)
 
 
-def eager_loss_backward(cfg: Config) -> float:
+def eager_loss_backward(lay: Layout, m: ModelConfig) -> float:
     """Eager `F.cross_entropy(logits.float(), ...)` (torchtitan's loss_fn): the backward of
     nll_loss and log_softmax holds the fp32 one-hot gradient and the fp32 input gradient
     beside the saved log-probabilities, 8·N·V/t; under tp DTensor's loss_parallel fuses the
     two into (one-hot + exp(log-probs)) · scale, which holds the zero-filled one-hot,
     exp, their sum and the product at once (torch.distributed.tensor.parallel.loss): three
     fp32 tensors beside the saved one, 12·N·V/t."""
-    tensors = 3 if cfg.parallel.tp > 1 else 2
-    return tensors * 4 * _tokens(cfg) * cfg.model.vocab / cfg.parallel.tp
+    tensors = 3 if lay.tp > 1 else 2
+    return tensors * 4 * _tokens(lay) * m.vocab / lay.tp
 
 
-def eager_loss_hole(cfg: Config) -> float:
+def eager_loss_hole(lay: Layout, m: ModelConfig) -> float:
     """Reserved, not allocated, at an eager loss's backward: the head's logits in the
     compute dtype (c·N·V/t), freed before the backward (torchtitan's `del pred`), leave a
     hole that none of the backward's fp32 N·V/t tensors fits: the caching allocator
     places them past it, so the device's peak keeps it. Nothing where the logits are
     fp32 already."""
-    c = DTYPE_BYTES[cfg.train.dtype]
-    return c * _tokens(cfg) * cfg.model.vocab / cfg.parallel.tp if c < 4 else 0.0
+    c = lay.element_bytes
+    return c * _tokens(lay) * m.vocab / lay.tp if c < 4 else 0.0
 
 
-def block_backward(cfg: Config, s: PeakSettings) -> float:
+def block_backward(lay: Layout, m: ModelConfig, s: PeakSettings) -> float:
     """SwiGLU's backward (two f-wide gradients beyond the saved tensors) and the residual
     gradient; plus what recomputation rebuilds, and the scores without a flash kernel."""
-    m, p, dt = cfg.model, cfg.parallel, cfg.train.dtype
-    lay, c = layout_of(cfg), DTYPE_BYTES[dt]
+    dt, c = lay.dtype_name, lay.element_bytes
     b, seq = lay.microbatch_size, lay.local_seq
     tokens = b * seq
-    out = 2 * tokens * m.hidden_dim * c / p.tp + tokens * m.dim * c / (p.tp if p.sp else 1)
+    out = 2 * tokens * m.hidden_dim * c / lay.tp + tokens * m.dim * c / (lay.tp if lay.sp else 1)
     family = spec_for(m).activations
     if s.recompute != "none":  # what the policy rebuilds for this block's backward
-        whole = family.layer(m, p.tp, dt, "none", fused=s.fused)
-        kept = family.layer(m, p.tp, dt, s.recompute, fused=s.fused)
-        out += act.total_bytes(whole, b, seq, p.tp, p.sp) - act.total_bytes(
-            kept, b, seq, p.tp, p.sp
+        whole = family.layer(m, lay.tp, dt, "none", fused=s.fused)
+        kept = family.layer(m, lay.tp, dt, s.recompute, fused=s.fused)
+        out += act.total_bytes(whole, b, seq, lay.tp, lay.sp) - act.total_bytes(
+            kept, b, seq, lay.tp, lay.sp
         )
     if s.scores:
-        out += act.total_bytes(family.attention_scores(m, cfg.train.seq_len), b, seq, p.tp)
+        out += act.total_bytes(family.attention_scores(m, lay.seq_len), b, seq, lay.tp)
     return out

@@ -33,15 +33,16 @@ walk reaches them.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from tetrad.config import Config
+from tetrad.config import ModelConfig
 from tetrad.layout import Layout, ep_fits
 from tetrad.plan.cost import Planner, Prediction
+from tetrad.plan.layouts import candidate
 
 
 @dataclass(frozen=True)
@@ -71,16 +72,17 @@ def _choices(fixed: int | str | None, options: list) -> list:
     return [fixed] if fixed is not None else options
 
 
-def degrees(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterator[dict]:
+def degrees(m: ModelConfig, seq_len: int, world: int, gpus_per_node: int,
+            space: Space) -> Iterator[dict]:  # fmt: skip
     """(dp, fsdp, tp, pp, cp) whose product is `world`, honouring `space`'s fixed degrees.
     cp only where the sequence splits into 2·cp chunks."""
     for tp in _choices(space.tp, [t for t in divisors(world) if t <= gpus_per_node]):
-        pps = [p for p in divisors(world // tp) if p <= cfg.model.layers] if world % tp == 0 else []
+        pps = [p for p in divisors(world // tp) if p <= m.layers] if world % tp == 0 else []
         for pp in _choices(space.pp, pps):
             if world % (tp * pp):
                 continue
             rest = world // (tp * pp)
-            cps = [c for c in divisors(rest) if cfg.train.seq_len % (2 * c) == 0]
+            cps = [c for c in divisors(rest) if seq_len % (2 * c) == 0]
             for cp in _choices(space.cp, [1] + [c for c in cps if c > 1]):
                 if rest % cp:
                     continue
@@ -88,7 +90,7 @@ def degrees(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterat
                 for fsdp in _choices(space.fsdp, divisors(data)):
                     if data % fsdp == 0 and (space.dp is None or space.dp * fsdp == data):
                         deg = {"dp": data // fsdp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp}
-                        for ep in _choices(space.ep, ep_degrees(cfg.model.experts, data, tp)):
+                        for ep in _choices(space.ep, ep_degrees(m.experts, data, tp)):
                             yield deg | {"ep": ep}
 
 
@@ -101,17 +103,16 @@ def ep_degrees(experts: int, data: int, tp: int) -> list[int]:
     return [e for e in divisors(experts) if ep_fits(e, data, tp)]
 
 
-def _schedules(cfg: Config, space: Space) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs for `cfg`'s degrees."""
-    p, layers = cfg.parallel, cfg.model.layers
-    if p.pp == 1:
+def _schedules(layers: int, pp: int, space: Space) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs for `pp` ranks of a stack of `layers`."""
+    if pp == 1:
         return [("1f1b", 1)]
     names = space.pp_schedule or ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
     names = [names] if isinstance(names, str) else names
     out = []
     for name in names:
         if name == "interleaved-1f1b":
-            even = [v for v in range(2, 9) if layers % (p.pp * v) == 0]
+            even = [v for v in range(2, 9) if layers % (pp * v) == 0]
             out += [(name, v) for v in _choices(space.virtual_stages, even)]
         elif name == "zb-v":
             out += [(name, 2)]
@@ -120,41 +121,41 @@ def _schedules(cfg: Config, space: Space) -> list[tuple[str, int]]:
     return out
 
 
-def families(cfg: Config, world: int, gpus_per_node: int, space: Space) -> Iterator[list[Config]]:
-    """Candidate layouts of `cfg`'s model and batch on `world` ranks, grouped into
-    families that differ only in the microbatch count (ascending). Not yet validated:
-    `valid` picks those that pass `Layout.build`, as a walk reaches them (validating
-    every count up front was a search's largest cost)."""
-    for deg in degrees(cfg, world, gpus_per_node, space):
+Candidate = dict[str, Any]  # a candidate's parallel settings, not yet validated
+
+
+def families(base: Layout, m: ModelConfig, world: int, gpus_per_node: int,
+             space: Space) -> Iterator[list[Candidate]]:  # fmt: skip
+    """Candidate layouts of model `m` with `base`'s batch and sequence on `world` ranks,
+    grouped into families that differ only in the microbatch count (ascending). Not yet
+    validated: `valid` builds the Layouts of those that pass `Layout.build`, as a walk
+    reaches them (validating every count up front was a search's largest cost)."""
+    gb = base.global_batch
+    for deg in degrees(m, base.seq_len, world, gpus_per_node, space):
         zeros = _choices(space.zero_stage, [2, 3] if deg["fsdp"] > 1 else [3])
         for zero in zeros:
-            sp = deg["tp"] > 1 and not cfg.model.moe  # MoE: tp without sp (not priced yet)
-            base = _with(cfg, **deg, zero_stage=zero, sp=sp)
-            data = base.parallel.data_ranks
-            if cfg.train.global_batch % data:
+            sp = deg["tp"] > 1 and not m.moe  # MoE: tp without sp (not priced yet)
+            data = deg["dp"] * deg["fsdp"]
+            if gb % data:
                 continue
-            counts = [m for m in divisors(cfg.train.global_batch // data) if m >= deg["pp"]]
-            for name, v in _schedules(base, space):
+            counts = [n for n in divisors(gb // data) if n >= deg["pp"]]
+            for name, v in _schedules(m.layers, deg["pp"], space):
                 family = [
-                    _with(base, microbatches=m, pp_schedule=name, virtual_stages=v)
-                    for m in _choices(space.microbatches, counts)
-                ]
+                    deg | {"zero_stage": zero, "sp": sp, "microbatches": n, "pp_schedule": name,
+                           "virtual_stages": v}
+                    for n in _choices(space.microbatches, counts)
+                ]  # fmt: skip
                 if family:
                     yield family
 
 
-def valid(family: list[Config]) -> Iterator[tuple[int, Config]]:
-    """(index, layout) of the family's layouts that pass `Layout.build`, in order."""
+def valid(base: Layout, m: ModelConfig, family: list[Candidate]) -> Iterator[tuple[int, Layout]]:
+    """(index, layout) of the family's candidates that pass `Layout.build`, in order."""
     for k, cand in enumerate(family):
         try:
-            Layout.build(cand, cand.parallel.world_size)
+            yield k, candidate(base, m, **cand)
         except ValueError:
             continue
-        yield k, cand
-
-
-def _with(cfg: Config, **parallel) -> Config:
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
 
 
 class _Ranking:
@@ -165,9 +166,9 @@ class _Ranking:
 
     def __init__(self, top: int):
         self.top = top
-        self.found: list[tuple[float, float, int, int, Config]] = []
+        self.found: list[tuple[float, float, int, int, Layout]] = []
 
-    def add(self, t: float, mem: float, family: int, count: int, cand: Config) -> None:
+    def add(self, t: float, mem: float, family: int, count: int, cand: Layout) -> None:
         self.found.append((t, mem, family, count, cand))
 
     @property
@@ -180,13 +181,12 @@ class _Ranking:
             return math.inf
         return heapq.nsmallest(self.top, (f[0] for f in self.found))[-1]
 
-    def best(self) -> list[Config]:
+    def best(self) -> list[Layout]:
         return [f[-1] for f in sorted(self.found, key=lambda f: f[:4])[: max(self.top, 0)]]
 
 
-def _walk_family(
-    planner: Planner, family: list[Config], index: int, ranking: _Ranking, prune: bool
-) -> None:
+def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate],
+                 index: int, ranking: _Ranking, prune: bool) -> None:  # fmt: skip
     """Add the family's counts that fit to `ranking`, walked upward until the time stops
     improving.
 
@@ -198,85 +198,88 @@ def _walk_family(
     either, and the answer is the unpruned walk's."""
     capacity = planner.cluster.device.hbm_bytes
     last, first = math.inf, True
-    for k, cand in valid(family):
-        if first and not _state_fits(planner, cand):
+    for k, cand in valid(base, m, family):
+        if first and not _state_fits(planner, cand, m):
             return  # the model state alone overflows, whatever the microbatches
         first = False
-        if prune and planner.step_floor(cand) * (1 - 1e-9) > ranking.threshold:
+        if prune and planner.step_floor(cand, m) * (1 - 1e-9) > ranking.threshold:
             break
-        if planner.memory_floor(cand) > capacity:
+        if planner.memory_floor(cand, m) > capacity:
             continue
-        memory = planner.memory(cand)
+        memory = planner.memory(cand, m)
         if not memory.fits:
             continue
-        pred = planner.predict(cand, detail=False, memory=memory)
+        pred = planner.predict(cand, m, detail=False, memory=memory)
         if pred.step_time_s >= last:
             break
         last = pred.step_time_s
         ranking.add(pred.step_time_s, memory.total, index, k, cand)
 
 
-def _hopeful(planner: Planner, family: list[Config], ranking: _Ranking) -> bool:
+def _hopeful(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate],
+             ranking: _Ranking) -> bool:  # fmt: skip
     """Whether the family's first valid count could beat the threshold (later counts
     cannot if it cannot: `_walk_family`)."""
-    first = next(valid(family), None)
-    return first is not None and planner.step_floor(first[1]) * (1 - 1e-9) <= ranking.threshold
+    first = next(valid(base, m, family), None)
+    return first is not None and planner.step_floor(first[1], m) * (1 - 1e-9) <= ranking.threshold
 
 
-def _buildable(planner: Planner, family: list[Config]) -> bool:
+def _buildable(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate]) -> bool:
     """Whether the runtime can build the family's model on its ranks (a family none of
     whose counts is valid has nothing to walk): a model with a module its tp plan lacks
     (Qwen3's QK-norm under tp, today) cannot, and is left out rather than failing the
     search."""
-    first = next(valid(family), None)
+    first = next(valid(base, m, family), None)
     if first is None:
         return False
     try:
-        for r in range(first[1].parallel.pp):
-            planner.rank_facts(first[1], r)
+        for r in range(first[1].pp):
+            planner.rank_facts(first[1], m, r)
     except ValueError:
         return False
     return True
 
 
-def _state_fits(planner: Planner, cfg: Config) -> bool:
+def _state_fits(planner: Planner, lay: Layout, m: ModelConfig) -> bool:
     """Whether every pp rank's model state alone fits (it does not depend on the count)."""
-    states = [planner.rank_facts(cfg, r).state.total for r in range(cfg.parallel.pp)]
+    states = [planner.rank_facts(lay, m, r).state.total for r in range(lay.pp)]
     return max(states) < planner.cluster.device.hbm_bytes
 
 
-def _fits_somewhere(planner: Planner, families: list[list[Config]]) -> bool:
+def _fits_somewhere(planner: Planner, base: Layout, m: ModelConfig,
+                    families: list[list[Candidate]]) -> bool:  # fmt: skip
     """Whether any count of any of `families` fits in memory."""
     capacity = planner.cluster.device.hbm_bytes
     return any(
-        planner.memory_floor(c) <= capacity and planner.memory(c).fits
+        planner.memory_floor(c, m) <= capacity and planner.memory(c, m).fits
         for family in families
-        for _, c in valid(family)
+        for _, c in valid(base, m, family)
     )
 
 
 def search(
-    planner: Planner, cfg: Config, world: int, space: Space = Space(), top: int = 10,
-    prune: bool = True,
+    planner: Planner, base: Layout, m: ModelConfig, world: int, space: Space = Space(),
+    top: int = 10, prune: bool = True,
 ) -> list[Prediction]:  # fmt: skip
-    """The `top` fastest predicted layouts that fit in memory, fastest first.
+    """The `top` fastest predicted layouts of model `m` with `base`'s batch, sequence,
+    dtypes and loss chunk on `world` ranks that fit in memory, fastest first.
 
     prune=False simulates every count the walk reaches (the reference the pruned search is
     tested against: the same answer)."""
     ranking = _Ranking(top)
-    at_cp1: dict[tuple[int, int], list[list[Config]]] = {}  # (tp, pp) -> cp = 1 families
+    at_cp1: dict[tuple[int, int], list[list[Candidate]]] = {}  # (tp, pp) -> cp = 1 families
     fitted: dict[tuple[int, int], bool] = {}  # (tp, pp): a cp = 1 layout fits
-    for index, family in enumerate(families(cfg, world, planner.cluster.gpus_per_node, space)):
-        if not _buildable(planner, family):
+    for index, family in enumerate(families(base, m, world, planner.cluster.gpus_per_node, space)):
+        if not _buildable(planner, base, m, family):
             continue
-        p = family[0].parallel
-        key = (p.tp, p.pp)
-        if p.cp == 1:
+        first = family[0]
+        key = (first["tp"], first["pp"])
+        if first["cp"] == 1:
             at_cp1.setdefault(key, []).append(family)
-        elif space.cp is None and (not prune or _hopeful(planner, family, ranking)):
+        elif space.cp is None and (not prune or _hopeful(planner, base, m, family, ranking)):
             if key not in fitted:  # asked only where the answer could change the result
-                fitted[key] = _fits_somewhere(planner, at_cp1.get(key, []))
+                fitted[key] = _fits_somewhere(planner, base, m, at_cp1.get(key, []))
             if fitted[key]:
                 continue  # those ranks as data parallelism fit, and are faster (no exchange)
-        _walk_family(planner, family, index, ranking, prune)
-    return [planner.predict(cand) for cand in ranking.best()]
+        _walk_family(planner, base, m, family, index, ranking, prune)
+    return [planner.predict(cand, m) for cand in ranking.best()]

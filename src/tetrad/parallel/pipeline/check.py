@@ -1,6 +1,6 @@
 """A pure checker for pipeline schedules: complete, causally ordered, deadlock-free.
 
-`check_schedule` raises ValueError with a precise message, or returns None. It proves:
+`check_actions` raises ValueError with a precise message, or returns None. It proves:
 
 1. Placement: every compute action runs on the rank holding its stage; every transfer
    runs on the right end of the right link, with the right peer, and never to itself.
@@ -74,7 +74,7 @@ from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, compu
 ActionKey = tuple[str, int, int]  # (kind, stage, microbatch)
 
 
-def check_schedule(
+def check_actions(
     actions: list[list[Action]],
     pp: int,
     microbatches: int,
