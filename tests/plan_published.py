@@ -16,10 +16,10 @@ import statistics
 
 from plan_helpers import planned
 from tetrad.config import ModelConfig, model_preset
+from tetrad.plan.candidates import gpt_as_llama, layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, MEGATRON
 from tetrad.plan.hardware import cluster_preset
-from tetrad.plan.layouts import gpt_as_llama, layout_config
 from tetrad.plan.search import Space, search
 
 # --- published rows -----------------------------------------------------------------------

@@ -17,9 +17,9 @@ import pytest
 
 from harness import EXACT, Jobs, assert_close_run, tiny_config, train_resumed, trainer_for
 from plan_helpers import planned
+from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.hardware import cluster_preset
-from tetrad.plan.layouts import layout_config
 
 pytestmark = pytest.mark.distributed
 

@@ -17,10 +17,10 @@ from tetrad.config import ModelConfig, model_preset
 from tetrad.models.llama_spec import LLAMA
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
+from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import MEGATRON
 from tetrad.plan.hardware import cluster_preset
-from tetrad.plan.layouts import layout_config
 
 KORTHIKANTI = {  # activation_memory_formulas.csv, bytes per layer
     ("none", 1, False): lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h),

@@ -11,9 +11,9 @@ from plan_helpers import planned
 from tetrad.config import model_preset
 from tetrad.layout import Layout
 from tetrad.parallel.model_state import model_state_bytes
+from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.hardware import cluster_preset
-from tetrad.plan.layouts import layout_config
 
 MODEL = model_preset("moe-small")  # 8 experts; 3 of its 4 blocks are MoE
 

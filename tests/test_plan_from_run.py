@@ -44,10 +44,10 @@ from tetrad.plan.calibrate import (
     steady_median,
     with_link_scale,
 )
+from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import TETRAD
 from tetrad.plan.hardware import at_efficiency, cluster_preset
-from tetrad.plan.layouts import layout_config
 from tetrad.train.metrics import MetricsWriter
 
 LAYOUTS = {

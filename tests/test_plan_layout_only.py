@@ -1,6 +1,6 @@
 """The planner runs on a `Layout` and a `ModelConfig`, never on the whole `Config`: no
 function or method in `tetrad.plan` takes one (`plan/cli.py` builds the Layout at the edge,
-through `plan.layouts.layout_for`)."""
+through `plan.candidates.layout_for`)."""
 
 from __future__ import annotations
 

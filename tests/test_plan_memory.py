@@ -14,10 +14,10 @@ from tetrad.config import model_preset
 from tetrad.layout import Layout
 from tetrad.models.flops import param_count
 from tetrad.parallel.model_state import model_state_bytes, zero_formula_bytes
+from tetrad.plan.candidates import gpt_as_llama, layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, LLAMA3, MEGATRON
 from tetrad.plan.hardware import GiB, cluster_preset
-from tetrad.plan.layouts import gpt_as_llama, layout_config
 
 
 @pytest.mark.parametrize("layout", [

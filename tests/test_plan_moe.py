@@ -18,9 +18,9 @@ from tetrad.mesh import rank_of
 from tetrad.models.moe import meta_moe
 from tetrad.models.moe_spec import flops_per_token
 from tetrad.parallel.model_state import model_state_bytes
+from tetrad.plan.candidates import ep_bytes_per_layer, layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.hardware import Link, cluster_preset
-from tetrad.plan.layouts import ep_bytes_per_layer, layout_config
 from tetrad.plan.search import Space, search
 
 # published (active, total) parameters: Mistral's Mixtral 8x7B announcement (12.9B of

@@ -26,10 +26,10 @@ from plan_helpers import planned
 from plan_published import MODELS
 from tetrad.config import from_dict
 from tetrad.mesh import Mesh
+from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, TETRAD
 from tetrad.plan.hardware import GiB, cluster_preset
-from tetrad.plan.layouts import layout_config
 from tetrad.plan.search import Space, search
 
 # big enough that the loss chunk, a block's backward and ZeRO's buffers are 5-20% of the

@@ -20,10 +20,10 @@ import pytest
 from harness import reference_csv
 from plan_helpers import planned
 from plan_published import LLAMA31_405B
+from tetrad.plan.candidates import gpt_as_llama, layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES
 from tetrad.plan.hardware import cluster_preset
-from tetrad.plan.layouts import gpt_as_llama, layout_config
 
 SCHEDULES = {"1F1B": "1f1b", "ZB-1p": "zb-h1"}
 CLOSE = 0.03  # measured throughputs closer than this are not held to an order

@@ -8,10 +8,10 @@ import pytest
 
 from plan_helpers import planned
 from tetrad.config import model_preset
+from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import MEGATRON
 from tetrad.plan.hardware import cluster_preset
-from tetrad.plan.layouts import layout_config
 from tetrad.plan.search import Space, search
 
 

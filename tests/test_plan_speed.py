@@ -13,7 +13,7 @@ import pytest
 from tetrad.config import model_preset
 from tetrad.layout import Layout
 from tetrad.parallel.pipeline.schedules import rank_stages
-from tetrad.plan.layouts import candidate, held_stages, layout_config, layout_for
+from tetrad.plan.candidates import candidate, held_stages, layout_config, layout_for
 
 
 def test_layout_is_hashable_and_equal_by_value():

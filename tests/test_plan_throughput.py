@@ -26,10 +26,10 @@ from plan_published import (
     validation_rows,
 )
 from tetrad.config import model_preset
+from tetrad.plan.candidates import cp_exchange_bytes, gpt_as_llama, layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, MEGATRON
 from tetrad.plan.hardware import cluster_preset
-from tetrad.plan.layouts import cp_exchange_bytes, gpt_as_llama, layout_config
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from tetrad.models.init import materialize
 from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
 from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads, first_bucket_bytes
 from tetrad.parallel.engine import Engine
-from tetrad.parallel.expert import EPLayout, ExpertGrads
+from tetrad.parallel.expert import EPSharding, ExpertGrads
 from tetrad.parallel.local import local_model
 from tetrad.parallel.pipeline.runtime import build_pipeline, tied_across_stages
 from tetrad.parallel.runner import GradSync, LossFn, MicrobatchLoop, Runner
 from tetrad.parallel.state_adapter import PlainAdapter
-from tetrad.parallel.tensor import TPLayout
+from tetrad.parallel.tensor import TPSharding
 from tetrad.parallel.zero import ZeroShards
 from tetrad.parallel.zero_adapter import ZeroAdapter, ZeroWithExperts, ZeroWithExpertShards
 
@@ -100,7 +100,7 @@ def parallelize(
 
 
 def _plain_grads(
-    model: torch.nn.Module, ep: EPLayout | None, layout: Layout, mesh: Mesh, comm: Comm
+    model: torch.nn.Module, ep: EPSharding | None, layout: Layout, mesh: Mesh, comm: Comm
 ) -> GradSync:
     """Without ZeRO: every parameter's gradient summed over the data ranks, except, under
     expert parallelism, the expert weights': over their expert-data group."""
@@ -124,7 +124,7 @@ def _replicated_grads(named, layout: Layout, data: Group, comm: Comm) -> LocalGr
     return GradBuckets(named, data, comm, layout.bucket_bytes, dtype, layout.reduce_dtype, first)
 
 
-def _loss_fn(model: torch.nn.Module, chunk: int, tp: TPLayout | None) -> LossFn:
+def _loss_fn(model: torch.nn.Module, chunk: int, tp: TPSharding | None) -> LossFn:
     """Cross-entropy over the head's logits, or (`chunk` > 0 tokens) the head and the loss
     fused in chunks of tokens, the model stopping at the final norm; vocabulary-parallel
     under tp either way."""

@@ -129,7 +129,7 @@ class AllToAllDispatch:
 
 
 @dataclass
-class EPLayout:
+class EPSharding:
     """What `parallelize` needs after `apply_ep`: the expert weights' names, slices and
     how to join them (checkpoints), and what they are replicated over (the norm)."""
 
@@ -174,7 +174,7 @@ def expert_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayout | None:
+def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPSharding | None:
     """Shrink every MoE layer's experts (on the meta device) to this rank's slice and give
     the layer the all-to-all dispatcher (None: no MoE layer here)."""
     # without sp every tp rank holds the same tokens, and each dispatches its share of
@@ -191,7 +191,7 @@ def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPLayo
             setattr(experts, pname, local)
             rows[".".join(filter(None, (name, "experts", pname)))] = total // ep.size
         layer.use_dispatch(AllToAllDispatch(total, comm, ep, tp))
-    return EPLayout(frozenset(rows), ep, comm, rows) if rows else None
+    return EPSharding(frozenset(rows), ep, comm, rows) if rows else None
 
 
 def sum_sequences_over(model: nn.Module, comm: Comm, groups: list[Group]) -> None:

@@ -19,9 +19,9 @@ from tetrad.layout import Layout
 from tetrad.mesh import Mesh, rank_of
 from tetrad.models.families import spec_for
 from tetrad.parallel.context import apply_cp
-from tetrad.parallel.expert import EPLayout, apply_ep, sum_sequences_over
+from tetrad.parallel.expert import EPSharding, apply_ep, sum_sequences_over
 from tetrad.parallel.pipeline.stage import Chunk, prune, rank_chunks
-from tetrad.parallel.tensor import TPLayout, apply_tp
+from tetrad.parallel.tensor import TPSharding, apply_tp
 
 # Axes a parameter is, by default, replicated over (identical on every rank of them).
 REPLICATED = ("dp", "fsdp", "cp", "tp")
@@ -33,8 +33,8 @@ class LocalModel:
 
     model: nn.Module
     chunks: list[Chunk] | None  # its pipeline stages (None: no pipeline)
-    tp: TPLayout | None  # its tensor-parallel layout (None: no tp)
-    ep: EPLayout | None = None  # its experts' layout (None: no ep)
+    tp: TPSharding | None  # its tensor-parallel layout (None: no tp)
+    ep: EPSharding | None = None  # its experts' layout (None: no ep)
 
     @property
     def replicated(self) -> dict[str, tuple[str, ...]]:

@@ -32,7 +32,7 @@ from tetrad.mesh import Mesh
 from tetrad.models.families import spec_for
 from tetrad.parallel.expert import REPLICATED as EXPERT_REPLICATED
 from tetrad.parallel.local import planned
-from tetrad.parallel.zero import UnitLayout, plan_units
+from tetrad.parallel.zero import UnitSlots, plan_units
 from tetrad.precision import mixed, wide
 
 STEP_BYTES = 4  # AdamW's per-tensor step counter: a float32 scalar
@@ -78,7 +78,7 @@ def local_parameters(
 
 
 def zero_bytes(
-    layouts: list[UnitLayout], fsdp_rank: int, stage: int, dtype: torch.dtype
+    layouts: list[UnitSlots], fsdp_rank: int, stage: int, dtype: torch.dtype
 ) -> ModelState:
     """Model state of fsdp rank `fsdp_rank` for these units, ZeRO `stage`, compute `dtype`."""
     c, two = dtype.itemsize, mixed(dtype)

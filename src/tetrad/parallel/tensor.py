@@ -323,7 +323,7 @@ class VocabParallelLinearCrossEntropy:
 
 
 @dataclass
-class TPLayout:
+class TPSharding:
     """What `parallelize` needs after `apply_tp`: slices to materialise, norm and loss rules."""
 
     slicer: Slicer
@@ -396,7 +396,7 @@ def apply_tp(
     m: ModelConfig,
     sp: bool,
     reduce_dtype: torch.dtype = torch.float32,
-) -> TPLayout:
+) -> TPSharding:
     """Shrink `model` (on the meta device) to this rank's tp shards, following `plan`;
     `sp`: sequence parallelism in the norms and between the blocks; `reduce_dtype`: what
     the norm weights' gradients are summed over tp in, with SP."""
@@ -435,7 +435,7 @@ def _enter_region(module: nn.Module, style: str, tp: TP) -> None:
         token_region(module, tp)
 
 
-def _layout(kinds: dict[str, str], tp: TP, m: ModelConfig) -> TPLayout:
+def _layout(kinds: dict[str, str], tp: TP, m: ModelConfig) -> TPSharding:
     t, rank = tp.group.size, tp.group.rank
 
     def slicer(name: str) -> tuple[slice, ...] | None:
@@ -447,7 +447,7 @@ def _layout(kinds: dict[str, str], tp: TP, m: ModelConfig) -> TPLayout:
         return gather_full(local, kinds[name], full_shape(name, m), tp)
 
     start = vocab_range(m.vocab, t, rank)[0]
-    return TPLayout(
+    return TPSharding(
         slicer=slicer,
         replicated={name: SHARDED for name in kinds},
         loss_fn=VocabParallelCrossEntropy(tp.comm, tp.group, start),

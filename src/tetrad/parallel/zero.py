@@ -76,7 +76,7 @@ class ShardView:
 
 
 @dataclass(frozen=True)
-class UnitLayout:
+class UnitSlots:
     """Where each parameter of one unit lives in its flat buffer and in the shards."""
 
     name: str
@@ -149,7 +149,7 @@ def plan_units(
     world: int,
     spec: ModelSpec,
     axis: str = "fsdp",
-) -> list[UnitLayout]:
+) -> list[UnitSlots]:
     """Units in forward order (root first, then blocks as the model holds them)."""
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {ROOT: []}
     for name, shape in named_shapes:
@@ -162,7 +162,7 @@ def plan_units(
         # decaying classes first, then by replication; stable, so model order within a class
         keyed.sort(key=lambda t: (not t[0][0], t[0][1]))
         out.append(
-            UnitLayout(
+            UnitSlots(
                 unit,
                 tuple(n for _, n, _ in keyed),
                 tuple(s for _, _, s in keyed),
@@ -179,7 +179,7 @@ def plan_units(
 class FlatUnit:
     """One unit's buffers on this rank: flat compute params, fp32 master and grad shards."""
 
-    def __init__(self, layout: UnitLayout, model: nn.Module, rank: int, stage: int, dtype, device):
+    def __init__(self, layout: UnitSlots, model: nn.Module, rank: int, stage: int, dtype, device):
         self.layout, self.rank, self.stage = layout, rank, stage
         self.targets = [_owner(model, n) + (s,) for n, s in zip(layout.names, layout.shapes)]
         self.sizes = [math.prod(s) for s in layout.shapes]
@@ -314,7 +314,7 @@ class ZeroShards:
         """See `GradSync`: off, a unit reduces only when armed by `final`."""
         self.sync = on
 
-    def _build(self, layout: UnitLayout, model: nn.Module) -> FlatUnit:
+    def _build(self, layout: UnitSlots, model: nn.Module) -> FlatUnit:
         unit = FlatUnit(layout, model, self.group.rank, self.stage, self.dtype, self.device)
         if self.stage == 3:
             unit.free()  # now, so that building never holds two full copies of the model

@@ -23,7 +23,7 @@ from tetrad.parallel.state_adapter import (
     set_adam_state,
     snapshot,
 )
-from tetrad.parallel.zero import FlatUnit, UnitLayout, ZeroShards
+from tetrad.parallel.zero import FlatUnit, UnitSlots, ZeroShards
 from tetrad.precision import widen
 
 
@@ -232,7 +232,7 @@ def load_units(
 
 
 def _flatten(
-    layout: UnitLayout, tensors: dict[str, torch.Tensor], dtype: torch.dtype
+    layout: UnitSlots, tensors: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> torch.Tensor:
     """A unit's flat `dtype` buffer (padding zeroed) from its parameters' tensors by name."""
     pad = torch.zeros(layout.padded - layout.numel, dtype=dtype)

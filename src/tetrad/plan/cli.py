@@ -26,10 +26,10 @@ from tetrad.config import ModelConfig, model_preset
 from tetrad.layout import SCHEDULES, Layout
 from tetrad.plan.activations import RECOMPUTE
 from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
+from tetrad.plan.candidates import layout_for
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES
 from tetrad.plan.hardware import CLUSTERS, Cluster, at_efficiency, calibrated, cluster_preset
-from tetrad.plan.layouts import layout_for
 from tetrad.plan.search import Space, search
 
 GiB = 2**30

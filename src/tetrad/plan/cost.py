@@ -55,11 +55,7 @@ from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.parallel.pipeline.timeline import Event, Timeline
 from tetrad.plan import activations as act
-from tetrad.plan.compute import ComputeModel
-from tetrad.plan.engines import TETRAD, Implementation
-from tetrad.plan.footprint import Footprint, Memory, RankFacts
-from tetrad.plan.hardware import Cluster, at_efficiency
-from tetrad.plan.layouts import (
+from tetrad.plan.candidates import (
     cp_exchange_bytes,
     describe,
     ep_bytes_per_layer,
@@ -67,6 +63,10 @@ from tetrad.plan.layouts import (
     held_stages,
     model_key,
 )
+from tetrad.plan.compute import ComputeModel
+from tetrad.plan.engines import TETRAD, Implementation
+from tetrad.plan.footprint import Footprint, Memory, RankFacts
+from tetrad.plan.hardware import Cluster, at_efficiency
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
 

@@ -31,7 +31,7 @@ from tetrad.parallel.model_state import ModelState, local_parameters, replicated
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
-from tetrad.plan.layouts import held_stages, model_key
+from tetrad.plan.candidates import held_stages, model_key
 from tetrad.plan.peak import Peak, PeakSettings, rank_peak
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is

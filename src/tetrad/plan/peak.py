@@ -44,7 +44,7 @@ from tetrad.config import ModelConfig
 from tetrad.layout import Layout
 from tetrad.models.families import spec_for
 from tetrad.plan import activations as act
-from tetrad.plan.layouts import held_stages
+from tetrad.plan.candidates import held_stages
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ from typing import Any
 
 from tetrad.config import ModelConfig
 from tetrad.layout import Layout, ep_fits
+from tetrad.plan.candidates import candidate
 from tetrad.plan.cost import Planner, Prediction
-from tetrad.plan.layouts import candidate
 
 
 @dataclass(frozen=True)
