@@ -40,7 +40,7 @@ def _cfg(parallel: dict, out=None, every: int = 0, resume: bool = False, steps: 
 
 
 def _expert_part(engine):
-    """The expert weights' gradient sync (`ExpertGrads`'s second part)."""
+    """The expert weights' gradient sync (`GroupedGrads`'s second part: the expert group)."""
     return engine.grads.parts[1]
 
 

@@ -11,16 +11,17 @@ from tetrad.mesh import Group, Mesh
 from tetrad.models.families import spec_for
 from tetrad.models.init import materialize
 from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
+from tetrad.models.spec import ModelSpec
 from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads, first_bucket_bytes
 from tetrad.parallel.engine import Engine
-from tetrad.parallel.expert import EPSharding, ExpertGrads
+from tetrad.parallel.groups import GroupedGrads, ParamGroup, param_groups
 from tetrad.parallel.local import local_model
 from tetrad.parallel.pipeline.runtime import build_pipeline, tied_across_stages
 from tetrad.parallel.runner import GradSync, LossFn, MicrobatchLoop, Runner
 from tetrad.parallel.state_adapter import PlainAdapter
 from tetrad.parallel.tensor import TPSharding
 from tetrad.parallel.zero import ZeroShards
-from tetrad.parallel.zero_adapter import ZeroAdapter, ZeroWithExperts, ZeroWithExpertShards
+from tetrad.parallel.zero_adapter import ZeroAdapter
 
 
 def parallelize(
@@ -43,9 +44,10 @@ def parallelize(
       5. the model's memory settings (recomputation; a chunked loss that applies the
          head itself), then the runner: the pipeline schedule (its split backward rewires
          linears), or the plain microbatch loop;
-      6. data parallelism last, over the final local parameters: ZeRO shards (fsdp) or
-         bucketed all-reduce (dp), and the matching state adapter. Either one owns the
-         mixed precision: compute parameters in `train.dtype` (cast here, from the fp32
+      6. data parallelism last, over the final local parameters, one parameter group at a
+         time (dense, then expert weights: `groups`): ZeRO shards (fsdp) or bucketed
+         all-reduce (dp), and the matching state adapter. Either one owns the mixed
+         precision: compute parameters in `train.dtype` (cast here, from the fp32
          values just materialised, which become the fp32 master weights). fp64 verifies:
          materialised in float64, it has no masters (tetrad.precision).
     """
@@ -69,50 +71,57 @@ def parallelize(
         embed = spec.tied_weight
         if model_cfg.tie_embeddings and embed in replicated:  # held by both ends
             replicated[embed] = (*replicated[embed], "pp")  # counted once: on pp rank 0
-    grads: GradSync
     # first and last stage each hold the tied embedding: their gradients are summed
     tied_ends = tied_across_stages(layout, model_cfg.tie_embeddings, mesh)
     tied = (spec.tied_weight, mesh["pp_ends"]) if tied_ends else None
     where = (layout, model_cfg, mesh, comm, unshard, slicer)
-    if layout.degrees["fsdp"] > 1:  # shards over fsdp, replicas all-reduced over dp (HSDP)
-        experts = local.ep.names if local.ep else frozenset()  # their own shards: below
-        shards = ZeroShards(model, mesh, comm, layout, replicated, spec, tied, experts)
-        grads, replicated = shards, {**replicated, **shards.view_replicated()}
-        state = ZeroAdapter(shards, model, *where)
-        runner.meter.exclude(u.flat for u in shards.units)  # parameters, not activations
-        if experts and mesh["ep_data"].size > 1:  # a second set of shards, over ep_data
-            rest = [n for n, _ in model.named_parameters() if n not in experts]
-            ex = ZeroShards(model, mesh, comm, layout, replicated, spec, None, rest, "ep_data")
-            grads, replicated = ExpertGrads(ex, shards), {**replicated, **ex.view_replicated()}
-            state = ZeroWithExpertShards(shards, ex, model, *where)
-            runner.meter.exclude(u.flat for u in ex.units)
-        elif experts:  # what ZeRO left in the model: the experts, each rank's own
-            named = list(model.named_parameters())
-            expert_grads = _replicated_grads(named, layout, mesh["ep_data"], comm)
-            grads = ExpertGrads(expert_grads, shards)
-            state = ZeroWithExperts(shards, model, *where, expert_grads.params())
+    experts = local.ep.names if local.ep else frozenset()
+    names = [n for n, _ in model.named_parameters()]
+    fsdp, ep_data = layout.degrees["fsdp"], mesh["ep_data"].size
+    groups = param_groups(names, experts, layout.zero_stage, fsdp, ep_data)
+    syncs, replicated = _group_syncs(groups, model, layout, mesh, comm, replicated, spec, tied)
+    sharded = [s for s in syncs if isinstance(s, ZeroShards)]
+    runner.meter.exclude(u.flat for s in sharded for u in s.units)  # parameters, not activations
+    grads: GradSync = syncs[0] if len(syncs) == 1 else GroupedGrads(syncs)
+    whole = [pair for s in syncs if not isinstance(s, ZeroShards) for pair in s.params()]
+    if sharded:
+        state: PlainAdapter = ZeroAdapter(sharded, model, *where, whole)
     else:
-        grads = _plain_grads(model, local.ep, layout, mesh, comm)
-        state = PlainAdapter(model, *where, grads.params())
+        state = PlainAdapter(model, *where, whole)
         if tied is not None:
             grads = TiedGrads(grads, *tied, comm)
     return Engine(model, mesh, comm, runner, grads, state, replicated)
 
 
-def _plain_grads(
-    model: torch.nn.Module, ep: EPSharding | None, layout: Layout, mesh: Mesh, comm: Comm
-) -> GradSync:
-    """Without ZeRO: every parameter's gradient summed over the data ranks, except, under
-    expert parallelism, the expert weights': over their expert-data group."""
-    named = list(model.named_parameters())
-    if ep is None:
-        return _replicated_grads(named, layout, mesh["data"], comm)
-    experts = [(n, p) for n, p in named if n in ep.names]
-    rest = [(n, p) for n, p in named if n not in ep.names]
-    return ExpertGrads(
-        _replicated_grads(experts, layout, mesh["ep_data"], comm),
-        _replicated_grads(rest, layout, mesh["data"], comm),
-    )
+def _group_syncs(
+    groups: list[ParamGroup],
+    model: torch.nn.Module,
+    layout: Layout,
+    mesh: Mesh,
+    comm: Comm,
+    replicated: dict[str, tuple[str, ...]],
+    spec: ModelSpec,
+    tied: tuple[str, Group] | None,
+) -> tuple[list[GradSync], dict[str, tuple[str, ...]]]:
+    """Each group's gradient sync, built in the groups' order (dense first, with the
+    embedding tied across the pipeline's ends): ZeRO's shards over its axis (fsdp:
+    replicas all-reduced over dp, HSDP), or, held whole, the bucketed all-reduce over its
+    data group. And `replicated` with the shard views' axes (the norm counts each once)."""
+    names = [n for n, _ in model.named_parameters()]
+    syncs: list[GradSync] = []
+    for group in groups:
+        if group.sharded:
+            rest = [n for n in names if n not in group.names]
+            own_tied = tied if group.name == "dense" else None
+            shards = ZeroShards(
+                model, mesh, comm, layout, replicated, spec, own_tied, rest, group.axis
+            )
+            replicated = {**replicated, **shards.view_replicated()}
+            syncs.append(shards)
+        else:  # every parameter of the group still in the model (ZeRO took the others)
+            named = group.of(model.named_parameters())
+            syncs.append(_replicated_grads(named, layout, mesh[group.data], comm))
+    return syncs, replicated
 
 
 def _replicated_grads(named, layout: Layout, data: Group, comm: Comm) -> LocalGrads:

@@ -35,8 +35,7 @@ the expert-data group is the single-process gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +53,6 @@ from tetrad.comm.ep import (
 from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.init import Slicer
-from tetrad.parallel.runner import GradSync, Held
 
 Unshard = Callable[[str, torch.Tensor], torch.Tensor]  # name, local tensor -> full tensor
 
@@ -207,42 +205,3 @@ def sum_sequences_over(model: nn.Module, comm: Comm, groups: list[Group]) -> Non
 
     for _, layer in expert_layers(model):
         layer.use_sequence_sum(whole)
-
-
-class ExpertGrads:
-    """A `GradSync` of two: one for the expert weights (over the expert-data group), one
-    for every other parameter (as without ep). Each call goes to both, the same order on
-    every rank."""
-
-    def __init__(self, experts: GradSync, rest: GradSync):
-        self.parts = (rest, experts)
-
-    def reduce_in_backward(self, on: bool) -> None:
-        for part in self.parts:
-            part.reduce_in_backward(on)
-
-    def params(self) -> list[tuple[str, nn.Parameter]]:
-        return [pair for part in self.parts for pair in part.params()]
-
-    @contextmanager
-    def final(self, names: Collection[str]) -> Iterator[None]:
-        with self.parts[0].final(names), self.parts[1].final(names):
-            yield
-
-    def finish(self) -> None:
-        for part in self.parts:
-            part.finish()
-
-    def zero_grad(self) -> None:
-        for part in self.parts:
-            part.zero_grad()
-
-    def after_step(self) -> None:
-        for part in self.parts:
-            part.after_step()
-
-    def held(self) -> Held:
-        rest, experts = (part.held() for part in self.parts)
-        return Held(
-            rest.params + experts.params, rest.grads + experts.grads, rest.masters + experts.masters
-        )

@@ -30,7 +30,9 @@ from tetrad.config import ModelConfig
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.families import spec_for
+from tetrad.models.spec import ModelSpec
 from tetrad.parallel.expert import REPLICATED as EXPERT_REPLICATED
+from tetrad.parallel.groups import ParamGroup, param_groups
 from tetrad.parallel.local import planned
 from tetrad.parallel.zero import UnitSlots, plan_units
 from tetrad.precision import mixed, wide
@@ -119,22 +121,39 @@ def replicated_bytes(
 def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelState:
     """Exact model-state bytes of global `rank` of model `m` under `layout` (pure)."""
     named, replicated = local_parameters(layout, m, rank)
-    fsdp, dtype = layout.degrees["fsdp"], layout.compute_dtype
-    if fsdp == 1:
-        return replicated_bytes(named, dtype)
     mesh = Mesh.plan(layout.degrees, rank, layout.ep)
-    # expert weights under ep: ZeRO's second set of shards, over their ep_data group
-    experts = [(n, s) for n, s in named if replicated[n] == EXPERT_REPLICATED]
-    rest = [(n, s) for n, s in named if replicated[n] != EXPERT_REPLICATED]
-    units = plan_units(rest, replicated, fsdp, spec_for(m))
-    zero = zero_bytes(units, mesh.coord["fsdp"], layout.zero_stage, dtype)
-    if not experts:
-        return zero
-    ep_data = mesh["ep_data"]
-    if ep_data.size == 1:  # nothing to shard over: each rank's experts, whole
-        return zero + replicated_bytes(experts, dtype)
-    units = plan_units(experts, replicated, ep_data.size, spec_for(m), "ep_data")
-    return zero + zero_bytes(units, ep_data.rank, layout.zero_stage, dtype)
+    groups = param_groups(
+        [n for n, _ in named],
+        expert_names(replicated),
+        layout.zero_stage,
+        layout.degrees["fsdp"],
+        mesh["ep_data"].size,
+    )
+    spec, dtype = spec_for(m), layout.compute_dtype
+    states = (group_bytes(g, named, replicated, mesh[g.axis].rank, spec, dtype) for g in groups)
+    return sum(states, ModelState(0, 0, 0))
+
+
+def group_bytes(
+    group: ParamGroup,
+    named: list[tuple[str, tuple[int, ...]]],
+    replicated: dict[str, tuple[str, ...]],
+    shard_rank: int,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+) -> ModelState:
+    """Model state of one parameter group's share of `named` (name, shape): its ZeRO units
+    on shard `shard_rank` of the group's shards, or, held whole, unsharded."""
+    mine = group.of(named)
+    if not group.sharded:
+        return replicated_bytes(mine, dtype)
+    units = plan_units(mine, replicated, group.shards, spec, group.axis)
+    return zero_bytes(units, shard_rank, group.stage, dtype)
+
+
+def expert_names(replicated: dict[str, tuple[str, ...]]) -> set[str]:
+    """The expert weights among local parameters: those replicated over ep_data alone."""
+    return {n for n, axes in replicated.items() if axes == EXPERT_REPLICATED}
 
 
 def zero_formula_bytes(

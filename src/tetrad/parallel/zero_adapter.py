@@ -1,7 +1,8 @@
 """ZeRO's state adapter: full logical tensors from and into the flat shards.
 
 Out: each unit's shard (master weights, or an AdamW moment assembled from the shard views'
-state) is all-gathered over fsdp and cut into the local parameters by name. In: a unit's
+state) is all-gathered over its group's axis (fsdp, or ep_data for expert weights) and cut
+into the local parameters by name. In: a unit's
 flat buffer is rebuilt from full local tensors by name and this rank keeps its shard; no
 collective, since every rank holds the full tensors it loads from.
 """
@@ -28,42 +29,59 @@ from tetrad.precision import widen
 
 
 class ZeroAdapter(PlainAdapter):
-    """`PlainAdapter` whose local tensors live in ZeRO units (gathered over fsdp to read)."""
+    """`PlainAdapter` over parameter groups ZeRO shards (`sharded`, one `ZeroShards` each,
+    dense first): their tensors live in its units, gathered over its axis to read. A group
+    held whole (expert weights with one rank per expert-data group) stays in the model:
+    the `PlainAdapter` half, over `optimized`. Each method walks the sharded groups in
+    order, then the whole one: the same collectives in the same order on every rank."""
 
-    def __init__(self, shards: ZeroShards, *args, **kwargs):
+    def __init__(self, sharded: list[ZeroShards], *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.shards = shards
+        self.sharded = sharded
 
     @property
     def device(self) -> torch.device:
-        return self.shards.device
+        return self.sharded[0].device
+
+    @property
+    def whole(self) -> bool:
+        """Whether ZeRO left parameters in the model (a group held whole)."""
+        return any(True for _ in self.model.parameters())
 
     def local_names(self) -> list[str]:
-        return [n for u in self.shards.layouts for n in u.names]
+        units = [n for sh in self.sharded for u in sh.layouts for n in u.names]
+        return units + super().local_names()
 
     @torch.no_grad()
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """Every local parameter, full size, in the masters' dtype, from the master shards."""
-        self.shards.drain()
-        return gather_units(self.shards, lambda u: u.master)
+        out: dict[str, torch.Tensor] = {}
+        for sh in self.sharded:
+            sh.drain()
+            out |= gather_units(sh, lambda u: u.master)
+        return out | super().local_state_dict()
 
     def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
-        """Full local moments, gathered over fsdp from the shard views' AdamW state."""
-        sh = self.shards
-        moments = {
-            k: gather_units(sh, lambda u, k=k: optimizer_shard(u, optimizer, k)) for k in MOMENTS
-        }
+        """Full local moments, gathered over each group's axis from the shard views' AdamW
+        state (and the whole group's own); the step over every tensor."""
+        moments: Moments = {k: {} for k in MOMENTS}
+        for sh in self.sharded:
+            for k in MOMENTS:
+                moments[k] |= gather_units(sh, lambda u, k=k: optimizer_shard(u, optimizer, k))
+        whole, _ = super().local_optimizer_state(optimizer)
         steps = [int(optimizer.state[p].get("step", 0)) for p in optimizer.state]
-        return moments, max(steps, default=0)
+        return {k: moments[k] | whole[k] for k in MOMENTS}, max(steps, default=0)
 
     def load_local(self, params, moments, step: int, optimizer) -> None:
-        load_units(self.shards, params, moments, step, optimizer)
+        for sh in self.sharded:
+            load_units(sh, params, moments, step, optimizer)
+        super().load_local(params, moments, step, optimizer)
 
-    def writes(self, name: str, replicated: dict[str, tuple[str, ...]]) -> bool:
-        """As `PlainAdapter.writes`, the shards' own axis (fsdp, or ep_data for expert
+    def _writes(self, name: str, replicated: dict[str, tuple[str, ...]], axis: str) -> bool:
+        """As `PlainAdapter.writes`, the shards' own `axis` (fsdp, or ep_data for expert
         weights) not a copy: every rank of it writes its own piece."""
         coord = self.mesh.place
-        return all(coord[a] == 0 for a in replicated[name] if a not in ("fsdp", self.shards.axis))
+        return all(coord[a] == 0 for a in replicated[name] if a not in ("fsdp", axis))
 
     # --- sharded checkpoints: each rank's own piece of each unit, as boxes ----------------
     def shard_boxes(self, u: FlatUnit) -> list[tuple[str, int, Box]]:
@@ -81,105 +99,50 @@ class ZeroAdapter(PlainAdapter):
 
     @torch.no_grad()
     def owned_slices(self, optimizer, replicated) -> tuple[Owned, int]:
-        self.shards.drain()
         out: Owned = []
-        for u in self.shards.units:
-            moments = {k: optimizer_shard(u, optimizer, k) for k in MOMENTS}
-            for name, at, box in self.shard_boxes(u):
-                if not self.writes(name, replicated):
-                    continue
-                n, shape = box_numel(box), tuple(b - a for a, b in box)
-                out.append((name, box, snapshot(u.master[at : at + n].view(shape))))
-                for k in MOMENTS:
-                    out.append((f"{k}/{name}", box, snapshot(moments[k][at : at + n].view(shape))))
+        for sh in self.sharded:
+            sh.drain()
+            for u in sh.units:
+                moments = {k: optimizer_shard(u, optimizer, k) for k in MOMENTS}
+                for name, at, box in self.shard_boxes(u):
+                    if not self._writes(name, replicated, sh.axis):
+                        continue
+                    n, shape = box_numel(box), tuple(b - a for a, b in box)
+                    out.append((name, box, snapshot(u.master[at : at + n].view(shape))))
+                    for k in MOMENTS:
+                        piece = moments[k][at : at + n].view(shape)
+                        out.append((f"{k}/{name}", box, snapshot(piece)))
         steps = [int(optimizer.state[p].get("step", 0)) for p in optimizer.state]
+        if self.whole:  # reads moments through `local_optimizer_state`, which gathers the
+            out += super().owned_slices(optimizer, replicated)[0]  # units too, on every rank
         return out, max(steps, default=0)
 
     @torch.no_grad()
     def load_owned(self, read: Reader, step: int, optimizer) -> None:
-        """Each unit's shard of master weights and moments, read box by box (padding 0)."""
-        self.shards.drain()
-        for u in self.shards.units:
-            master = torch.zeros(u.layout.shard, dtype=u.master.dtype)
-            moments = {k: torch.zeros(u.layout.shard, dtype=u.master.dtype) for k in MOMENTS}
-            for name, at, box in self.shard_boxes(u):
-                n = box_numel(box)
-                master[at : at + n] = read(name, box).reshape(-1)
-                for k in MOMENTS:
-                    moments[k][at : at + n] = read(f"{k}/{name}", box).reshape(-1)
-            u.master.copy_(master)
-            for (_, p), v in zip(u.params, u.views):
-                set_adam_state(optimizer, p, step, *(moments[k][v.start : v.stop] for k in MOMENTS))
+        """Each unit's shard of master weights and moments, read box by box (padding 0),
+        then the whole group's tensors."""
+        for sh in self.sharded:
+            sh.drain()
+            for u in sh.units:
+                self._load_unit(u, read, step, optimizer)
+        super().load_owned(read, step, optimizer)
+
+    def _load_unit(self, u: FlatUnit, read: Reader, step: int, optimizer) -> None:
+        master = torch.zeros(u.layout.shard, dtype=u.master.dtype)
+        moments = {k: torch.zeros(u.layout.shard, dtype=u.master.dtype) for k in MOMENTS}
+        for name, at, box in self.shard_boxes(u):
+            n = box_numel(box)
+            master[at : at + n] = read(name, box).reshape(-1)
+            for k in MOMENTS:
+                moments[k][at : at + n] = read(f"{k}/{name}", box).reshape(-1)
+        u.master.copy_(master)
+        for (_, p), v in zip(u.params, u.views):
+            set_adam_state(optimizer, p, step, *(moments[k][v.start : v.stop] for k in MOMENTS))
 
     def after_load(self) -> None:
         """Stages 1-2 keep full compute weights: gather them from the loaded shards."""
-        self.shards.after_step()
-
-
-class ZeroWithExperts(ZeroAdapter):
-    """ZeRO's units, and the parameters ZeRO left as they are in the model (expert
-    weights under ep, its `PlainAdapter` half): each method the union of both."""
-
-    def local_names(self) -> list[str]:
-        return super().local_names() + PlainAdapter.local_names(self)
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        return super().local_state_dict() | PlainAdapter.local_state_dict(self)
-
-    def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
-        units, step = super().local_optimizer_state(optimizer)
-        plain, _ = PlainAdapter.local_optimizer_state(self, optimizer)
-        return {k: units[k] | plain[k] for k in MOMENTS}, step  # step: over every tensor
-
-    def load_local(self, params, moments, step: int, optimizer) -> None:
-        super().load_local(params, moments, step, optimizer)
-        PlainAdapter.load_local(self, params, moments, step, optimizer)
-
-    def owned_slices(self, optimizer, replicated) -> tuple[Owned, int]:
-        units, step = super().owned_slices(optimizer, replicated)
-        plain, _ = PlainAdapter.owned_slices(self, optimizer, replicated)
-        return units + plain, step
-
-    def load_owned(self, read: Reader, step: int, optimizer) -> None:
-        super().load_owned(read, step, optimizer)
-        PlainAdapter.load_owned(self, read, step, optimizer)
-
-
-class ZeroWithExpertShards(ZeroAdapter):
-    """ZeRO's units over fsdp, and the expert weights' own units over ep_data (`experts`):
-    each method the union of both adapters, dense first, the same order on every rank."""
-
-    def __init__(self, shards: ZeroShards, experts: ZeroShards, *args, **kwargs):
-        super().__init__(shards, *args, **kwargs)
-        self.experts = ZeroAdapter(experts, *args, **kwargs)
-
-    def local_names(self) -> list[str]:
-        return super().local_names() + self.experts.local_names()
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        return super().local_state_dict() | self.experts.local_state_dict()
-
-    def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
-        units, step = super().local_optimizer_state(optimizer)
-        experts, _ = self.experts.local_optimizer_state(optimizer)
-        return {k: units[k] | experts[k] for k in MOMENTS}, step  # step: over every tensor
-
-    def load_local(self, params, moments, step: int, optimizer) -> None:
-        super().load_local(params, moments, step, optimizer)
-        self.experts.load_local(params, moments, step, optimizer)
-
-    def owned_slices(self, optimizer, replicated) -> tuple[Owned, int]:
-        units, step = super().owned_slices(optimizer, replicated)
-        experts, _ = self.experts.owned_slices(optimizer, replicated)
-        return units + experts, step
-
-    def load_owned(self, read: Reader, step: int, optimizer) -> None:
-        super().load_owned(read, step, optimizer)
-        self.experts.load_owned(read, step, optimizer)
-
-    def after_load(self) -> None:
-        super().after_load()
-        self.experts.after_load()
+        for sh in self.sharded:
+            sh.after_step()
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
 - Model state is `plan.memory`'s, to the byte: the same local parameters (a rank's blocks
   are assembled from a one-block meta model, since every block has the same local
-  shapes) through the same `plan_units` / `zero_bytes` / `replicated_bytes`.
+  shapes) through the same per-group `group_bytes`.
 - Activations: `plan.activations`' per-layer bytes, per stage, times the microbatches in
   flight on each rank in the simulated timeline (zero-bubble W inputs included).
 - Overhead, stated: the transients alive at the rank's peak moment (`plan.peak`: the
@@ -26,10 +26,9 @@ from tetrad.devices import Device
 from tetrad.layout import Layout
 from tetrad.models.families import spec_for
 from tetrad.models.spec import ModelSpec
-from tetrad.parallel.expert import REPLICATED as EXPERT_REPLICATED
-from tetrad.parallel.model_state import ModelState, local_parameters, replicated_bytes, zero_bytes
+from tetrad.parallel.groups import param_groups
+from tetrad.parallel.model_state import ModelState, expert_names, group_bytes, local_parameters
 from tetrad.parallel.pipeline.timeline import Timeline
-from tetrad.parallel.zero import plan_units
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import held_stages, model_key
 from tetrad.plan.peak import Peak, PeakSettings, rank_peak
@@ -169,7 +168,7 @@ class Footprint:
             numel = {n: math.prod(s) for n, s in named}
             blocks = spec_for(m).blocks + "."
             layers = sum(v for n, v in numel.items() if n.startswith(blocks))
-            experts = sum(numel[n] for n in numel if replicated[n] == EXPERT_REPLICATED)
+            experts = sum(numel[n] for n in expert_names(replicated) if n in numel)
             state = _state(lay, m, named, replicated, shards)
             held, root = sum(kinds), sum(numel.values()) - layers
             spread = _expert_shards(lay, m, shards) if experts else 1
@@ -407,24 +406,15 @@ def _ep_shape(lay: Layout) -> tuple[int, bool]:
 
 
 def _state(lay: Layout, m: ModelConfig, named, replicated, shards: int) -> ModelState:
-    """`model_state.model_state_bytes`'s arithmetic on given local parameters (shard rank 0
-    of `shards`): under ep the experts have their own ZeRO units, sharded over the ranks
-    holding the same experts (ep_data), beside ZeRO's units of the rest."""
-    dtype = lay.compute_dtype
-    if shards == 1:
-        return replicated_bytes(named, dtype)
-    experts = [(n, s) for n, s in named if replicated[n] == EXPERT_REPLICATED]
-    rest = [(n, s) for n, s in named if replicated[n] != EXPERT_REPLICATED]
-    units = plan_units(rest, replicated, shards, spec_for(m))
-    zero = zero_bytes(units, 0, lay.zero_stage, dtype)
-    if not experts:
-        return zero
-    ep_data = _expert_shards(lay, m, shards)
-    if ep_data == 1:  # held whole
-        return zero + replicated_bytes(experts, dtype)
-    # ZeRO's second set of shards, over ep_data (shard rank 0)
-    units = plan_units(experts, replicated, ep_data, spec_for(m), "ep_data")
-    return zero + zero_bytes(units, 0, lay.zero_stage, dtype)
+    """`model_state.model_state_bytes`'s sum over parameter groups, on given local
+    parameters (shard rank 0 of each group's shards): under ZeRO the experts have their own
+    units, sharded over the ranks holding the same experts (ep_data), beside the rest's."""
+    experts = expert_names(replicated)
+    spread = _expert_shards(lay, m, shards)
+    groups = param_groups([n for n, _ in named], experts, lay.zero_stage, shards, spread)
+    spec, dtype = spec_for(m), lay.compute_dtype
+    states = (group_bytes(g, named, replicated, 0, spec, dtype) for g in groups)
+    return sum(states, ModelState(0, 0, 0))
 
 
 def _expert_shards(lay: Layout, m: ModelConfig, shards: int) -> int:
