@@ -150,16 +150,16 @@ class Planner:
         out.footprint.share_caches(self.footprint)
         return out
 
+    def _schedule_key(self, lay: Layout) -> tuple:
+        """What a schedule's action lists depend on: its name, pp, m, v and the engine's
+        interleaved warm-up."""
+        return (lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages,
+                self.engine.interleaved_lag)  # fmt: skip
+
     def schedule(self, lay: Layout) -> list:
         """The schedule's action lists (built once per schedule, pp, m, v and the engine's
         interleaved warm-up)."""
-        key = (
-            lay.schedule,
-            lay.pp,
-            lay.microbatches,
-            lay.virtual_stages,
-            self.engine.interleaved_lag,
-        )
+        key = self._schedule_key(lay)
         if key not in self._schedules:
             self._schedules[key] = build_schedule(*key)
         return self._schedules[key]
@@ -169,13 +169,7 @@ class Planner:
         (built once per schedule, pp, m and v): a rank runs its actions in one order
         whatever they cost, so what is in flight when, all that memory reads off a
         timeline, is read off this one without simulating the step."""
-        key = (
-            lay.schedule,
-            lay.pp,
-            lay.microbatches,
-            lay.virtual_stages,
-            self.engine.interleaved_lag,
-        )
+        key = self._schedule_key(lay)
         if key not in self._orders:
             orders = compute_orders(*key)
             ranks = [[Event(a.kind, a.stage, a.microbatch, i, i + 1) for i, a in enumerate(acts)]
