@@ -79,7 +79,9 @@ def parallelize(
     names = [n for n, _ in model.named_parameters()]
     fsdp, ep_data = layout.degrees["fsdp"], mesh["ep_data"].size
     groups = param_groups(names, experts, layout.zero_stage, fsdp, ep_data)
-    syncs, replicated = _group_syncs(groups, model, layout, mesh, comm, replicated, spec, tied)
+    syncs, replicated = _group_syncs(
+        groups, names, model, layout, mesh, comm, replicated, spec, tied
+    )
     sharded = [s for s in syncs if isinstance(s, ZeroShards)]
     runner.meter.exclude(u.flat for s in sharded for u in s.units)  # parameters, not activations
     grads: GradSync = syncs[0] if len(syncs) == 1 else GroupedGrads(syncs)
@@ -95,6 +97,7 @@ def parallelize(
 
 def _group_syncs(
     groups: list[ParamGroup],
+    names: list[str],
     model: torch.nn.Module,
     layout: Layout,
     mesh: Mesh,
@@ -106,8 +109,8 @@ def _group_syncs(
     """Each group's gradient sync, built in the groups' order (dense first, with the
     embedding tied across the pipeline's ends): ZeRO's shards over its axis (fsdp:
     replicas all-reduced over dp, HSDP), or, held whole, the bucketed all-reduce over its
-    data group. And `replicated` with the shard views' axes (the norm counts each once)."""
-    names = [n for n, _ in model.named_parameters()]
+    data group. And `replicated` with the shard views' axes (the norm counts each once).
+    `names`: the model's parameters, in order, before any group is sharded."""
     syncs: list[GradSync] = []
     for group in groups:
         if group.sharded:
