@@ -53,7 +53,7 @@ def tiny_config(**overrides: dict[str, Any]) -> Config:
 
 def trainer_for(cfg: Config, rank: int) -> Trainer:
     """This rank's CPU trainer of `cfg` on the mesh of its degrees (process group joined)."""
-    mesh = Mesh.build(cfg.parallel.degrees, rank, ep=cfg.parallel.ep)
+    mesh = Mesh.build(cfg.parallel, rank)
     return Trainer(cfg, mesh, torch.device("cpu"))
 
 
@@ -159,7 +159,7 @@ class Jobs:
     def add_training(self, name: str, cfgs: list[Config]) -> None:
         """Queue the training of `cfgs` (one world size, see train_many): jobs[name][0] is
         then rank 0's runs, in order."""
-        worlds = {c.parallel.world_size for c in cfgs}
+        worlds = {c.parallel.world for c in cfgs}
         if len(worlds) != 1:
             raise ValueError(f"{name}: one world size per training job, got {sorted(worlds)}")
         self.add(name, worlds.pop(), train_many, [c.to_dict() for c in cfgs])
@@ -208,7 +208,7 @@ class Jobs:
 
 def run_layouts(cfgs: list[Config], timeout: float = 600.0) -> list[dict[str, Any]]:
     """Train configs of one world size in one spawn; rank 0's results in order."""
-    worlds = {c.parallel.world_size for c in cfgs}
+    worlds = {c.parallel.world for c in cfgs}
     if len(worlds) != 1:
         raise ValueError(f"run_layouts needs one world size, got {sorted(worlds)}")
     raws = [c.to_dict() for c in cfgs]
@@ -217,7 +217,7 @@ def run_layouts(cfgs: list[Config], timeout: float = 600.0) -> list[dict[str, An
 
 def run_layout(cfg: Config, timeout: float = 240.0) -> dict[str, Any]:
     """Train `cfg` on its world size (in-process when 1); rank 0's result."""
-    world = cfg.parallel.world_size
+    world = cfg.parallel.world
     raw = cfg.to_dict()
     if world == 1:
         return train_worker(0, 1, raw)

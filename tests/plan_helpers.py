@@ -8,4 +8,4 @@ from tetrad.layout import Layout
 
 def planned(cfg: Config) -> tuple[Layout, ModelConfig]:
     """`cfg`'s validated Layout (for its own world) and its model: the planner's arguments."""
-    return Layout.build(cfg, cfg.parallel.world_size), cfg.model
+    return Layout.build(cfg, cfg.parallel.world), cfg.model

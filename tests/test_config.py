@@ -32,7 +32,7 @@ def test_valid_configs_pass():
     Layout.build(Config(), world=1)  # the defaults (stdlib corpus, byte-level vocab)
     for path in sorted(CONFIGS.glob("*.toml")):
         cfg = load_toml(path)
-        Layout.build(cfg, cfg.parallel.world_size)
+        Layout.build(cfg, cfg.parallel.world)
 
 
 # (overrides, world size, regex the message must match: it names the values)

@@ -325,7 +325,7 @@ def test_killed_node_shrinks_the_job_which_matches_the_uninterrupted_run(tmp_pat
     restarts = [r for r in rows if "resumed_from" in r]
     assert len(restarts) == 1, f"{restarts}: did an agent join after the first round closed?"
     (resumed,) = restarts
-    assert resumed["resumed_from"] == "memory" and resumed["world_size"] == NPROC
+    assert resumed["resumed_from"] == "memory" and resumed["world"] == NPROC
     assert resumed["step"] in (10, 15)
     assert 1 <= resumed["replayed_steps"] <= K
     assert rows[-1]["loss"] == pytest.approx(ref[-1]["loss"], rel=1e-5)

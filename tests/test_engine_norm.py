@@ -31,7 +31,7 @@ def trainer_with_grads() -> Trainer:
     """A single-process trainer of the tiny model, one backward done (gradients held)."""
     torch.manual_seed(0)
     cfg = tiny_config()
-    trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, 0), torch.device("cpu"))
+    trainer = Trainer(cfg, Mesh.build(cfg.parallel, 0), torch.device("cpu"))
     trainer.engine.forward_backward(trainer.loader.next(), Denominator(torch.tensor(100.0)))
     trainer.engine.sync_grads()
     return trainer

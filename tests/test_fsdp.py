@@ -158,7 +158,7 @@ def declare_jobs(jobs: Jobs) -> None:
     """Every layout of this module (2, 4 and 16 ranks), each trained by `_run`."""
     for name, layouts in LAYOUTS.items():
         cfgs = [tiny_config(**over) for over in layouts]
-        world = cfgs[0].parallel.world_size
+        world = cfgs[0].parallel.world
         jobs.add(name, world, _run, [c.to_dict() for c in cfgs])
     jobs.add("4d", 16, _run, [tiny_config(parallel=ZB_4D).to_dict()])
     jobs.add("3d-bf16", 8, _run, [tiny_config(parallel=BF16_3D, train={"dtype": "bf16"}).to_dict()])

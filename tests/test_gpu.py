@@ -51,7 +51,7 @@ def test_bf16_steps_on_one_gpu():
     from tetrad.train.loop import Trainer
 
     cfg = tiny_config(train={"dtype": "bf16", "device": "cuda", "peak_tflops": 1.0})
-    trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, 0), torch.device("cuda", 0))
+    trainer = Trainer(cfg, Mesh.build(cfg.parallel, 0), torch.device("cuda", 0))
     losses = [trainer.train_step().loss for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 

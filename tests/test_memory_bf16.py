@@ -82,7 +82,7 @@ def test_bf16_resume_is_exact(reference, tmp_path):
         cfg = tiny_config(
             train={**BF16, "out": str(tmp_path)}, checkpoint={"every": 10, "resume": resume}
         )
-        return Trainer(cfg, Mesh.build(cfg.parallel.degrees, 0), torch.device("cpu"))
+        return Trainer(cfg, Mesh.build(cfg.parallel, 0), torch.device("cpu"))
 
     trainer(False).fit(stop=10)
     resumed = trainer(True)

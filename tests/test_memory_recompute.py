@@ -120,7 +120,7 @@ def _count_recomputes(rank: int, world: int, raws: list[dict]) -> list[tuple[int
     out = []
     for raw in raws:
         cfg = from_dict(raw)
-        trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+        trainer = Trainer(cfg, Mesh.build(cfg.parallel, rank), torch.device("cpu"))
         calls = [0]
         blocks = [b for b in trainer.engine.model.modules() if isinstance(b, Block)]
         for block in blocks:

@@ -110,7 +110,7 @@ def test_plan_groups_and_indices():
     assert mesh["fsdp"].ranks == [13, 15] and mesh["fsdp"].rank == 0
     assert mesh["data"].ranks == [9, 11, 13, 15] and mesh["data"].rank == 2
     assert mesh["pp"].ranks == [5, 13]
-    assert mesh["world"].size == 16 and mesh.world_size == 16
+    assert mesh["world"].size == 16 and mesh.world == 16
     assert all(g.pg is None for g in mesh.groups.values())  # plan creates no process group
 
 
@@ -120,16 +120,6 @@ def test_plan_groups_agree_across_ranks():
         for r, s in product(range(8), repeat=2):
             a, b = Mesh.plan(d, r)[name], Mesh.plan(d, s)[name]
             assert (r in b.ranks) == (a.ranks == b.ranks)
-
-
-def test_pipeline_neighbours():
-    d = deg(pp=4, tp=2)
-    neighbours = [(Mesh.plan(d, r).pp_prev, Mesh.plan(d, r).pp_next) for r in range(8)]
-    assert neighbours == [
-        (None, 2), (None, 3), (0, 4), (1, 5), (2, 6), (3, 7), (4, None), (5, None),
-    ]  # fmt: skip
-    single = Mesh.plan(deg(dp=2), 1)
-    assert single.pp_prev is None and single.pp_next is None
 
 
 def test_bad_degrees_and_ranks():

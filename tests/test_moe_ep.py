@@ -119,9 +119,9 @@ def _dispatch_worker(
     from tetrad.layout import Layout
     from tetrad.parallel.expert import apply_ep
 
-    mesh = Mesh.build(degrees, rank, ep=ep)
-    comm = Comm("cpu")
     layout = Layout.build(_config(degrees, ep), world)
+    mesh = Mesh.build(layout, rank)
+    comm = Comm("cpu")
     layer = StandInLayer()
     full = {n: p.detach().clone() for n, p in layer.experts.named_parameters()}
     ep_layout = apply_ep(layer, layout, mesh, comm)

@@ -79,7 +79,7 @@ def moe_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any
 def declare_jobs(jobs: Jobs) -> None:
     for name, (model, par, *train) in (LAYOUTS | SCHEDULES).items():
         cfg = config(model, par, *train)
-        jobs.add(name, cfg.parallel.world_size, moe_worker, cfg.to_dict())
+        jobs.add(name, cfg.parallel.world, moe_worker, cfg.to_dict())
     declare_overlap(jobs)
 
 

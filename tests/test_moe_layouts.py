@@ -62,7 +62,7 @@ def declare_jobs(jobs: Jobs) -> None:
         cfg = _config(par, model, train)
         if name == SAVED:
             cfg.train.out, cfg.checkpoint.every = str(jobs.tmp(name)), 10
-        jobs.add(name, cfg.parallel.world_size, _moe_run, cfg.to_dict())
+        jobs.add(name, cfg.parallel.world, _moe_run, cfg.to_dict())
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ LAYOUTS = {
 def declare_jobs(jobs: Jobs) -> None:
     for name, (model, par, *train) in LAYOUTS.items():
         cfg = config(model, par, *train)
-        jobs.add(name, cfg.parallel.world_size, moe_worker, cfg.to_dict())
+        jobs.add(name, cfg.parallel.world, moe_worker, cfg.to_dict())
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

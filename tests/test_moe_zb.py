@@ -72,7 +72,7 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
 def declare_jobs(jobs: Jobs) -> None:
     for name, (model, par) in LAYOUTS.items():
         cfg = config(model, par)
-        jobs.add(name, cfg.parallel.world_size, _zb_worker, cfg.to_dict())
+        jobs.add(name, cfg.parallel.world, _zb_worker, cfg.to_dict())
 
 
 @pytest.mark.distributed

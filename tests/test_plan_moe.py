@@ -123,7 +123,7 @@ def _state_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> list[int]:
 def declare_jobs(jobs: Jobs) -> None:
     for name, (preset, parallel) in MEASURED.items():
         cfg = _measured_config(preset, parallel)
-        jobs.add("plan-moe-" + name, cfg.parallel.world_size, _state_worker, cfg.to_dict())
+        jobs.add("plan-moe-" + name, cfg.parallel.world, _state_worker, cfg.to_dict())
 
 
 @pytest.mark.distributed

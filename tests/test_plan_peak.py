@@ -102,7 +102,7 @@ def train_and_peak(rank: int, world: int, raws: list[dict]) -> list[dict]:
     out = []
     for raw in raws:
         cfg = from_dict(raw)
-        mesh = Mesh.build(cfg.parallel.degrees, rank, ep=cfg.parallel.ep)
+        mesh = Mesh.build(cfg.parallel, rank)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer = Trainer(cfg, mesh, torch.device("cpu"))
             trainer.fit()

@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, raw: dict) -> dict:
 
     cfg = from_dict(raw)
     out = train_worker(rank, world, raw)
-    mesh = Mesh.build(cfg.parallel.degrees, rank)
+    mesh = Mesh.build(cfg.parallel, rank)
     trainer = Trainer(cfg, mesh, torch.device("cpu"))
     out["split"] = trainer.cfg.parallel.pp_split
     timed = split_costs._time_items

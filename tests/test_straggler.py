@@ -20,7 +20,7 @@ import torch
 from harness import Jobs, tiny_config, trainer_for
 from tetrad.cli import build_config, parser
 from tetrad.comm import Comm, WaitLog
-from tetrad.config import check_sections, from_dict
+from tetrad.config import ParallelConfig, check_sections, from_dict
 from tetrad.mesh import Mesh
 from tetrad.train.straggler import (
     ComputeMeter,
@@ -157,7 +157,7 @@ def _paused_worker(rank: int, world: int, cfg_dict: dict, paused_rank: int) -> d
 def _span_worker(rank: int, world: int) -> dict:
     """The meter around a collective that rank 1 reaches 0.3 s late, after sleeping: rank
     0's wait is subtracted, rank 1's sleep, outside any collective, is counted."""
-    mesh = Mesh.build(DEGREES, rank)
+    mesh = Mesh.build(ParallelConfig(dp=2), rank)
     comm = Comm("cpu")
     meter = ComputeMeter(comm)
     comm.barrier(mesh["world"])

@@ -134,4 +134,4 @@ def test_sp_norm_gradients_are_summed_in_the_reduce_dtype(jobs):
 def test_bad_tp_layouts_raise(model, parallel, train, match):
     cfg = tiny_config(model=model, parallel=parallel, train=train)
     with pytest.raises(ValueError, match=match):
-        Layout.build(cfg, cfg.parallel.world_size)
+        Layout.build(cfg, cfg.parallel.world)

@@ -273,9 +273,9 @@ def fill_world(cfg: Config, args: argparse.Namespace) -> int:
     if cfg.parallel.elastic and args.nproc is None:
         raise ValueError(f"--{cfg.parallel.elastic} auto needs --nproc N: the ranks of each node")
     if args.nproc is None:
-        if not explicit and cfg.parallel.world_size == 1:
+        if not explicit and cfg.parallel.world == 1:
             cfg.parallel.dp = 2 * nnodes  # the default job: two data-parallel CPU processes
-        return max(1, cfg.parallel.world_size // nnodes)
+        return max(1, cfg.parallel.world // nnodes)
     if not explicit:
         cfg.parallel.dp = args.nproc * nnodes
     return args.nproc

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from tetrad.comm import Comm, bus_factor
 from tetrad.comm.watchdog import Watchdog, nccl_environment
+from tetrad.config import ParallelConfig
 from tetrad.devices import Clock
 from tetrad.launch import launch, under_torchrun
 from tetrad.mesh import Group, Mesh
@@ -253,8 +254,7 @@ def worker(args: argparse.Namespace) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     watchdog = Watchdog(TIMEOUT_S)
     try:
-        degrees = {"pp": 1, "dp": world, "fsdp": 1, "cp": 1, "tp": 1}
-        group = Mesh.build(degrees, rank, timeout)["world"]
+        group = Mesh.build(ParallelConfig(dp=world), rank, timeout)["world"]
         report = run_bench(args, group, device or torch.device("cpu"))
         if rank == 0:
             emit(report, args.json)

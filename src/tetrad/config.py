@@ -316,7 +316,7 @@ class ParallelConfig:
         return {"pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "cp": self.cp, "tp": self.tp}
 
     @property
-    def world_size(self) -> int:
+    def world(self) -> int:
         return math.prod(self.degrees.values())
 
     @property

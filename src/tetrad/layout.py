@@ -364,9 +364,9 @@ def _check_parallel(p: ParallelConfig, world: int | None) -> None:
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     if world is not None:
         _require(
-            p.world_size == world,
+            p.world == world,
             f"world size {world} != dp*fsdp*cp*tp*pp = {p.dp}*{p.fsdp}*{p.cp}*{p.tp}*{p.pp}"
-            f" = {p.world_size}",
+            f" = {p.world}",
         )
     _require(
         p.cp_attention in CP_ATTENTION,

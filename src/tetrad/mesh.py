@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any
+from typing import Any, Protocol
 
 AXES = ("pp", "dp", "fsdp", "cp", "tp")  # outermost first
 # "batch" (dp x fsdp): the ranks that read different sequences of the batch. "data" (dp x
@@ -34,6 +34,17 @@ GROUP_AXES = {
     "replica": ("dp", "cp"),
     "world": AXES,
 }
+
+
+class MeshShape(Protocol):
+    """What `Mesh.build` reads of a `Layout` (or a `ParallelConfig`): the five degrees and
+    the expert-parallel degree. A protocol, so the mesh sits below the layout."""
+
+    @property
+    def degrees(self) -> Any: ...
+
+    @property
+    def ep(self) -> int: ...
 
 
 def _check_degrees(degrees: dict[str, int]) -> None:
@@ -134,7 +145,7 @@ class Mesh:
     ep: int = 1  # expert parallelism: the "ep" and "ep_data" groups (`expert_groups`)
 
     @property
-    def world_size(self) -> int:
+    def world(self) -> int:
         return prod(self.degrees.values())
 
     @property
@@ -149,18 +160,6 @@ class Mesh:
         """`coord` and this rank's index in the expert groups ("ep", "ep_data"): where a
         parameter's replicas are counted once (the norm) and written once (checkpoints)."""
         return {**self.coord, "ep": self["ep"].rank, "ep_data": self["ep_data"].rank}
-
-    @property
-    def pp_prev(self) -> int | None:
-        """Global rank of the previous pipeline stage, or None on the first."""
-        g = self.groups["pp"]
-        return g.ranks[g.rank - 1] if g.rank > 0 else None
-
-    @property
-    def pp_next(self) -> int | None:
-        """Global rank of the next pipeline stage, or None on the last."""
-        g = self.groups["pp"]
-        return g.ranks[g.rank + 1] if g.rank + 1 < g.size else None
 
     @classmethod
     def plan(cls, degrees: dict[str, int], rank: int, ep: int = 1) -> Mesh:
@@ -178,15 +177,16 @@ class Mesh:
         return mesh
 
     @classmethod
-    def build(cls, degrees: dict[str, int], rank: int, timeout: Any = None, ep: int = 1) -> Mesh:
-        """Create the process groups. Every rank must call this with the same degrees.
-        `timeout` (a timedelta): every group's, as the world's (torch gives a new group
-        its own default otherwise, not the world's); None: torch's default. `ep`: the
-        expert-parallel degree (the "ep" and "ep_data" groups)."""
+    def build(cls, layout: MeshShape, rank: int, timeout: Any = None) -> Mesh:
+        """Create the process groups of `layout`'s degrees (and its expert groups). Every
+        rank must call this with the same layout. `timeout` (a timedelta): every group's,
+        as the world's (torch gives a new group its own default otherwise, not the
+        world's); None: torch's default."""
         import torch.distributed as dist
 
+        degrees, ep = dict(layout.degrees), layout.ep
         mesh = cls.plan(degrees, rank, ep)
-        world = mesh.world_size
+        world = mesh.world
         made: dict[tuple[int, ...], Any] = {}  # groups of equal members share one handle
         named = [(n, g) for n in GROUP_AXES for g in axis_groups(degrees, n)]
         ep_groups, edp_groups = expert_groups(degrees, ep)  # mostly groups made above

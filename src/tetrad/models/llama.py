@@ -8,7 +8,7 @@ does not own set to None (`first`/`last` say whether it embeds tokens and comput
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -217,6 +217,18 @@ class Llama(nn.Module):
         for name in layers:
             h = self.layers[name](h)
         return self.head(self.norm(h)) if head else h
+
+    def keep_stage(
+        self, layers: Sequence[str], dropped: Sequence[str], embeds: bool, heads: bool
+    ) -> None:
+        """Become a pipeline stage's part: only the blocks `layers`, without the root
+        modules `dropped`; `embeds`/`heads`: whether it starts at token ids and ends at the
+        head."""
+        for name in [n for n in self.layers if n not in set(layers)]:
+            del self.layers[name]
+        for root in dropped:
+            setattr(self, root, None)
+        self.first, self.last = embeds, heads
 
     def end_at_norm(self) -> None:
         """From now on the last stage returns the final-normed hidden states: a fused

@@ -8,7 +8,8 @@ never spells a parameter name itself, so a new family adds files here, not in pa
 
 What the spec cannot say, the family's model class provides (the interface the engine
 calls): `first`, `last` and `logits` flags, `forward_span(x, layers, embed, head)`,
-`head_weight()`, and its blocks in a `ModuleDict` keyed by `str(layer index)` at `blocks`.
+`head_weight()`, `keep_stage(layers, dropped_roots, embeds, heads)`, and its blocks in
+a `ModuleDict` keyed by `str(layer index)` at `blocks`.
 The pieces parallel code changes the behaviour of (the norm under sequence parallelism,
 rotary under context parallelism, an MoE layer's router and experts under sequence
 parallelism and zero-bubble) it reaches through the spec too (`norm_class`, `rotary`, `moe`),
@@ -199,17 +200,11 @@ class ModelSpec:
         return {n for n in names if n.startswith(tuple(prefixes))}
 
     def prune(self, model: nn.Module, layers: Sequence[str], embeds: bool, heads: bool) -> None:
-        """Drop (on the meta device) the blocks not in `layers` and the root modules a
-        stage with these ends does not use; set the model's `first` and `last`."""
-        container = model.get_submodule(self.blocks)
-        for name in [n for n in container if n not in set(layers)]:
-            del container[name]
+        """Make `model` (on the meta device) a pipeline stage's part: the blocks `layers`,
+        the root modules a stage with these ends uses (the model's own `keep_stage`)."""
         tied = module_at(model, self.head) is None
         keep = set(self.stage_roots(embeds, heads, tied))
-        for root in self.roots:
-            if root not in keep:
-                set_module(model, root, None)
-        model.first, model.last = embeds, heads
+        model.keep_stage(layers, [r for r in self.roots if r not in keep], embeds, heads)
 
     def hf_name(self, name: str) -> str:
         """The Hugging Face name of parameter `name`."""
@@ -233,9 +228,3 @@ def module_at(model: nn.Module, path: str) -> nn.Module | None:
         if out is None:
             return None
     return out
-
-
-def set_module(model: nn.Module, path: str, module: nn.Module | None) -> None:
-    """Put `module` (or None) at dotted `path`."""
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)

@@ -83,7 +83,6 @@ def parallelize(
         groups, names, model, layout, mesh, comm, replicated, spec, tied
     )
     sharded = [s for s in syncs if isinstance(s, ZeroShards)]
-    runner.meter.exclude(u.flat for s in sharded for u in s.units)  # parameters, not activations
     grads: GradSync = syncs[0] if len(syncs) == 1 else GroupedGrads(syncs)
     whole = [pair for s in syncs if not isinstance(s, ZeroShards) for pair in s.params()]
     if sharded:

@@ -29,7 +29,6 @@ class ActivationMeter:
     """
 
     def __init__(self) -> None:
-        self.fixed: set[int] = set()  # storages that are never activations (see exclude)
         self.skip: set[int] = set()
         self.refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.held: dict[object, list[int]] = {}
@@ -71,15 +70,11 @@ class ActivationMeter:
         return self.measured
 
     def reset(self, params: Iterable[torch.Tensor] = ()) -> None:
-        """Start a new peak; `params`' storages are never counted."""
-        self.skip = self.fixed | {_storage_id(p) for p in params}
+        """Start a new peak; `params`' storages are never counted, nor their views' (ZeRO's
+        flat buffers, which modules see only through views, even across a free and
+        re-gather)."""
+        self.skip = {_storage_id(p) for p in params}
         self.peak = self.live
-
-    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Never count these tensors' storages, nor their views' (ZeRO's flat parameter
-        buffers, which modules see only through views, even across a free and re-gather)."""
-        self.fixed |= {_storage_id(t) for t in tensors}
-        self.skip |= self.fixed
 
     def saving(self) -> contextlib.AbstractContextManager:
         """Context manager: count every tensor autograd saves inside it (if counting)."""

@@ -42,7 +42,7 @@ from tetrad.comm.cp import gather_from_cp, ring_pass
 from tetrad.config import CP_ATTENTION
 from tetrad.mesh import Group, Mesh
 from tetrad.models.plans import matches
-from tetrad.models.spec import ModelSpec, Rotary, set_module
+from tetrad.models.spec import ModelSpec, Rotary
 from tetrad.parallel.context_kernels import BlockKernel, pick_kernel
 from tetrad.precision import wide, widen
 
@@ -296,4 +296,4 @@ def apply_cp(
     cores = [(n, m) for n, m in model.named_modules() if matches(spec.attention_core, n)]
     for name, core in cores:
         new = kind(core.head_dim, core.theta, spec.rotary, comm, mesh["cp"], kernel)
-        set_module(model, name, new)
+        model.set_submodule(name, new)

@@ -128,7 +128,7 @@ class MicrobatchLoop:
         device = denom.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         self.meter.measure(self.meter_every)
-        self.meter.reset(self.model.parameters())
+        self.meter.reset([*self.model.parameters(), *grads.held().params])
         for i, mb in enumerate(micro):
             # no_sync: only the last microbatch's backward launches the reductions
             grads.reduce_in_backward(i == len(micro) - 1)

@@ -134,7 +134,7 @@ def _candidate(model: _Model, base: Layout, parallel: tuple) -> Layout:
     cfg = layout_config(model.model, base.global_batch, base.seq_len, base.dtype_name,
                         **_carried(base) | dict(parallel))  # fmt: skip
     cfg.train.loss_chunk = base.loss_chunk
-    return Layout.build(cfg, cfg.parallel.world_size)
+    return Layout.build(cfg, cfg.parallel.world)
 
 
 def _carried(base: Layout) -> dict[str, Any]:

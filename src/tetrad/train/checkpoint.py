@@ -311,7 +311,7 @@ def describe(step: int, adam_step: int, loader, cfg: Config) -> dict:
         },
         "placement": {
             "kind": "sharded",  # each tensor as boxes, each box in one rank's file
-            "saved_from": {k: getattr(p, k) for k in layout} | {"world": p.world_size},
+            "saved_from": {k: getattr(p, k) for k in layout} | {"world": p.world},
         },
     }
 

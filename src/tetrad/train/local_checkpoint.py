@@ -188,7 +188,7 @@ class LocalCheckpoints:
         self.every = cfg.checkpoint.local_every
         self.root = local_root(cfg)
         mesh = engine.mesh
-        self.rank, self.world = mesh.rank, mesh.world_size
+        self.rank, self.world = mesh.rank, mesh.world
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank % self.local_world))
         self.partner = partner_of(self.rank, self.world, self.local_world)

@@ -85,7 +85,7 @@ def init_distributed(
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"tetrad/attempt{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return Mesh.build(layout.degrees, rank, timeout, ep=layout.ep), device
+    return Mesh.build(layout, rank, timeout), device
 
 
 def hf_weights(cfg: Config):
@@ -121,7 +121,7 @@ class Trainer:
         layout: Layout | None = None,
     ):
         """`layout`: `cfg`'s, already built for this world (built, so validated, here if not)."""
-        layout = layout or Layout.build(cfg, mesh.world_size)
+        layout = layout or Layout.build(cfg, mesh.world)
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.comm = comm or Comm(device)
         if self.comm.device != torch.device(device):
@@ -282,7 +282,7 @@ class Trainer:
         self.comm.all_reduce(maxed, self.mesh["world"], op="max")
         step_time = float(maxed[1])
         tokens_per_s = result.tokens / step_time if step_time > 0 else 0.0
-        world = self.mesh.world_size
+        world = self.mesh.world
         mfu = tokens_per_s * self.flops_per_token / (world * self.peak * 1e12)
         row = {
             "step": self.step - 1,
@@ -381,7 +381,7 @@ class Trainer:
         if step is not None:
             self.step = step
             self.resumed = {"resumed_from": source, "resumed_step": step}
-            self.resumed["world_size"] = self.mesh.world_size  # elastic: may differ from before
+            self.resumed["world"] = self.mesh.world  # elastic: may differ from before
             self.resumed["resume_load_s"] = time.perf_counter() - t0
         return step
 

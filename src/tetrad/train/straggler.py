@@ -151,8 +151,8 @@ class StragglerWatch:
 
     def __init__(self, t: TrainConfig, mesh: Mesh, comm: Comm):
         # one rank has nobody to be compared with: nothing is measured
-        self.every = t.straggler_every if mesh.world_size > 1 else 0
-        self.windows, self.rank, self.world = t.straggler_windows, mesh.rank, mesh.world_size
+        self.every = t.straggler_every if mesh.world > 1 else 0
+        self.windows, self.rank, self.world = t.straggler_windows, mesh.rank, mesh.world
         self.meter = ComputeMeter(comm) if self.every else None
         peers = peer_groups(mesh.degrees)
         self.detector = Detector(peers, t.straggler_threshold, t.straggler_windows)

@@ -162,7 +162,7 @@ class PipelineRuntime:
         st.inputs_of = [move(mb.inputs) for mb in micro] if first else []
         st.targets_of = [move(mb.targets) for mb in micro] if self.holds_loss else []
         self.meter.measure(self.meter_every)
-        self.meter.reset(self.model.parameters())
+        self.meter.reset([*self.model.parameters(), *grads.held().params])
         st.clock = self.clock
         for item in self.items:
             if isinstance(item, Post):
