@@ -79,8 +79,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # in place, one chunk of logits alive: the softmax, minus the one-hot target
                 dz = widen(F.linear(x[lo:hi], weight))
                 dz.sub_(lse[lo:hi, None]).exp_().mul_(valid[lo:hi, None])
-                own = mine[lo:hi].nonzero()[:, 0]
-                dz[own, local[lo:hi][own]] -= 1.0
+                # minus one at each owned target: a scatter, not an index (no host sync)
+                dz.scatter_add_(1, local[lo:hi, None], -mine[lo:hi, None].to(dz.dtype))
                 dz = dz.mul_(grad).to(x.dtype)
                 torch.mm(dz, weight, out=grad_x[lo:hi])
                 grad_w += widen(dz.t() @ x[lo:hi])

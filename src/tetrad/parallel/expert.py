@@ -108,7 +108,9 @@ class AllToAllDispatch:
         holds it; the outputs in copy order. `meanwhile()` runs while the copies travel."""
         size, local = self.ep.size, self.n // self.ep.size
         order = torch.argsort(flat_ids, stable=True)  # copies sorted by expert
-        send = torch.bincount(flat_ids, minlength=self.n).view(size, local)  # [rank, expert]
+        # counted by a scatter: CUDA's bincount reads the largest id on the host first
+        send = flat_ids.new_zeros(self.n).index_add_(0, flat_ids, torch.ones_like(flat_ids))
+        send = send.view(size, local)  # [rank, expert]
         recv = exchange_counts(send, self.comm, self.ep)  # [source rank, local expert]
         send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()  # the host sync
         arrived, travel = all_to_all_start(x[order // k], recv_rows, send_rows, self.comm, self.ep)
@@ -118,7 +120,8 @@ class AllToAllDispatch:
         self._note("dispatch waited")
         # arrived: by source rank, then by expert; the experts want them by expert
         expert_of = torch.arange(local, device=x.device).repeat(size)
-        regroup = torch.argsort(expert_of.repeat_interleave(recv.reshape(-1)), stable=True)
+        rows = expert_of.repeat_interleave(recv.reshape(-1), output_size=sum(recv_rows))
+        regroup = torch.argsort(rows, stable=True)
         out = experts(arrived[regroup], recv.sum(0))
         if not out.requires_grad:  # no rows arrived: still in the graph, so this rank
             out = out + arrived.sum() * 0  # joins the backward all-to-alls like its peers
