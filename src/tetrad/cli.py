@@ -460,12 +460,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from tetrad.commbench import main as bench_main
-
-    return bench_main(args, argv)
-
-
 def add_generate_args(gen: argparse.ArgumentParser) -> None:
     """`tetrad generate`'s flags; the sampling defaults are `generate.Sampling`'s."""
     from tetrad.generate import Sampling
@@ -533,25 +527,22 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    commands = dict(generate=cmd_generate, report=cmd_report, data=cmd_data, export=cmd_export)
     try:
         if args.command == "train":
             return cmd_train(args, argv)
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "report":
-            return cmd_report(args)
-        if args.command == "data":
-            return cmd_data(args)
-        if args.command == "export":
-            return cmd_export(args)
+        if args.command in commands:
+            return commands[args.command](args)
         if args.command == "plan":
             from tetrad.plan.cli import main as plan_main
 
             return plan_main(args)
-        return cmd_bench(args, argv)
+        from tetrad.commbench import main as bench_main
+
+        return bench_main(args, argv)
     except ValueError as e:
         print(f"tetrad: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -248,7 +248,6 @@ def worker(args: argparse.Namespace) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
     if cuda:
         torch.cuda.set_device(device)
-    if cuda:
         nccl_environment()  # before the process group: async error handling, flight recorder
     timeout = timedelta(seconds=TIMEOUT_S)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)

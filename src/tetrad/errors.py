@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-EXIT_OK = 0
 EXIT_FAILED = 1  # an error during the job (the launcher names the rank and the cause)
 EXIT_USAGE = 2  # bad configuration or input, refused before or at start
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT after saving a checkpoint: resume with --resume
@@ -38,37 +37,37 @@ def report(kind: str, message: str, code: int, **extra: Any) -> bool:
     rank, attempt = rank_and_attempt()
     record = {"kind": kind, "message": message, "code": code, "rank": rank}
     record |= {"attempt": attempt, "time": time.time(), "pid": os.getpid(), **extra}
-    path = Path(directory) / f"attempt{attempt:03d}-rank{rank:05d}-{kind}.json"
-    try:
+    return _write_json(Path(directory) / f"attempt{attempt:03d}-rank{rank:05d}-{kind}.json", record)
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> bool:
+    """Write `record` to `path` whole (the launcher never reads half a file); False on failure."""
+    with _quiet():
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)  # the launcher never reads half a report
-    except OSError:
-        return False
-    return True
+        os.replace(tmp, path)
+        return True
+    return False
 
 
 def read_reports(directory: Path) -> list[dict[str, Any]]:
     """The reports of the newest attempt found in `directory`, oldest first."""
+    return _newest_attempt(Path(directory).glob("attempt*-rank*.json"), lambda r: r["time"])
+
+
+def _newest_attempt(paths, key) -> list[dict[str, Any]]:
+    """The readable JSON records of `paths` that belong to the newest attempt, by `key`."""
     records = []
-    for path in sorted(Path(directory).glob("attempt*-rank*.json")):
-        try:
+    for path in sorted(paths):
+        with _quiet():
             records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    if not records:
-        return []
-    last = max(r.get("attempt", 0) for r in records)
-    return sorted((r for r in records if r.get("attempt", 0) == last), key=lambda r: r["time"])
+    last = max((r.get("attempt", 0) for r in records), default=0)
+    return sorted((r for r in records if r.get("attempt", 0) == last), key=key)
 
 
 def root_cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The report that explains the job's end: the earliest error, else the first other."""
-    for kind in KINDS:
-        found = [r for r in records if r.get("kind") == kind]
-        if found:
-            return found[0]
-    return None
+    return next((r for kind in KINDS for r in records if r.get("kind") == kind), None)
 
 
 # --- hangs: which rank is behind ---------------------------------------------------------
@@ -105,12 +104,7 @@ def write_trace(record: dict[str, Any]) -> Path | None:
     if directory is None:
         return None
     path = directory / f"trace-attempt{attempt:03d}-rank{rank:05d}.json"
-    with _quiet():
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": rank, "attempt": attempt, **record}))
-        os.replace(tmp, path)
-        return path
-    return None
+    return path if _write_json(path, {"rank": rank, "attempt": attempt, **record}) else None
 
 
 def traces_written() -> int:
@@ -123,14 +117,7 @@ def traces_written() -> int:
 
 def read_traces(directory: Path) -> list[dict[str, Any]]:
     """The traces of the newest attempt found in `directory`, by rank."""
-    found = []
-    for path in sorted(Path(directory).glob("trace-attempt*-rank*.json")):
-        with _quiet():
-            found.append(json.loads(path.read_text()))
-    if not found:
-        return []
-    last = max(t["attempt"] for t in found)
-    return sorted((t for t in found if t["attempt"] == last), key=lambda t: t["rank"])
+    return _newest_attempt(Path(directory).glob("trace-attempt*-rank*.json"), lambda t: t["rank"])
 
 
 def who_is_behind(traces: list[dict[str, Any]]) -> str | None:
@@ -185,10 +172,8 @@ def _lag_on(name: str, by_rank: dict[int, dict], waiting: list[dict]) -> str | N
 
 def _op_at(trace: dict[str, Any], group: str, seq: int) -> str:
     """The op of `trace`'s collective number `seq` on `group` (its recent ones)."""
-    for call in trace.get("recent", []):
-        if call["group"] == group and call["seq"] == seq:
-            return call["op"]
-    return "a collective"
+    ops = [c["op"] for c in trace.get("recent", []) if c["group"] == group and c["seq"] == seq]
+    return ops[0] if ops else "a collective"
 
 
 def _quiet() -> contextlib.suppress:

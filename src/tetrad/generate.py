@@ -43,9 +43,7 @@ class Sampling:
         logits = logits.float() / self.temperature
         if 0 < self.top_k < logits.numel():
             top = torch.topk(logits, self.top_k)  # exactly k, ties broken by topk
-            logits = logits.new_full(logits.shape, float("-inf")).scatter(
-                0, top.indices, top.values
-            )
+            logits = torch.full_like(logits, float("-inf")).scatter(0, top.indices, top.values)
         if self.top_p < 1:
             probs, order = torch.sort(torch.softmax(logits, dim=-1), descending=True)
             before = probs.cumsum(dim=0) - probs  # the mass of the likelier tokens

@@ -91,7 +91,6 @@ def torchrun_command(
     max_restarts: int = 0,
     nnodes: int | str = 1,
     rdzv_endpoint: str | None = None,
-    rdzv_id: str | None = None,
     rdzv_conf: str | None = None,
 ) -> list[str]:
     """torchrun's command line: loopback store for one node, c10d rendezvous for several
@@ -104,7 +103,7 @@ def torchrun_command(
             cmd[-2:] = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
-        cmd.append(f"--rdzv-id={rdzv_id or 'tetrad'}")
+        cmd.append("--rdzv-id=tetrad")
         if rdzv_conf:
             cmd.append(f"--rdzv-conf={rdzv_conf}")
     return [*cmd, "-m", "tetrad.cli", *argv]
@@ -126,7 +125,7 @@ def launch(
     """
     launcher_only = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-conf")
     argv = drop_flags(argv, launcher_only)
-    cmd = torchrun_command(nproc, argv, max_restarts, nnodes, rdzv_endpoint, rdzv_conf=rdzv_conf)
+    cmd = torchrun_command(nproc, argv, max_restarts, nnodes, rdzv_endpoint, rdzv_conf)
     env = dict(os.environ, TETRAD_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
     if ":" in str(nnodes):
         # an elastic range: the agents' shared store keeps the first round's worker address,
@@ -138,7 +137,8 @@ def launch(
         reports = logs / f"reports-{uuid.uuid4().hex[:8]}"
         reports.mkdir(parents=True)
         env |= {REPORT_DIR: str(reports), LOG_DIR: str(logs)}
-        log_start = _size(logs / "torchrun.log")  # this launch's part of the log follows
+        log = logs / "torchrun.log"
+        log_start = log.stat().st_size if log.exists() else 0  # this launch's part follows
     code, signalled = _supervise(cmd, env, logs)
     if logs is None:
         return code
@@ -280,13 +280,6 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_sta
     detail = _child_failure(log)
     print(f"tetrad: error: {detail} (logs: {logs})", file=sys.stderr, flush=True)
     return code or EXIT_FAILED
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _log_since(torchrun_log: Path, start: int) -> str:

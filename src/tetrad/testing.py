@@ -33,24 +33,21 @@ class _Array:
         self.array = t.detach().cpu().numpy().copy()
 
 
-def _pack(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return _Array(obj)
+def _map(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`obj` with `leaf` applied to everything inside its dicts, lists and tuples."""
     if isinstance(obj, dict):
-        return {k: _pack(v) for k, v in obj.items()}
+        return {k: _map(v, leaf) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_pack(v) for v in obj)
-    return obj
+        return type(obj)(_map(v, leaf) for v in obj)
+    return leaf(obj)
+
+
+def _pack(obj: Any) -> Any:
+    return _map(obj, lambda x: _Array(x) if isinstance(x, torch.Tensor) else x)
 
 
 def _unpack(obj: Any) -> Any:
-    if isinstance(obj, _Array):
-        return torch.from_numpy(obj.array)
-    if isinstance(obj, dict):
-        return {k: _unpack(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_unpack(v) for v in obj)
-    return obj
+    return _map(obj, lambda x: torch.from_numpy(x.array) if isinstance(x, _Array) else x)
 
 
 def _entry(fn, rank, world, port, results, threads, timeout, args) -> None:

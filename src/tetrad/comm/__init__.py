@@ -43,6 +43,10 @@ from tetrad.mesh import Group
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def bus_factor(op: str, n: int) -> float:
     """Bytes each rank sends per buffer byte, for a ring over n ranks (nccl-tests busbw)."""
     if n <= 1:
@@ -129,8 +133,11 @@ class Work:
         self.flight: Flight | None = None  # when traced
 
     def done(self) -> bool:
-        """Whether it has completed (never blocks; a completed one still needs `wait`)."""
+        """Whether it has completed (never blocks; a completed one still needs `wait`; a
+        gloo point-to-point work says no until waited for, so only collectives are polled)."""
         return self._handle is None or self._handle.is_completed()
+
+    is_completed = done  # the name of torch's own works
 
     def wait(self) -> None:
         if self._handle is not None:
@@ -147,11 +154,6 @@ class Work:
                 self._what.done = True
             if self.flight is not None and self.flight.end is None:
                 self.flight.end = time.time()
-
-    def is_completed(self) -> bool:
-        """Whether it is done (never blocks; a gloo point-to-point work says no until
-        waited for, so only collectives are polled)."""
-        return self._handle is None or self._handle.is_completed()
 
 
 class Comm:
@@ -219,8 +221,11 @@ class Comm:
             yield
             return
         last = self.ledger.ring[-1].describe() if self.ledger.ring else "none yet"
-        with self.watchdog.watching(f"{what} (the last collective issued: {last})"):
+        self.watchdog.arm(f"{what} (the last collective issued: {last})")
+        try:
             yield
+        finally:
+            self.watchdog.disarm()
 
     def _count(self, group: Group, op: str, nbytes: int, sent: float | None = None) -> OpStats:
         """Count a call of `nbytes` buffer bytes; `sent`: the bytes this rank sends, when
@@ -231,14 +236,12 @@ class Comm:
         s.bus_bytes += bus_factor(op, group.size) * nbytes if sent is None else sent
         return s
 
-    def _record(
-        self, group: Group, op: str, nbytes: int, sent: float | None = None
-    ) -> tuple[OpStats, Call]:
-        """Count a collective and number it in the ledger."""
-        return self._count(group, op, nbytes, sent), self.ledger.issue(op, group, nbytes)
-
-    def _run(self, recorded: tuple[OpStats, Call], fn, async_op: bool) -> Work | None:
-        (stats, call), t0 = recorded, self.clock.mark()
+    def _run(
+        self, group: Group, op: str, nbytes: int, fn, async_op: bool, sent: float | None = None
+    ) -> Work | None:
+        """Count a collective (see `_count`), number it in the ledger and run `fn(async_op)`."""
+        stats, call = self._count(group, op, nbytes, sent), self.ledger.issue(op, group, nbytes)
+        t0 = self.clock.mark()
         if async_op:
             work = Work(fn(True), stats, self.watchdog, call)
             if self.trace is not None and work._handle is not None:
@@ -254,52 +257,57 @@ class Comm:
         stats.blocked(t0, self.clock.mark())
         return None
 
+    def _collective(
+        self,
+        op: str,
+        group: Group,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        nbytes: int,
+        fn,
+        async_op: bool = False,
+        sent: float | None = None,
+    ) -> Work | None:
+        """Every collective's one path: both tensors checked to be on the compute device; on
+        one rank `inp` copied into `out` (no call); else counted as `nbytes` buffer bytes
+        (`sent`, see `_count`), numbered and run (`fn(async_op)`)."""
+        self.check_device(out, group, op)
+        self.check_device(inp, group, op)
+        if group.size == 1:
+            if out is not inp:
+                out.copy_(inp)
+            return Work(None, OpStats()) if async_op else None
+        return self._run(group, op, nbytes, fn, async_op, sent)
+
     def all_reduce(
         self, t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"
     ) -> Work | None:
         """In place over `group`: the "sum" (gloo has no AVG: callers scale) or the "max"."""
-        self.check_device(t, group, "all_reduce")
-        if group.size == 1:
-            return Work(None, OpStats()) if async_op else None
-        s = self._record(group, "all_reduce", t.numel() * t.element_size())
-        red = REDUCE_OPS[op]
-        return self._run(
-            s,
-            lambda a: dist.all_reduce(t, op=red, group=group.pg, async_op=a),
-            async_op,
-        )
+
+        def call(a: bool):
+            return dist.all_reduce(t, op=REDUCE_OPS[op], group=group.pg, async_op=a)
+
+        return self._collective("all_reduce", group, t, t, _nbytes(t), call, async_op)
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
     ) -> Work | None:
         """Concatenate every rank's `inp` along dim 0 into `out` (size * inp)."""
-        self.check_device(out, group, "all_gather")
-        self.check_device(inp, group, "all_gather")
-        if group.size == 1:
-            out.copy_(inp)
-            return Work(None, OpStats()) if async_op else None
-        s = self._record(group, "all_gather", out.numel() * out.element_size())
-        return self._run(
-            s,
-            lambda a: dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=a),
-            async_op,
-        )
+
+        def call(a: bool):
+            return dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=a)
+
+        return self._collective("all_gather", group, out, inp, _nbytes(out), call, async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
     ) -> Work | None:
         """Sum `inp` over the group and keep this rank's dim-0 slice in `out`."""
-        self.check_device(out, group, "reduce_scatter")
-        self.check_device(inp, group, "reduce_scatter")
-        if group.size == 1:
-            out.copy_(inp)
-            return Work(None, OpStats()) if async_op else None
-        s = self._record(group, "reduce_scatter", inp.numel() * inp.element_size())
-        return self._run(
-            s,
-            lambda a: dist.reduce_scatter_tensor(out, inp, group=group.pg, async_op=a),
-            async_op,
-        )
+
+        def call(a: bool):
+            return dist.reduce_scatter_tensor(out, inp, group=group.pg, async_op=a)
+
+        return self._collective("reduce_scatter", group, out, inp, _nbytes(inp), call, async_op)
 
     def all_to_all(
         self,
@@ -315,39 +323,24 @@ class Comm:
         from rank i land in `out` in order, `out_splits[i]` of them. Counted as the bytes
         handed in, and as sent the bytes that leave this rank (its own rows stay); `op`
         names the record (the expert layer counts its token counts apart)."""
-        self.check_device(out, group, op)
-        self.check_device(inp, group, op)
-        if group.size == 1:
-            out.copy_(inp)
-            return Work(None, OpStats()) if async_op else None
-        row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes of one row
-        kept = in_splits[group.rank] * row
-        s = self._record(
-            group,
-            op,
-            inp.numel() * inp.element_size(),
-            sent=inp.numel() * inp.element_size() - kept,
-        )
-        return self._run(
-            s,
-            lambda a: dist.all_to_all_single(
+        kept = in_splits[group.rank] * math.prod(inp.shape[1:]) * inp.element_size()
+
+        def call(a: bool):
+            return dist.all_to_all_single(
                 out, inp, out_splits, in_splits, group=group.pg, async_op=a
-            ),
-            async_op,
+            )
+
+        return self._collective(
+            op, group, out, inp, _nbytes(inp), call, async_op, _nbytes(inp) - kept
         )
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group) -> None:
         """Broadcast from group-local index `src`."""
-        self.check_device(t, group, "broadcast")
-        if group.size == 1:
-            return
-        s = self._record(group, "broadcast", t.numel() * t.element_size())
-        src_global = group.ranks[src]
-        self._run(
-            s,
-            lambda a: dist.broadcast(t, src_global, group=group.pg, async_op=a),
-            False,
-        )
+
+        def call(a: bool):
+            return dist.broadcast(t, group.ranks[src], group=group.pg, async_op=a)
+
+        self._collective("broadcast", group, t, t, _nbytes(t), call)
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[Work]:
         """Post sends/receives together: ops are ("send"|"recv", tensor, global peer rank).
@@ -360,29 +353,23 @@ class Comm:
         for kind, t, _ in ops:
             self.check_device(t, group, kind)
             if kind == "send":
-                self._count(group, "send", t.numel() * t.element_size())
+                self._count(group, "send", _nbytes(t))
             else:
                 self.stats[(group.name, "recv")].calls += 1
         if not ops:
             return []
+        post = {"send": dist.isend, "recv": dist.irecv}
         if self.device.type == "cuda":
-            post = {"send": dist.isend, "recv": dist.irecv}
             p2p = [dist.P2POp(post[kind], t, peer, group=group.pg) for kind, t, peer in ops]
             handles = dist.batch_isend_irecv(p2p)
             if len(handles) != len(p2p):  # coalesced: one work for the whole batch
                 handles = [handles[0] if handles else None] * len(p2p)
         else:
-            handles = [self._post_one(kind, t, peer, group) for kind, t, peer in ops]
-        nbytes = sum(t.numel() * t.element_size() for _, t, _ in ops)
+            handles = [post[kind](t, peer, group=group.pg) for kind, t, peer in ops]
+        nbytes = sum(_nbytes(t) for _, t, _ in ops)
         call = self.ledger.issue("send/recv", group, nbytes, numbered=False)
         stats = self.stats[(group.name, "p2p_wait")]
         return [Work(h, stats, self.watchdog, call) for h in handles]
-
-    @staticmethod
-    def _post_one(kind: str, t: torch.Tensor, peer: int, group: Group):
-        if kind == "send":
-            return dist.isend(t, peer, group=group.pg)
-        return dist.irecv(t, peer, group=group.pg)
 
     def barrier(self, group: Group) -> None:
         """Every member of `group` reaches this point (counted, numbered and watched)."""
@@ -391,7 +378,7 @@ class Comm:
         # NCCL: name the device, or torch guesses one per rank and may pick a shared GPU
         ids = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
         barrier = lambda a: dist.barrier(group=group.pg, **ids)  # noqa: E731
-        self._run(self._record(group, "barrier", 0), barrier, False)
+        self._run(group, "barrier", 0, barrier, False)
 
 
 def _flight(handle, call: Call) -> Flight:

@@ -18,7 +18,6 @@ process group existed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -78,15 +77,6 @@ class Watchdog:
 
     def disarm(self) -> None:
         self._armed = None
-
-    @contextlib.contextmanager
-    def watching(self, what):
-        """Arm for the duration of the block."""
-        self.arm(what)
-        try:
-            yield
-        finally:
-            self.disarm()
 
     def close(self) -> None:
         self._stop.set()
