@@ -79,6 +79,17 @@ class ModelConfig:
     )
     head_size: int = 0  # channels per attention head; 0: dim // heads (Qwen3 sets its own)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys before rotary (Qwen3)
+    qkv_bias: bool = field(
+        default=False, metadata=cli("biases on the query, key and value projections (Qwen2)")
+    )
+    sliding_window: int = field(
+        default=0,
+        metadata=cli(
+            "attend to the last N positions only (Mistral); 0: none. A window shorter than "
+            "--seq-len is refused (docs/models.md)",
+            metavar="N",
+        ),
+    )
     # mixture of experts (family "moe"; docs/moe.md): from layer `dense_layers` on, the
     # feed-forward is a router over `experts` SwiGLU experts of `moe_ffn_dim`, each token
     # sent to `top_k` of them, plus `shared_experts` every token uses
@@ -165,6 +176,41 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         ffn_dim=28672,
         max_seq_len=8192,
         rope_theta=500000.0,
+    ),
+    "llama3-405b": dict(
+        layers=126, dim=16384, heads=128, kv_heads=8, vocab=128256, ffn_dim=53248,
+        max_seq_len=8192, rope_theta=500000.0,
+    ),
+    # Llama's decoder under other names (docs/models.md): Qwen3 with QK-norm and its own
+    # head size, Qwen2/2.5 with q/k/v biases, Mistral (v0.3: no sliding window)
+    "qwen3-tiny": dict(
+        family="qwen3", layers=2, dim=32, heads=4, kv_heads=2, head_size=16, vocab=256,
+        qk_norm=True, norm_eps=1e-6,
+    ),
+    "qwen3-8b": dict(
+        family="qwen3", layers=36, dim=4096, heads=32, kv_heads=8, head_size=128,
+        vocab=151936, ffn_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+        qk_norm=True,
+    ),
+    "qwen3-32b": dict(
+        family="qwen3", layers=64, dim=5120, heads=64, kv_heads=8, head_size=128,
+        vocab=151936, ffn_dim=25600, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+        qk_norm=True,
+    ),
+    "qwen2-tiny": dict(
+        family="qwen2", layers=2, dim=32, heads=4, kv_heads=2, vocab=256, qkv_bias=True,
+        norm_eps=1e-6,
+    ),
+    "qwen2.5-7b": dict(
+        family="qwen2", layers=28, dim=3584, heads=28, kv_heads=4, vocab=152064,
+        ffn_dim=18944, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True,
+    ),
+    "mistral-tiny": dict(
+        family="mistral", layers=2, dim=32, heads=4, kv_heads=2, vocab=256, sliding_window=128,
+    ),
+    "mistral-7b": dict(
+        family="mistral", layers=32, dim=4096, heads=32, kv_heads=8, vocab=32768,
+        ffn_dim=14336, max_seq_len=32768, rope_theta=1e6,
     ),
     # mixtures of experts: the first two train here, the rest are for the planner
     "moe-tiny": dict(
@@ -604,7 +650,10 @@ def _require(ok: bool, message: str) -> None:
 def _validate_model(m: ModelConfig) -> None:
     for name in ("layers", "dim", "heads", "kv_heads", "vocab"):
         _require(getattr(m, name) >= 1, f"model.{name} must be >= 1, got {getattr(m, name)}")
-    _require(m.dim % m.heads == 0, f"model.dim={m.dim} is not divisible by heads={m.heads}")
+    _require(
+        m.head_size or m.dim % m.heads == 0,
+        f"model.dim={m.dim} is not divisible by heads={m.heads} (or set head_size)",
+    )
     _require(m.head_dim % 2 == 0, f"head_dim={m.head_dim} (dim/heads) must be even for rotary")
     _require(
         m.heads % m.kv_heads == 0,
@@ -612,6 +661,7 @@ def _validate_model(m: ModelConfig) -> None:
     )
     _require(m.init_std > 0, f"model.init_std must be > 0, got {m.init_std}")
     _require(m.head_size >= 0, f"model.head_size must be >= 0 (0: dim/heads), got {m.head_size}")
+    _require(m.sliding_window >= 0, f"model.sliding_window must be >= 0, got {m.sliding_window}")
     _validate_moe(m)
 
 

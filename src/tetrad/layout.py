@@ -93,10 +93,11 @@ class Layout:
         split = _check_split(p, cfg.model.layers)
         _check_shapes(cfg)
         check_ep(p.ep, cfg.model.experts, p.degrees)
+        window = cfg.model.sliding_window
         _require(
-            not (cfg.model.qk_norm and p.tp > 1),
-            f"model.qk_norm with tp={p.tp} is not supported yet: each tp rank normalises other"
-            " heads, and the norms' gradients are not summed over tp; use tp=1",
+            not 0 < window < cfg.train.seq_len,
+            f"model.sliding_window={window} < train.seq_len={cfg.train.seq_len}: a window "
+            "shorter than the sequence is not implemented; train with seq_len <= the window",
         )
         return cls(
             degrees=Degrees((axis, getattr(p, axis)) for axis in AXES),

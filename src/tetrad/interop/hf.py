@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out (Llama, Mixtral, Qwen3-MoE): config.json <->
-ModelConfig, weights by name.
+"""Hugging Face checkpoints in and out (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral,
+Qwen3-MoE): config.json <-> ModelConfig, weights by name (docs/models.md).
 
 A Hugging Face Llama directory holds `config.json` and either one `model.safetensors` or
 shards listed in `model.safetensors.index.json`. Import reads headers first (every name,
@@ -12,7 +12,7 @@ Rotary layout: tetrad rotates interleaved channel pairs (2i, 2i+1) of each head;
 Face's `rotate_half` pairs channel i with i + head_dim/2. So the rows of q and k are
 permuted within each head on the way in and back on the way out:
 tetrad row 2i = HF row i, tetrad row 2i+1 = HF row i + head_dim/2. Qwen3's per-head
-QK-norm gains are permuted alike (their channels are q's and k's).
+QK-norm gains and Qwen2's q and k biases are permuted alike (their channels are q's and k's).
 
 Mixture of experts: a checkpoint stores one tensor per expert
 (`...experts.{j}.w1.weight`); tetrad stacks them along a first dimension of experts.
@@ -40,7 +40,25 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-MODEL_TYPES = ("llama", "mixtral", "qwen3_moe")
+# model_type -> its transformers class; a dense type is also the name of its tetrad family
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+MODEL_TYPES = tuple(ARCHITECTURES)
+# what a type's attention has beyond Llama's: (QK-norm, q/k/v biases), and which types
+# have a sliding window (a window shorter than the sequence is refused: layout.py)
+SWITCHES = {"qwen2": (False, True), "qwen3": (True, False), "qwen3_moe": (True, False)}
+WINDOWED = ("mistral", "mixtral")
+
+
+def model_type(model: ModelConfig) -> str:
+    """The Hugging Face model_type `model` is written as."""
+    return hf_architecture(model) if model.moe else model.family
 
 
 def _spec(model: ModelConfig) -> ModelSpec:
@@ -116,9 +134,7 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     dim = int(raw["hidden_size"])
     head_dim = raw.get("head_dim") or dim // heads
     kind = raw["model_type"]
-    if head_dim * heads != dim and kind != "qwen3_moe":
-        raise ValueError(f"{file}: head_dim={head_dim} x heads={heads} != hidden_size={dim}")
-    for flag in ("attention_bias", "mlp_bias"):
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if raw.get(flag):
             raise ValueError(f"{file}: {flag}=true is not supported (tetrad's Llama has none)")
     if raw.get("hidden_act", "silu") != "silu":
@@ -135,20 +151,19 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         "rope_theta": _rope_theta(raw, file),
         "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "head_size": head_dim if head_dim * heads != dim else 0,
+        "qk_norm": SWITCHES.get(kind, (False, False))[0],
+        "qkv_bias": SWITCHES.get(kind, (False, False))[1],
+        "sliding_window": int(raw.get("sliding_window") or 0) if kind in WINDOWED else 0,
     }
-    if kind == "llama":
-        return fields
+    if kind not in ("mixtral", "qwen3_moe"):
+        return fields | {"family": kind}
     moe = _mixtral_fields(raw, file) if kind == "mixtral" else _qwen3_moe_fields(raw, file)
-    return fields | {"family": "moe", "head_size": head_dim if head_dim * heads != dim else 0} | moe
+    return fields | {"family": "moe"} | moe
 
 
 def _mixtral_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     """The MoE fields of a Mixtral config.json (every layer routed, softmax top-k)."""
-    if raw.get("sliding_window"):
-        raise ValueError(
-            f"{file}: sliding_window={raw['sliding_window']} is not supported (tetrad's "
-            "attention sees the whole sequence)"
-        )
     return {
         "experts": _int(raw, "num_local_experts", file),
         "top_k": _int(raw, "num_experts_per_tok", file),
@@ -163,8 +178,6 @@ def _qwen3_moe_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         raise ValueError(f"{file}: norm_topk_prob=false is not supported (tetrad renormalises)")
     if int(raw.get("decoder_sparse_step", 1)) != 1:
         raise ValueError(f"{file}: decoder_sparse_step={raw['decoder_sparse_step']} (only 1)")
-    if raw.get("use_sliding_window"):
-        raise ValueError(f"{file}: use_sliding_window=true is not supported")
     dense = sorted(raw.get("mlp_only_layers") or [])
     if dense != list(range(len(dense))):
         raise ValueError(f"{file}: mlp_only_layers={dense}: tetrad's dense layers come first")
@@ -174,7 +187,6 @@ def _qwen3_moe_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         "top_k": _int(raw, "num_experts_per_tok", file),
         "moe_ffn_dim": _int(raw, "moe_intermediate_size", file),
         "dense_layers": len(dense),
-        "qk_norm": True,
     }
 
 
@@ -202,6 +214,8 @@ HF_KEYS = {  # ModelConfig field -> its key in config.json, for error messages
     "moe_ffn_dim": "intermediate_size (Mixtral) / moe_intermediate_size (Qwen3-MoE)",
     "dense_layers": "mlp_only_layers",
     "qk_norm": "model_type",
+    "qkv_bias": "model_type",
+    "sliding_window": "sliding_window",
 }
 
 
@@ -356,9 +370,9 @@ class LazyParam:
 
 def _rotary_heads(name: str, model: ModelConfig) -> int | None:
     """Number of heads whose rows a rotary permutation reorders (q and k), else None."""
-    if name.endswith("attention.wq.weight"):
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return model.heads
-    if name.endswith("attention.wk.weight"):
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
         return model.kv_heads
     if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
         return 1  # one head's gains, in its channels' order
@@ -395,11 +409,12 @@ def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str,
 
 
 def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """A `config.json` that transformers' LlamaForCausalLM (MixtralForCausalLM,
-    Qwen3MoeForCausalLM) reads as this model."""
+    """A `config.json` that transformers' class of this model's type (`ARCHITECTURES`)
+    reads as this model."""
+    kind = model_type(model)
     dense = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
         "hidden_size": model.dim,
         "intermediate_size": model.hidden_dim,
         "num_hidden_layers": model.layers,
@@ -419,14 +434,37 @@ def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    if kind in WINDOWED:
+        dense["sliding_window"] = model.sliding_window or None
+    elif kind in SWITCHES:
+        dense["use_sliding_window"] = False
     return _moe_config(model, dense) if model.moe else dense
 
 
 def check_exportable(model: ModelConfig) -> None:
-    """Refuse an MoE model that neither Mixtral nor Qwen3-MoE can express."""
-    if not model.moe:
-        return
+    """Refuse a model that the Hugging Face class of its type cannot express."""
+    kind = model_type(model)
+    qk_norm, qkv_bias = SWITCHES.get(kind, (False, False))
+    cls, has = ARCHITECTURES[kind], {True: "has", False: "has no"}
     refuse = {
+        "qk_norm": (model.qk_norm != qk_norm, f"{cls} {has[qk_norm]} QK-norm"),
+        "qkv_bias": (model.qkv_bias != qkv_bias, f"{cls} {has[qkv_bias]} q/k/v biases"),
+        "sliding_window": (model.sliding_window > 0 and kind not in WINDOWED, f"{cls} has none"),
+    }
+    if model.moe:
+        refuse |= _moe_refusals(model)
+    target = "Mixtral or Qwen3-MoE" if model.moe else cls
+    for field, (bad, why) in refuse.items():
+        if bad:
+            raise ValueError(
+                f"model.{field}={getattr(model, field)!r} cannot be exported to Hugging Face "
+                f"{target}: {why}"
+            )
+
+
+def _moe_refusals(model: ModelConfig) -> dict[str, tuple[bool, str]]:
+    """What neither Mixtral nor Qwen3-MoE can express, by field: (refused, why)."""
+    return {
         "shared_experts": (model.shared_experts > 0, "neither has shared experts"),
         "router": (model.router != "softmax", "both route by softmax"),
         "balance": (model.balance == "bias", "neither has a routing bias"),
@@ -435,42 +473,25 @@ def check_exportable(model: ModelConfig) -> None:
             "Mixtral has no dense layers (a QK-norm model exports as Qwen3-MoE, which has)",
         ),
     }
-    for field, (bad, why) in refuse.items():
-        if bad:
-            raise ValueError(
-                f"model.{field}={getattr(model, field)!r} cannot be exported to Hugging Face "
-                f"Mixtral or Qwen3-MoE: {why}"
-            )
 
 
 def _moe_config(model: ModelConfig, dense: dict[str, Any]) -> dict[str, Any]:
     """The Mixtral or Qwen3-MoE config.json of an MoE model (`hf_architecture`)."""
     check_exportable(model)
     routing = {"num_experts_per_tok": model.top_k, "output_router_logits": False}
-    routing |= {"router_aux_loss_coef": model.aux_loss_coef, "sliding_window": None}
+    routing |= {"router_aux_loss_coef": model.aux_loss_coef}
     if hf_architecture(model) == "mixtral":
-        return (
-            dense
-            | routing
-            | {
-                "architectures": ["MixtralForCausalLM"],
-                "model_type": "mixtral",
-                "intermediate_size": model.expert_dim,
-                "num_local_experts": model.experts,
-            }
-        )
+        experts = {"intermediate_size": model.expert_dim, "num_local_experts": model.experts}
+        return dense | routing | experts
     return (
         dense
         | routing
         | {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
             "moe_intermediate_size": model.expert_dim,
             "num_experts": model.experts,
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": list(range(model.dense_layers)),
-            "use_sliding_window": False,
         }
     )
 

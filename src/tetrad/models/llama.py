@@ -92,10 +92,10 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        hd = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.heads * hd, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+        hd, bias = cfg.head_dim, cfg.qkv_bias  # Qwen2: biases on q, k and v
+        self.wq = nn.Linear(cfg.dim, cfg.heads * hd, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=bias)
         self.wo = nn.Linear(cfg.heads * hd, cfg.dim, bias=False)
         # Qwen3: each head's queries and keys RMS-normed over head_dim, before rotary
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
@@ -294,4 +294,4 @@ def param_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
         return (d,)
     if leaf not in shapes:
         raise ValueError(f"no known full shape for parameter {name!r}")
-    return shapes[leaf]
+    return shapes[leaf][:1] if name.endswith(".bias") else shapes[leaf]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tetrad.models import llama_activations
 from tetrad.models.flops import block_linears, flops_per_token, layer_costs
 from tetrad.models.llama import (
@@ -31,6 +33,18 @@ HF_NAMES = {
     "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
     "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
 }
+# Qwen3's QK-norm gains and Qwen2's q, k, v biases, as their checkpoints name them
+QK_NORM_NAMES = {
+    "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+}
+QKV_BIAS_NAMES = {
+    f"layers.{{i}}.attention.w{x}.bias": f"model.layers.{{i}}.self_attn.{x}_proj.bias"
+    for x in "qkv"
+}
+# QK-norm's gains are norms inside the attention region: each tp rank normalises its own
+# heads, so parallel/tensor.py sums their gradients over tp (with or without SP)
+QK_NORM_PLAN = {"layers.*.attention.q_norm": "sequence", "layers.*.attention.k_norm": "sequence"}
 
 LLAMA = ModelSpec(
     family="llama",
@@ -41,7 +55,7 @@ LLAMA = ModelSpec(
     head="output",
     tied_weight="tok_embeddings.weight",
     attention_core="layers.*.attention.core",
-    tp_plan=LLAMA_PLAN,
+    tp_plan={**LLAMA_PLAN, **QK_NORM_PLAN},
     selective=KEEP_SELECTIVE,
     set_recompute=set_recompute,
     full_shape=param_shape,
@@ -53,3 +67,10 @@ LLAMA = ModelSpec(
     norm_class=RMSNorm,
     rotary=Rotary(tables=rotary_at, apply=apply_rotary),
 )
+
+# Llama's decoder as other Hugging Face families write it. The model is the same, its config
+# switches (qk_norm, qkv_bias, sliding_window) say what differs; the family names the
+# parameters and the class a model is exported as (interop/hf.py)
+MISTRAL = dataclasses.replace(LLAMA, family="mistral")
+QWEN2 = dataclasses.replace(LLAMA, family="qwen2", hf_names={**HF_NAMES, **QKV_BIAS_NAMES})
+QWEN3 = dataclasses.replace(LLAMA, family="qwen3", hf_names={**HF_NAMES, **QK_NORM_NAMES})

@@ -13,7 +13,7 @@ from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import llama_activations
 from tetrad.models.flops import llama_layer_costs
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
-from tetrad.models.llama_spec import LLAMA
+from tetrad.models.llama_spec import LLAMA, QK_NORM_NAMES, QK_NORM_PLAN
 from tetrad.models.moe import (
     STAT_EXTRA,
     Experts,
@@ -154,8 +154,7 @@ MIXTRAL_NAMES = {
 # ... and as a Qwen3MoeForCausalLM checkpoint does (its dense layers keep Llama's names)
 QWEN3_MOE_NAMES = {
     **LLAMA_NAMES,
-    "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    **QK_NORM_NAMES,
     "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
     "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
     "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
@@ -175,7 +174,8 @@ MOE = dataclasses.replace(
     LLAMA,
     family="moe",
     build=meta_moe,
-    tp_plan=MOE_PLAN,  # attention, dense layers, shared experts; routed experts: parallel/expert
+    # attention, dense layers, shared experts; routed experts: parallel/expert
+    tp_plan={**MOE_PLAN, **QK_NORM_PLAN},
     selective=keep_selective(ModelConfig(family="moe", experts=2, shared_experts=1)),
     set_recompute=set_recompute,
     full_shape=param_shape,

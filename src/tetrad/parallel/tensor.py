@@ -90,12 +90,16 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 class ColumnParallelLinear(SplitLinear):
-    """Output features split over tp; its input is already in the tp region. (Each tp
-    linear is a `SplitLinear`: zero-bubble schedules defer its weight gradient to W, its
-    collectives staying in B.)"""
+    """Output features split over tp, and its bias if it has one (Qwen2's q, k, v); its
+    input is already in the tp region. (Each tp linear is a `SplitLinear`: zero-bubble
+    schedules defer its weight gradient to W, its collectives and bias staying in B.)"""
 
-    def __init__(self, in_features: int, out_features: int, tp: int, device=None):
-        super().__init__(in_features, out_features // tp, bias=False, device=device)
+    def __init__(self, in_features: int, out_features: int, tp: int, device=None, bias=False):
+        super().__init__(in_features, out_features // tp, bias=bias, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x)
+        return out if self.bias is None else out + self.bias
 
 
 class RowParallelLinear(SplitLinear):
@@ -115,14 +119,18 @@ class ReplicatedKVLinear(nn.Module, Deferrable):
     The weight [kv_heads·hd, h] is stored split by input features across tp ([.., h/t])
     and gathered for each use; the gather's backward is a reduce-scatter, which sums the
     gradients of the tp/kv_heads ranks sharing a head into each element's single owner.
+    A bias (Qwen2) is replicated whole and enters the tp region (f), so the partial
+    gradients of the ranks sharing a head are summed, as a sequence-parallel norm's.
     """
 
-    def __init__(self, in_features: int, kv_heads: int, head_dim: int, tp: TP, device=None):
+    def __init__(self, in_features: int, kv_heads: int, head_dim: int, tp: TP, device=None,
+                 bias: bool = False):  # fmt: skip
         super().__init__()
         t = tp.group.size
         self.weight = nn.Parameter(
             torch.empty(kv_heads * head_dim, in_features // t, device=device)
         )
+        self.bias = nn.Parameter(torch.empty(kv_heads * head_dim, device=device)) if bias else None
         self.tp, self.head_dim = tp, head_dim
         self.head = tp.group.rank * kv_heads // t  # the kv head of this rank's query heads
 
@@ -130,7 +138,11 @@ class ReplicatedKVLinear(nn.Module, Deferrable):
         full = gather_from_tp(self.weight, self.tp.comm, self.tp.group, dim=1)  # [kv·hd, h]
         rows = full[self._rows()]
         sink = self._sink(self.weight) if self.store is not None else None
-        return split_matmul(x, rows, self.store, sink)  # [b, s, hd]
+        out = split_matmul(x, rows, self.store, sink)  # [b, s, hd]
+        if self.bias is None:
+            return out
+        tp = self.tp
+        return out + copy_to_tp(self.bias, tp.comm, tp.group, tp.reduce_dtype)[self._rows()]
 
     def _rows(self) -> slice:
         return slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
@@ -352,27 +364,30 @@ def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[
     return tuple(index)
 
 
-def _tp_module(name: str, module: nn.Module, style: str, tp: TP, m: ModelConfig):
-    """(replacement module, shard kind of its weight) for one planned module (the same
-    module, rewired in place, for a norm or router under SP)."""
+def _tp_module(module: nn.Module, style: str, tp: TP, m: ModelConfig, in_region: bool):
+    """(replacement module, shard kind of its weight and bias) for one planned module (the
+    same module, rewired in place, for a norm or router under SP). `in_region`: inside a
+    region, where the column-wise linears leave each rank its own heads."""
     if style == "once" and tp.sp:  # the MoE layer's tokens stay split: see the plan
         return sequence_parallel_router(module, tp), None
     if style in ("region", "replicated", "once", "tokens"):
         return module, None
     device, t = module.weight.device, tp.group.size
-    if style == "colwise":
-        return ColumnParallelLinear(module.in_features, module.out_features, t, device), "rows"
+    bias = getattr(module, "bias", None) is not None
     if style == "kv" and m.kv_heads < t:
-        return ReplicatedKVLinear(module.in_features, m.kv_heads, m.head_dim, tp, device), "cols"
-    if style == "kv":  # whole kv heads per rank: an ordinary column split
-        return ColumnParallelLinear(module.in_features, module.out_features, t, device), "rows"
+        kv = ReplicatedKVLinear(module.in_features, m.kv_heads, m.head_dim, tp, device, bias)
+        return kv, "cols"
+    if style in ("colwise", "kv"):  # kv: whole kv heads per rank, an ordinary column split
+        shape = (module.in_features, module.out_features, t, device, bias)
+        return ColumnParallelLinear(*shape), "rows"
     if style == "rowwise":
         return RowParallelLinear(module.in_features, module.out_features, tp, device), "cols"
     if style == "vocab" and isinstance(module, nn.Embedding):
         return VocabParallelEmbedding(m.vocab, m.dim, tp, device), "vocab"
     if style == "vocab":
         return VocabParallelHead(m.dim, m.vocab, tp, device), "vocab"
-    if style == "sequence" and tp.sp:
+    # a norm over each head's channels (QK-norm) sees only this rank's heads, SP or not
+    if style == "sequence" and (tp.sp or in_region):
         return sequence_parallel_norm(module, tp), None
     return module, None  # a norm without SP: replicated
 
@@ -383,9 +398,11 @@ def _check_coverage(model: nn.Module, styles: dict[str, str], norm_class: type[n
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding, norm_class)) and name not in styles:
             raise ValueError(f"tensor-parallel plan has no entry for module {name!r}")
-        linear = isinstance(module, nn.Linear) and module.bias is None
-        if styles.get(name) in ("colwise", "rowwise", "kv") and not linear:
-            raise ValueError(f"{name!r}: {styles[name]} needs a bias-free nn.Linear")
+        style = styles.get(name)
+        if style in ("colwise", "rowwise", "kv") and not isinstance(module, nn.Linear):
+            raise ValueError(f"{name!r}: {style} needs an nn.Linear")
+        if style == "rowwise" and module.bias is not None:
+            raise ValueError(f"{name!r}: rowwise needs a bias-free nn.Linear")
 
 
 def apply_tp(
@@ -404,15 +421,18 @@ def apply_tp(
     tp = TP(comm, mesh["tp"], sp, reduce_dtype)
     styles = assign([n for n, _ in model.named_modules() if n], plan)
     _check_coverage(model, styles, spec.norm_class)
+    regions = tuple(name + "." for name, style in styles.items() if style == "region")
     kinds: dict[str, str] = {}  # parameter name -> shard kind
     for name, style in styles.items():
         module = model.get_submodule(name)
-        new, kind = _tp_module(name, module, style, tp, m)
+        new, kind = _tp_module(module, style, tp, m, name.startswith(regions))
         if new is not module:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, new)
         if kind is not None:
             kinds[name + ".weight"] = kind
+        if kind == "rows" and new.bias is not None:  # a column split splits its bias
+            kinds[name + ".bias"] = kind
     for name, style in styles.items():
         _enter_region(model.get_submodule(name), style, tp)
     final = module_at(model, spec.final_norm)
