@@ -64,14 +64,13 @@ waits, computes) against a transport's semantics:
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Callable, Collection
+from itertools import product
 
-from tetrad.parallel.pipeline.as_run import Collective, as_run, with_collectives
-from tetrad.parallel.pipeline.p2p import Item, Post, Wait
+from tetrad.parallel.pipeline.as_run import ActionKey, Collective, as_run, with_collectives
+from tetrad.parallel.pipeline.p2p import Item, Post, Wait, computes
 from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, compute_only, wire
-
-ActionKey = tuple[str, int, int]  # (kind, stage, microbatch)
+from tetrad.parallel.pipeline.simulate import run_all
 
 
 def check_actions(
@@ -147,10 +146,8 @@ def _index(actions: list[list[Action]]) -> dict[ActionKey, tuple[int, int]]:
 def _check_coverage(
     where: dict[ActionKey, tuple[int, int]], n_stages: int, m: int, place: Callable[[int], int]
 ) -> None:
-    expected: set[ActionKey] = set()
-    for s in range(n_stages):
-        for mb in range(m):
-            expected |= _expected_keys(s, mb, n_stages, place, where)
+    grid = product(range(n_stages), range(m))
+    expected = set().union(*(_expected_keys(s, mb, n_stages, place, where) for s, mb in grid))
     if missing := expected - where.keys():
         raise ValueError(f"missing actions: {_fmt(missing)}")
     if extra := where.keys() - expected:
@@ -176,15 +173,13 @@ def _check_causality(
     where: dict[ActionKey, tuple[int, int]], n_stages: int, m: int, place: Callable[[int], int]
 ) -> None:
     """Every (earlier, later) pair, both on one rank, must appear in that order."""
-    for s in range(n_stages):
-        for mb in range(m):
-            for first, then in _ordered_pairs(s, mb, n_stages, place, where):
-                if where[first] > where[then]:
-                    rank = where[then][0]
-                    raise ValueError(
-                        f"rank {rank}: {_fmt([then])} (position {where[then][1]}) runs "
-                        f"before {_fmt([first])} (position {where[first][1]})"
-                    )
+    for s, mb in product(range(n_stages), range(m)):
+        for first, then in _ordered_pairs(s, mb, n_stages, place, where):
+            if where[first] > where[then]:
+                raise ValueError(
+                    f"rank {where[then][0]}: {_fmt([then])} (position {where[then][1]}) runs "
+                    f"before {_fmt([first])} (position {where[first][1]})"
+                )
 
 
 def _ordered_pairs(
@@ -239,12 +234,8 @@ def _can_run(
         return wire(a) in sent
     if a.kind.startswith("SEND") and rendezvous:
         # a blocking send completes only once the peer sits at the matching receive
-        peer = actions[a.peer]
-        return (
-            pc[a.peer] < len(peer)
-            and wire(peer[pc[a.peer]]) == wire(a)
-            and (peer[pc[a.peer]].kind.startswith("RECV"))
-        )
+        at = actions[a.peer][pc[a.peer] : pc[a.peer] + 1]
+        return bool(at) and at[0].kind.startswith("RECV") and wire(at[0]) == wire(a)
     return True
 
 
@@ -306,8 +297,7 @@ def _check_items(rank: int, acts: list[Action], items: list[Item]) -> None:
     """The program runs the rank's computes in order, posts each of its transfers once
     (a send after the compute making it) and waits for each once, after posting it, a
     receive before the compute that needs it."""
-    comps = [i for i in items if isinstance(i, Action)]
-    if comps != compute_only(acts):
+    if computes(items) != compute_only(acts):
         raise ValueError(f"rank {rank}: the program's computes differ from the schedule's")
     posted: dict[ActionKey, int] = {}
     waited: set[ActionKey] = set()
@@ -376,73 +366,60 @@ def _match(programs: list[list[Item]]) -> dict[Op, Op]:
     return match
 
 
-def _batches(items: list[Item | Collective]) -> tuple[list[int], list[int], list[int]]:
-    """Per batch: its first op's index and the computes issued before it; per compute:
-    the last batch waited for before it (-1: none). A collective is a batch of no p2p op
-    (it starts when the stream reaches it; its peers, in step, start it too)."""
-    first, before, need = [], [], []
-    n_ops = n_comp = 0
+def _batches(items: list[Item | Collective]) -> tuple[list[range], list[int], list[int]]:
+    """Per batch: the indices of its p2p ops and the computes issued before it; per
+    compute: the last batch waited for before it (-1: none). A collective is a batch of no
+    p2p op (it starts when the stream reaches it; its peers, in step, start it too)."""
+    ops: list[range] = []
+    before, need = [], []
     batch_of: dict[ActionKey, int] = {}
     last = -1
     for item in items:
-        if isinstance(item, Collective):
-            if item.needed:
-                last = len(first)
-            first.append(n_ops)
-            before.append(n_comp)
-        elif isinstance(item, Post):
-            for a in item.ops:
-                batch_of[(a.kind, a.stage, a.microbatch)] = len(first)
-            first.append(n_ops)
-            before.append(n_comp)
-            n_ops += len(item.ops)
-        elif isinstance(item, Wait):
+        if isinstance(item, Wait):
             last = max([last] + [batch_of[(a.kind, a.stage, a.microbatch)] for a in item.ops])
-        else:
+        elif isinstance(item, Action):
             need.append(last)
-            n_comp += 1
-    return first, before, need
+        else:
+            posted = item.ops if isinstance(item, Post) else ()
+            if isinstance(item, Collective) and item.needed:
+                last = len(ops)
+            batch_of |= {(a.kind, a.stage, a.microbatch): len(ops) for a in posted}
+            n = ops[-1].stop if ops else 0
+            ops.append(range(n, n + len(posted)))
+            before.append(len(need))
+    return ops, before, need
 
 
 def _nccl_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
     """Run the streams (see the module docstring) to the end, or report where they stop."""
     shape = [_batches(items) for items in programs]
-    sizes = [
-        [
-            0 if isinstance(i, Collective) else len(i.ops)
-            for i in items
-            if isinstance(i, Post | Collective)
-        ]
-        for items in programs
-    ]
+    batch_of = [{i: b for b, ops in enumerate(batches) for i in ops} for batches, _, _ in shape]
     head = [0] * len(programs)  # per rank: the batch its stream runs now
     done = [0] * len(programs)  # per rank: computes run
-
-    def batch(op: Op) -> int:
-        return bisect_right(shape[op[0]][0], op[1]) - 1
 
     def started(rank: int, b: int) -> bool:
         return b < head[rank] or (b == head[rank] and done[rank] >= shape[rank][1][b])
 
+    def peers_started(r: int) -> bool:
+        peers = [match[(r, i)] for i in shape[r][0][head[r]]]
+        return all(started(p, batch_of[p][i]) for p, i in peers)
+
     moved = True
     while moved:
         moved = False
-        for r, (first, _, need) in enumerate(shape):
-            while done[r] < len(need) and need[done[r]] < head[r]:
-                done[r] += 1
-                moved = True
-            while head[r] < len(first) and started(r, head[r]):
-                ops = range(first[head[r]], first[head[r]] + sizes[r][head[r]])
-                if not all(started(match[(r, i)][0], batch(match[(r, i)])) for i in ops):
-                    break
-                head[r] += 1
-                moved = True
-                while done[r] < len(need) and need[done[r]] < head[r]:
+        for r, (batches, _, need) in enumerate(shape):
+            while True:
+                if done[r] < len(need) and need[done[r]] < head[r]:
                     done[r] += 1
+                elif head[r] < len(batches) and started(r, head[r]) and peers_started(r):
+                    head[r] += 1
+                else:
+                    break
+                moved = True
     stuck = [
-        f"rank {r}: stream at batch {head[r]} of {len(first)}, compute {done[r]} of {len(need)}"
-        for r, (first, _, need) in enumerate(shape)
-        if head[r] < len(first) or done[r] < len(need)
+        f"rank {r}: stream at batch {head[r]} of {len(batches)}, compute {done[r]} of {len(need)}"
+        for r, (batches, _, need) in enumerate(shape)
+        if head[r] < len(batches) or done[r] < len(need)
     ]
     if stuck:
         raise ValueError("deadlock under NCCL's semantics: " + "; ".join(stuck))
@@ -450,26 +427,18 @@ def _nccl_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
 
 def _gloo_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
     """Run every rank's host thread to the end, or report where each one blocks."""
-    pc = [0] * len(programs)
     posted: set[Op] = set()
     index = [_op_index(items) for items in programs]
-    moved = True
-    while moved:
-        moved = False
-        for r, items in enumerate(programs):
-            while pc[r] < len(items):
-                item = items[pc[r]]
-                if isinstance(item, Post):
-                    posted |= {(r, index[r][(a.kind, a.stage, a.microbatch)]) for a in item.ops}
-                elif isinstance(item, Wait):
-                    ops = [(r, index[r][(a.kind, a.stage, a.microbatch)]) for a in item.ops]
-                    if not all(match[op] in posted for op in ops):
-                        break
-                pc[r] += 1
-                moved = True
-    stuck = [f"rank {r} at {acts[pc[r]]}" for r, acts in enumerate(programs) if pc[r] < len(acts)]
-    if stuck:
-        raise ValueError("deadlock under gloo's semantics: " + "; ".join(stuck))
+
+    def step(item: Item, r: int) -> bool:
+        if isinstance(item, Action):
+            return True
+        ops = {(r, index[r][(a.kind, a.stage, a.microbatch)]) for a in item.ops}
+        if isinstance(item, Post):
+            posted.update(ops)
+        return isinstance(item, Post) or all(match[op] in posted for op in ops)
+
+    run_all(programs, step, "deadlock under gloo's semantics")
 
 
 def _op_index(items: list[Item]) -> dict[ActionKey, int]:

@@ -12,6 +12,7 @@ first or last stage may hold no layer at all; a middle stage holds at least one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 from tetrad.layout import check_split
 
@@ -65,9 +66,7 @@ def stage_costs(costs: Sequence[float], split: Sequence[int]) -> list[float]:
 
 
 def _sums(costs: Sequence[float]) -> Callable[[int, int], float]:
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = list(accumulate(costs, initial=0.0))
     # every comparison uses this one function, so round-off cannot split ties
     return lambda i, j: prefix[j] - prefix[i]
 
@@ -75,9 +74,7 @@ def _sums(costs: Sequence[float]) -> Callable[[int, int], float]:
 def _fits(memory: Sequence[float] | None, cap: float | None) -> Callable[[int, int], bool]:
     if memory is None or cap is None:
         return lambda i, j: True
-    prefix = [0.0]
-    for m in memory:
-        prefix.append(prefix[-1] + m)
+    prefix = list(accumulate(memory, initial=0.0))
     return lambda i, j: prefix[j] - prefix[i] <= cap
 
 
@@ -142,7 +139,4 @@ def _layers_to_bounds(split: Sequence[int]) -> list[int]:
     items = list(split)
     items[0] += 1
     items[-1] += 1
-    bounds = [0]
-    for n in items:
-        bounds.append(bounds[-1] + n)
-    return bounds
+    return list(accumulate(items, initial=0))

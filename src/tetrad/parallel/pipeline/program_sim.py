@@ -36,10 +36,24 @@ def simulate_program(programs: list[list[Item]], costs: Costs, schedule: str = "
     ranks: list[list[Event]] = [[] for _ in range(pp)]
 
     def step(item: Item, r: int) -> bool:
-        done = _advance(item, r, now, posted, ranks, costs)
-        if done is None:
-            return False  # a wait on a transfer whose other end is not posted yet
-        now[r] = done
+        """Advance rank `r`'s host past `item` if it can complete now; return whether it did."""
+        t = now[r]
+        if isinstance(item, Post):
+            for a in item.ops:
+                t += costs.p2p
+                posted[_end(a)] = t
+        elif isinstance(item, Wait):
+            for a in item.ops:
+                mine, key = _end(a)
+                other = posted.get((not mine, key))
+                if other is None:
+                    return False  # a wait on a transfer whose other end is not posted yet
+                t = max(t, max(posted[(mine, key)], other) + costs.comm)
+        else:
+            start = t + costs.overhead
+            t = start + costs.of(item.kind, item.stage)
+            ranks[r].append(Event(item.kind, item.stage, item.microbatch, start, t))
+        now[r] = t
         return True
 
     run_all(programs, step, "programs deadlock")
@@ -48,27 +62,3 @@ def simulate_program(programs: list[list[Item]], costs: Costs, schedule: str = "
 
 def _end(a: Action) -> End:
     return a.kind.startswith("SEND"), wire(a)
-
-
-def _advance(
-    item: Item, r: int, now: list[float], posted: dict, ranks: list[list[Event]], costs: Costs
-) -> float | None:
-    """The rank's host time after `item`, or None if it cannot complete yet."""
-    t = now[r]
-    if isinstance(item, Post):
-        for a in item.ops:
-            t += costs.p2p
-            posted[_end(a)] = t
-        return t
-    if isinstance(item, Wait):
-        for a in item.ops:
-            mine, key = _end(a)
-            other = posted.get((not mine, key))
-            if other is None:
-                return None
-            t = max(t, max(posted[(mine, key)], other) + costs.comm)
-        return t
-    start = t + costs.overhead
-    end = start + costs.of(item.kind, item.stage)
-    ranks[r].append(Event(item.kind, item.stage, item.microbatch, start, end))
-    return end

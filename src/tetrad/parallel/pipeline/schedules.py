@@ -13,6 +13,7 @@ requests a schedule accepts is a rule of the layout (`layout.check_schedule`).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -154,16 +155,10 @@ def _1f1b(pp: int, m: int, v: int) -> list[list[Action]]:
 
     Rank r runs pp-r-1 warm-up forwards, so it never holds more than pp-r microbatches.
     With m < pp the warm-up is cut to m and the schedule degenerates to GPipe's order.
+    It is the interleaved schedule with one chunk per rank and one warm-up forward per
+    downstream rank.
     """
-    orders = []
-    for r in range(pp):
-        warm = min(pp - r - 1, m)
-        order = [Action("F", r, i) for i in range(warm)]
-        for i in range(m - warm):
-            order += [Action("F", r, warm + i), Action("BW", r, i)]
-        order += [Action("BW", r, i) for i in range(m - warm, m)]
-        orders.append(order)
-    return orders
+    return _interleaved(pp, m, 1, lag=1)
 
 
 def _interleaved(pp: int, m: int, v: int, lag: int = 2) -> list[list[Action]]:
@@ -232,17 +227,12 @@ def _zb_v(pp: int, m: int, v: int) -> list[list[Action]]:
     activations, 1F1B's memory.
     """
     n = max(m, 2 * pp - 1)
-    orders = []
-    for r in range(pp):
-        order = _zb_v_rank(r, pp, n)
-        orders.append([a for a in order if a.microbatch < m])
-    return orders
+    return [[a for a in _zb_v_rank(r, pp, n) if a.microbatch < m] for r in range(pp)]
 
 
 def _zb_v_rank(r: int, pp: int, n: int) -> list[Action]:
     c0, c1 = r, 2 * pp - 1 - r
-    count = {("F", c0): 0, ("F", c1): 0, ("B", c0): 0, ("B", c1): 0}
-    count |= {("W", c0): 0, ("W", c1): 0}
+    count: Counter[tuple[str, int]] = Counter()  # actions so far, per (kind, chunk)
     order: list[Action] = []
 
     def do(*ops: tuple[str, int]) -> None:

@@ -63,8 +63,26 @@ def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> T
     since = [[0.0, 0.0] for _ in range(pp)]
     sent: dict[tuple[str, int, int], float] = {}
     ranks: list[list[Event]] = [[] for _ in range(pp)]
-    # a receive whose send has not run yet holds its rank
-    step = lambda a, r: _step(a, r, clock, since, sent, ranks, costs)  # noqa: E731
+
+    def step(a: Action, rank: int) -> bool:
+        """Advance `rank` past action `a` if it can run now; return whether it did."""
+        host = since[rank]
+        if a.kind.startswith("SEND"):
+            sent[wire(a)] = clock[rank]  # made when its compute ended
+            host[0] += costs.p2p
+        elif a.kind.startswith("RECV"):
+            if wire(a) not in sent:
+                return False  # a receive whose send has not run yet holds its rank
+            host[0] += costs.p2p
+            host[1] = max(host[1], sent[wire(a)] + costs.comm)
+        else:
+            start = max(clock[rank] + costs.overhead + host[0], host[1])
+            end = start + costs.of(a.kind, a.stage, a.microbatch)
+            ranks[rank].append(Event(a.kind, a.stage, a.microbatch, start, end))
+            clock[rank] = end
+            since[rank] = [0.0, 0.0]
+        return True
+
     run_all(actions, step, "schedule deadlocks")
     return Timeline(ranks, unit="cost", schedule=schedule)
 
@@ -91,34 +109,6 @@ def _check_costs(costs: Costs, n_stages: int) -> None:
         value = getattr(costs, name)
         if not isinstance(value, int | float) and len(value) < n_stages:
             raise ValueError(f"Costs.{name} has {len(value)} entries for {n_stages} stages")
-
-
-def _step(
-    a: Action,
-    rank: int,
-    clock: list[float],
-    since: list[list[float]],
-    sent: dict[tuple[str, int, int], float],
-    ranks: list[list[Event]],
-    costs: Costs,
-) -> bool:
-    """Advance `rank` past action `a` if it can run now; return whether it did."""
-    host = since[rank]
-    if a.kind.startswith("SEND"):
-        sent[wire(a)] = clock[rank]  # made when its compute ended
-        host[0] += costs.p2p
-    elif a.kind.startswith("RECV"):
-        if wire(a) not in sent:
-            return False
-        host[0] += costs.p2p
-        host[1] = max(host[1], sent[wire(a)] + costs.comm)
-    else:
-        start = max(clock[rank] + costs.overhead + host[0], host[1])
-        end = start + costs.of(a.kind, a.stage, a.microbatch)
-        ranks[rank].append(Event(a.kind, a.stage, a.microbatch, start, end))
-        clock[rank] = end
-        since[rank] = [0.0, 0.0]
-    return True
 
 
 def simulate_schedule(

@@ -110,35 +110,26 @@ def to_chrome_trace(timeline: Timeline, us_per_unit: float = 1e6) -> dict:
     `us_per_unit` converts the timeline's unit to the format's microseconds (1e6 for
     seconds; simulated cost units are drawn as if they were seconds).
     """
+    t0 = timeline.start
+
+    def span(e: Event, rank: int, tid: int) -> dict:
+        ts, dur = (e.start - t0) * us_per_unit, e.duration * us_per_unit
+        return {"ph": "X", "pid": rank, "tid": tid, "ts": ts, "dur": dur}
+
     events: list[dict] = []
     for rank, rank_events in enumerate(timeline.ranks):
         events.append(
             {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"pp rank {rank}"}}
         )
         for e in rank_events:
+            args = {"stage": e.stage, "microbatch": e.microbatch}
             events.append(
-                {
-                    "name": f"{e.kind}{e.microbatch}",
-                    "cat": e.kind,
-                    "ph": "X",
-                    "pid": rank,
-                    "tid": 0,
-                    "ts": (e.start - timeline.start) * us_per_unit,
-                    "dur": e.duration * us_per_unit,
-                    "args": {"stage": e.stage, "microbatch": e.microbatch},
-                }
+                {"name": f"{e.kind}{e.microbatch}", "cat": e.kind, **span(e, rank, 0), "args": args}
             )
     for rank, rank_events in enumerate(timeline.comm):  # its own thread row per rank
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1,
                        "args": {"name": "communication"}})  # fmt: skip
-        for e in rank_events:
-            events.append(
-                {
-                    "name": e.kind, "cat": "comm", "ph": "X", "pid": rank, "tid": 1,
-                    "ts": (e.start - timeline.start) * us_per_unit,
-                    "dur": e.duration * us_per_unit,
-                }
-            )  # fmt: skip
+        events += [{"name": e.kind, "cat": "comm", **span(e, rank, 1)} for e in rank_events]
     meta = {"schedule": timeline.schedule, "bubble_fraction": timeline.bubble_fraction}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
