@@ -29,6 +29,7 @@ import re
 import shutil
 import threading
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,6 @@ class Checkpoint:
     manifest: dict[str, Any]
 
     @property
-    def step(self) -> int:
-        return int(self.manifest["training"]["step"])
-
-    @property
     def reader(self) -> SliceReader:
         return SliceReader(self.path, self.manifest)
 
@@ -99,17 +96,16 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.train.out) / "checkpoints"
 
 
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of the `step_XXXXXXXX` directories under `root`, oldest first."""
+    found = root.iterdir() if root.is_dir() else []
+    return sorted((int(m.group(1)), p) for p in found if (m := _DIR.fullmatch(p.name)))
+
+
 def committed(root: Path) -> list[Path]:
     """Committed checkpoints under `root`, oldest first: `step_XXXXXXXX` directories with a
     manifest. Anything else (a temporary directory a crash left) is not a checkpoint."""
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        match = _DIR.fullmatch(p.name)
-        if match and (p / MANIFEST).is_file():
-            found.append((int(match.group(1)), p))
-    return [p for _, p in sorted(found)]
+    return [p for _, p in step_dirs(root) if (p / MANIFEST).is_file()]
 
 
 def find_resume(root: Path, cfg: Config) -> list[Path]:
@@ -130,9 +126,8 @@ def find_resume(root: Path, cfg: Config) -> list[Path]:
 
 def uncommitted_after(root: Path, path: Path | None) -> list[Path]:
     """`step_*` directories without a manifest newer than `path`: saves cut short."""
-    newest = int(_DIR.fullmatch(path.name).group(1)) if path else -1
-    found = [p for p in root.iterdir() if _DIR.fullmatch(p.name)] if root.is_dir() else []
-    return sorted(p for p in found if not (p / MANIFEST).is_file() and int(p.name[5:]) > newest)
+    newest = int(path.name[5:]) if path else -1
+    return [p for s, p in step_dirs(root) if s > newest and not (p / MANIFEST).is_file()]
 
 
 # --- saving -------------------------------------------------------------------------------
@@ -229,16 +224,22 @@ def write_shard(tmp: Path, rank: int, owned: list) -> dict[str, Any]:
     if not owned:
         return {"file": None, "slices": {}}
     fname = f"rank-{rank:05d}.safetensors"
+    data, slices = serialise(owned, {"file": fname})
+    _write_synced(tmp / fname, data)
+    digest = hashlib.sha256(data).hexdigest()
+    return {"file": fname, "sha256": digest, "bytes": len(data), "slices": slices}
+
+
+def serialise(owned: list, piece: dict) -> tuple[bytes, dict[str, list[dict]]]:
+    """Boxes (key, box, tensor) as safetensors bytes, box i of a logical tensor stored as
+    "<key>#<i>", and their slice entries by logical tensor (`piece`'s fields first)."""
     tensors, slices = {}, {}
     for key, box, t in owned:
         pieces = slices.setdefault(key, [])
         skey = f"{key}#{len(pieces)}"
         tensors[skey] = t
-        pieces.append({"file": fname, "key": skey, "box": [list(b) for b in box]})
-    data = save_bytes(tensors, metadata={"format": "pt"})
-    _write_synced(tmp / fname, data)
-    digest = hashlib.sha256(data).hexdigest()
-    return {"file": fname, "sha256": digest, "bytes": len(data), "slices": slices}
+        pieces.append(piece | {"key": skey, "box": [list(b) for b in box]})
+    return save_bytes(tensors, metadata={"format": "pt"}), slices
 
 
 def commit(path: Path, shard, error, info: dict, engine, cfg: Config) -> Path:
@@ -394,26 +395,18 @@ class SliceReader:
         dtype = SAVED_DTYPES.get(entry.get("dtype", "float32"))
         if dtype is None:
             raise CorruptCheckpoint(f"checkpoint {self.path}: {key} has dtype {entry['dtype']!r}")
-        out = torch.empty(box_shape(box), dtype=dtype)
-        covered = 0
-        for piece in entry["slices"]:
-            saved = tuple(tuple(b) for b in piece["box"])
-            common = intersect(saved, box)
-            if common is None:
-                continue
-            try:
-                values = self._file(piece["file"]).get_slice(piece["key"])[relative(common, saved)]
-            except CorruptCheckpoint:
-                raise
-            except Exception as e:
-                raise CorruptCheckpoint(f"{self.path / piece['file']}: {piece['key']}: {e}") from e
-            out[relative(common, box)] = values
-            covered += box_numel(common)
-        if covered != box_numel(box):
-            raise CorruptCheckpoint(
-                f"checkpoint {self.path}: the boxes of {key} miss part of {box}"
-            )
-        return out
+        pieces = [(tuple(map(tuple, p["box"])), partial(self._read, p)) for p in entry["slices"]]
+        missing = f"checkpoint {self.path}: the boxes of {key} miss part of {box}"
+        return assemble(box, dtype, pieces, missing)
+
+    def _read(self, piece: dict, index: tuple[slice, ...]) -> torch.Tensor:
+        """Part `index` of a saved box, read lazily from its checked file."""
+        try:
+            return self._file(piece["file"]).get_slice(piece["key"])[index]
+        except CorruptCheckpoint:
+            raise
+        except Exception as e:
+            raise CorruptCheckpoint(f"{self.path / piece['file']}: {piece['key']}: {e}") from e
 
     def full(self, key: str) -> torch.Tensor:
         return self(key, tuple((0, n) for n in self.tensors[key]["shape"]))
@@ -439,6 +432,20 @@ class SliceReader:
             except Exception as e:
                 raise CorruptCheckpoint(f"{file} is not a safetensors file: {e}") from e
         return self._open[fname]
+
+
+def assemble(box: Box, dtype: torch.dtype, pieces: list, missing: str) -> torch.Tensor:
+    """`box` of a logical tensor from the saved boxes that overlap it; `pieces`: (saved box,
+    read(index into it)). A box they do not cover whole is a CorruptCheckpoint(`missing`)."""
+    out, covered = torch.empty(box_shape(box), dtype=dtype), 0
+    for saved, read in pieces:
+        common = intersect(saved, box)
+        if common is not None:
+            out[relative(common, box)] = read(relative(common, saved))
+            covered += box_numel(common)
+    if covered != box_numel(box):
+        raise CorruptCheckpoint(missing)
+    return out
 
 
 def tensor_entries(manifest: dict[str, Any]) -> dict[str, dict]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tetrad.config import Config
+from tetrad.interop.tokenizer import check_token_file, check_vocab, encode, encode_text
 from tetrad.models.batch import IGNORE, Microbatch
 from tetrad.models.init import name_seed
 from tetrad.parallel.context import split_sequence
@@ -27,9 +28,8 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts or "test" in path.parts:
             continue
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
+        chunks.append(path.read_bytes())
+        total += len(chunks[-1])
         if total >= max_bytes:
             break
     if not chunks:
@@ -211,16 +211,12 @@ class Loader:
         self.cp_rank, self.cp = cp_rank, cp
         self.step = 0
 
-    @property
-    def microbatch_size(self) -> int:
-        return self.global_batch // (self.data_ranks * self.microbatches)
-
     def batch(self, step: int) -> list[Microbatch]:
         """Microbatches of `step` for this data rank."""
         per_rank = self.global_batch // self.data_ranks
         first = self.data_rank * per_rank
         seqs = [self.source.sequence(step, first + i, self.seq_len) for i in range(per_rank)]
-        b = self.microbatch_size
+        b = per_rank // self.microbatches
         return [
             Microbatch(
                 self._share(torch.stack([s[0] for s in seqs[j : j + b]])),
@@ -261,23 +257,15 @@ def make_source(
     if source == "synthetic":
         return Synthetic(vocab, seed)
     if tokenizer:
-        from tetrad.interop.tokenizer import check_vocab
-
         check_vocab(tokenizer, vocab)
     if source == "stdlib" and tokenizer:
-        from tetrad.interop.tokenizer import encode
-
         tokens = encode([stdlib_corpus(max_bytes).tobytes().decode("utf-8", "replace")], tokenizer)
     elif source == "stdlib":
         tokens = stdlib_corpus(max_bytes)
     elif Path(source).suffix in (".u16", ".u32"):
-        from tetrad.interop.tokenizer import check_token_file
-
         tokens = load_path(source, max_bytes)  # a ragged file fails here, by name
         check_token_file(source, vocab, tokenizer)
     elif tokenizer:
-        from tetrad.interop.tokenizer import encode_text
-
         tokens = encode_text(source, tokenizer, max_bytes)
     else:
         tokens = load_path(source, max_bytes)

@@ -54,7 +54,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import struct
 import tempfile
@@ -67,17 +66,23 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as load_bytes
-from safetensors.torch import save as save_bytes
 
 from tetrad.comm import Comm
 from tetrad.config import Config
 from tetrad.layout import fixed_layout
 from tetrad.mesh import Group
-from tetrad.parallel.boxes import Box, box_numel, box_shape, intersect, relative
-from tetrad.train.checkpoint import CorruptCheckpoint, agree, describe, gather_json
+from tetrad.parallel.boxes import Box
+from tetrad.train.checkpoint import (
+    CorruptCheckpoint,
+    agree,
+    assemble,
+    describe,
+    gather_json,
+    serialise,
+    step_dirs,
+)
 
 FORMAT = "tetrad-local-checkpoint"
-_GEN = re.compile(r"step_(\d{8})")
 _HEADER = struct.Struct("<Q")  # a blob a restore moves: JSON length, JSON, tensor bytes
 # where a partner copy is staged, sent, received and gathered: host memory, never the
 # compute device (the exchanges run on a gloo group; see the module docstring)
@@ -203,8 +208,7 @@ class LocalCheckpoints:
         self.enabled = True
         self.pending: Generation | None = None
         self.restored_world: int | None = None  # the world of the generation restored
-        self.committed: int | None = None
-        self.waits, self.waited_s = 0, 0.0
+        self.waits = 0
         self.stalled_s = 0.0  # the training thread's time in snapshots, waits and commits
         self.warnings: list[str] = []  # what this rank printed (tests read them)
         if not cfg.checkpoint.resume and int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
@@ -290,7 +294,7 @@ class LocalCheckpoints:
             t0 = time.perf_counter()
             gen.thread.join()
             waited = time.perf_counter() - t0
-            self.waits, self.waited_s = self.waits + 1, self.waited_s + waited
+            self.waits += 1
         error = gen.result.get("error")
         os_error = isinstance(error, OSError)
         flags = [float(os_error), float(error is not None and not os_error)]
@@ -304,7 +308,6 @@ class LocalCheckpoints:
         if n_os:
             self._give_up(gen.step, error, n_os)
             return {"local_checkpoint_failed": gen.step}
-        self.committed = gen.step
         prune(self.root, gen.step)
         return {
             "local_checkpoint": gen.step,
@@ -356,7 +359,7 @@ class LocalCheckpoints:
         """Load the newest generation that every rank's state is complete in, if newer than
         `newer_than` (every rank calls; the choice is agreed). Returns its step, or None,
         then saying why (rank 0) if any rank held a generation."""
-        mine, blobs = self.scan()
+        mine, blobs = scan(self.root, self.local_rank, self.local_world, self.cfg, self.warn)
         held = gather_json(self.engine, mine)
         step, providers = newest_complete(held)
         if step is None or step <= newer_than:
@@ -375,10 +378,6 @@ class LocalCheckpoints:
         agree(self.engine, error, f"loading the in-memory checkpoint of step {step}")
         self.engine.after_load()
         return step
-
-    def scan(self) -> tuple[list[dict], dict[tuple[int, int, int], bytes]]:
-        """This rank's `scan` of its node's files (see the module function)."""
-        return scan(self.root, self.local_rank, self.local_world, self.cfg, self.warn)
 
     def _gather_states(self, mine: list[bytes | None], providers: list[int]) -> list[bytes]:
         """Every saved rank's blob on every rank: rank q's broadcast from `providers[q]`
@@ -419,13 +418,7 @@ class LocalCheckpoints:
 def pack(rank: int, owned: list, info: dict) -> tuple[dict, bytes]:
     """One rank's state: its JSON (boxes, sha256 of the tensor bytes, training state) and
     its safetensors bytes."""
-    tensors, slices = {}, {}
-    for key, box, t in owned:
-        pieces = slices.setdefault(key, [])
-        skey = f"{key}#{len(pieces)}"
-        tensors[skey] = t
-        pieces.append({"key": skey, "box": [list(b) for b in box]})
-    data = save_bytes(tensors, metadata={"format": "pt"})
+    data, slices = serialise(owned, {})
     meta = {"format": FORMAT, "rank": rank, "sha256": hashlib.sha256(data).hexdigest()}
     return meta | {"bytes": len(data), "slices": slices} | info, data
 
@@ -559,10 +552,7 @@ def _verified(stem: Path, step: int, rank: int, world: int | None, cfg: Config, 
 
 def generations(root: Path) -> list[Path]:
     """Generation directories under `root`, newest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _GEN.fullmatch(p.name)]
-    return sorted(found, key=lambda p: p.name, reverse=True)
+    return [p for _, p in reversed(step_dirs(root))]
 
 
 def prune(root: Path, committed: int) -> None:
@@ -570,15 +560,15 @@ def prune(root: Path, committed: int) -> None:
     reads them now), whole: the node's other ranks' files too, and after an elastic shrink
     those of ranks the world no longer has. The node's ranks may race here: a directory
     already gone is no error."""
-    for directory in generations(root):
-        if int(directory.name[5:]) < committed:
+    for step, directory in step_dirs(root):
+        if step < committed:
             shutil.rmtree(directory, ignore_errors=True)
 
 
 def discard(root: Path, rank: int, source: int, step: int | None = None) -> None:
     """Remove this rank's files of generation `step` (of every one when None)."""
-    for directory in generations(root):
-        if step is None or int(directory.name[5:]) == step:
+    for s, directory in step_dirs(root):
+        if step is None or s == step:
             _remove(directory, rank, source)
 
 
@@ -616,16 +606,8 @@ class BlobReader:
     def __call__(self, key: str, box: Box) -> torch.Tensor:
         pieces = self.pieces.get(key, [])
         dtype = pieces[0][1].dtype if pieces else torch.float32  # as saved: fp64 stays fp64
-        out, covered = torch.empty(box_shape(box), dtype=dtype), 0
-        for saved, values in pieces:
-            common = intersect(saved, box)
-            if common is None:
-                continue
-            out[relative(common, box)] = values[relative(common, saved)]
-            covered += box_numel(common)
-        if covered != box_numel(box):
-            raise CorruptCheckpoint(f"the in-memory state misses part of {key} {box}")
-        return out
+        parts = [(saved, values.__getitem__) for saved, values in pieces]
+        return assemble(box, dtype, parts, f"the in-memory state misses part of {key} {box}")
 
 
 def _partner_group(rank: int, world: int, timeout_s: float) -> Group:

@@ -151,8 +151,9 @@ class Trainer:
         )
         self.step = 0
         # in-memory checkpoints with a partner copy (a collective: the partner group)
-        local = cfg.checkpoint.local_every > 0
-        self.local = LocalCheckpoints(cfg, self.engine, self.comm) if local else None
+        self.local = (
+            LocalCheckpoints(cfg, self.engine, self.comm) if cfg.checkpoint.local_every else None
+        )
         self.resumed: dict[str, Any] = {}  # how this run resumed: in its first metrics row
         self.flops_per_token = spec_for(cfg.model).flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)
@@ -218,7 +219,6 @@ class Trainer:
         f64 = dict(dtype=torch.float64, device=self.device)
         denom = self._token_count(micro, padded)
         loss_share = self.engine.forward_backward(micro, denom, record)
-        count = denom.count
         denom.value()  # a rank that holds no loss never divided: the count must land
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
         # a stop request and a busy checkpoint writer ride on the same all-reduce, and the
@@ -238,7 +238,7 @@ class Trainer:
             self.comm.all_reduce(scalars, world)
             sq_norm = scalars[-1]
             scalars = scalars[:-1]
-        return torch.cat([scalars[:1], sq_norm.view(1), scalars[1:]]), count
+        return torch.cat([scalars[:1], sq_norm.view(1), scalars[1:]]), denom.count
 
     def evaluate(self) -> float:
         """Mean token loss over `eval_batches` global batches of the held-out split.
@@ -282,8 +282,6 @@ class Trainer:
         self.comm.all_reduce(maxed, self.mesh["world"], op="max")
         step_time = float(maxed[1])
         tokens_per_s = result.tokens / step_time if step_time > 0 else 0.0
-        world = self.mesh.world
-        mfu = tokens_per_s * self.flops_per_token / (world * self.peak * 1e12)
         row = {
             "step": self.step - 1,
             "loss": result.loss,
@@ -292,7 +290,7 @@ class Trainer:
             "tokens": result.tokens,
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_s,
-            "mfu": mfu,
+            "mfu": tokens_per_s * self.flops_per_token / (self.mesh.world * self.peak * 1e12),
             "peak_mem_bytes": int(maxed[0]),
             # saved for backward, at the step's peak (a saved-tensor meter, any device)
             "peak_activation_bytes": int(maxed[4]),
@@ -318,41 +316,38 @@ class Trainer:
 
         A stop request (a signal on any rank) ends every rank after the same step: the state
         is saved and `Preempted` raised."""
-        with self.stop.deferred():  # from here a signal is agreed on, and saved for
-            return self._fit(writer, stop)
-
-    def _fit(self, writer: MetricsWriter | None, stop: int | None) -> list[dict]:
         rows = []
         end = self.cfg.train.steps if stop is None else min(stop, self.cfg.train.steps)
-        while self.step < end:
-            self.comm.reset()
-            t0 = time.perf_counter()
-            result = self.train_step()
-            seconds = time.perf_counter() - t0
-            row = self.metrics(result, seconds, self.comm.total_bus_bytes())
-            every = self.cfg.train.eval_every
-            if every and (self.step % every == 0 or self.step == self.cfg.train.steps):
-                row["eval_loss"] = self.evaluate()
-            if self.local is not None:  # a due generation: the one in flight committed first
-                row |= self.local.after_step(self.step, self.optimizer, self.loader)
-            if not rows and self.resumed:
-                row |= self.resumed | {"first_step_at": time.time()}
-            rows.append(row)
-            if writer is not None and self.mesh.rank == 0:
-                writer.write(row)
-            if result.writes_done:
-                self.saver.finish(self.engine, self.cfg)  # every rank's file is written
-            if self._checkpoint_due():
-                self.save_checkpoint()
-            if result.stop:
-                if self.local is not None:
-                    self.local.close(finished=False)
-                path = self.save_checkpoint(wait=True)
-                raise Preempted(self.step, path, self.stop.signum or signal.SIGTERM)
-        self.saver.finish(self.engine, self.cfg)
-        if self.local is not None:  # a finished run's in-memory generations are freed
-            self.local.close(finished=self.step == self.cfg.train.steps)
-        return rows
+        with self.stop.deferred():  # from here a signal is agreed on, and saved for
+            while self.step < end:
+                self.comm.reset()
+                t0 = time.perf_counter()
+                result = self.train_step()
+                seconds = time.perf_counter() - t0
+                row = self.metrics(result, seconds, self.comm.total_bus_bytes())
+                every = self.cfg.train.eval_every
+                if every and (self.step % every == 0 or self.step == self.cfg.train.steps):
+                    row["eval_loss"] = self.evaluate()
+                if self.local is not None:  # due: the generation in flight committed first
+                    row |= self.local.after_step(self.step, self.optimizer, self.loader)
+                if not rows and self.resumed:
+                    row |= self.resumed | {"first_step_at": time.time()}
+                rows.append(row)
+                if writer is not None and self.mesh.rank == 0:
+                    writer.write(row)
+                if result.writes_done:
+                    self.saver.finish(self.engine, self.cfg)  # every rank's file is written
+                if self._checkpoint_due():
+                    self.save_checkpoint()
+                if result.stop:
+                    if self.local is not None:
+                        self.local.close(finished=False)
+                    path = self.save_checkpoint(wait=True)
+                    raise Preempted(self.step, path, self.stop.signum or signal.SIGTERM)
+            self.saver.finish(self.engine, self.cfg)
+            if self.local is not None:  # a finished run's in-memory generations are freed
+                self.local.close(finished=self.step == self.cfg.train.steps)
+            return rows
 
     def _checkpoint_due(self) -> bool:
         """Every `checkpoint.every` steps, and at the last step (unless `checkpoint.final`
@@ -377,16 +372,14 @@ class Trainer:
         root = checkpoint.checkpoint_root(self.cfg)
         step, source = self._resume_from_memory(root), "memory"
         if step is None:
-            step, source = self._restore_durable(root), "checkpoint"
+            args = (root, self.engine, self.optimizer, self.loader, self.cfg)
+            step, source = checkpoint.restore_newest(*args), "checkpoint"
         if step is not None:
             self.step = step
             self.resumed = {"resumed_from": source, "resumed_step": step}
             self.resumed["world"] = self.mesh.world  # elastic: may differ from before
             self.resumed["resume_load_s"] = time.perf_counter() - t0
         return step
-
-    def _restore_durable(self, root: Path) -> int | None:
-        return checkpoint.restore_newest(root, self.engine, self.optimizer, self.loader, self.cfg)
 
     def _resume_from_memory(self, root: Path) -> int | None:
         """The newest complete in-memory generation, if there is one at least as new as the

@@ -60,7 +60,6 @@ class MetricsWriter:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a" if append else "w")  # noqa: SIM115
-        self.total = total_steps
         self.display = Display(total_steps) if progress else None
         self.events = None
         if tensorboard:

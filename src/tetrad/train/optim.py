@@ -23,11 +23,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def build_optimizer(named: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW over the given parameters, two groups: with and without weight decay."""
-    decay = [p for n, p in named if decays(n)]
-    plain = [p for n, p in named if not decays(n)]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": plain, "weight_decay": 0.0},
+        {"params": [p for n, p in named if decays(n)], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
     # fused: one kernel over every tensor (CPU and CUDA), what torchtitan picks

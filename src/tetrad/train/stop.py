@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from tetrad.errors import EXIT_PREEMPTED, rank_and_attempt, report
+from tetrad.errors import rank_and_attempt, report
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -80,7 +80,7 @@ class StopRequest:
         report("stopped", message, 128 + signum)
         os._exit(128 + signum)
 
-    def install(self) -> StopRequest:
+    def install(self) -> None:
         """Route SIGTERM and SIGINT here (main thread only) until `uninstall()`."""
         reader, writer = socket.socketpair()
         writer.setblocking(False)
@@ -90,7 +90,6 @@ class StopRequest:
             signal.signal(sig, lambda *_: None)  # the watcher thread acts; not the main one
         self._restore = (old_fd, old, reader, writer)
         threading.Thread(target=self._watch, args=(reader,), daemon=True).start()
-        return self
 
     def uninstall(self) -> None:
         """Give the signals back to whoever had them (a test process, an embedding program);
@@ -112,6 +111,3 @@ class StopRequest:
                 for signum in data:
                     if signum in SIGNALS:
                         self.request(signum)
-
-
-__all__ = ["EXIT_PREEMPTED", "Preempted", "StopRequest"]
