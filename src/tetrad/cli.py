@@ -288,15 +288,8 @@ def launch_train(nproc: int, argv: list[str], cfg: Config, args: argparse.Namesp
     degrees = [f"--{d}={'auto' if d == p.elastic else getattr(p, d)}" for d in DEGREES]
     if p.elastic:
         degrees.append(f"--elastic-max-world={p.elastic_max_world}")
-    return launch(
-        nproc,
-        [*argv, *degrees],
-        cfg.train.out,
-        args.max_restarts,
-        args.nnodes,
-        args.rdzv_endpoint,
-        args.rdzv_conf,
-    )
+    nodes = (args.nnodes, args.rdzv_endpoint, args.rdzv_conf)  # and where they meet
+    return launch(nproc, [*argv, *degrees], cfg.train.out, args.max_restarts, *nodes)
 
 
 def prepare_out(out: str) -> None:

@@ -245,7 +245,7 @@ def worker(args: argparse.Namespace) -> int:
     # NCCL needs one GPU per local rank; with fewer, measure gloo on the CPU instead
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
         nccl_environment()  # before the process group: async error handling, flight recorder
@@ -254,10 +254,10 @@ def worker(args: argparse.Namespace) -> int:
     watchdog = Watchdog(TIMEOUT_S)
     try:
         group = Mesh.build(ParallelConfig(dp=world), rank, timeout)["world"]
-        report = run_bench(args, group, device or torch.device("cpu"))
+        report = run_bench(args, group, device)
         if rank == 0:
             emit(report, args.json)
-        Comm(device or "cpu", watchdog).barrier(group)  # counted, numbered and watched
+        Comm(device, watchdog).barrier(group)  # counted, numbered and watched
     finally:
         watchdog.close()
         dist.destroy_process_group()

@@ -6,6 +6,7 @@ times a calibrated efficiency. Sources of every figure: docs/plan.md.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -56,13 +57,11 @@ def cpu_core_tflops() -> float:
     overrides it.
     """
     flags, mhz = "", 2500.0
-    try:
+    with contextlib.suppress(OSError, StopIteration, ValueError):
         with open("/proc/cpuinfo") as fh:
             text = fh.read()
         flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
         mhz = float(next(ln for ln in text.splitlines() if ln.startswith("cpu MHz")).split(":")[1])
-    except (OSError, StopIteration, ValueError):
-        pass
     lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
     return 2 * lanes * 2 * mhz * 1e6 / 1e12
 

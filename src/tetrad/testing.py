@@ -60,14 +60,8 @@ def _entry(fn, rank, world, port, results, threads, timeout, args) -> None:
     )
     torch.set_num_threads(threads)
     try:
-        if world > 1:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(seconds=timeout),
-            )
+        if world > 1:  # env://: the variables above
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
         out = fn(rank, world, *args)
         if world > 1:
             _leave_together(rank, world, timeout)

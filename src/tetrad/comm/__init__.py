@@ -203,13 +203,9 @@ class Comm:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """{"axis/op": {calls, bytes, bus_bytes, seconds}} for reporting."""
+        keys = ("calls", "bytes", "bus_bytes", "seconds")
         return {
-            f"{axis}/{op}": {
-                "calls": s.calls,
-                "bytes": s.bytes,
-                "bus_bytes": s.bus_bytes,
-                "seconds": s.seconds,
-            }
+            f"{axis}/{op}": {k: getattr(s, k) for k in keys}
             for (axis, op), s in sorted(self.stats.items())
         }
 

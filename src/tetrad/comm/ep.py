@@ -94,11 +94,8 @@ def _gather_shares(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torc
     padded[: x.shape[0]] = x
     out = x.new_empty((n * width, *x.shape[1:]))
     comm.all_gather(out, padded, group)
-    pieces = [
-        out[r * width : r * width + (hi - lo)]
-        for r, (lo, hi) in enumerate(tp_share(rows, n, r) for r in range(n))
-    ]
-    return torch.cat(pieces)
+    shares = [tp_share(rows, n, r) for r in range(n)]
+    return torch.cat([out[r * width : r * width + hi - lo] for r, (lo, hi) in enumerate(shares)])
 
 
 class _ShareOfTP(torch.autograd.Function):

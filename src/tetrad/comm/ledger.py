@@ -50,8 +50,8 @@ class Ledger:
         """Record a call about to be issued on `group`; mark it `done` once it returned."""
         seq = 0
         if numbered:
-            if group.name not in self.ranks:  # before its number: a snapshot reads that
-                self.ranks[group.name] = list(group.ranks)
+            # the ranks before the number: a snapshot reads that
+            self.ranks.setdefault(group.name, list(group.ranks))
             seq = self.seq[group.name] = self.seq.get(group.name, 0) + 1
         call = Call(op, group.name, group.ranks, seq, nbytes)  # a group's ranks never change
         self.ring.append(call)

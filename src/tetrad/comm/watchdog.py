@@ -68,8 +68,7 @@ class Watchdog:
         self._armed: tuple[object, float] | None = None
         self._traced = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="tetrad-watchdog", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._watch, name="tetrad-watchdog", daemon=True).start()
 
     def arm(self, what) -> None:
         """Start timing a blocking call: `what` is its ledger `Call` or a description."""
@@ -144,13 +143,10 @@ def nccl_flight_record() -> dict | str | None:
     looked up; a message if the dump failed)."""
     import torch.distributed as dist
 
-    if not (dist.is_initialized() and dist.get_backend() == "nccl"):
-        return None
     c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(
-        c10d, "_dump_nccl_trace_json", None
-    )
-    if dump is None:
+    names = ("_dump_fr_trace_json", "_dump_nccl_trace_json")  # the newer name first
+    dump = next((getattr(c10d, n) for n in names if hasattr(c10d, n)), None)
+    if dump is None or not (dist.is_initialized() and dist.get_backend() == "nccl"):
         return None
     try:
         raw = dump(includeCollectives=True, onlyActive=False)  # bytes of JSON

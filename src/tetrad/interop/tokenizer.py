@@ -28,9 +28,7 @@ VOCAB_MULTIPLE = 128
 
 def load(path: str | Path):
     """A `tokenizers.Tokenizer` from a tokenizer.json (or a directory holding one)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
+    p = tokenizer_file(path)
     if not p.is_file():
         raise ValueError(f"tokenizer {p}: no such file")
     try:
