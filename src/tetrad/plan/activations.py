@@ -14,7 +14,7 @@ position, or per microbatch) and how tensor parallelism divides it:
 sums reproduce their formulas (34 + 5as/h, 10 + 24/t + 5as/(ht), ...; tests check it).
 A model family declares its own layers beside the family (`ModelSpec.activations`,
 checked against a live count of saved tensors); this module holds what every family
-shares: the sums, the workspaces, the reference GPT layer.
+shares: the sums and the reference GPT layer.
 
 How many microbatches a rank holds comes from the pipeline simulator's timeline
 (`peak_in_flight`), so every schedule (GPipe m, 1F1B p - r, interleaved, zero bubble with
@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models.spec import RECOMPUTE as RECOMPUTE  # the planner's modes, re-exported
-from tetrad.models.spec import ModelSpec, Saved, check_recompute
+from tetrad.models.spec import Saved, check_recompute
 from tetrad.parallel.pipeline.timeline import Timeline
 
 
@@ -74,27 +73,6 @@ def gpt_layer(h: int, a: int, s: int, recompute: str = "none") -> list[Saved]:
             Saved("dropout output", 2 * a * s, "tp"),
         ]
     return items
-
-
-def layer_grad_workspace(
-    spec: ModelSpec, m: ModelConfig, t: int, dtype: str, b: int, s: int, sp: bool,
-    fused: bool = False,
-) -> float:  # fmt: skip
-    """Transient bytes while one block runs backward: about one block's activations (its
-    gradients, or under recomputation the recomputed activations themselves)."""
-    return total_bytes(spec.activations.layer(m, t, dtype, fused=fused), b, s, t, sp)
-
-
-def loss_grad_workspace(
-    m: ModelConfig, t: int, dtype: str, b: int, s: int, chunk: int = 0
-) -> float:
-    """Transient bytes of the loss backward on the last stage: the fp32 logit gradient and
-    its cast to the compute dtype; chunked, one chunk's recomputed fp32 logits, their
-    gradient and its cast, and the fp32 head-weight gradient it accumulates."""
-    c = DTYPE_BYTES[dtype]
-    if chunk <= 0:
-        return b * s * (4 + c) * m.vocab / t
-    return min(chunk, b * s) * (8 + c) * m.vocab / t + 4 * m.vocab * m.dim / t
 
 
 # --- microbatches in flight ---------------------------------------------------------------

@@ -128,14 +128,7 @@ class Planner:
                 gather_overlap=False, cp_overlap=False,
             )  # fmt: skip
         self.cluster, self.engine, self.recompute = cluster, engine, recompute
-        self.footprint = Footprint(
-            cluster.device, recompute, engine.sp_saves_shards, engine.reduce_every_microbatch,
-            engine.kernels.fused, engine.kernels.gqa_native, engine.chunked_loss,
-            live=(engine.max_live_params, engine.reduce_bucket), cp_gathers_kv=engine.cp_gathers_kv,
-            scores=engine.kernels.attention == "unfused", shards_over_cp=engine.shards_over_cp,
-            zero_blocks=engine.zero_blocks, zero3_incoming_grad=engine.zero3_incoming_grad,
-            eager_loss=engine.eager_loss,
-        )  # fmt: skip
+        self.footprint = Footprint(cluster.device, recompute, engine)
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}

@@ -25,12 +25,12 @@ from tetrad.config import ModelConfig
 from tetrad.devices import Device
 from tetrad.layout import Layout
 from tetrad.models.families import spec_for
-from tetrad.models.spec import ModelSpec
 from tetrad.parallel.groups import param_groups
 from tetrad.parallel.model_state import ModelState, expert_names, group_bytes, local_parameters
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import held_stages, model_key
+from tetrad.plan.engines import Implementation
 from tetrad.plan.peak import Peak, PeakSettings, rank_peak
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
@@ -111,28 +111,11 @@ class RankFacts:
 
 
 class Footprint:
-    """Memory of layouts of one model on one device kind; caches what layouts share."""
+    """Memory of layouts of one model on one device kind, as `engine` runs them; caches what
+    layouts share."""
 
-    def __init__(
-        self, device: Device, recompute: str, sp_saves_shards: bool, reduce_every_micro: bool,
-        fused: bool = False, gqa_native: bool = False, chunked_loss: bool = False,
-        live: tuple[float, float] = (0.0, 0.0), cp_gathers_kv: bool = True,
-        scores: bool = False, shards_over_cp: bool = False,
-        zero_blocks: tuple[int, int] = (2, 2), zero3_incoming_grad: bool = False,
-        eager_loss: bool = False,
-    ):  # fmt: skip
-        self.eager_loss = eager_loss  # eager F.cross_entropy on fp32-cast logits (`plan.peak`)
-        self.zero3_incoming_grad = zero3_incoming_grad
-        self.zero_blocks = zero_blocks  # ZeRO blocks alive at the peak (`_zero_buffers`)
-        self.cp_gathers_kv = cp_gathers_kv
-        self.shards_over_cp = shards_over_cp  # ZeRO shards over fsdp x cp (torchtitan)
-        self.scores = scores  # attention materialises the s x s scores (no flash kernel)
-        self.device, self.recompute, self.fused = device, recompute, fused
-        # (most gathered ZeRO-3 elements kept at once, gradient bucket): (0, _) whole units
-        self.max_live, self.reduce_bucket = live
-        self.gqa_native = gqa_native
-        self.chunked_loss = chunked_loss  # the engine honours train.loss_chunk (tetrad)
-        self.sp_saves_shards, self.reduce_every_micro = sp_saves_shards, reduce_every_micro
+    def __init__(self, device: Device, recompute: str, engine: Implementation):
+        self.device, self.recompute, self.engine = device, recompute, engine
         self._facts: dict[tuple, RankFacts] = {}
         self._places: dict[tuple, RankFacts] = {}
         self._template: dict[tuple, tuple] = {}
@@ -180,7 +163,7 @@ class Footprint:
         """Ranks the ZeRO state is sharded over: fsdp, or fsdp x cp for an engine whose
         sharding group takes the cp ranks in (they hold the same weights), at fsdp 1 too
         (torchtitan shards over dp_shard x cp whatever dp_shard is)."""
-        return lay.fsdp * lay.cp if self.shards_over_cp else lay.fsdp
+        return lay.fsdp * lay.cp if self.engine.shards_over_cp else lay.fsdp
 
     def _local_parameters(
         self, lay: Layout, m: ModelConfig, kinds: tuple[int, int], first: bool, last: bool
@@ -200,7 +183,8 @@ class Footprint:
         templates = [spec.block_prefix(i) for i in range(template_layers)]
         block = [[(n[len(pre) :], s) for n, s in named if n.startswith(pre)] for pre in templates]
         root = [(n, s) for n, s in named if spec.block_of(n) is None]
-        keep = _root_names(spec, named, first, last)
+        # the root parameters the stage keeps, as `pipeline.stage.prune` leaves them
+        keep = spec.stage_parameters([n for n, _ in named], [], first, last)
         out = [(n, s) for n, s in root if n.startswith(spec.embedding + ".") and n in keep]
         reps = {}
         kind_of = [0] * kinds[0] + [len(templates) - 1] * kinds[1]  # dense blocks first
@@ -218,20 +202,20 @@ class Footprint:
         """Bytes one microbatch leaves on each global stage after its forward. Under
         context parallelism everything is per local token (s/cp of each sequence), and
         an all-gather core keeps the gathered keys and values of the whole sequence."""
-        dt, shards = lay.dtype_name, self.sp_saves_shards
+        dt, shards, kernels = lay.dtype_name, self.engine.sp_saves_shards, self.engine.kernels
         b, s = lay.microbatch_size, lay.local_seq
         family = spec_for(m).activations
-        layer = family.layer(m, lay.tp, dt, self.recompute, sp_shards=shards, fused=self.fused,
-                             gqa_native=self.gqa_native)  # fmt: skip
+        layer = family.layer(m, lay.tp, dt, self.recompute, sp_shards=shards, fused=kernels.fused,
+                             gqa_native=kernels.gqa_native)  # fmt: skip
         layer_bytes = act.total_bytes(layer, b, s, lay.tp, lay.sp)
-        if self.scores and self.recompute in ("none", "op"):
+        if kernels.attention == "unfused" and self.recompute in ("none", "op"):
             scores = family.attention_scores(m, lay.seq_len)
             layer_bytes += act.total_bytes(scores, b, s, lay.tp)
-        gathers = self.cp_gathers_kv and lay.cp_attention != "ring"  # tetrad's ring keeps its own
+        gathers = self.engine.cp_gathers_kv and lay.cp_attention != "ring"  # tetrad's ring: its own
         if lay.cp > 1 and gathers and self.recompute not in ("full", "op"):
-            gathered = family.cp_gathered_kv(m, lay.tp, dt, lay.cp, lay.seq_len, self.gqa_native)
+            gathered = family.cp_gathered_kv(m, lay.tp, dt, lay.cp, lay.seq_len, kernels.gqa_native)
             layer_bytes += act.total_bytes(gathered, b, s, lay.tp, lay.sp)
-        chunked = self.chunked_loss and lay.loss_chunk > 0
+        chunked = self.engine.chunked_loss and lay.loss_chunk > 0
         head = family.head(m, lay.tp, dt, sp_shards=shards, chunked=chunked)
         head = act.total_bytes(head, b, s, lay.tp, lay.sp)
         embed = act.total_bytes(family.embedding(lay.tp, dt), b, s, lay.tp, lay.sp)
@@ -249,7 +233,7 @@ class Footprint:
         w = family.pending_w(m, lay.tp, lay.dtype_name)
         one = act.total_bytes(w, b, s, lay.tp, lay.sp)
         out = [n * one for n in split]
-        if not (self.chunked_loss and lay.loss_chunk > 0):
+        if not (self.engine.chunked_loss and lay.loss_chunk > 0):
             head = family.pending_w_head(m, lay.tp, lay.dtype_name)
             out[-1] += act.total_bytes(head, b, s, lay.tp, lay.sp)
         return out
@@ -277,15 +261,13 @@ class Footprint:
         timeline: Timeline, deferred_w: bool,
     ) -> Memory:  # fmt: skip
         """The fullest pp rank's memory: model state + activations in flight + overhead."""
-        best = None
+        ranks = []
         for r in range(lay.pp):
             acts = self.rank_activations(lay, m, split, timeline, r, deferred_w)
             peak = self.peak(lay, m, r, facts[r], acts)
-            mem = Memory(float(facts[r].state.total), acts, self._overhead(peak, acts),
-                         self.device.hbm_bytes, peak)  # fmt: skip
-            if best is None or mem.total > best.total:
-                best = mem
-        return best
+            ranks.append(Memory(float(facts[r].state.total), acts, self._overhead(peak, acts),
+                                self.device.hbm_bytes, peak))  # fmt: skip
+        return max(ranks, key=lambda mem: mem.total)
 
     def floor(self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts]) -> float:
         """A lower bound of `memory(...).total` without a timeline: every rank holds at
@@ -295,27 +277,24 @@ class Footprint:
         for r in range(lay.pp):
             stages = held_stages(lay, r)
             acts = max(per_stage[s] for s in stages)
-            out = max(out, facts[r].state.total + acts + self.overhead(lay, m, r, facts[r], acts))
+            peak = self.peak(lay, m, r, facts[r], acts)
+            out = max(out, facts[r].state.total + acts + self._overhead(peak, acts))
         return out
 
-    def overhead(
-        self, lay: Layout, m: ModelConfig, pp_rank: int, fa: RankFacts, acts: float
-    ) -> float:
+    def _overhead(self, peak: Peak, acts: float) -> float:
         """Workspace + the peak's transients + the allocator's share of transients and
         activations."""
-        return self._overhead(self.peak(lay, m, pp_rank, fa, acts), acts)
-
-    def _overhead(self, peak: Peak, acts: float) -> float:
         transient = peak.transient
         share = ALLOCATOR * max(transient + acts, 0.0)
         return self.device.workspace_bytes + transient + peak.reserved_bytes + share
 
     def peak(self, lay: Layout, m: ModelConfig, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
+        eng = self.engine
         settings = PeakSettings(
-            self.chunked_loss, self.recompute, self.fused, self.scores,
+            eng.chunked_loss, self.recompute, eng.kernels.fused, eng.kernels.attention == "unfused",
             *self._zero_buffers(lay, m, fa), _late_grads(lay, fa, self.shards(lay)),
-            self.eager_loss, self._accumulated_grads(lay, fa),
+            eng.eager_loss, self._accumulated_grads(lay, fa),
         )  # fmt: skip
         return rank_peak(lay, m, pp_rank, acts, settings)
 
@@ -323,8 +302,8 @@ class Footprint:
         """Bytes of ZeRO-2/3's whole unsharded gradients accumulated over microbatches (of
         `_zero_buffers`' gradients): from the first microbatch's backward to the
         reduction, so every moment of a later microbatch holds them, its loss included."""
-        whole = self.shards(lay) > 1 and lay.zero_stage >= 2 and not self.reduce_every_micro
-        if not (whole and lay.microbatches > 1):
+        whole = self.shards(lay) > 1 and lay.zero_stage >= 2 and lay.microbatches > 1
+        if not whole or self.engine.reduce_every_microbatch:
             return 0.0
         return lay.element_bytes * fa.psi_scattered
 
@@ -342,25 +321,25 @@ class Footprint:
         engine that caps its live parameters (DeepSpeed) keeps at most that many
         gathered, but never less than one module (its largest linear), and two reduce
         buckets of gradients."""
-        c = lay.element_bytes
+        c, eng = lay.element_bytes, self.engine
         if self.shards(lay) == 1:
             return 0.0, 0.0
-        gathered_blocks, grad_blocks = self.zero_blocks
+        gathered_blocks, grad_blocks = eng.zero_blocks
         gathered = grads = 0.0
         block = fa.block + fa.expert_unit  # a block's units: its own, and its experts'
         if lay.zero_stage == 3:
             gathered = gathered_blocks * block + fa.psi_root
-            if self.max_live:
-                gathered = max(min(gathered, self.max_live), _largest_linear(lay, m))
+            if eng.max_live_params:
+                gathered = max(min(gathered, eng.max_live_params), _largest_linear(lay, m))
         if lay.zero_stage >= 2:  # unsharded gradients awaiting their reduce-scatter
             # with pp > 1 a stage reduces at its last backward work (whatever m): whole
-            whole = (lay.microbatches > 1 or lay.pp > 1) and not self.reduce_every_micro
+            whole = (lay.microbatches > 1 or lay.pp > 1) and not eng.reduce_every_microbatch
             units = grad_blocks * block + fa.psi_root
             grads = fa.psi_scattered if whole else units
-            if whole and lay.zero_stage == 3 and self.zero3_incoming_grad:
+            if whole and lay.zero_stage == 3 and eng.zero3_incoming_grad:
                 grads += block + fa.psi_root  # the microbatch's, before the sum
-            if self.max_live and self.reduce_bucket and not whole:
-                grads = max(min(units, 2 * self.reduce_bucket), _largest_linear(lay, m))
+            if eng.max_live_params and eng.reduce_bucket and not whole:
+                grads = max(min(units, 2 * eng.reduce_bucket), _largest_linear(lay, m))
         return c * gathered, c * grads
 
 
@@ -379,13 +358,6 @@ def _late_grads(lay: Layout, fa: RankFacts, shards: int) -> float:
 def _largest_linear(lay: Layout, m: ModelConfig) -> float:
     """Elements of a block's largest weight on one tp rank (an MLP matrix)."""
     return max(m.dim * m.hidden_dim, m.dim * m.dim) / lay.tp
-
-
-def _root_names(spec: ModelSpec, named, first: bool, last: bool) -> set[str]:
-    """Root parameters a stage keeps, as `pipeline.stage.prune` leaves them (of `named`,
-    a whole model's, whose head is absent when tied)."""
-    names = [n for n, _ in named]
-    return spec.stage_parameters(names, [], first, last)
 
 
 def _block_kinds(m: ModelConfig, split: list[int], stages: list[int]) -> tuple[int, int]:
