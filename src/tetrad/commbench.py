@@ -130,7 +130,6 @@ def measure(
     control.barrier(group)
     t = _slowest(_timed(run, count, clock), control, group)
     size = _numel(nbytes, group.size) * 4
-    factor = bus_factor(_factor_op(op), group.size)
     algbw = size / t
     return {
         "op": op,
@@ -138,7 +137,7 @@ def measure(
         "iters": count,
         "time_s": t,
         "algbw_GBps": algbw / 1e9,
-        "busbw_GBps": algbw * factor / 1e9,
+        "busbw_GBps": algbw * bus_factor(_factor_op(op), group.size) / 1e9,
     }
 
 
@@ -211,8 +210,7 @@ def print_table(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    title = f"tetrad bench comm: {report['backend']}, {report['world']} ranks, float32"
-    table = Table(title=title)
+    table = Table(title=f"tetrad bench comm: {report['backend']}, {report['world']} ranks, float32")
     for col in ("op", "size", "iters", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
         table.add_column(col, justify="left" if col == "op" else "right")
     for r in report["results"]:

@@ -29,15 +29,21 @@ def rank_and_attempt() -> tuple[int, int]:
     return rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def _attempt_dir() -> tuple[Path | None, int, int]:
+    """The launcher's report directory (None: no launcher), this rank, this attempt."""
+    directory = os.environ.get(REPORT_DIR)
+    rank, attempt = rank_and_attempt()
+    return (Path(directory) if directory else None), rank, attempt
+
+
 def report(kind: str, message: str, code: int, **extra: Any) -> bool:
     """Write this rank's report for the launcher; False when there is no launcher to read it."""
-    directory = os.environ.get(REPORT_DIR)
-    if not directory:
+    directory, rank, attempt = _attempt_dir()
+    if directory is None:
         return False
-    rank, attempt = rank_and_attempt()
     record = {"kind": kind, "message": message, "code": code, "rank": rank}
     record |= {"attempt": attempt, "time": time.time(), "pid": os.getpid(), **extra}
-    return _write_json(Path(directory) / f"attempt{attempt:03d}-rank{rank:05d}-{kind}.json", record)
+    return _write_json(directory / f"attempt{attempt:03d}-rank{rank:05d}-{kind}.json", record)
 
 
 def _write_json(path: Path, record: dict[str, Any]) -> bool:
@@ -74,12 +80,6 @@ def root_cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 # When a collective outlives --timeout, the rank that saw it asks every rank for its recent
 # collectives (a request file in the report directory, which every rank's watchdog looks
 # for); each answers with a trace file; the launcher compares the sequence numbers.
-
-
-def _attempt_dir() -> tuple[Path | None, int, int]:
-    directory = os.environ.get(REPORT_DIR)
-    rank, attempt = rank_and_attempt()
-    return (Path(directory) if directory else None), rank, attempt
 
 
 def request_traces() -> bool:

@@ -252,8 +252,7 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_sta
     where this launch's part of OUT/logs/torchrun.log begins."""
     if code == 0 and signalled is None:
         return 0
-    records = read_reports(reports)
-    cause = root_cause(records)
+    cause = root_cause(read_reports(reports))
     if cause is not None and cause["kind"] == "preempted":
         print(f"tetrad: {cause['message']}; continue with --resume", flush=True)
         return EXIT_PREEMPTED
@@ -277,8 +276,7 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_sta
         print(f"tetrad: stopped by {name} before any step could save (logs: {logs})",
               file=sys.stderr, flush=True)  # fmt: skip
         return 128 + signalled
-    detail = _child_failure(log)
-    print(f"tetrad: error: {detail} (logs: {logs})", file=sys.stderr, flush=True)
+    print(f"tetrad: error: {_child_failure(log)} (logs: {logs})", file=sys.stderr, flush=True)
     return code or EXIT_FAILED
 
 

@@ -58,8 +58,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dtype = ctx.reduce_dtype or grad.dtype
-        summed = _all_reduce(grad.to(dtype), ctx.comm, ctx.group).to(grad.dtype)
-        return summed, None, None, None
+        return _all_reduce(grad.to(dtype), ctx.comm, ctx.group).to(grad.dtype), None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
