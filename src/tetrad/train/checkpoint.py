@@ -21,6 +21,7 @@ own layout, which is the resharding: any layout resumes from any other. Version 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -28,6 +29,7 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -145,7 +147,7 @@ class PendingSave:
     path: Path
     info: dict
     thread: threading.Thread
-    result: dict  # "shard": this rank's entries, or "error"
+    result: dict  # "value": this rank's entries, or "error"
 
 
 class Saver:
@@ -177,22 +179,9 @@ class Saver:
         tmp = prepare(path, engine)
         owned, adam_step = engine.owned_slices(optimizer)  # copies
         info = describe(step, adam_step, loader, cfg)
-        result: dict[str, Any] = {}
-        rank = engine.mesh.rank
-
-        def work() -> None:
-            try:
-                result["shard"] = write_shard(tmp, rank, owned)
-            except BaseException as e:  # reported at the commit, agreed by every rank
-                result["error"] = e
-
-        if not self.asynchronous or wait:
-            work()
-            return commit(path, result.get("shard"), result.get("error"), info, engine, cfg)
-        thread = threading.Thread(target=work, name="tetrad-checkpoint", daemon=True)
-        thread.start()
-        self.pending = PendingSave(path, info, thread, result)
-        return path
+        work = partial(write_shard, tmp, engine.mesh.rank, owned)
+        self.pending = PendingSave(path, info, *in_background(work, "tetrad-checkpoint"))
+        return path if self.asynchronous and not wait else self.finish(engine, cfg)
 
     def finish(self, engine, cfg: Config) -> Path | None:
         """Wait for the save in flight, if any, and commit it (every rank calls)."""
@@ -200,22 +189,34 @@ class Saver:
         if pending is None:
             return None
         pending.thread.join()
-        shard, error = pending.result.get("shard"), pending.result.get("error")
+        shard, error = pending.result.get("value"), pending.result.get("error")
         return commit(pending.path, shard, error, pending.info, engine, cfg)
+
+
+def in_background(work: Callable[[], Any], name: str) -> tuple[threading.Thread, dict]:
+    """`work()` started on a daemon thread, and the dict its value ("value") or its error
+    ("error": reported at the commit, agreed by every rank) lands in."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = work()
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, result
 
 
 def prepare(path: Path, engine) -> Path:
     """The empty temporary directory every rank writes into (rank 0 makes it; agreed)."""
     tmp = path.parent / f"{_TMP}{path.name}"
-    error = None
-    if engine.mesh.rank == 0:
-        try:
+    with agreed(engine, f"creating {tmp}", OSError):
+        if engine.mesh.rank == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)  # an earlier attempt that died half-way
             tmp.mkdir(parents=True)
-        except OSError as e:
-            error = e
-    agree(engine, error, f"creating {tmp}")
     return tmp
 
 
@@ -248,17 +249,13 @@ def commit(path: Path, shard, error, info: dict, engine, cfg: Config) -> Path:
     try:
         agree(engine, error, f"writing checkpoint {path}")
         shards = gather_json(engine, shard)
-        error = None
-        if engine.mesh.rank == 0:
-            try:
+        with agreed(engine, f"committing checkpoint {path}"):
+            if engine.mesh.rank == 0:
                 manifest = build_manifest(shards, info, cfg)
                 _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
                 _fsync(tmp)
                 os.replace(tmp, path)
                 _fsync(path.parent)  # the rename itself survives a power cut
-            except Exception as e:
-                error = e
-        agree(engine, error, f"committing checkpoint {path}")
     except BaseException:
         if engine.mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -341,38 +338,36 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def agreed(engine, what: str, errors: type[Exception] = Exception) -> Iterator[None]:
+    """Run the block on every rank, then `agree` on its `errors`: a rank that failed must
+    not leave the others waiting."""
+    error = None
+    try:
+        yield
+    except errors as e:
+        error = e
+    agree(engine, error, what)
+
+
 def agree(engine, error: BaseException | None, what: str) -> None:
     """One collective: every rank learns whether any rank failed, and all fail alike.
 
     A `CorruptCheckpoint` on some ranks (and no other error) is raised as one on every
-    rank, with the message of the lowest failing rank (one broadcast), so that all ranks
-    skip the same checkpoint and one of them can say why."""
-    world = engine.mesh["world"]
+    rank, with the message of the lowest failing rank (gathered: this path is rare), so
+    that all ranks skip the same checkpoint and one of them can say why."""
     corrupt = isinstance(error, CorruptCheckpoint)
     flags = [float(corrupt), float(error is not None and not corrupt)]
-    flags.append(float(world.size - world.rank) if error is not None else 0.0)
     failed = torch.tensor(flags, dtype=torch.float64, device=engine.device)
-    engine.comm.all_reduce(failed[:2], world)
-    engine.comm.all_reduce(failed[2:], world, op="max")
-    n_corrupt, n_other, first = (int(x) for x in failed.tolist())
+    engine.comm.all_reduce(failed, engine.mesh["world"])
+    n_corrupt, n_other = (int(x) for x in failed.tolist())
     if n_corrupt and not n_other:
-        message = _broadcast_text(engine, str(error) if error else "", world.size - first)
-        raise CorruptCheckpoint(message)
+        reasons = gather_json(engine, str(error) if error else None)
+        raise CorruptCheckpoint(next(r for r in reasons if r is not None))
     if error is not None:
         raise error
     if n_other:
         raise RuntimeError(f"{what} failed on {n_other} other rank(s); see theirs")
-
-
-def _broadcast_text(engine, text: str, src: int, size: int = 2048) -> str:
-    """`text` of world rank `src` on every rank (utf-8, cut to `size` bytes)."""
-    buf = torch.zeros(size, dtype=torch.uint8)
-    if engine.mesh["world"].rank == src:
-        data = text.encode()[:size]
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buf = buf.to(engine.device)
-    engine.comm.broadcast(buf, src, engine.mesh["world"])
-    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -495,22 +490,24 @@ def check_model(path: Path, tensors: dict[str, dict], cfg: Config) -> None:
 def restore(path: Path, engine, optimizer, loader, cfg: Config) -> int:
     """Load `path` on every rank, each reading and installing only its own boxes; returns
     the step. A rank that cannot load fails every rank (agreed) before the ZeRO gathers."""
-    manifest, error = None, None
-    try:
+    with agreed(engine, f"loading checkpoint {path}"):
         manifest = read_manifest(path)
         reader = SliceReader(path, manifest)
         check_model(path, reader.tensors, cfg)
-        engine.load_owned(reader, int(manifest["training"]["optimizer_step"]), optimizer)
-        loader.load_state_dict(manifest["data"])
-        state = bytes.fromhex(manifest["rng"]["torch_cpu_state"])
-        torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    except Exception as e:  # a rank that cannot load must not leave the others waiting
-        error = e
-    agree(engine, error, f"loading checkpoint {path}")
+        install(reader, manifest, engine, optimizer, loader)
     engine.after_load()
     if engine.mesh.rank == 0:
         print(f"tetrad: resumed from {path}", flush=True)
     return int(manifest["training"]["step"])
+
+
+def install(reader, state: dict, engine, optimizer, loader) -> None:
+    """This rank's boxes through `reader`, and a saved `state`'s Adam step count, data
+    position and RNG state."""
+    engine.load_owned(reader, int(state["training"]["optimizer_step"]), optimizer)
+    loader.load_state_dict(state["data"])
+    rng = bytes.fromhex(state["rng"]["torch_cpu_state"])
+    torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
 
 
 def restore_newest(root: Path, engine, optimizer, loader, cfg: Config) -> int | None:
@@ -563,13 +560,10 @@ def load_model(path: str | Path, buffers: bool = False) -> tuple[Config, dict[st
 # --- files --------------------------------------------------------------------------------
 
 
-def _sha256(file: Path, chunk: int = 1 << 24) -> str:
+def _sha256(file: Path) -> str:
     """The file's sha256, streamed (memory stays one chunk, whatever the file's size)."""
-    h = hashlib.sha256()
     with open(file, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -59,8 +59,9 @@ import struct
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,12 @@ from tetrad.mesh import Group
 from tetrad.parallel.boxes import Box
 from tetrad.train.checkpoint import (
     CorruptCheckpoint,
-    agree,
+    agreed,
     assemble,
     describe,
     gather_json,
+    in_background,
+    install,
     serialise,
     step_dirs,
 )
@@ -129,7 +132,7 @@ def newest_complete(held: list[list[dict]]) -> tuple[int | None, list[int]]:
     from the same gather."""
     for step, world in _generations_held(held):
         providers = _providers(held, step, world)
-        if providers is not None:
+        if None not in providers:
             return step, providers
     return None, []
 
@@ -144,8 +147,7 @@ def why_not(held: list[list[dict]], step: int | None, newer_than: int) -> str | 
         )
     gaps = []
     for s, world in _generations_held(held):
-        have = set().union(*_holders(held, s, world))
-        lost = [q for q in range(world) if q not in have]
+        lost = [q for q, p in enumerate(_providers(held, s, world)) if p is None]
         gaps.append(f"step {s} of {world} ranks lacks rank(s) {', '.join(map(str, lost))}")
     return f"no in-memory checkpoint is complete ({'; '.join(gaps)})" if gaps else None
 
@@ -155,21 +157,13 @@ def _generations_held(held: list[list[dict]]) -> list[tuple[int, int]]:
     return sorted({(g["step"], g["world"]) for h in held for g in h if g["ranks"]}, reverse=True)
 
 
-def _holders(held: list[list[dict]], step: int, world: int) -> list[set[int]]:
-    """For each rank, the ranks of generation (step, world) whose states it holds."""
+def _providers(held: list[list[dict]], step: int, world: int) -> list[int | None]:
+    """Who provides each rank q's state of generation (step, world): q itself if it holds
+    it, else the lowest rank that does; None: no rank does."""
     mine = [[g["ranks"] for g in h if (g["step"], g["world"]) == (step, world)] for h in held]
-    return [set().union(*rows) for rows in mine]
-
-
-def _providers(held: list[list[dict]], step: int, world: int) -> list[int] | None:
-    """Who provides each rank's state of generation (step, world); None if one is lost."""
-    holders, providers = _holders(held, step, world), []
-    for q in range(world):
-        have = [r for r, ranks in enumerate(holders) if q in ranks]
-        if not have:
-            return None
-        providers.append(q if q in have else have[0])
-    return providers
+    holders = [set().union(*rows) for rows in mine]
+    have = [[r for r, ranks in enumerate(holders) if q in ranks] for q in range(world)]
+    return [(q if q in h else h[0]) if h else None for q, h in enumerate(have)]
 
 
 @dataclass
@@ -178,7 +172,7 @@ class Generation:
 
     step: int
     thread: threading.Thread
-    result: dict = field(default_factory=dict)  # "error" if it failed
+    result: dict  # "error" if it failed
 
 
 class LocalCheckpoints:
@@ -235,17 +229,8 @@ class LocalCheckpoints:
         """Snapshot this rank's boxes (copies) and write them in the background."""
         owned, adam_step = self.engine.owned_slices(optimizer)
         info = describe(step, adam_step, loader, self.cfg) | {"local_world": self.local_world}
-        gen = Generation(step, threading.Thread(target=lambda: None))
-
-        def work() -> None:
-            try:
-                self._write(step, owned, info)
-            except BaseException as e:  # reported at the commit, agreed by every rank
-                gen.result["error"] = e
-
-        gen.thread = threading.Thread(target=work, name="tetrad-local-checkpoint", daemon=True)
-        gen.thread.start()
-        self.pending = gen
+        work = partial(self._write, step, owned, info)
+        self.pending = Generation(step, *in_background(work, "tetrad-local-checkpoint"))
 
     def _write(self, step: int, owned: list, info: dict) -> None:
         """The background half: own files, the swap with the partners, the copy held (host
@@ -370,12 +355,8 @@ class LocalCheckpoints:
             return None
         self.restored_world = world = len(providers)
         states = self._gather_states([blobs.get((step, world, q)) for q in range(world)], providers)
-        error = None
-        try:
+        with agreed(self.engine, f"loading the in-memory checkpoint of step {step}"):
             self._load(states, optimizer, loader)
-        except Exception as e:  # a rank that cannot load must not leave the others waiting
-            error = e
-        agree(self.engine, error, f"loading the in-memory checkpoint of step {step}")
         self.engine.after_load()
         return step
 
@@ -405,11 +386,7 @@ class LocalCheckpoints:
         # the training state is every rank's alike; the RNG state is per rank: a rank of a
         # smaller world takes the one of the rank it is numbered as (any would do: data and
         # weights depend on the seed and the step alone)
-        mine = metas[self.rank % len(metas)]
-        self.engine.load_owned(reader, int(mine["training"]["optimizer_step"]), optimizer)
-        loader.load_state_dict(mine["data"])
-        state = bytes.fromhex(mine["rng"]["torch_cpu_state"])
-        torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        install(reader, metas[self.rank % len(metas)], self.engine, optimizer, loader)
 
 
 # --- blobs and files ------------------------------------------------------------------------

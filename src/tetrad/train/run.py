@@ -48,13 +48,11 @@ def run(
     mesh, device = init_distributed(cfg, layout, timeout_s=cfg.train.timeout + 60)
     watchdog = Watchdog(cfg.train.timeout)
     comm = Comm(device, watchdog)
-    clean = False
+    clean = True
     try:
-        rows = _train(cfg, layout, mesh, device, comm, stop, timeline)
-        clean = True
-        return rows
-    except Preempted:
-        clean = True  # every rank agreed and saved: they leave together
+        return _train(cfg, layout, mesh, device, comm, stop, timeline)
+    except BaseException as e:
+        clean = isinstance(e, Preempted)  # every rank agreed and saved: they leave together
         raise
     finally:
         stop.uninstall()
