@@ -28,6 +28,17 @@ def _held_stages(pp_rank: int, pp: int, v: int, schedule: str) -> tuple[int, ...
     return tuple(rank_stages(pp_rank, pp, v, schedule))
 
 
+def block_kinds(m: ModelConfig, split: list[int], stages: list[int]) -> tuple[int, int]:
+    """(dense, MoE) blocks a rank holding global `stages` has: an MoE model's first
+    `dense_layers` blocks are dense (Llama's SwiGLU); a dense model's are all dense."""
+    starts = [sum(split[:s]) for s in range(len(split))]
+    held = [i for s in stages for i in range(starts[s], starts[s] + split[s])]
+    if not m.moe:
+        return len(held), 0
+    dense = sum(1 for i in held if i < m.dense_layers)
+    return dense, len(held) - dense
+
+
 def model_key(model: ModelConfig) -> tuple:
     """`model`'s fields as a key for the planner's caches (its repr cost a search seconds)."""
     return tuple(vars(model).values())

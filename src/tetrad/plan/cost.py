@@ -56,6 +56,7 @@ from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.parallel.pipeline.timeline import Event, Timeline
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import (
+    block_kinds,
     cp_exchange_bytes,
     describe,
     ep_bytes_per_layer,
@@ -101,13 +102,11 @@ class StageTimes:
     compute: dict[str, list[float]]
     tp: dict[str, list[float]]
     fsdp: dict[str, list[float]]
-    cp: dict[str, list[float]] = field(default_factory=dict)
-    ep: dict[str, list[float]] = field(default_factory=dict)
+    cp: dict[str, list[float]]
+    ep: dict[str, list[float]]
 
     def total(self, kind: str, stage: int) -> float:
-        cp = self.cp[kind][stage] if self.cp else 0.0
-        ep = self.ep[kind][stage] if self.ep else 0.0
-        comm = self.tp[kind][stage] + self.fsdp[kind][stage] + cp + ep
+        comm = sum(t[kind][stage] for t in (self.tp, self.fsdp, self.cp, self.ep))
         return self.compute[kind][stage] + comm
 
     def costs(self, comm: float) -> Costs:
@@ -177,8 +176,7 @@ class Planner:
             uniform = (
                 self.engine.split == "uniform" and lay.split is None and not lay.split_measured
             )
-            split = (uniform and _uniform_split(lay, m)) or layer_split(lay, m)
-            self._splits[key] = split
+            self._splits[key] = (uniform and _uniform_split(lay, m)) or layer_split(lay, m)
         return self._splits[key]
 
     def predict(
@@ -201,8 +199,19 @@ class Planner:
         pipe = {"makespan": timeline.makespan, "free": free.makespan, "busy": busy[busiest]}
         breakdown = self._breakdown(lay, times, busiest, pipe, tails)
         step = sum(breakdown.values())
-        memory = memory or self.memory(lay, m, facts)
-        return self._prediction(lay, m, step, timeline.bubble_fraction, memory, breakdown)
+        tokens = lay.global_batch * lay.seq_len
+        flops = spec_for(m).flops_per_token(m, lay.seq_len) * tokens
+        peak = self.cluster.device.peak_tflops[lay.dtype_name] * 1e12
+        return Prediction(
+            layout=describe(lay, self.recompute),
+            step_time_s=step,
+            tokens_per_s=tokens / step,
+            tflops_per_gpu=flops / step / lay.world / 1e12,
+            mfu=flops / step / lay.world / peak,
+            bubble_fraction=timeline.bubble_fraction,
+            memory=memory or self.memory(lay, m, facts),
+            breakdown=breakdown,
+        )
 
     def memory(self, lay: Layout, m: ModelConfig, facts: list[RankFacts] | None = None) -> Memory:
         """The fullest rank's memory (what `predict` reports), without timing the step."""
@@ -233,11 +242,11 @@ class Planner:
         """`pred` with a step-time range: the layout predicted at the lowest and highest
         efficiency of the rows (or runs) the device was fitted to (`Cluster.spread`)."""
         lo, hi = self.cluster.spread
-        steps = []
-        for ratio in (hi, lo):  # the faster end first
-            cluster = at_efficiency(self.cluster, self.cluster.device.efficiency * ratio)
-            steps.append(self.on(cluster).predict(lay, m, False))
-        low, high = steps[0].step_time_s, steps[1].step_time_s
+        eff = self.cluster.device.efficiency
+        low, high = (  # the faster end first
+            self.on(at_efficiency(self.cluster, eff * r)).predict(lay, m, False).step_time_s
+            for r in (hi, lo)
+        )
         tokens = lay.global_batch * lay.seq_len
         return dataclasses.replace(
             pred, step_time_range_s=(low, high), tokens_per_s_range=(tokens / high, tokens / low)
@@ -364,10 +373,8 @@ class Planner:
         overlap = self.cluster.overlap
         shared = self._shared_expert_seconds(lay, m, lay.microbatch_tokens) if overlap else 0.0
         forward = max(0.0, one - shared) + one + counts
-        starts = [sum(split[:s]) for s in range(len(split))]
-        for stage, layers in enumerate(split):
-            moe = sum(1 for i in range(starts[stage], starts[stage] + layers)
-                      if i >= m.dense_layers)  # fmt: skip
+        for stage in range(len(split)):
+            moe = block_kinds(m, split, [stage])[1]
             out["F"][stage] = moe * forward
             out["B"][stage] = moe * 2 * one
         return out
@@ -396,20 +403,13 @@ class Planner:
             if layers == 0:
                 continue
             fa = facts[_rank_of_stage(lay, stage)]
-            block = fa.block
-            calls = _calls(block, 1, self.engine.gather_bucket)
-            gather = (
-                layers
-                * calls
-                * link.time("all_gather", lay.fsdp, block * lay.element_bytes / calls)
-            )
-            gather += self._expert_gathers(lay, fa, layers)
-            first = gather / layers
+            calls = _calls(fa.block, 1, self.engine.gather_bucket)
+            one = link.time("all_gather", lay.fsdp, fa.block * lay.element_bytes / calls)
+            gather = layers * calls * one + self._expert_gathers(lay, fa, layers)
             hide = 1.0 if self.engine.gather_overlap else 0.0
-            fwd_window = hide * compute["F"][stage]
-            bwd_window = hide * (compute["B"][stage] + compute["W"][stage])
-            out["F"][stage] = first + max(0.0, gather - first - fwd_window)
-            out["B"][stage] = first + max(0.0, gather - first - bwd_window)
+            bwd = compute["B"][stage] + compute["W"][stage]
+            out["F"][stage] = _exposed(gather, layers, hide * compute["F"][stage])
+            out["B"][stage] = _exposed(gather, layers, hide * bwd)
         return out
 
     def _expert_gathers(self, lay: Layout, fa: RankFacts, layers: int) -> float:
@@ -432,20 +432,16 @@ class Planner:
             fa = facts[_rank_of_stage(lay, stage)]
             share = (layers + 1) / (fa.layer_units + 1)  # this chunk's share of the rank
             seconds = sum(self._grad_reduction(lay, fa).values()) * share
-            unit = seconds / (layers + 1)
-            window = compute["B"][stage] + compute["W"][stage]
-            out.append(unit + max(0.0, seconds - unit - window))
+            out.append(_exposed(seconds, layers + 1, compute["B"][stage] + compute["W"][stage]))
         return out
 
     def p2p_time(self, lay: Layout, m: ModelConfig) -> float:
         """One activation (or its gradient) across one stage boundary."""
         if lay.pp == 1:
             return 0.0
-        nbytes = lay.microbatch_tokens * m.dim * lay.element_bytes
-        nbytes /= lay.tp if lay.sp else 1
-        return self.cluster.p2p_link(lay.dp * lay.fsdp * lay.cp * lay.tp).time(
-            "send_recv", 2, nbytes
-        )
+        nbytes = lay.microbatch_tokens * m.dim * lay.element_bytes / (lay.tp if lay.sp else 1)
+        link = self.cluster.p2p_link(lay.dp * lay.fsdp * lay.cp * lay.tp)
+        return link.time("send_recv", 2, nbytes)
 
     # --- once per step, after the schedule ------------------------------------------------
 
@@ -539,24 +535,6 @@ class Planner:
             "optimizer": tail["optimizer"],
         }
 
-    def _prediction(
-        self, lay: Layout, m: ModelConfig, step, bubble, memory, breakdown
-    ) -> Prediction:
-        tokens = lay.global_batch * lay.seq_len
-        flops = spec_for(m).flops_per_token(m, lay.seq_len) * tokens
-        world = lay.world
-        peak = self.cluster.device.peak_tflops[lay.dtype_name] * 1e12
-        return Prediction(
-            layout=describe(lay, self.recompute),
-            step_time_s=step,
-            tokens_per_s=tokens / step,
-            tflops_per_gpu=flops / step / world / 1e12,
-            mfu=flops / step / world / peak,
-            bubble_fraction=bubble,
-            memory=memory,
-            breakdown=breakdown,
-        )
-
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -596,9 +574,3 @@ def _uniform_split(lay: Layout, m: ModelConfig) -> list[int] | None:
 
 def _rank_of_stage(lay: Layout, stage: int) -> int:
     return stage_to_rank(stage, lay.pp, lay.virtual_stages, lay.schedule)
-
-
-def predict(lay: Layout, m: ModelConfig, cluster: Cluster, engine: Implementation = TETRAD,
-            recompute: str = "none") -> Prediction:  # fmt: skip
-    """Predict one layout (a fresh Planner; use a Planner to predict many)."""
-    return Planner(cluster, engine, recompute).predict(lay, m)

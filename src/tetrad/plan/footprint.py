@@ -29,7 +29,7 @@ from tetrad.parallel.groups import param_groups
 from tetrad.parallel.model_state import ModelState, expert_names, group_bytes, local_parameters
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.plan import activations as act
-from tetrad.plan.candidates import held_stages, model_key
+from tetrad.plan.candidates import block_kinds, held_stages, model_key
 from tetrad.plan.engines import Implementation
 from tetrad.plan.peak import Peak, PeakSettings, rank_peak
 
@@ -141,7 +141,7 @@ class Footprint:
 
     def _rank_facts(self, lay: Layout, m: ModelConfig, split: list[int], pp_rank: int) -> RankFacts:
         stages = held_stages(lay, pp_rank)
-        kinds = _block_kinds(m, split, stages)
+        kinds = block_kinds(m, split, stages)
         first, last = 0 in stages, len(split) - 1 in stages
         shards = self.shards(lay)
         key = (model_key(m), lay.tp, shards, lay.zero_stage, lay.dtype_name, kinds, first,
@@ -358,17 +358,6 @@ def _late_grads(lay: Layout, fa: RankFacts, shards: int) -> float:
 def _largest_linear(lay: Layout, m: ModelConfig) -> float:
     """Elements of a block's largest weight on one tp rank (an MLP matrix)."""
     return max(m.dim * m.hidden_dim, m.dim * m.dim) / lay.tp
-
-
-def _block_kinds(m: ModelConfig, split: list[int], stages: list[int]) -> tuple[int, int]:
-    """(dense, MoE) blocks a rank holding global `stages` has: an MoE model's first
-    `dense_layers` blocks are dense (Llama's SwiGLU); a dense model's are all dense."""
-    starts = [sum(split[:s]) for s in range(len(split))]
-    held = [i for s in stages for i in range(starts[s], starts[s] + split[s])]
-    if not m.moe:
-        return len(held), 0
-    dense = sum(1 for i in held if i < m.dense_layers)
-    return dense, len(held) - dense
 
 
 def _ep_shape(lay: Layout) -> tuple[int, bool]:
