@@ -236,8 +236,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 def worker(args: argparse.Namespace) -> int:
     """One rank under torchrun: join, measure, rank 0 reports, leave cleanly."""
-    threads = int(os.environ.get("TETRAD_THREADS", "0"))
-    if threads:
+    if threads := int(os.environ.get("TETRAD_THREADS", "0")):
         torch.set_num_threads(threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # NCCL needs one GPU per local rank; with fewer, measure gloo on the CPU instead

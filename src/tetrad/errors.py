@@ -128,14 +128,11 @@ def who_is_behind(traces: list[dict[str, Any]]) -> str | None:
     rank issued on it (`groups`), and the collective it is blocked in, if any
     (`waiting`: op, group, seq). Every rank issues the same collectives on a group in the
     same order, so on a group whose members disagree, the lower numbers are behind."""
-    if not traces:
-        return None
     by_rank = {t["rank"]: t for t in traces}
     waiting = [t["waiting"] for t in traces if t.get("waiting")]
     names = [w["group"] for w in waiting] + sorted({g for t in traces for g in t["groups"]})
     for name in dict.fromkeys(names):  # the groups someone waits in first
-        line = _lag_on(name, by_rank, waiting)
-        if line:
+        if line := _lag_on(name, by_rank, waiting):
             return line
     if waiting:
         w = waiting[0]

@@ -48,8 +48,7 @@ class Sampling:
             probs, order = torch.sort(torch.softmax(logits, dim=-1), descending=True)
             before = probs.cumsum(dim=0) - probs  # the mass of the likelier tokens
             logits[order[before >= self.top_p]] = float("-inf")  # the most likely stays
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
 
 
 def generate(

@@ -267,8 +267,8 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_sta
         return code or EXIT_FAILED
     if cause is not None:
         print(f"tetrad: error: {cause['message']} (logs: {logs})", file=sys.stderr, flush=True)
-        behind = who_is_behind(read_traces(reports))
-        if behind:  # a timed-out collective: the ranks' traces say who did not arrive
+        # a timed-out collective: the ranks' traces say who did not arrive
+        if behind := who_is_behind(read_traces(reports)):
             print(f"tetrad: {behind} (traces: {reports})", file=sys.stderr, flush=True)
         return int(cause.get("code") or EXIT_FAILED)
     if signalled is not None:

@@ -106,12 +106,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.grid(alpha=0.3)
             if len(series) > 1:
                 ax.legend()
-        axes[-1, 0].set_xlabel("step")
-        axes[0, 0].set_title(title)
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=100)
-        plt.close(fig)
-        written.append(out / fname)
+        written.append(_save(fig, axes[:, 0], title, out / fname))
     return written
 
 
@@ -137,12 +132,19 @@ def plot_experts(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small", ncol=4)
-    axes[0].set_title("expert load")
+    return [_save(fig, axes, "expert load", out / "experts.png")]
+
+
+def _save(fig, axes, title: str, path: Path) -> Path:
+    """Title the panels (one above the other, over the steps), write `path`, free the figure."""
+    import matplotlib.pyplot as plt
+
+    axes[0].set_title(title)
     axes[-1].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out / "experts.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return [out / "experts.png"]
+    return path
 
 
 def report(run: str | Path, out: str | Path | None = None) -> tuple[str, list[Path]]:

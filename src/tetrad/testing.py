@@ -50,7 +50,7 @@ def _unpack(obj: Any) -> Any:
     return _map(obj, lambda x: torch.from_numpy(x.array) if isinstance(x, _Array) else x)
 
 
-def _entry(fn, rank, world, port, results, threads, timeout, args) -> None:
+def _entry(rank, fn, world, port, results, threads, timeout, args) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -89,15 +89,8 @@ def spawn(
     """Run fn(rank, world, *args) on `world` gloo ranks; results in rank order."""
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(fn, r, world, port, results, threads, timeout, args),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
+    job = (fn, world, free_port(), results, threads, timeout, args)  # the same for every rank
+    procs = [ctx.Process(target=_entry, args=(r, *job), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:

@@ -81,8 +81,7 @@ class Watchdog:
         self._stop.set()
 
     def _watch(self) -> None:
-        poll = min(1.0, self.timeout / 4)
-        while not self._stop.wait(poll):
+        while not self._stop.wait(min(1.0, self.timeout / 4)):  # the poll interval
             armed = self._armed  # one read: the main thread may disarm meanwhile
             if armed is not None and time.monotonic() - armed[1] > self.timeout:
                 self._fire(armed[0])
@@ -91,10 +90,9 @@ class Watchdog:
                 self.trace(armed[0] if armed else None)
 
     def _fire(self, what) -> None:
-        rank, _ = rank_and_attempt()
         message = (
-            f"rank {rank}: {describe(what)} did not complete within {self.timeout:g} s"
-            " (a peer is stuck, dead or in another collective); see --timeout"
+            f"rank {rank_and_attempt()[0]}: {describe(what)} did not complete within "
+            f"{self.timeout:g} s (a peer is stuck, dead or in another collective); see --timeout"
         )
         self.trace(what)
         request_traces()
