@@ -107,9 +107,3 @@ def test_parallel_and_train_read_no_whole_config():
         if whole.search(line)
     ]
     assert not offenders, offenders
-
-
-def test_qk_norm_under_tensor_parallelism_is_refused_by_name():
-    cfg = tiny_config(model={"qk_norm": True}, parallel={"tp": 2})
-    with pytest.raises(ValueError, match=r"qk_norm with tp=2"):
-        Layout.build(cfg, world=2)
