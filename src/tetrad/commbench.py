@@ -77,14 +77,12 @@ def _operation(op: str, nbytes: int, comm: Comm, group: Group, device) -> Callab
     """A closure running one `op` on a buffer of about `nbytes`, through `comm`."""
     n, rank = group.size, group.rank
     numel = _numel(nbytes, n)
-    full = torch.ones(numel, device=device)
+    full, shard = torch.ones(numel, device=device), torch.ones(numel // n, device=device)
     if op == "all_reduce":
         return lambda: comm.all_reduce(full, group)
     if op == "all_gather":
-        shard = torch.ones(numel // n, device=device)
         return lambda: comm.all_gather(full, shard, group)
     if op == "reduce_scatter":
-        shard = torch.empty(numel // n, device=device)
         return lambda: comm.reduce_scatter(shard, full, group)
     if op == "broadcast":
         return lambda: comm.broadcast(full, 0, group)

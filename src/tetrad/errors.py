@@ -110,9 +110,7 @@ def write_trace(record: dict[str, Any]) -> Path | None:
 def traces_written() -> int:
     """How many ranks of this attempt have written their trace."""
     directory, _, attempt = _attempt_dir()
-    if directory is None:
-        return 0
-    return len(list(directory.glob(f"trace-attempt{attempt:03d}-rank*.json")))
+    return len(list(directory.glob(f"trace-attempt{attempt:03d}-rank*.json"))) if directory else 0
 
 
 def read_traces(directory: Path) -> list[dict[str, Any]]:

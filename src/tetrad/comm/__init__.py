@@ -141,14 +141,13 @@ class Work:
 
     def wait(self) -> None:
         if self._handle is not None:
-            clock = self._stats.clock or Clock(torch.device("cpu"))
-            t0 = clock.mark()
+            t0 = self._stats.clock.mark()  # a Comm's stats, which have its clock
             if self._watch:
                 self._watch.arm(self._what)
             self._handle.wait()
             if self._watch:
                 self._watch.disarm()
-            self._stats.blocked(t0, clock.mark())
+            self._stats.blocked(t0, self._stats.clock.mark())
             self._handle = None
             if self._what is not None:
                 self._what.done = True
