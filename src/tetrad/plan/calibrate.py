@@ -36,7 +36,6 @@ the wall step; it is then fitted to the planner's work of the busiest rank
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import statistics
@@ -75,29 +74,20 @@ def read_run(path: str | Path) -> Run:
         raise ValueError(f"{path}: not a run directory (needs config.json and metrics.jsonl)")
     raw = json.loads(cfg_file.read_text())
     cfg = from_dict({k: v for k, v in raw.items() if isinstance(v, dict)})
-    times = []
-    for line in metrics.read_text().splitlines():
-        row = json.loads(line) if line.strip() else {}
-        if row.get("step_time_s") and not row.get("skipped"):
-            times.append(float(row["step_time_s"]))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    times = [float(r["step_time_s"]) for r in rows if r.get("step_time_s") and not r.get("skipped")]
     if len(times) < 2:
         raise ValueError(f"{metrics}: {len(times)} timed steps; need at least 2")
     return Run(str(path), Layout.build(cfg), cfg.model, *steady_median(times))
 
 
 def steady_median(times: list[float]) -> tuple[float, float]:
-    """The median of the steps after warm-up, and their spread: the median absolute
-    deviation over the median."""
-    steady = steady_steps(times)
+    """The median of the steps after warm-up (all but the first quarter, at least two
+    dropped while at least two remain), and their spread: the median absolute deviation
+    over the median."""
+    steady = times[max(len(times) // 4, min(2, len(times) - 2)) :]
     median = statistics.median(steady)
     return median, statistics.median(abs(t - median) for t in steady) / median
-
-
-def steady_steps(times: list[float]) -> list[float]:
-    """The steps after warm-up: all but the first quarter (at least two dropped while
-    at least two remain)."""
-    skip = max(len(times) // 4, min(2, len(times) - 2))
-    return times[skip:]
 
 
 def with_link_scale(cluster: Cluster, scale: float) -> Cluster:
@@ -123,11 +113,9 @@ def busy_time(pred: Any) -> float:
 def predicted_step(planner: Any, run: Run, efficiency: float) -> float:
     """`planner`'s step for `run`'s layout at GEMM efficiency `efficiency` (for a run
     timed in CPU seconds, the busiest rank's work, `busy_time`)."""
-    cpu = run.cpu
-    pred = planner.on(at_efficiency(planner.cluster, efficiency)).predict(
-        run.layout, run.model, False
-    )
-    return busy_time(pred) if cpu else pred.step_time_s
+    at = planner.on(at_efficiency(planner.cluster, efficiency))
+    pred = at.predict(run.layout, run.model, False)
+    return busy_time(pred) if run.cpu else pred.step_time_s
 
 
 def implied_efficiency(planner: Any, run: Run) -> float:
@@ -174,8 +162,7 @@ def _trial(planner: Any, runs: list[Run], scale: float, prior: bool) -> _Trial:
     linked = planner.on(with_link_scale(planner.cluster, scale))
     implied = [implied_efficiency(linked, r) for r in runs]
     weights = [1 / _sigma(r) ** 2 for r in runs]
-    log_eff = sum(w * math.log(e) for w, e in zip(weights, implied)) / sum(weights)
-    eff = math.exp(log_eff)
+    eff = math.exp(sum(w * math.log(e) for w, e in zip(weights, implied)) / sum(weights))
     predicted = [predicted_step(linked, r, eff) for r in runs]
     objective = sum((math.log(p / r.step_time_s) / _sigma(r)) ** 2 for p, r in zip(predicted, runs))
     if prior:
@@ -207,12 +194,5 @@ def calibrate(
 
 
 def _layout(lay: Layout) -> dict[str, Any]:
-    keys = ("dp", "fsdp", "tp", "pp", "zero_stage")
-    return {k: getattr(lay, k) for k in keys} | {
-        "pp_schedule": lay.schedule, "microbatches": lay.microbatches
-    }  # fmt: skip
-
-
-def to_dict(cal: Calibration) -> dict[str, Any]:
-    """JSON-ready form of a calibration."""
-    return dataclasses.asdict(cal)
+    degrees = {k: getattr(lay, k) for k in ("dp", "fsdp", "tp", "pp", "zero_stage")}
+    return degrees | {"pp_schedule": lay.schedule, "microbatches": lay.microbatches}

@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from typing import Any
 
 from tetrad.config import ModelConfig, model_preset
 from tetrad.layout import SCHEDULES, Layout
 from tetrad.plan.activations import RECOMPUTE
-from tetrad.plan.calibrate import Run, calibrate, read_run, to_dict
+from tetrad.plan.calibrate import Run, calibrate, read_run
 from tetrad.plan.candidates import layout_for
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES
@@ -121,8 +122,7 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
 def build_layout(args: argparse.Namespace, model: ModelConfig) -> Layout:
     """The full layout to predict: dp fills the world, microbatches default to pp."""
     given = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
-    rest = [given.get(a, 1) for a in ("fsdp", "tp", "pp", "cp")]
-    product = rest[0] * rest[1] * rest[2] * rest[3]
+    product = math.prod(given.get(a, 1) for a in ("fsdp", "tp", "pp", "cp"))
     if "dp" not in given:
         if args.gpus % product:
             raise ValueError(f"--gpus {args.gpus} is not divisible by fsdp*tp*pp*cp = {product}")
@@ -133,17 +133,10 @@ def build_layout(args: argparse.Namespace, model: ModelConfig) -> Layout:
             f"dp*fsdp*tp*pp*cp = {given['dp']}*{product} = {world} != --gpus {args.gpus}"
         )
     given.setdefault("microbatches", given.get("pp", 1))
-    if given.get("pp_schedule") == "interleaved-1f1b":
-        given.setdefault("virtual_stages", 2)
-    if given.get("pp_schedule") == "zb-v":
+    if given.get("pp_schedule") in ("interleaved-1f1b", "zb-v"):
         given.setdefault("virtual_stages", 2)
     given["sp"] = given.get("tp", 1) > 1 and not args.no_sp and not model.moe
     return layout_for(model, args.global_batch, args.seq_len, args.dtype, world, **given)
-
-
-def build_space(args: argparse.Namespace) -> Space:
-    fixed = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
-    return Space(**fixed)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,31 +150,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     planner = Planner(cluster, engine, args.recompute)
     if args.search:
         base = layout_for(model, args.global_batch, args.seq_len, args.dtype)
-        preds = search(planner, base, model, args.gpus, build_space(args), top=args.top)
-        mode = "search"
+        fixed = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
+        preds = search(planner, base, model, args.gpus, Space(**fixed), top=args.top)
     else:
         preds = [planner.predict(build_layout(args, model), model)]
-        mode = "predict"
     preds = [planner.with_range(_layout_of(p, model), model, p) for p in preds]
     answer = {
-        "mode": mode,
+        "mode": "search" if args.search else "predict",
         "cluster": dataclasses.asdict(cluster),
         "model": dataclasses.asdict(model),
-        "engine": dataclasses.asdict(ENGINES[args.engine]),
+        "engine": dataclasses.asdict(engine),
         "predictions": [p.to_dict() for p in preds],
     }
     if calibration is not None:
-        answer["calibration"] = to_dict(calibration)
+        answer["calibration"] = dataclasses.asdict(calibration)
     return answer
 
 
 def _layout_of(pred: Any, model: ModelConfig) -> Layout:
     """The Layout a prediction describes."""
     lay = pred.layout
-    keys = ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero_stage", "sp", "pp_schedule",
-            "microbatches", "virtual_stages")  # fmt: skip
     return layout_for(model, lay["global_batch"], lay["seq_len"], lay["dtype"], lay["world"],
-                      **{k: lay[k] for k in keys})  # fmt: skip
+                      **{k: lay[k] for k in (*LAYOUT_FLAGS, "sp")})  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -200,10 +190,6 @@ def main(args: argparse.Namespace) -> int:
 # --- tables -------------------------------------------------------------------------------
 
 
-SCHEDULE_CODES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "i1f1b",
-                  "zb-h1": "zb-h1", "zb-v": "zb-v"}  # fmt: skip
-
-
 def layout_code(lay: dict[str, Any]) -> str:
     """A layout in one short string: the degrees over 1 joined by a dot, the ZeRO stage
     (z2) where fsdp > 1, `nosp` for tp without SP, the schedule (with its virtual stages)
@@ -216,9 +202,8 @@ def layout_code(lay: dict[str, Any]) -> str:
         parts.append("nosp")
     words = ["·".join(parts)]
     if lay["pp"] > 1:
-        v = lay["virtual_stages"]
         interleaved = lay["pp_schedule"] == "interleaved-1f1b"
-        words.append(SCHEDULE_CODES[lay["pp_schedule"]] + (f"/v{v}" if interleaved else ""))
+        words.append(f"i1f1b/v{lay['virtual_stages']}" if interleaved else lay["pp_schedule"])
     size = lay["microbatch_size"]
     words.append(f"m{lay['microbatches']}" + (f"x{size}" if size > 1 else ""))
     return " ".join(words)
