@@ -99,10 +99,9 @@ def _operation(op: str, nbytes: int, comm: Comm, group: Group, device) -> Callab
 
 def _slowest(seconds: float, comm: Comm, group: Group) -> float:
     """The maximum of a per-rank time over the group (so every rank agrees on it)."""
-    mine = torch.tensor([seconds], dtype=torch.float64, device=comm.device)
-    every = torch.empty(group.size, dtype=torch.float64, device=comm.device)
-    comm.all_gather(every, mine, group)
-    return float(every.max())
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=comm.device)
+    comm.all_reduce(slowest, group, op="max")
+    return float(slowest)
 
 
 def _timed(run: Callable[[], None], iters: int, clock: Clock) -> float:

@@ -121,8 +121,7 @@ def prepare(text: str | Path, tokenizer_path: str | Path, out: str | Path) -> di
 
 
 def sidecar(token_file: str | Path) -> Path:
-    p = Path(token_file)
-    return p.with_name(p.name + ".json")
+    return Path(f"{token_file}.json")
 
 
 def data_vocab(source: str, tokenizer_path: str = "") -> int | None:
