@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load as load_bytes
 
 from tetrad.comm import Comm
@@ -430,15 +431,15 @@ def write_file(path: Path, data: Any) -> None:
         fh.write(memoryview(data))
 
 
-def read_blob(stem: Path) -> bytes:
-    """STEM.json and STEM.safetensors as one blob, the tensor file's sha256 checked."""
+def read_blob(stem: Path) -> tuple[dict, bytes]:
+    """STEM.json, and it and STEM.safetensors as one blob, the tensor file's sha256 checked."""
     try:
         meta = json.loads(stem.with_suffix(".json").read_text())
         data = stem.with_suffix(".safetensors").read_bytes()
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"unreadable: {e}") from e
     check_sha(meta, data)
-    return join(meta, data)
+    return meta, join(meta, data)
 
 
 def check_sha(meta: dict, data: bytes) -> None:
@@ -513,8 +514,7 @@ def _verified(stem: Path, step: int, rank: int, world: int | None, cfg: Config, 
     if not stem.with_suffix(".json").is_file():
         return None
     try:
-        blob = read_blob(stem)
-        meta = unpack(blob)[0]
+        meta, blob = read_blob(stem)
         check_meta(meta, step, rank, cfg)
         if meta["placement"]["saved_from"]["world"] != world:  # rewritten while scanned
             raise CorruptCheckpoint(f"changed while read (its JSON named a world of {world})")
@@ -593,8 +593,6 @@ def _partner_group(rank: int, world: int, timeout_s: float) -> Group:
     ranks = list(range(world))
     if world == 1:
         return Group("partner", ranks, 0)
-    import torch.distributed as dist
-
     pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
     return Group("partner", ranks, rank, pg)
 

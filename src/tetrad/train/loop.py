@@ -151,9 +151,8 @@ class Trainer:
         )
         self.step = 0
         # in-memory checkpoints with a partner copy (a collective: the partner group)
-        self.local = (
-            LocalCheckpoints(cfg, self.engine, self.comm) if cfg.checkpoint.local_every else None
-        )
+        local = cfg.checkpoint.local_every > 0
+        self.local = LocalCheckpoints(cfg, self.engine, self.comm) if local else None
         self.resumed: dict[str, Any] = {}  # how this run resumed: in its first metrics row
         self.flops_per_token = spec_for(cfg.model).flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)
@@ -175,8 +174,9 @@ class Trainer:
         # the host sync (watched: on a GPU a hung collective shows here, not in its call);
         # the flags: a stop was asked for, a checkpoint writer is busy
         with self.comm.watching("the step's host sync"):
-            values = torch.cat([agreed, count.view(1)]).tolist()
-        loss, sq_norm, stops, writing, *moe, tokens = values
+            loss, sq_norm, stops, writing, *moe, tokens = torch.cat(
+                [agreed, count.view(1)]
+            ).tolist()
         self.balance.take(agreed[4:], moe)  # MoE: the expert loads, summed over the world
         norm = math.sqrt(sq_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
@@ -236,8 +236,7 @@ class Trainer:
             self.engine.sync_grads()
             scalars = torch.cat([scalars, self.engine.grad_sq_norm().view(1)])
             self.comm.all_reduce(scalars, world)
-            sq_norm = scalars[-1]
-            scalars = scalars[:-1]
+            sq_norm, scalars = scalars[-1], scalars[:-1]
         return torch.cat([scalars[:1], sq_norm.view(1), scalars[1:]]), denom.count
 
     def evaluate(self) -> float:

@@ -154,8 +154,7 @@ class StragglerWatch:
         self.every = t.straggler_every if mesh.world > 1 else 0
         self.windows, self.rank, self.world = t.straggler_windows, mesh.rank, mesh.world
         self.meter = ComputeMeter(comm) if self.every else None
-        peers = peer_groups(mesh.degrees)
-        self.detector = Detector(peers, t.straggler_threshold, t.straggler_windows)
+        self.detector = Detector(peer_groups(mesh.degrees), t.straggler_threshold, self.windows)
 
     def start(self) -> None:
         if self.meter:
