@@ -147,10 +147,12 @@ class ComputeModel:
         return (norms + residual) / (t if sp else 1) + (rotary + gate) / t
 
     def backward(self, fwd: Parts) -> Parts:
-        """`backward(fwd)` for this kernel set: unfused attention's backward is its two
-        matmuls' four and the score tensors' passes twice over, 2x its forward."""
+        """The input-gradient part of a block's backward, from its forward, for this kernel
+        set: unfused attention's backward is its two matmuls' four and the score tensors'
+        passes twice over, 2x its forward."""
         unfused = self.kernels.attention == "unfused"
-        return backward(fwd, BACKWARD_ELEMENTWISE if unfused else BACKWARD_ATTENTION)
+        attention = BACKWARD_ELEMENTWISE if unfused else BACKWARD_ATTENTION
+        return Parts(fwd.gemm, attention * fwd.attention, BACKWARD_ELEMENTWISE * fwd.elementwise)
 
     def head(self, m: ModelConfig, t: int, tokens: int, dtype: str) -> Parts:
         """The head matmul and the loss's forward on one rank (no attention)."""
@@ -158,10 +160,3 @@ class ComputeModel:
         gemm = 2 * tokens * m.dim * v / self._gemm_rate(m.dim, v, dtype)
         loss = (8 + 2 * c) if self.kernels.fused else (12 + c)  # bytes a token per vocab entry
         return Parts(gemm, 0.0, tokens * v * loss / self.device.hbm_Bps)
-
-
-def backward(fwd: Parts, attention: float = BACKWARD_ATTENTION) -> Parts:
-    """The input-gradient part of a block's backward, from its forward (`attention`: the
-    attention's backward over its forward)."""
-    return Parts(fwd.gemm, attention * fwd.attention,
-                 BACKWARD_ELEMENTWISE * fwd.elementwise)  # fmt: skip

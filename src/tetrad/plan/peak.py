@@ -134,19 +134,14 @@ def stage_input_bytes(lay: Layout, m: ModelConfig) -> float:
     return tokens * m.dim * lay.element_bytes
 
 
-def _tokens(lay: Layout) -> int:
-    """Tokens of one microbatch on one rank: the head sees the whole (local) sequence."""
-    return lay.microbatch_size * lay.local_seq
-
-
 def loss_forward(lay: Layout, m: ModelConfig, chunked: bool) -> float:
     """One chunk of logits (c bytes, and their fp32 copy where c < 4) and log-sum-exp's
     fp32 exponentials of them. Unchunked: 0 here (the logits are saved activations and
     their fp32 work is charged to the loss backward)."""
-    if not (chunked and lay.loss_chunk > 0):
+    if not _chunked(lay, chunked):
         return 0.0
     c = lay.element_bytes
-    n, v = min(lay.loss_chunk, _tokens(lay)), m.vocab / lay.tp
+    n, v = min(lay.loss_chunk, lay.microbatch_tokens), m.vocab / lay.tp
     return n * v * (4 + 4 + (c if c < 4 else 0))
 
 
@@ -155,8 +150,8 @@ def loss_backward(lay: Layout, m: ModelConfig, chunked: bool) -> float:
     fp32 weight gradient and a chunk's share of it. Unchunked: log-softmax's backward
     holds its fp32 output gradient and its input gradient at once (its saved output is
     among the activations)."""
-    c, n_all = lay.element_bytes, _tokens(lay)
-    if not (chunked and lay.loss_chunk > 0):  # log-softmax's backward: in and out
+    c, n_all = lay.element_bytes, lay.microbatch_tokens
+    if not _chunked(lay, chunked):  # log-softmax's backward: in and out
         return n_all * m.vocab / lay.tp * 8
     n, v = min(lay.loss_chunk, n_all), m.vocab / lay.tp
     cast = c if c < 4 else 0
@@ -171,7 +166,7 @@ def eager_loss_backward(lay: Layout, m: ModelConfig) -> float:
     exp, their sum and the product at once (torch.distributed.tensor.parallel.loss): three
     fp32 tensors beside the saved one, 12·N·V/t."""
     tensors = 3 if lay.tp > 1 else 2
-    return tensors * 4 * _tokens(lay) * m.vocab / lay.tp
+    return tensors * 4 * lay.microbatch_tokens * m.vocab / lay.tp
 
 
 def eager_loss_hole(lay: Layout, m: ModelConfig) -> float:
@@ -181,7 +176,7 @@ def eager_loss_hole(lay: Layout, m: ModelConfig) -> float:
     places them past it, so the device's peak keeps it. Nothing where the logits are
     fp32 already."""
     c = lay.element_bytes
-    return c * _tokens(lay) * m.vocab / lay.tp if c < 4 else 0.0
+    return c * lay.microbatch_tokens * m.vocab / lay.tp if c < 4 else 0.0
 
 
 def block_backward(lay: Layout, m: ModelConfig, s: PeakSettings) -> float:

@@ -114,10 +114,8 @@ def _schedules(layers: int, pp: int, space: Space) -> list[tuple[str, int]]:
         if name == "interleaved-1f1b":
             even = [v for v in range(2, 9) if layers % (pp * v) == 0]
             out += [(name, v) for v in _choices(space.virtual_stages, even)]
-        elif name == "zb-v":
-            out += [(name, 2)]
-        else:
-            out += [(name, 1)]
+        else:  # zb-v: two chunks a rank
+            out.append((name, 2 if name == "zb-v" else 1))
     return out
 
 
@@ -181,6 +179,12 @@ class _Ranking:
             return math.inf
         return heapq.nsmallest(self.top, (f[0] for f in self.found))[-1]
 
+    def admits(self, planner: Planner, lay: Layout, m: ModelConfig) -> bool:
+        """Whether `lay`'s step floor (`Planner.step_floor`) is within the threshold: a
+        count whose floor is not cannot enter the answer, nor can the later counts of its
+        family (`_walk_family`)."""
+        return planner.step_floor(lay, m) * (1 - 1e-9) <= self.threshold
+
     def best(self) -> list[Layout]:
         return [f[-1] for f in sorted(self.found, key=lambda f: f[:4])[: max(self.top, 0)]]
 
@@ -202,7 +206,7 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
         if first and not _state_fits(planner, cand, m):
             return  # the model state alone overflows, whatever the microbatches
         first = False
-        if prune and planner.step_floor(cand, m) * (1 - 1e-9) > ranking.threshold:
+        if prune and not ranking.admits(planner, cand, m):
             break
         if planner.memory_floor(cand, m) > capacity:
             continue
@@ -216,25 +220,16 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
         ranking.add(pred.step_time_s, memory.total, index, k, cand)
 
 
-def _hopeful(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate],
-             ranking: _Ranking) -> bool:  # fmt: skip
-    """Whether the family's first valid count could beat the threshold (later counts
-    cannot if it cannot: `_walk_family`)."""
-    first = next(valid(base, m, family), None)
-    return first is not None and planner.step_floor(first[1], m) * (1 - 1e-9) <= ranking.threshold
-
-
-def _buildable(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate]) -> bool:
-    """Whether the runtime can build the family's model on its ranks (a family none of
-    whose counts is valid has nothing to walk): a model with a module its tp plan lacks
-    (Qwen3's QK-norm under tp, today) cannot, and is left out rather than failing the
-    search."""
-    first = next(valid(base, m, family), None)
-    if first is None:
+def _buildable(planner: Planner, m: ModelConfig, lay: Layout | None) -> bool:
+    """Whether the runtime can build the model on the ranks of `lay`, a family's first
+    valid count (None: a family none of whose counts is valid has nothing to walk): a
+    model with a module its tp plan lacks (Qwen3's QK-norm under tp, today) cannot, and
+    is left out rather than failing the search."""
+    if lay is None:
         return False
     try:
-        for r in range(first[1].pp):
-            planner.rank_facts(first[1], m, r)
+        for r in range(lay.pp):
+            planner.rank_facts(lay, m, r)
     except ValueError:
         return False
     return True
@@ -270,13 +265,13 @@ def search(
     at_cp1: dict[tuple[int, int], list[list[Candidate]]] = {}  # (tp, pp) -> cp = 1 families
     fitted: dict[tuple[int, int], bool] = {}  # (tp, pp): a cp = 1 layout fits
     for index, family in enumerate(families(base, m, world, planner.cluster.gpus_per_node, space)):
-        if not _buildable(planner, base, m, family):
+        first = next(valid(base, m, family), (0, None))[1]
+        if not _buildable(planner, m, first):
             continue
-        first = family[0]
-        key = (first["tp"], first["pp"])
-        if first["cp"] == 1:
+        key = (first.tp, first.pp)
+        if first.cp == 1:
             at_cp1.setdefault(key, []).append(family)
-        elif space.cp is None and (not prune or _hopeful(planner, base, m, family, ranking)):
+        elif space.cp is None and (not prune or ranking.admits(planner, first, m)):
             if key not in fitted:  # asked only where the answer could change the result
                 fitted[key] = _fits_somewhere(planner, base, m, at_cp1.get(key, []))
             if fitted[key]:
