@@ -154,8 +154,9 @@ def _lag_on(name: str, by_rank: dict[int, dict], waiting: list[dict]) -> str | N
     # they may have enqueued more behind it)
     stuck = min(seqs[r] for r in behind) + 1 if behind else top
     ahead = sorted(r for r, s in seqs.items() if s >= stuck)
-    op = next((w["op"] for w in waiting if w["group"] == name and w["seq"] == stuck), None)
-    op = op or _op_at(by_rank[ahead[0]], name, stuck)
+    # what the others wait in, else what the first of them issued there (its recent calls)
+    calls = [*waiting, *by_rank[ahead[0]].get("recent", [])]
+    op = next((c["op"] for c in calls if c["group"] == name and c["seq"] == stuck), "a collective")
     lags = ", ".join(f"rank {r} at #{seqs[r]}" for r in behind)
     if silent:
         lags = ", ".join(filter(None, [lags, f"rank(s) {silent} left no trace"]))
@@ -163,12 +164,6 @@ def _lag_on(name: str, by_rank: dict[int, dict], waiting: list[dict]) -> str | N
         f"behind on {name} (ranks {members}): {lags}; ranks {ahead} wait in {op} #{stuck} "
         f"over {name}"
     )
-
-
-def _op_at(trace: dict[str, Any], group: str, seq: int) -> str:
-    """The op of `trace`'s collective number `seq` on `group` (its recent ones)."""
-    ops = [c["op"] for c in trace.get("recent", []) if c["group"] == group and c["seq"] == seq]
-    return ops[0] if ops else "a collective"
 
 
 def _quiet() -> contextlib.suppress:
