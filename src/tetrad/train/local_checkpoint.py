@@ -187,8 +187,7 @@ class LocalCheckpoints:
         self.cfg, self.engine = cfg, engine
         self.every = cfg.checkpoint.local_every
         self.root = local_root(cfg)
-        mesh = engine.mesh
-        self.rank, self.world = mesh.rank, mesh.world
+        self.rank, self.world = engine.mesh.rank, engine.mesh.world
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank % self.local_world))
         self.partner = partner_of(self.rank, self.world, self.local_world)
@@ -197,7 +196,7 @@ class LocalCheckpoints:
         # of their own, through their own `Comm` (no watchdog: its one armed slot is the
         # training thread's; the group's timeout bounds a wait), the commit's all-reduce
         # and a restore's broadcasts on the training thread, watched
-        self.group = _partner_group(mesh.rank, self.world, cfg.train.timeout + 60)
+        self.group = _partner_group(self.rank, self.world, cfg.train.timeout + 60)
         self.swap_comm = Comm(STAGING)
         self.host_comm = Comm(STAGING, comm.watchdog)
         self.enabled = True
@@ -312,22 +311,18 @@ class LocalCheckpoints:
         durable = "durable checkpoints go on" if self.cfg.checkpoint.every else (
             "and no durable checkpoints are set (--checkpoint-every)"
         )  # fmt: skip
-        message = (
+        self.warn(
             f"tetrad: warning: the in-memory checkpoint of step {step} failed on {ranks} "
             f"rank(s) (rank {first[0]}: {first[1]}); in-memory checkpoints are off for the "
-            f"rest of the run, {durable}"
+            f"rest of the run, {durable}",
+            agreed=True,
         )
-        self.warn_once(message)
 
-    def warn(self, message: str) -> None:
-        """A warning of this rank's own (a file it holds)."""
+    def warn(self, message: str, agreed: bool = False) -> None:
+        """A warning of this rank's own (a file it holds), or one every rank `agreed` on:
+        printed once, by rank 0."""
         self.warnings.append(message)
-        print(message, flush=True)
-
-    def warn_once(self, message: str) -> None:
-        """A warning every rank agreed on: printed once, by rank 0."""
-        self.warnings.append(message)
-        if self.rank == 0:
+        if not agreed or self.rank == 0:
             print(message, flush=True)
 
     def close(self, finished: bool) -> None:
@@ -352,7 +347,7 @@ class LocalCheckpoints:
             reason = why_not(held, step, newer_than)
             if reason is not None:  # a warning when memory held something unusable
                 level = "warning: " if step is None else ""
-                self.warn_once(f"tetrad: {level}not resuming from memory: {reason}")
+                self.warn(f"tetrad: {level}not resuming from memory: {reason}", agreed=True)
             return None
         self.restored_world = world = len(providers)
         states = self._gather_states([blobs.get((step, world, q)) for q in range(world)], providers)

@@ -174,9 +174,8 @@ class Trainer:
         # the host sync (watched: on a GPU a hung collective shows here, not in its call);
         # the flags: a stop was asked for, a checkpoint writer is busy
         with self.comm.watching("the step's host sync"):
-            loss, sq_norm, stops, writing, *moe, tokens = torch.cat(
-                [agreed, count.view(1)]
-            ).tolist()
+            values = torch.cat([agreed, count.view(1)]).tolist()
+        loss, sq_norm, stops, writing, *moe, tokens = values
         self.balance.take(agreed[4:], moe)  # MoE: the expert loads, summed over the world
         norm = math.sqrt(sq_norm)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
@@ -390,8 +389,8 @@ class Trainer:
         try:
             step = self.local.restore(self.optimizer, self.loader, newer_than=newest - 1)
         except checkpoint.CorruptCheckpoint as e:  # agreed: every rank falls back alike
-            self.local.warn_once(f"tetrad: warning: in-memory checkpoint unusable ({e}); "
-                            "resuming from the durable checkpoint")  # fmt: skip
+            self.local.warn(f"tetrad: warning: in-memory checkpoint unusable ({e}); "
+                            "resuming from the durable checkpoint", agreed=True)  # fmt: skip
             return None
         if step is not None and self.mesh.rank == 0:
             print(f"tetrad: resumed from memory at step {step} ({self.local.root})", flush=True)
