@@ -299,25 +299,21 @@ def _check_items(rank: int, acts: list[Action], items: list[Item]) -> None:
     receive before the compute that needs it."""
     if computes(items) != compute_only(acts):
         raise ValueError(f"rank {rank}: the program's computes differ from the schedule's")
-    posted: dict[ActionKey, int] = {}
+    posted: set[ActionKey] = set()
     waited: set[ActionKey] = set()
-    done: set[ActionKey] = set()
-    for i, item in enumerate(items):
-        if isinstance(item, Action):
-            done.add((item.kind, item.stage, item.microbatch))
-            continue
-        for a in item.ops:
+    for item in items:
+        for a in () if isinstance(item, Action) else item.ops:
             key = (a.kind, a.stage, a.microbatch)
             if isinstance(item, Post):
                 if key in posted:
                     raise ValueError(f"rank {rank}: {a} posted twice")
-                posted[key] = i
+                posted.add(key)
             elif key not in posted or key in waited:
                 raise ValueError(f"rank {rank}: {a} waited before posted, or twice")
             else:
                 waited.add(key)
     transfers = {(a.kind, a.stage, a.microbatch) for a in acts if not a.is_compute}
-    if set(posted) != transfers or waited != transfers:
+    if posted != transfers or waited != transfers:
         raise ValueError(f"rank {rank}: transfers posted or waited differ from the schedule's")
     _check_item_order(rank, acts, items)
 

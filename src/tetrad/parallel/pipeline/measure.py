@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -93,13 +93,10 @@ def estimate_costs(tl: Timeline, n_stages: int, actions: list[list[Action]] | No
                 times.setdefault(("W", e.stage), []).append(e.duration / 2)
             else:
                 times.setdefault((e.kind, e.stage), []).append(e.duration)
-    per_stage = {
-        kind: [_median(times.get((kind, s), [])) for s in range(n_stages)]
-        for kind in ("F", "B", "W")
-    }
+    f, b, w = ([_median(times.get((k, s), [])) for s in range(n_stages)] for k in "FBW")
     comm = _median(transfer_gaps(tl))
     overhead, p2p = estimate_overhead(tl, actions, comm) if actions else (0.0, 0.0)
-    return Costs(per_stage["F"], per_stage["B"], per_stage["W"], comm, overhead, p2p)
+    return Costs(f, b, w, comm, overhead, p2p)
 
 
 def estimate_overhead(
@@ -150,9 +147,7 @@ def _fit_line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
     mx = sum(x * w for x, _, w in points) / total
     my = sum(y * w for _, y, w in points) / total
     var = sum(w * (x - mx) ** 2 for x, _, w in points)
-    slope = sum(w * (x - mx) * (y - my) for x, y, w in points) / var if var > 0 else 0.0
-    if slope < 0:
-        slope = 0.0
+    slope = max(sum(w * (x - mx) * (y - my) for x, y, w in points) / var, 0.0) if var > 0 else 0.0
     return max(my - slope * mx, 0.0), slope
 
 
@@ -207,15 +202,6 @@ def replay_costs(tl: Timeline, costs: Costs, actions: list[list[Action]] | None 
     return out
 
 
-def simulated_timeline(
-    schedule: str, pp: int, microbatches: int, costs: Costs, virtual_stages: int = 1
-) -> Timeline:
-    """The simulator's timeline of the same schedule at measured costs (unit: seconds)."""
-    tl = simulate_schedule(schedule, pp, microbatches, costs, virtual_stages)
-    tl.unit = "s"
-    return tl
-
-
 def measure_step(
     events: list[Event], comm: Comm, group: Group, schedule: str, microbatches: int, v: int = 1
 ) -> tuple[Timeline, Timeline]:
@@ -231,22 +217,22 @@ def measure_step(
     )
     actions = build_schedule(schedule, group.size, microbatches, v)
     costs = estimate_costs(measured, group.size * v, actions)
-    simulated = simulated_timeline(schedule, group.size, microbatches, costs, v)
-    plain = replace(costs, overhead=0.0, p2p=0.0)
-    bare = simulated_timeline(schedule, group.size, microbatches, plain, v)
-    simulated.meta["bubble_without_overhead"] = bare.bubble_fraction
-    again = replay_costs(measured, costs, actions)
-    replayed = simulated_timeline(schedule, group.size, microbatches, again, v)
-    simulated.meta["bubble_replayed"] = replayed.bubble_fraction
-    measured.meta["costs"] = simulated.meta["costs"] = _costs_dict(costs)
-    return measured, simulated
+
+    def simulated(c: Costs) -> Timeline:  # the same schedule at measured costs: in seconds
+        tl = simulate_schedule(schedule, group.size, microbatches, c, v)
+        tl.unit = "s"
+        return tl
+
+    out = simulated(costs)
+    bare = replace(costs, overhead=0.0, p2p=0.0)
+    out.meta["bubble_without_overhead"] = simulated(bare).bubble_fraction
+    out.meta["bubble_replayed"] = simulated(replay_costs(measured, costs, actions)).bubble_fraction
+    measured.meta["costs"] = out.meta["costs"] = _costs_dict(costs)
+    return measured, out
 
 
 def _costs_dict(c: Costs) -> dict:
-    return {
-        "f": list(c.f), "b": list(c.b), "w": list(c.w), "comm": c.comm,
-        "overhead": c.overhead, "p2p": c.p2p,
-    }  # fmt: skip
+    return {k: v for k, v in asdict(c).items() if k != "each"}  # the per-stage lists, the scalars
 
 
 def write_timeline(measured: Timeline, simulated: Timeline, out_dir: str | Path) -> list[Path]:

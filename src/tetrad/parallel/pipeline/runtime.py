@@ -55,7 +55,7 @@ from tetrad.parallel.pipeline.schedules import (
     Action,
     StageMb,
     build_schedule,
-    stage_to_rank,
+    placement,
     wire,
 )
 from tetrad.parallel.pipeline.stage import Chunk
@@ -69,13 +69,14 @@ EARLY = {"cpu": 1, "cuda": 0}
 # gradient sends left in flight past their program's wait, at most (their buffers: one
 # activation gradient each, on top of what the planner counts)
 LATE_SENDS = 2
+# the timeline's communication lane: its kind for each async collective
+LANE = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A"}
 
 
 @dataclass(kw_only=True)
 class PipelineStep(RunResult):
     """Everything one optimizer step's schedule keeps between actions (and its result)."""
 
-    micro: list[Microbatch]
     denom: Denominator
     box: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     recvs: dict[tuple[str, int, int], tuple[Work, torch.Tensor]] = field(default_factory=dict)
@@ -87,8 +88,6 @@ class PipelineStep(RunResult):
     targets_of: list = field(default_factory=list)
     parked: dict[StageMb, list[torch.Tensor]] = field(default_factory=dict)  # until their W
     late: list[Wire] = field(default_factory=list)  # gradient sends past their wait, in flight
-    in_flight: int = 0
-    peak_in_flight: int = 0
     # timed computes: (kind, stage, microbatch, start mark, end mark) of `clock`
     marks: list = field(default_factory=list)
     clock: Clock | None = None
@@ -105,12 +104,10 @@ class PipelineStep(RunResult):
     def comm_events(self) -> list[Event]:
         """The step's async collectives as timeline events (kind AR, RS, AG or A2A, on the
         host's clock; stage and microbatch -1), launched to completed."""
-        kinds = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
-        kinds["all_to_all"] = "A2A"
         return [
-            Event(kinds[f.op], -1, -1, f.start, f.end if f.end is not None else f.start)
+            Event(LANE[f.op], -1, -1, f.start, f.end if f.end is not None else f.start)
             for f in self.flights
-            if f.op in kinds
+            if f.op in LANE
         ]
 
     @property
@@ -155,7 +152,7 @@ class PipelineRuntime:
         with its last backward work (`grads.final`); `grads.finish` waits for them."""
         grads.reduce_in_backward(False)  # only `final`: a stage's last backward is not the step's
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        st = PipelineStep(loss=loss, micro=micro, denom=denom)
+        st = PipelineStep(loss=loss, denom=denom, clock=self.clock)
         self.comm.trace_into(st.flights)  # until the next step: finish's waits land in it too
         first = any(c.first for c in self.chunks.values())
         move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
@@ -163,7 +160,6 @@ class PipelineRuntime:
         st.targets_of = [move(mb.targets) for mb in micro] if self.holds_loss else []
         self.meter.measure(self.meter_every)
         self.meter.reset([*self.model.parameters(), *grads.held().params])
-        st.clock = self.clock
         for item in self.items:
             if isinstance(item, Post):
                 self._post(st, item.ops)
@@ -172,11 +168,9 @@ class PipelineRuntime:
             else:
                 t0 = self.clock.mark()
                 names = self.finals.get((item.kind, item.stage, item.microbatch))
-                if names is None:
+                # a stage's last backward work (`names`): its reductions start now
+                with grads.final(names) if names is not None else nullcontext():
                     self._compute(st, item)
-                else:  # a stage's last backward work: its reductions start now
-                    with grads.final(names):
-                        self._compute(st, item)
                 st.marks.append((item.kind, item.stage, item.microbatch, t0, self.clock.mark()))
         self._reap(st, block=True)
         st.peak_activation_bytes = self.meter.finish()
@@ -326,8 +320,6 @@ class PipelineRuntime:
             st.outputs[(s, i)] = out
             st.box[("F", s + 1, i)] = out.detach()  # sent, or handed to the local next stage
             self.meter.hold(("F", s + 1, i), [out])  # until its send is done, or its backward
-        st.in_flight += 1
-        st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
 
     def _backward(self, st: PipelineStep, s: int, i: int, split: bool) -> None:
         chunk = self.chunks[s]
@@ -353,7 +345,6 @@ class PipelineRuntime:
                 self._release(x, st, (s, i), "input")
         if grad is not None and (s + 1) not in self.chunks:
             self._release(grad, st, (s, i), "grad")
-        st.in_flight -= 1
 
     def _weight_grads(self, key: StageMb) -> None:
         # the filed inputs require grad: outside no_grad, each weight gradient would record
@@ -378,10 +369,9 @@ def build_pipeline(
     `dim`: the model's hidden size (what crosses a stage boundary per token); `spec`: its
     family's, which names the parameters each stage's backward completes."""
     actions = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-    store = None
     mine = actions[mesh["pp"].rank]
-    if any(a.kind == "W" for a in mine):
-        store = WeightGradStore()
+    store = WeightGradStore() if any(a.kind == "W" for a in mine) else None
+    if store is not None:
         defer_weight_grads(model, store, spec)
     names = [n for n, _ in model.named_parameters()]
     backward_takes_edges()  # probed here, once: not a first call inside the schedule loop
@@ -404,32 +394,23 @@ def build_pipeline(
     )
 
 
-def chunk_parameters(chunk: Chunk, names: list[str], spec: ModelSpec) -> set[str]:
-    """The parameters (of `names`, this rank's) whose gradients `chunk`'s backward makes:
-    its blocks, the embedding on the first stage, the final norm and the head (or the
-    embedding it is tied to) on the last."""
-    return spec.stage_parameters(names, chunk.layers, chunk.first, chunk.last)
-
-
 def final_actions(
     actions: list[Action], chunks: list[Chunk], names: list[str], spec: ModelSpec
 ) -> dict[tuple[str, int, int], frozenset[str]]:
     """For each compute action, the parameters whose gradients are complete once it has
     run: those of the stages whose last backward work (B, BW or W) it is, less any a
-    later action still adds to (a parameter two of the rank's stages share)."""
+    later action still adds to (a parameter two of the rank's stages share). A stage's
+    parameters (of `names`, this rank's) are its family's `spec.stage_parameters`: its
+    blocks, the embedding on the first stage, the final norm and the head (or the
+    embedding it is tied to) on the last."""
+    chunk = {c.stage: c for c in chunks}
     last: dict[str, tuple[str, int, int]] = {}
     for a in actions:
         if a.kind in ("B", "BW", "W"):
-            for name in chunk_parameters(_chunk(chunks, a.stage), names, spec):
+            c = chunk[a.stage]
+            for name in spec.stage_parameters(names, c.layers, c.first, c.last):
                 last[name] = (a.kind, a.stage, a.microbatch)
-    out: dict[tuple[str, int, int], set[str]] = {}
-    for name, key in last.items():
-        out.setdefault(key, set()).add(name)
-    return {key: frozenset(v) for key, v in out.items()}
-
-
-def _chunk(chunks: list[Chunk], stage: int) -> Chunk:
-    return next(c for c in chunks if c.stage == stage)
+    return {k: frozenset(n for n in last if last[n] == k) for k in dict.fromkeys(last.values())}
 
 
 def tied_across_stages(layout: Layout, tied: bool, mesh: Mesh) -> bool:
@@ -437,6 +418,5 @@ def tied_across_stages(layout: Layout, tied: bool, mesh: Mesh) -> bool:
     last stage) whose gradients must be summed; zb-v's V puts both stages on one rank."""
     if not tied or layout.pp == 1:
         return False
-    pp, v, name = layout.pp, layout.virtual_stages, layout.schedule
-    first, last = stage_to_rank(0, pp, v, name), stage_to_rank(layout.stages - 1, pp, v, name)
-    return first != last and mesh["pp_ends"].size > 1
+    place = placement(layout.pp, layout.virtual_stages, layout.schedule)
+    return place(0) != place(layout.stages - 1) and mesh["pp_ends"].size > 1

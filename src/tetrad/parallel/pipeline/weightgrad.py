@@ -156,9 +156,10 @@ def split_matmul(
 
 class _DeferredGroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, counts, store, sink, grouped_linear):
+    def forward(ctx, x, weight, counts, store, grouped_linear):
         ctx.save_for_backward(x, counts)
-        ctx.weight, ctx.store, ctx.sink = weight, store, sink  # the weight itself: see above
+        ctx.weight, ctx.store = weight, store  # the weight itself: see above
+        ctx.sink = lambda g: accumulate(weight, g)
         ctx.grouped_linear = grouped_linear
         return grouped_linear(x, weight, counts)
 
@@ -168,22 +169,7 @@ class _DeferredGroupedMatmul(torch.autograd.Function):
         grad = grad.contiguous()
         ctx.store.defer(ctx.sink, x, grad, counts)
         dx = ctx.grouped_linear(grad, ctx.weight.transpose(-2, -1), counts)
-        return dx, None, None, None, None, None
-
-
-def split_grouped_matmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    counts: torch.Tensor,
-    store: WeightGradStore,
-    grouped_linear: GroupedLinear,
-) -> torch.Tensor:
-    """`grouped_linear(x, weight, counts)` (an expert weight [n, out, in] over its token
-    groups), whose weight gradient waits for W."""
-    if not torch.is_grad_enabled():
-        return grouped_linear(x, weight, counts)
-    sink = lambda g: accumulate(weight, g)  # noqa: E731
-    return _DeferredGroupedMatmul.apply(x, weight, counts, store, sink, grouped_linear)
+        return dx, None, None, None, None
 
 
 def defer_router(router: nn.Module, store: WeightGradStore) -> None:
@@ -206,10 +192,13 @@ def defer_experts(
     experts: nn.Module, store: WeightGradStore, grouped_linear: GroupedLinear
 ) -> None:
     """Each expert weight's grouped matmul (`grouped_linear`, what the experts' `matmul`
-    computes) with its gradient waiting for W."""
+    computes: an expert weight [n, out, in] over its token groups) with its gradient
+    waiting for W."""
 
     def matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return split_grouped_matmul(x, weight, counts, store, grouped_linear)
+        if not torch.is_grad_enabled():
+            return grouped_linear(x, weight, counts)
+        return _DeferredGroupedMatmul.apply(x, weight, counts, store, grouped_linear)
 
     experts.use_matmul(matmul)
 
