@@ -134,12 +134,8 @@ def measure(
         "iters": count,
         "time_s": t,
         "algbw_GBps": algbw / 1e9,
-        "busbw_GBps": algbw * bus_factor(_factor_op(op), group.size) / 1e9,
+        "busbw_GBps": algbw * bus_factor(op, group.size) / 1e9,
     }
-
-
-def _factor_op(op: str) -> str:
-    return "send" if op == "send_recv" else op
 
 
 def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -173,7 +169,7 @@ def run_bench(args: argparse.Namespace, group: Group, device) -> dict[str, Any]:
     for op in parse_ops(args.ops):
         mine = [measure(op, n, args.iters, args.seconds, comm, group, device) for n in grid]
         fit = fit_alpha_beta(mine)
-        fit["bus_factor"] = bus_factor(_factor_op(op), group.size)
+        fit["bus_factor"] = bus_factor(op, group.size)
         beta = fit["beta_Bps"]
         fit["busbw_beta_Bps"] = beta * fit["bus_factor"] if beta is not None else None
         rows += mine

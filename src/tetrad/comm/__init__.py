@@ -55,7 +55,7 @@ def bus_factor(op: str, n: int) -> float:
         return 2 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n
-    return 1.0  # broadcast, send
+    return 1.0  # broadcast, send (and a send/recv ring step)
 
 
 class WaitLog:

@@ -105,8 +105,7 @@ class Watchdog:
         record = self.ledger.snapshot(waiting if isinstance(waiting, Call) else None)
         if not isinstance(waiting, Call) and waiting is not None:
             record["blocked_in"] = describe(waiting)
-        record["nccl_flight_recorder"] = nccl_flight_record()
-        write_trace(record)
+        write_trace(record | {"nccl_flight_recorder": nccl_flight_record()})
 
 
 def describe(what) -> str:
