@@ -49,10 +49,9 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
             f"need 4 <= min_bytes <= max_bytes and factor >= 2, got min_bytes={min_bytes}, "
             f"max_bytes={max_bytes}, factor={factor}"
         )
-    out, size = [], min_bytes
-    while size <= max_bytes:
-        out.append(size)
-        size *= factor
+    out = [min_bytes]
+    while out[-1] * factor <= max_bytes:
+        out.append(out[-1] * factor)
     return out
 
 
@@ -152,11 +151,10 @@ def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, Any]:
         alpha, inv_beta = 0.0, float(np.sum(s / t) / np.sum((s / t) ** 2))
     if inv_beta <= 0:  # bandwidth cannot be negative: a constant time
         alpha, inv_beta = float(np.sum(1 / t) / np.sum(1 / t**2)), 0.0
-    pred = alpha + s * inv_beta
     return {
         "alpha_s": float(alpha),
         "beta_Bps": 1.0 / inv_beta if inv_beta > 0 else None,
-        "max_rel_err": float(np.max(np.abs(pred - t) / t)),
+        "max_rel_err": float(np.max(np.abs(alpha + s * inv_beta - t) / t)),  # of the fit
         "points": len(rows),
     }
 
