@@ -100,9 +100,8 @@ def build_model(args: argparse.Namespace, runs: list[Run] | None = None) -> Mode
     overrides = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
     if args.tie_embeddings:
         overrides["tie_embeddings"] = True
-    if args.model is None and runs:
-        return dataclasses.replace(runs[0].model, **overrides)
-    return dataclasses.replace(model_preset(args.model or "llama3-8b"), **overrides)
+    base = runs[0].model if args.model is None and runs else model_preset(args.model or "llama3-8b")
+    return dataclasses.replace(base, **overrides)
 
 
 def build_cluster(args: argparse.Namespace) -> Cluster:
@@ -238,7 +237,6 @@ def print_prediction(answer: dict[str, Any]) -> None:
     from rich.table import Table
 
     pred = answer["predictions"][0]
-    mem = pred["memory"]
     table = Table(title=f"tetrad plan: {answer['model']['name']} on {pred['layout']['world']}"
                   f" x {answer['cluster']['device']['name']}")  # fmt: skip
     table.add_column("quantity")
@@ -253,7 +251,7 @@ def print_prediction(answer: dict[str, Any]) -> None:
         ("pipeline bubble", f"{100 * pred['bubble_fraction']:.1f}%"),
     ]
     rows += [(f"  {k}", f"{v:.3f} s") for k, v in pred["breakdown"].items()]
-    rows += memory_rows(mem)
+    rows += memory_rows(pred["memory"])
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

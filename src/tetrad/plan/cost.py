@@ -288,31 +288,28 @@ class Planner:
         s, dt = lay.seq_len, lay.dtype_name
         b, tokens = lay.microbatch_size, lay.microbatch_tokens  # tokens: cp splits sequences
         fwd = self.compute.block_forward(m, lay.tp, lay.sp, tokens, b, s, dt, lay.cp)
-        bwd = self.compute.backward(fwd)
         selective = self.compute.selective_redo(m, lay.tp, tokens, dt, fwd)
         redo = {"none": 0.0, "selective": selective, "full": fwd.total, "op": fwd.gemm / 2}
+        bwd = self.compute.backward(fwd).total + redo[self.recompute]
         embed = tokens * m.dim * lay.element_bytes / self.cluster.device.hbm_Bps  # a lookup's write
         head = self.compute.head(m, lay.tp, tokens, dt)
         # a chunked loss computes the head's weight gradient in B, chunk by chunk
         head_w = 0.0 if self.engine.chunked_loss and lay.loss_chunk > 0 else head.gemm
+        head_b = self.compute.backward(head).total + head.gemm - head_w
         per = {
             "F": [embed] + [fwd.total] * m.layers + [head.total],
-            "B": [embed]
-            + [bwd.total + redo[self.recompute]] * m.layers
-            + [self.compute.backward(head).total + head.gemm - head_w],
+            "B": [embed] + [bwd] * m.layers + [head_b],
             "W": [0.0] + [fwd.gemm] * m.layers + [head_w],
         }
-        split = self.split(lay, m)
-        return {k: stage_costs(v, split) for k, v in per.items()}
+        return {k: stage_costs(v, self.split(lay, m)) for k, v in per.items()}
 
     def _tp_times(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """Exposed TP seconds per microbatch per stage: 2 all-reduces of b·s·h per layer
         forward and 2 backward; the vocab-parallel embedding 1 forward, the head 1 backward
         (and 1 forward with SP, where it gathers the sequence)."""
         split = self.split(lay, m)
-        zero = [0.0] * len(split)
         if lay.tp == 1:
-            return {"F": list(zero), "B": list(zero), "W": list(zero)}
+            return {k: [0.0] * len(split) for k in "FBW"}
         nbytes = lay.microbatch_tokens * m.dim * lay.element_bytes
         one = self.cluster.link(1, lay.tp).time("all_reduce", lay.tp, nbytes)
         one *= 1.0 - self.engine.tp_overlap
@@ -322,7 +319,7 @@ class Planner:
         bwd[-1] += one
         if lay.sp:
             f[-1] += one
-        return {"F": f, "B": bwd, "W": list(zero)}
+        return {"F": f, "B": bwd, "W": [0.0] * len(split)}
 
     def _cp_times(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """Exposed context-parallel seconds per microbatch per stage: every attention

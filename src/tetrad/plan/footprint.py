@@ -155,8 +155,7 @@ class Footprint:
             state = _state(lay, m, named, replicated, shards)
             held, root = sum(kinds), sum(numel.values()) - layers
             spread = _expert_shards(lay, m, shards) if experts else 1
-            facts = RankFacts(layers, root, held, state, experts, spread, kinds[1])
-            self._facts[key] = facts
+            self._facts[key] = RankFacts(layers, root, held, state, experts, spread, kinds[1])
         return self._facts[key]
 
     def shards(self, lay: Layout) -> int:
