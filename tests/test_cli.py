@@ -101,7 +101,7 @@ def test_help():
 CONFIG_ONLY = {
     "model": {"name", "family", "ffn_dim", "max_seq_len", "rope_theta", "norm_eps", "init_std",
               "head_size", "qk_norm", "bias_rate", "capacity_factor"},
-    "parallel": {"reshard_after_forward", "reduce_dtype", "elastic"},
+    "parallel": {"reshard_after_forward", "elastic"},
     "train": {"min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip"},
     "data": {"max_bytes"},
     "checkpoint": {"keep"},

@@ -128,7 +128,7 @@ BAD = {
         r"microbatches=1, pp=2",
     ),
     "bucket size": ({"parallel": {"bucket_mb": 0.0}}, None, r"bucket_mb must be > 0, got 0\.0"),
-    "reduce dtype": ({"parallel": {"reduce_dtype": "fp8"}}, None, r"reduce_dtype='fp8'"),
+    "reduce dtype": ({"parallel": {"reduce_dtype": "fp4"}}, None, r"reduce_dtype='fp4'"),
     "train dtype": ({"train": {"dtype": "fp16"}}, None, r"train\.dtype='fp16'"),
     "device": ({"train": {"device": "tpu"}}, None, r"train\.device='tpu'"),
     "lr": ({"train": {"lr": 0.0}}, None, r"train\.lr must be > 0, got 0\.0"),

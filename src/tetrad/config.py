@@ -22,6 +22,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # pipeline schedules (parallel/pipeline/schedules.py builds each one's action lists)
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+# gradient reductions in a block-scaled byte format, summed in fp32 (parallel/compress.py)
+COMPRESSED = ("int8", "fp8")
 # activation recomputation: nothing, the cheap and large parts, or whole blocks
 RECOMPUTE = ("none", "selective", "full")
 # context parallelism's attention: keys and values all-gathered, or passed around a ring
@@ -342,7 +344,23 @@ class ParallelConfig:
         ),
     )
     reshard_after_forward: bool = True
-    reduce_dtype: str = "fp32"
+    reduce_dtype: str = field(
+        default="fp32",
+        metadata=cli(
+            "what gradients cross ranks in: fp32, bf16, or int8/fp8 blocks of 256 values "
+            "with a scale each, quantized once per hop and summed in fp32 (dp and ZeRO; "
+            "docs/low_precision.md)",
+            choices=("fp32", "bf16", *COMPRESSED),
+        ),
+    )
+    error_feedback: bool = field(
+        default=True,
+        metadata=cli(
+            "with --reduce-dtype int8/fp8: do not carry what quantization dropped into the "
+            "next step (the ablation; error feedback is on by default)",
+            flag="no-error-feedback",
+        ),
+    )
     # elastic shrink (docs/checkpoint.md): "dp" or "fsdp" (--dp auto / --fsdp auto) takes
     # the world over the other degrees' product at each (re)start; `microbatches` is the
     # count at `elastic_max_world` ranks, whose microbatch size every smaller world keeps

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tetrad.config import (
+    COMPRESSED,
     CP_ATTENTION,
     CP_KERNELS,
     DTYPES,
@@ -79,6 +80,13 @@ class Layout:
     ep: int = 1  # expert parallelism: ranks one MoE layer's experts are sharded over
     cp_kernel: str = "fused"  # a cp core's block attention (parallel/context_kernels.py)
     loss_chunk: int = 0  # tokens the head and loss run at a time (0: all of them at once)
+    compress: str = ""  # "int8", "fp8": gradients reduced in that block format; "": not
+    error_feedback: bool = True  # a compressed reduction carries what it dropped forward
+
+    @property
+    def compression(self) -> tuple[str, bool]:
+        """(block format, error feedback) of a compressed gradient reduction."""
+        return self.compress, self.error_feedback
 
     def __post_init__(self) -> None:
         if not isinstance(self.degrees, Degrees):  # a plain dict given: freeze it
@@ -121,6 +129,8 @@ class Layout:
             ep=p.ep,
             cp_kernel=p.cp_kernel,
             loss_chunk=cfg.train.loss_chunk,
+            compress=p.reduce_dtype if p.reduce_dtype in COMPRESSED else "",
+            error_feedback=p.error_feedback,
         )
 
     @property
@@ -350,8 +360,8 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int]) -> None:
 def _reduce_dtype(cfg: Config) -> torch.dtype:
     """Gradients cross ranks in `parallel.reduce_dtype`, or in float64 under fp64 compute,
     where every part is float64 (tetrad.precision); fp64 with bf16 reductions is refused."""
-    if cfg.train.dtype != "fp64":
-        return DTYPES[cfg.parallel.reduce_dtype]
+    if cfg.train.dtype != "fp64":  # compressed: summed in fp32
+        return DTYPES.get(cfg.parallel.reduce_dtype, torch.float32)
     _require(
         cfg.parallel.reduce_dtype == "fp32",
         f"dtype='fp64' reduces in float64; reduce_dtype={cfg.parallel.reduce_dtype!r} would"
@@ -377,7 +387,8 @@ def _check_parallel(p: ParallelConfig, world: int | None) -> None:
     _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
     _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
     _require(p.first_bucket_mb >= 0, f"first_bucket_mb must be >= 0, got {p.first_bucket_mb}")
-    _require(p.reduce_dtype in DTYPES, f"reduce_dtype={p.reduce_dtype!r} not in {tuple(DTYPES)}")
+    known = (*DTYPES, *COMPRESSED)
+    _require(p.reduce_dtype in known, f"reduce_dtype={p.reduce_dtype!r} not in {known}")
     _require(
         p.reduce_dtype != "fp64", "reduce_dtype='fp64' is fp64 compute's alone: use dtype='fp64'"
     )

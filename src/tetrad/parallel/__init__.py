@@ -132,7 +132,16 @@ def _replicated_grads(named, layout: Layout, data: Group, comm: Comm) -> LocalGr
     if data.size == 1:
         return LocalGrads(named, dtype)
     first = layout.first_bucket_bytes or first_bucket_bytes(comm.device, layout.bucket_bytes)
-    return GradBuckets(named, data, comm, layout.bucket_bytes, dtype, layout.reduce_dtype, first)
+    return GradBuckets(
+        named,
+        data,
+        comm,
+        layout.bucket_bytes,
+        dtype,
+        layout.reduce_dtype,
+        first,
+        *layout.compression,
+    )
 
 
 def _loss_fn(model: torch.nn.Module, chunk: int, tp: TPSharding | None) -> LossFn:

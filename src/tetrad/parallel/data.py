@@ -32,6 +32,7 @@ from torch import nn
 
 from tetrad.comm import Comm, Work
 from tetrad.mesh import Group
+from tetrad.parallel.compress import QuantizedReduce
 from tetrad.parallel.runner import Held
 from tetrad.precision import mixed, widen
 
@@ -92,6 +93,7 @@ class Bucket:
         self.pending = len(params)
         self.work: Work | None = None
         self.sent: torch.Tensor | None = None  # what is all-reduced: the buffer, or its cast
+        self.quantized: QuantizedReduce | None = None  # a compressed reduction's state
         offset = 0
         for p in params:
             p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
@@ -156,12 +158,20 @@ class GradBuckets(LocalGrads):
         dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+        compress: str = "",
+        feedback: bool = True,
     ):
+        """`compress` ("int8", "fp8"; "": none): each bucket's sum quantized by blocks
+        (parallel/compress.py), with error feedback unless `feedback` is off."""
         super().__init__(named, dtype)  # casts the parameters first: buckets take their dtype
         self.group, self.comm, self.reduce_dtype = group, comm, reduce_dtype
         params = [p for _, p in named if p.requires_grad]
         first = min(bucket_bytes, first_bucket_bytes)
         self.buckets = self._make_buckets(params, first, bucket_bytes)
+        if compress and group.size > 1:
+            for b in self.buckets:
+                n = b.buffer.numel()
+                b.quantized = QuantizedReduce(n, group, comm, compress, feedback)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.launched = 0  # buckets [0, launched) have their all-reduce in flight
         self.by_name = {n: p for n, p in named}
@@ -218,8 +228,11 @@ class GradBuckets(LocalGrads):
 
     def _launch(self, bucket: Bucket) -> None:
         buf = bucket.buffer
-        bucket.sent = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
-        bucket.work = self.comm.all_reduce(bucket.sent, self.group, async_op=True)
+        if bucket.quantized is not None:  # the all-to-all half now, the gather in `finish`
+            bucket.quantized.start(buf.float())
+        else:
+            bucket.sent = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
+            bucket.work = self.comm.all_reduce(bucket.sent, self.group, async_op=True)
         self.launched += 1
 
     def launch_rest(self) -> None:
@@ -233,7 +246,10 @@ class GradBuckets(LocalGrads):
         if self.group.size > 1:
             self.launch_rest()
             for b in self.buckets:
-                b.work.wait()
+                if b.quantized is not None:
+                    b.sent = b.quantized.finish()
+                else:
+                    b.work.wait()
                 self._land(b)
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
@@ -259,6 +275,13 @@ class GradBuckets(LocalGrads):
             b.buffer.zero_()
         if self.masters:
             self.masters.drop_grads()
+
+    def held(self) -> Held:
+        """`LocalGrads.held`, and a compressed reduction's residuals among the gradients."""
+        held = super().held()
+        quantized = [b.quantized for b in self.buckets if b.quantized is not None]
+        held.grads += [r.error for q in quantized for r in (q.sent, q.summed)]
+        return held
 
 
 class TiedGrads:

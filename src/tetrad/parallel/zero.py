@@ -45,6 +45,7 @@ from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,6 +55,7 @@ from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.plans import decays
 from tetrad.models.spec import ModelSpec
+from tetrad.parallel.compress import PieceWork, QuantizedReduce
 from tetrad.parallel.runner import Held
 from tetrad.precision import mixed
 
@@ -280,7 +282,9 @@ class ZeroShards:
     ):
         """`exclude`: parameters left as they are, for another sync (expert weights).
         `axis`: the group the shards split, "fsdp", or "ep_data" for the expert weights
-        (a second set of shards over the ranks holding the same experts: no replicas)."""
+        (a second set of shards over the ranks holding the same experts: no replicas).
+        The layout's `compress` ("int8", "fp8") reduce-scatters each unit's gradient in
+        that block format (parallel/compress.py); replicas then sum their shards as is."""
         self.mesh, self.comm = mesh, comm
         self.dtype = job.compute_dtype
         # (name, group): a parameter another rank also holds (the embedding tied across
@@ -300,10 +304,15 @@ class ZeroShards:
         self.layouts = plan_units(named, replicated, self.group.size, self.spec, axis)
         self.units = [self._build(u, model) for u in self.layouts]
         self.by_name = {u.layout.name: u for u in self.units}
+        self.quantized: dict[int, QuantizedReduce] = {}
+        if job.compress and self.group.size > 1:
+            for u in self.units:
+                q = QuantizedReduce(u.layout.padded, self.group, comm, *job.compression)
+                self.quantized[id(u)] = q
         self.prefetch_midway: set[str] = set()  # blocks that prefetch from their middle
         self.sync = True
         # reduce-scatters in flight (unit, work, full gradient, shard), then dp all-reduces
-        self.scattering: list[tuple[FlatUnit, Work, torch.Tensor, torch.Tensor]] = []
+        self.scattering: list[tuple[FlatUnit, Work | PieceWork, torch.Tensor, torch.Tensor]] = []
         self.replicating: list[tuple[FlatUnit, torch.Tensor, Work]] = []
         self.tying: list[tuple[FlatUnit, Work, torch.Tensor]] = []  # tied sums in flight
         self.armed: set[int] = set()  # units whose next accumulation is their last
@@ -483,7 +492,12 @@ class ZeroShards:
             out = unit.grad  # straight into the kept shard (in place in an fp32 gradient)
         else:
             out = torch.empty(unit.layout.shard, dtype=self.reduce_dtype, device=send.device)
-        work = self.comm.reduce_scatter(out, send, self.group, async_op=True)
+        quantized = self.quantized.get(id(unit))
+        if quantized is None:
+            work = self.comm.reduce_scatter(out, send, self.group, async_op=True)
+        else:
+            quantized.start(send)
+            work = PieceWork(quantized, out)
         self.scattering.append((unit, work, send, out))
 
     def _settle(self, keep: int) -> None:
@@ -498,7 +512,7 @@ class ZeroShards:
         while self.scattering and self.scattering[0][1].is_completed():
             self._replicate(self.scattering.pop(0))
 
-    def _replicate(self, scattered: tuple[FlatUnit, Work, torch.Tensor, torch.Tensor]) -> None:
+    def _replicate(self, scattered: tuple[FlatUnit, Any, torch.Tensor, torch.Tensor]) -> None:
         unit, work, _, out = scattered
         work.wait()
         if self.dp is not None:
@@ -550,11 +564,13 @@ class ZeroShards:
 
     def held(self) -> Held:
         """fp32: the master shards are the parameters (views of them below stage 3);
-        mixed precision: the compute buffers, and the masters beside them."""
+        mixed precision: the compute buffers, and the masters beside them. A compressed
+        reduction's residuals count with the gradients."""
         two = any(mixed(u.data.dtype) for u in self.units)
         masters = [u.master for u in self.units]
         params = [u.data for u in self.units] + ([] if two else masters)
         grads = [u.flat.grad for u in self.units] + [u.grad for u in self.units]
+        grads += [q.sent.error for q in self.quantized.values()]
         return Held(params, grads, masters if two else [])
 
     # --- views for the engine ------------------------------------------------------------
