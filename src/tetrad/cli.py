@@ -409,7 +409,7 @@ def _log_to_files(logs: Path, rank: int, attempt: int) -> None:
             os.dup2(fh.fileno(), fd)
 
 
-def cmd_export(args: argparse.Namespace) -> int:
+def cmd_export(args: argparse.Namespace) -> None:
     """A checkpoint (or a run's newest) as a Hugging Face Llama directory."""
     from tetrad.interop import hf
     from tetrad.train.checkpoint import load_model, resolve
@@ -422,10 +422,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         files += export_tokenizer(cfg.data.tokenizer, args.hf, cfg.train.seq_len)
     print(f"tetrad: exported {source} to {args.hf}: " + ", ".join(f.name for f in files))
-    return 0
 
 
-def cmd_data(args: argparse.Namespace) -> int:
+def cmd_data(args: argparse.Namespace) -> None:
     """`tetrad data prepare TEXT --tokenizer T --out FILE`: a token file and its sidecar."""
     from tetrad.interop.tokenizer import prepare
 
@@ -434,25 +433,22 @@ def cmd_data(args: argparse.Namespace) -> int:
         f"tetrad: {info['tokens']:,} tokens of {args.text} -> {args.out} "
         f"(vocabulary {info['vocab_size']:,}, tokenizer sha256 {info['tokenizer_sha256'][:12]})"
     )
-    return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def cmd_generate(args: argparse.Namespace) -> None:
     from tetrad.generate import Sampling, generate
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     text = generate(args.run, args.prompt, args.max_new_tokens, sampling, args.seed)
     print(args.prompt + text)
-    return 0
 
 
-def cmd_report(args: argparse.Namespace) -> int:
+def cmd_report(args: argparse.Namespace) -> None:
     from tetrad.report import report
 
     text, files = report(args.run, args.out)
     print(text, end="")
     print(f"tetrad: wrote {', '.join(str(f) for f in files)}")
-    return 0
 
 
 def add_generate_args(gen: argparse.ArgumentParser) -> None:
@@ -526,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, argv)
-        if args.command in commands:
-            return commands[args.command](args)
+        if args.command in commands:  # these end well or raise
+            commands[args.command](args)
+            return 0
         if args.command == "plan":
             from tetrad.plan.cli import main as plan_main
 
