@@ -13,6 +13,7 @@ exports back. A window shorter than the sequence is refused by name.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -225,3 +226,10 @@ def test_a_window_shorter_than_the_sequence_is_refused_by_name():
         with pytest.raises(ValueError, match=r"sliding_window=8 < train.seq_len=16"):
             Layout.build(cfg, world=cfg.parallel.world)
     Layout.build(tiny_config(model={"sliding_window": 16}, parallel={"cp": 2}), world=2)
+
+
+def test_the_model_help_names_every_preset():
+    from test_cli import train_parser
+
+    (text,) = [a.help for a in train_parser()._actions if "--model" in a.option_strings]
+    assert set(MODEL_PRESETS) <= set(re.findall(r"[\w.-]+", text))
