@@ -378,8 +378,8 @@ def _tp_module(module: nn.Module, style: str, tp: TP, m: ModelConfig, in_region:
         kv = ReplicatedKVLinear(module.in_features, m.kv_heads, m.head_dim, tp, device, bias)
         return kv, "cols"
     if style in ("colwise", "kv"):  # kv: whole kv heads per rank, an ordinary column split
-        shape = (module.in_features, module.out_features, t, device, bias)
-        return ColumnParallelLinear(*shape), "rows"
+        args = (module.in_features, module.out_features, t, device, bias)
+        return ColumnParallelLinear(*args), "rows"
     if style == "rowwise":
         return RowParallelLinear(module.in_features, module.out_features, tp, device), "cols"
     if style == "vocab" and isinstance(module, nn.Embedding):
