@@ -83,11 +83,27 @@ def _leave_together(rank: int, world: int, timeout: float) -> None:
         watchdog.close()
 
 
+# What every rank imports before its first line of work: torch, tetrad's training modules,
+# and two that torch imports lazily on every rank's first step (about 800 modules, 1.4 s of
+# CPU per rank): torch._dynamo, from the optimizer's constructor, and the symbolic shapes
+# (with sympy), from materialising the meta-initialised model
+PRELOAD = [
+    "torch", "torch.distributed", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
+    "tetrad.train.loop",
+]  # fmt: skip
+
+
 def spawn(
     fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0, threads: int = 1
 ) -> list[Any]:
     """Run fn(rank, world, *args) on `world` gloo ranks; results in rank order."""
-    ctx = _context()
+    # New ranks fork from a server process that has imported torch and tetrad's training
+    # modules (PRELOAD): starting a rank then takes milliseconds, not the ~2 s of CPU that
+    # importing torch costs, which is most of a small test's time. The server imports only
+    # (no parallel op, so no thread pool that a fork would copy half-made); a rank starts
+    # from that state, and from nothing of the calling process.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first spawn)
     results = ctx.Queue()
     job = (fn, world, free_port(), results, threads, timeout, args)  # the same for every rank
     procs = [ctx.Process(target=_entry, args=(r, *job), daemon=True) for r in range(world)]
@@ -100,27 +116,6 @@ def spawn(
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
-
-
-# What every rank imports before its first line of work: torch, tetrad's training modules,
-# and two that torch imports lazily on every rank's first step (about 800 modules, 1.4 s of
-# CPU per rank): torch._dynamo, from the optimizer's constructor, and the symbolic shapes
-# (with sympy), from materialising the meta-initialised model
-PRELOAD = [
-    "torch", "torch.distributed", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
-    "tetrad.train.loop",
-]  # fmt: skip
-
-
-def _context():
-    """New ranks fork from a server process that has imported torch and tetrad's training
-    modules (PRELOAD): starting a rank then takes milliseconds, not the ~2 s of CPU that
-    importing torch costs, which is most of a small test's time. The server imports only
-    (no parallel op, so no thread pool that a fork would copy half-made); a rank starts
-    from that state, and from nothing of the calling process."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first spawn)
-    return ctx
 
 
 def _collect(procs, results, world: int, timeout: float) -> list[Any]:

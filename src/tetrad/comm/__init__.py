@@ -347,10 +347,7 @@ class Comm:
         CPU each is posted directly, in the batch's order."""
         for kind, t, _ in ops:
             self.check_device(t, group, kind)
-            if kind == "send":
-                self._count(group, "send", _nbytes(t))
-            else:
-                self.stats[(group.name, "recv")].calls += 1
+            self._count(group, kind, _nbytes(t) if kind == "send" else 0)  # a recv: a call only
         if not ops:
             return []
         post = {"send": dist.isend, "recv": dist.irecv}
