@@ -225,22 +225,23 @@ def write_shard(tmp: Path, rank: int, owned: list) -> dict[str, Any]:
     if not owned:
         return {"file": None, "slices": {}}
     fname = f"rank-{rank:05d}.safetensors"
-    data, slices = serialise(owned, {"file": fname})
+    data, entry = serialise(owned, {"file": fname})
     _write_synced(tmp / fname, data)
-    digest = hashlib.sha256(data).hexdigest()
-    return {"file": fname, "sha256": digest, "bytes": len(data), "slices": slices}
+    return {"file": fname} | entry
 
 
-def serialise(owned: list, piece: dict) -> tuple[bytes, dict[str, list[dict]]]:
+def serialise(owned: list, piece: dict) -> tuple[bytes, dict[str, Any]]:
     """Boxes (key, box, tensor) as safetensors bytes, box i of a logical tensor stored as
-    "<key>#<i>", and their slice entries by logical tensor (`piece`'s fields first)."""
+    "<key>#<i>"; and their entry: the bytes' sha256 and size, and the slices by logical
+    tensor (`piece`'s fields first)."""
     tensors, slices = {}, {}
     for key, box, t in owned:
         pieces = slices.setdefault(key, [])
         skey = f"{key}#{len(pieces)}"
         tensors[skey] = t
         pieces.append(piece | {"key": skey, "box": [list(b) for b in box]})
-    return save_bytes(tensors, metadata={"format": "pt"}), slices
+    data = save_bytes(tensors, metadata={"format": "pt"})
+    return data, {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "slices": slices}
 
 
 def commit(path: Path, shard, error, info: dict, engine, cfg: Config) -> Path:

@@ -391,9 +391,8 @@ class LocalCheckpoints:
 def pack(rank: int, owned: list, info: dict) -> tuple[dict, bytes]:
     """One rank's state: its JSON (boxes, sha256 of the tensor bytes, training state) and
     its safetensors bytes."""
-    data, slices = serialise(owned, {})
-    meta = {"format": FORMAT, "rank": rank, "sha256": hashlib.sha256(data).hexdigest()}
-    return meta | {"bytes": len(data), "slices": slices} | info, data
+    data, entry = serialise(owned, {})
+    return {"format": FORMAT, "rank": rank} | entry | info, data
 
 
 def join(meta: dict, data: bytes) -> bytes:
