@@ -94,9 +94,8 @@ class OpStats:
 
     def blocked(self, start: Any, end: Any) -> None:
         """Charge the time between two marks of `clock` (read later on a GPU)."""
-        if self.log is not None:
-            self.log.add(start, end)
-        if self.clock is not None and self.clock.cuda:
+        self.log.add(start, end)  # a Comm's stats (the only ones that block) have both
+        if self.clock.cuda:
             self._pending.append((start, end))
         else:
             self._seconds += end - start
@@ -149,8 +148,7 @@ class Work:
                 self._watch.disarm()
             self._stats.blocked(t0, self._stats.clock.mark())
             self._handle = None
-            if self._what is not None:
-                self._what.done = True
+            self._what.done = True  # a Comm's works carry their ledger call
             if self.flight is not None and self.flight.end is None:
                 self.flight.end = time.time()
 
