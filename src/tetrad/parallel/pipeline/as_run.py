@@ -66,8 +66,5 @@ def with_collectives(
 def last_backward_work(acts: list[Action]) -> set[ActionKey]:
     """Per stage of a rank's actions, its last B, BW or W: where the runtime launches that
     stage's gradient reductions (`runtime.final_actions`, parameters not shared)."""
-    last: dict[int, ActionKey] = {}
-    for a in acts:
-        if a.kind in ("B", "BW", "W"):
-            last[a.stage] = (a.kind, a.stage, a.microbatch)
-    return set(last.values())
+    last = {a.stage: (a.kind, a.stage, a.microbatch) for a in acts if a.kind in ("B", "BW", "W")}
+    return set(last.values())  # per stage, the later action overwrote the earlier

@@ -250,8 +250,7 @@ def _check_channel_order(actions: list[list[Action]]) -> None:
             elif a.kind.startswith("RECV"):
                 recvs.setdefault((a.peer, rank), []).append(wire(a))
     for link, order in sends.items():
-        posted = recvs.get(link, [])
-        for i, (x, y) in enumerate(zip(order, posted)):
+        for i, (x, y) in enumerate(zip(order, recvs.get(link, []))):
             if x != y:
                 raise ValueError(
                     f"link {link[0]}->{link[1]}: message {i} is sent as {x} "

@@ -69,8 +69,7 @@ def gather_timeline(events: list[Event], comm: Comm, group: Group, **meta) -> Ti
     ]
     ranks = [[e for e in ev if e.kind not in COMM_KINDS] for ev in every]
     lane = [[e for e in ev if e.kind in COMM_KINDS] for ev in every]
-    schedule = meta.pop("schedule", "")
-    return Timeline(ranks, comm=lane, unit="s", schedule=schedule, meta=meta)
+    return Timeline(ranks, comm=lane, unit="s", schedule=meta.pop("schedule", ""), meta=meta)
 
 
 # --- costs read off a measured timeline ----------------------------------------------
@@ -125,8 +124,7 @@ def estimate_overhead(
                 samples.setdefault(counts[k], []).append(max(e.start - prev.end, 0.0))
     if not samples:
         return 0.0, 0.0
-    points = [(n, center(g), len(g)) for n, g in samples.items()]
-    return _fit_line(points)
+    return _fit_line([(n, center(g), len(g)) for n, g in samples.items()])
 
 
 def _transfers_before_computes(acts: list[Action]) -> list[int]:

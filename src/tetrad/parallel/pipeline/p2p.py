@@ -85,12 +85,10 @@ def _rank_program(
     n = len(computes)
     posts: list[list[Action]] = [[] for _ in range(n + 1)]  # point k: before compute k
     waits: list[list[Action]] = [[] for _ in range(n + 1)]
-    k, needed, recv_at = -1, [], {}
+    k, recv_at = -1, {}
     for a in acts:
         if a.is_compute:
             k += 1
-            waits[k] += needed
-            needed = []
         elif a.kind.startswith("SEND"):
             posts[k + 1].append(a)
             waits[min(k + 1 + slack, n)].append(a)
@@ -99,7 +97,7 @@ def _rank_program(
             if point > k + 1:
                 raise ValueError(f"rank {rank}: {a} would be posted after the compute needing it")
             recv_at[a] = min(point, max(k + 1 - early, 0))
-            needed.append(a)
+            waits[k + 1].append(a)  # a receive sits just before the compute needing it
     # each link's receives in its send order, (time, tensor): none posted after a later one
     later: dict[int | None, int] = {}
     for a in sorted(recv_at, key=lambda a: (made[wire(a)], wire(a)), reverse=True):

@@ -129,9 +129,9 @@ class PipelineRuntime:
         act_shape: tuple[int, ...],
         loss_fn,
         store: WeightGradStore | None,
-        dtype: torch.dtype | None = None,
-        finals: dict[tuple[str, int, int], frozenset[str]] | None = None,
-        meter_every: int = 0,
+        dtype: torch.dtype,
+        finals: dict[tuple[str, int, int], frozenset[str]],
+        meter_every: int,
     ):
         self.model, self.mesh, self.comm, self.loss_fn = model, mesh, comm, loss_fn
         self.chunks = {c.stage: c for c in chunks}
@@ -139,11 +139,11 @@ class PipelineRuntime:
         self.meter, self.meter_every = ActivationMeter(), meter_every
         self.holds_loss = any(c.last for c in chunks)
         # the compute dtype, given: built before the data axis casts the parameters to it
-        self.dtype = dtype or next(model.parameters()).dtype
+        self.dtype = dtype
         self.device = next(model.parameters()).device
         self.clock = Clock(self.device)
         # (kind, stage, microbatch) -> the parameters whose gradients that action completes
-        self.finals = finals or {}
+        self.finals = finals
         self.pool: list[torch.Tensor] = []  # free receive buffers, reused across microbatches
         self.allocated = 0  # receive buffers ever allocated (the pool's size, at most)
 

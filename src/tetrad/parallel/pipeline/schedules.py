@@ -189,9 +189,7 @@ def _interleaved(pp: int, m: int, v: int, lag: int = 2) -> list[list[Action]]:
 
 
 def _interleaved_action(kind: str, k: int, rank: int, pp: int, v: int) -> Action:
-    chunk = (k // pp) % v
-    if kind != "F":
-        chunk = v - 1 - chunk
+    chunk = (k // pp) % v if kind == "F" else v - 1 - (k // pp) % v  # backwards in reverse
     return Action(kind, chunk * pp + rank, (k // (pp * v)) * pp + k % pp)
 
 

@@ -50,17 +50,11 @@ def resolve_split(
 
 
 def measure_item_costs(
-    layout: Layout,
-    m: ModelConfig,
-    t: TrainConfig,
-    comm: Comm,
-    world: Group,
-    device: torch.device,
-    repeats: int = REPEATS,
+    layout: Layout, m: ModelConfig, t: TrainConfig, comm: Comm, world: Group, device: torch.device
 ) -> list[float]:
     """Seconds of one microbatch's forward + backward per item, [embedding, layer_0, ...,
     layer_{L-1}, head + loss], the max over `world` (identical on every rank)."""
-    own = _time_items(layout, m, t, device, repeats)
+    own = _time_items(layout, m, t, device, REPEATS)
     agreed = torch.tensor(own, dtype=torch.float64, device=comm.device)
     comm.all_reduce(agreed, world, op="max")
     return agreed.tolist()

@@ -170,8 +170,7 @@ def _draw(ax, title: str, tl: Timeline) -> None:
 
     t0, span = tl.start, tl.makespan or 1.0
     first_stage = [min((e.stage for e in ev), default=0) for ev in tl.ranks]
-    lane = any(tl.comm)  # compute on top of each row, communication in a strip below
-    height = 0.55 if lane else 0.8
+    height = 0.55 if any(tl.comm) else 0.8  # compute on top, communication in a strip below
     for rank, events in enumerate(tl.comm):
         for e in events:
             ax.broken_barh(
@@ -202,6 +201,5 @@ def _draw(ax, title: str, tl: Timeline) -> None:
     kinds = sorted({e.kind for ev in tl.comm for e in ev}, key=COMM_KINDS.index)
     handles += [Patch(facecolor=_COMM_COLOURS[k], alpha=0.6, label=f"comm {k}") for k in kinds]
     ax.legend(
-        handles=handles,
-        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False,
-    )  # fmt: skip
+        handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False
+    )

@@ -112,14 +112,11 @@ def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tenso
     """The gradient [n, out, in] of a grouped linear's weight: per group e, `grad_e^T
     x_e` (zeros for an empty group). One grouped matmul where the kernel takes the shapes
     (what autograd's backward of the forward's kernel computes), else a loop."""
-    n = counts.shape[0]
-    fp64 = x.dtype == torch.float64  # the kernel takes no float64 (fp64 verification)
-    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and x.shape[0] and not fp64:
-        rows_ok = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], grad.shape[1]))
-        if rows_ok:
-            offs = counts.cumsum(0).to(torch.int32)
-            return torch._grouped_mm(grad.t(), x, offs=offs)
-    out = x.new_zeros((n, grad.shape[1], x.shape[1]))
+    kernel = x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and x.shape[0] > 0
+    aligned = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], grad.shape[1]))
+    if kernel and aligned and x.dtype != torch.float64:  # no float64 kernel (fp64 verification)
+        return torch._grouped_mm(grad.t(), x, offs=counts.cumsum(0).to(torch.int32))
+    out = x.new_zeros((counts.shape[0], grad.shape[1], x.shape[1]))
     lo = 0
     for e, rows in enumerate(counts.tolist()):
         out[e] = grad[lo : lo + rows].t() @ x[lo : lo + rows]
