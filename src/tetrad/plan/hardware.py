@@ -21,13 +21,14 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tetrad.comm import bus_factor
 from tetrad.devices import A100, H100, H100_HBM2E, H200, Device, GiB, cpu_core_tflops
 
-RING = {  # op -> (steps, bus bytes per buffer byte) of a ring over n ranks
-    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
-    "all_gather": (lambda n: n - 1, lambda n: (n - 1) / n),
-    "reduce_scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
-    "send_recv": (lambda n: 1, lambda n: 1.0),
+RING = {  # op -> steps of a ring over n ranks (its bus bytes per buffer byte: `bus_factor`)
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "send_recv": lambda n: 1,
 }
 
 
@@ -66,11 +67,11 @@ class Link:
         """Seconds for `op` over `n` ranks on a buffer of `nbytes` (the full buffer)."""
         if n <= 1 and op != "send_recv":
             return 0.0
-        steps, bus = RING[op]
+        steps, bus = RING[op], bus_factor(op, n)
         if op in self.measured:
             alpha, bw = self.measured[op]
-            return alpha + bus(n) * nbytes / bw
-        transfer = bus(n) * nbytes / self.bw_Bps
+            return alpha + bus * nbytes / bw
+        transfer = bus * nbytes / self.bw_Bps
         nodes = min(self.nodes, n) if op != "send_recv" else 1
         if nodes <= 1:
             return self.base_s + self.alpha_s * steps(n) + transfer
