@@ -22,8 +22,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # pipeline schedules (parallel/pipeline/schedules.py builds each one's action lists)
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
-# gradient reductions in a block-scaled byte format, summed in fp32 (parallel/compress.py)
+# gradient reductions in a block-scaled byte format, summed in fp32 (parallel/compress.py):
+# a byte a value, and an fp32 scale a block of BLOCK values
 COMPRESSED = ("int8", "fp8")
+BLOCK = 256
 # activation recomputation: nothing, the cheap and large parts, or whole blocks
 RECOMPUTE = ("none", "selective", "full")
 # context parallelism's attention: keys and values all-gathered, or passed around a ring

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tetrad.config import (
+    BLOCK,
     COMPRESSED,
     CP_ATTENTION,
     CP_KERNELS,
@@ -82,6 +83,12 @@ class Layout:
     loss_chunk: int = 0  # tokens the head and loss run at a time (0: all of them at once)
     compress: str = ""  # "int8", "fp8": gradients reduced in that block format; "": not
     error_feedback: bool = True  # a compressed reduction carries what it dropped forward
+
+    @property
+    def reduce_bytes(self) -> float:
+        """Bytes a gradient value takes on the wire: its reduce dtype's, or compressed one
+        byte and its share of a block's fp32 scale."""
+        return 1 + 4 / BLOCK if self.compress else self.reduce_dtype.itemsize
 
     @property
     def compression(self) -> tuple[str, bool]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import Comm, Work
+from tetrad.config import BLOCK  # values per scale
 from tetrad.mesh import Group
 
-BLOCK = 256  # values per scale
 # format -> (its storage dtype, the largest magnitude it represents)
 FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 SCALE_BYTES = 4  # an fp32 scale per block
