@@ -32,7 +32,8 @@ def layer(
     gathered whole (tetrad). fused: a fused RMSNorm keeps its c-byte input and the fp32
     rsqrt (no fp32 copy), a fused SwiGLU its two inputs and product (Transformer Engine,
     torch.compile), 3 f-wide tensors, not 4. gqa_native: the attention kernel keeps k
-    and v as they are, not repeated to the query heads.
+    and v as they are, not repeated to the query heads. Attention is heads·head_dim wide
+    (Qwen3's differs from h); QK-norm keeps what a norm keeps, per head of q and k.
     """
     check_recompute(recompute)
     c, h, f, hd = DTYPE_BYTES[dtype], m.dim, m.hidden_dim, m.head_dim
@@ -54,11 +55,14 @@ def layer(
     ]
     items += [
         Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
-        Saved("sdpa q, out", 2 * c * h, "tp"),
+        Saved("sdpa q, out", 2 * c * m.heads * hd, "tp"),
         Saved("attention k, v", 2 * c * kv_width, "rank"),
         Saved("sdpa log-sum-exp", 4 * heads, "rank"),
         Saved("w1 out, w3 out, (silu out,) product", (3 if fused else 4) * c * f, "tp"),
     ]
+    if m.qk_norm:  # (fp32 copies of) q and k, normalised, an fp32 rsqrt per head
+        qk = (c if fused else 4 + c) * (heads + kv) * hd + 4 * (heads + kv)
+        items.append(Saved("QK-norm", qk, "rank"))
     if m.kv_heads < t:
         items.append(
             Saved("gathered k, v weights", fixed=2 * c * m.kv_heads * hd * h, split="rank")
@@ -106,12 +110,12 @@ def _selective(m: ModelConfig, c: int, heads: int, kv: int) -> list[Saved]:
 def _op_policy(m: ModelConfig, t: int, c: int, heads: int) -> list[Saved]:
     """torchtitan's per-op selective checkpointing: the block input, flash attention's
     outputs and every other matmul output are kept; the rest is recomputed."""
-    h, f, kv_dim = m.dim, m.hidden_dim, m.kv_heads * m.head_dim
+    h, f, q, kv_dim = m.dim, m.hidden_dim, m.heads * m.head_dim, m.kv_heads * m.head_dim
     # matmul outputs: wq, wk, wv, w1, w3 (tp-split), wo, w2 (the reduced h, "seq")
-    inner = h + 2 * kv_dim + 2 * f
+    inner = q + 2 * kv_dim + 2 * f
     return [
         Saved("block input", c * h, "seq"),
-        Saved("sdpa out", c * h, "tp"),
+        Saved("sdpa out", c * q, "tp"),
         Saved("sdpa log-sum-exp", 4 * heads, "rank"),
         Saved("half the tp-split matmul outputs", c * inner / 2, "tp"),
         Saved("half the row-parallel matmul outputs", c * h, "seq"),
@@ -148,11 +152,12 @@ def pending_w(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
     linear's input and output gradient. Under tp the column-parallel linears (wq, wk, wv,
     w1, w3) keep their whole input (gathered over the sequence under SP) and their
     output gradients' 1/t; the row-parallel ones (wo, w2) their inputs' 1/t and whole
-    output gradients: h + h/t + h + f/t inputs, h/t + 2·kv/t + h + 2f/t + h gradients."""
-    c, h, f = DTYPE_BYTES[dtype], m.dim, m.hidden_dim
+    output gradients: h + q/t + h + f/t inputs, q/t + 2·kv/t + h + 2f/t + h gradients (q:
+    the attention's width, heads·head_dim)."""
+    c, h, f, q = DTYPE_BYTES[dtype], m.dim, m.hidden_dim, m.heads * m.head_dim
     kv_dim = max(m.kv_heads // t, 1) * m.head_dim * t  # the rank's kv heads, times t
     whole = c * (h + h) + c * (h + h)  # qkv and w1/w3 inputs; wo and w2 output grads
-    shard = c * (h + f) + c * (h + 2 * kv_dim + 2 * f)  # wo, w2 inputs; wq/wk/wv, w1/w3 grads
+    shard = c * (q + f) + c * (q + 2 * kv_dim + 2 * f)  # wo, w2 inputs; wq/wk/wv, w1/w3 grads
     return [
         Saved("deferred column-parallel inputs, row-parallel output grads", whole, "rank"),
         Saved("deferred row-parallel inputs, column-parallel output grads", shard, "tp"),
