@@ -68,6 +68,7 @@ from tetrad.plan.compute import ComputeModel
 from tetrad.plan.engines import TETRAD, Implementation
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
 from tetrad.plan.hardware import Cluster, at_efficiency
+from tetrad.plan.peak import stage_input_bytes
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
 
@@ -436,9 +437,8 @@ class Planner:
         """One activation (or its gradient) across one stage boundary."""
         if lay.pp == 1:
             return 0.0
-        nbytes = lay.microbatch_tokens * m.dim * lay.element_bytes / (lay.tp if lay.sp else 1)
         link = self.cluster.p2p_link(lay.dp * lay.fsdp * lay.cp * lay.tp)
-        return link.time("send_recv", 2, nbytes)
+        return link.time("send_recv", 2, stage_input_bytes(lay, m))
 
     # --- once per step, after the schedule ------------------------------------------------
 
