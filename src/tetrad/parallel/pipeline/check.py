@@ -206,14 +206,23 @@ def _check_progress(actions: list[list[Action]], *, rendezvous: bool) -> None:
     """Run every rank's list to the end, or report where each rank is stuck."""
     pc = [0] * len(actions)
     sent: set[ActionKey] = set()
+
+    def runs(a: Action) -> bool:
+        if a.kind.startswith("RECV"):
+            return wire(a) in sent
+        if a.kind.startswith("SEND") and rendezvous:
+            # a blocking send completes only once the peer sits at the matching receive
+            at = actions[a.peer][pc[a.peer] : pc[a.peer] + 1]
+            return bool(at) and at[0].kind.startswith("RECV") and wire(at[0]) == wire(a)
+        return True
+
     moved = True
     while moved:
         moved = False
-        for rank in range(len(actions)):
-            while pc[rank] < len(actions[rank]) and _can_run(rank, actions, pc, sent, rendezvous):
-                a = actions[rank][pc[rank]]
-                if a.kind.startswith("SEND"):
-                    sent.add(wire(a))
+        for rank, acts in enumerate(actions):
+            while pc[rank] < len(acts) and runs(acts[pc[rank]]):
+                if acts[pc[rank]].kind.startswith("SEND"):
+                    sent.add(wire(acts[pc[rank]]))
                 pc[rank] += 1
                 moved = True
     stuck = [
@@ -224,19 +233,6 @@ def _check_progress(actions: list[list[Action]], *, rendezvous: bool) -> None:
     if stuck:
         mode = "blocking" if rendezvous else "non-blocking"
         raise ValueError(f"deadlock with {mode} sends: " + "; ".join(stuck))
-
-
-def _can_run(
-    rank: int, actions: list[list[Action]], pc: list[int], sent: set[ActionKey], rendezvous: bool
-) -> bool:
-    a = actions[rank][pc[rank]]
-    if a.kind.startswith("RECV"):
-        return wire(a) in sent
-    if a.kind.startswith("SEND") and rendezvous:
-        # a blocking send completes only once the peer sits at the matching receive
-        at = actions[a.peer][pc[a.peer] : pc[a.peer] + 1]
-        return bool(at) and at[0].kind.startswith("RECV") and wire(at[0]) == wire(a)
-    return True
 
 
 def _check_channel_order(actions: list[list[Action]]) -> None:
@@ -339,13 +335,10 @@ def _match(programs: list[list[Item]]) -> dict[Op, Op]:
     sends: dict[tuple[int, int], list[tuple[Op, Action]]] = {}
     recvs: dict[tuple[int, int], list[tuple[Op, Action]]] = {}
     for rank, items in enumerate(programs):
-        n = 0
-        for item in items:
-            for a in item.ops if isinstance(item, Post) else ():
-                side = sends if a.kind.startswith("SEND") else recvs
-                link = (rank, a.peer) if a.kind.startswith("SEND") else (a.peer, rank)
-                side.setdefault(link, []).append(((rank, n), a))
-                n += 1
+        for n, a in enumerate(_posted(items)):
+            side = sends if a.kind.startswith("SEND") else recvs
+            link = (rank, a.peer) if a.kind.startswith("SEND") else (a.peer, rank)
+            side.setdefault(link, []).append(((rank, n), a))
     match: dict[Op, Op] = {}
     for link in sends.keys() | recvs.keys():
         out, into = sends.get(link, []), recvs.get(link, [])
@@ -436,9 +429,13 @@ def _gloo_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
     run_all(programs, step, "deadlock under gloo's semantics")
 
 
+def _posted(items: list[Item]) -> list[Action]:
+    """A rank's transfers in the order it posts them: an `Op` indexes this list."""
+    return [a for item in items if isinstance(item, Post) for a in item.ops]
+
+
 def _op_index(items: list[Item]) -> dict[ActionKey, int]:
-    ops = [a for item in items if isinstance(item, Post) for a in item.ops]
-    return {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(ops)}
+    return {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(_posted(items))}
 
 
 def _fmt(keys: object) -> str:

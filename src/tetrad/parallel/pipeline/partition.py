@@ -50,15 +50,20 @@ def balance(
     seg = _sums(costs)
     fits = _fits(memory, memory_cap)
     limit = _least_max(seg, n, stages, fits)
-    items = _least_squares(seg, n, stages, limit, fits)
-    return _items_to_layers(items)
+    layers = _least_squares(seg, n, stages, limit, fits)
+    layers[0] -= 1  # the embedding
+    layers[-1] -= 1  # head + loss
+    return layers
 
 
 def stage_costs(costs: Sequence[float], split: Sequence[int]) -> list[float]:
     """Per-stage sum of item costs for a layers-per-stage split (embedding to the first
     stage, head to the last), e.g. to feed the simulator."""
     check_split(split, len(costs) - 2, None)
-    bounds = _layers_to_bounds(split)
+    items = list(split)
+    items[0] += 1  # the embedding
+    items[-1] += 1  # head + loss
+    bounds = list(accumulate(items, initial=0))
     return [sum(costs[i:j]) for i, j in zip(bounds, bounds[1:])]
 
 
@@ -125,18 +130,3 @@ def _least_squares(seg: Callable, n: int, stages: int, limit: float, fits: Calla
         counts.append(j - cut[k][j])
         j = cut[k][j]
     return counts[::-1]
-
-
-def _items_to_layers(items: list[int]) -> list[int]:
-    layers = list(items)
-    layers[0] -= 1  # the embedding
-    layers[-1] -= 1  # head + loss
-    return layers
-
-
-def _layers_to_bounds(split: Sequence[int]) -> list[int]:
-    """Item boundaries [0, ..., L + 2] of a layers-per-stage split."""
-    items = list(split)
-    items[0] += 1
-    items[-1] += 1
-    return list(accumulate(items, initial=0))

@@ -161,7 +161,7 @@ def _1f1b(pp: int, m: int, v: int) -> list[list[Action]]:
     return _interleaved(pp, m, 1, lag=1)
 
 
-def _interleaved(pp: int, m: int, v: int, lag: int = 2) -> list[list[Action]]:
+def _interleaved(pp: int, m: int, v: int, lag: int) -> list[list[Action]]:
     """Megatron's interleaved 1F1B over v chunks per rank (looped placement).
 
     Microbatches go through the chunks in groups of pp: forward k of a rank is chunk
@@ -266,7 +266,6 @@ def _zb_v_rank(r: int, pp: int, n: int) -> list[Action]:
 _ORDERS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
     "gpipe": _gpipe,
     "1f1b": _1f1b,
-    "interleaved-1f1b": _interleaved,
     "zb-h1": _zb_h1,
     "zb-v": _zb_v,
 }

@@ -134,10 +134,10 @@ def to_chrome_trace(timeline: Timeline, us_per_unit: float = 1e6) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
 
-def save_chrome_trace(timeline: Timeline, path: str, us_per_unit: float = 1e6) -> None:
+def save_chrome_trace(timeline: Timeline, path: str) -> None:
     """Write `to_chrome_trace(timeline)` as JSON to `path`."""
     with open(path, "w") as f:
-        json.dump(to_chrome_trace(timeline, us_per_unit), f)
+        json.dump(to_chrome_trace(timeline), f)
 
 
 def plot_timeline(timelines: dict[str, Timeline], path: str, share_time: bool = False) -> None:

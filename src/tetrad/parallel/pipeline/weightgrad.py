@@ -178,9 +178,8 @@ def defer_router(router: nn.Module, store: WeightGradStore) -> None:
         return
 
     def logits(x: torch.Tensor) -> torch.Tensor:
-        weight = router.weight
-        sink = lambda g: accumulate(weight, g)  # noqa: E731
-        return split_matmul(widen(x), widen(weight), store, sink)
+        weight = router.weight  # W's gradient goes to the parameter, not its fp32 copy
+        return split_matmul(widen(x), widen(weight), store, lambda g: accumulate(weight, g))
 
     router.use_logits(logits)
 
