@@ -82,14 +82,12 @@ def root_cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 # for); each answers with a trace file; the launcher compares the sequence numbers.
 
 
-def request_traces() -> bool:
-    """Ask every rank of this attempt to write its trace (False: no launcher to read them)."""
+def request_traces() -> None:
+    """Ask every rank of this attempt to write its trace (without a launcher: nothing)."""
     directory, _, attempt = _attempt_dir()
-    if directory is None:
-        return False
-    with _quiet():
-        (directory / f"attempt{attempt:03d}.traces-requested").touch()
-    return True
+    if directory is not None:
+        with _quiet():
+            (directory / f"attempt{attempt:03d}.traces-requested").touch()
 
 
 def traces_requested() -> bool:
@@ -98,13 +96,12 @@ def traces_requested() -> bool:
     return directory is not None and (directory / f"attempt{attempt:03d}.traces-requested").exists()
 
 
-def write_trace(record: dict[str, Any]) -> Path | None:
+def write_trace(record: dict[str, Any]) -> None:
     """This rank's trace (its recent collectives, see `comm.ledger`) for the launcher."""
     directory, rank, attempt = _attempt_dir()
-    if directory is None:
-        return None
-    path = directory / f"trace-attempt{attempt:03d}-rank{rank:05d}.json"
-    return path if _write_json(path, {"rank": rank, "attempt": attempt, **record}) else None
+    if directory is not None:
+        path = directory / f"trace-attempt{attempt:03d}-rank{rank:05d}.json"
+        _write_json(path, {"rank": rank, "attempt": attempt, **record})
 
 
 def traces_written() -> int:
