@@ -130,8 +130,7 @@ def families(base: Layout, m: ModelConfig, world: int, gpus_per_node: int,
     reaches them (validating every count up front was a search's largest cost)."""
     gb = base.global_batch
     for deg in degrees(m, base.seq_len, world, gpus_per_node, space):
-        zeros = _choices(space.zero_stage, [2, 3] if deg["fsdp"] > 1 else [3])
-        for zero in zeros:
+        for zero in _choices(space.zero_stage, [2, 3] if deg["fsdp"] > 1 else [3]):
             sp = deg["tp"] > 1 and not m.moe  # MoE: tp without sp (not priced yet)
             data = deg["dp"] * deg["fsdp"]
             if gb % data:
@@ -201,11 +200,8 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
     `tests/test_plan_search.py` checks it), so no later count can enter the answer
     either, and the answer is the unpruned walk's."""
     capacity = planner.cluster.device.hbm_bytes
-    last, first = math.inf, True
+    last = math.inf
     for k, cand in valid(base, m, family):
-        if first and not _state_fits(planner, cand, m):
-            return  # the model state alone overflows, whatever the microbatches
-        first = False
         if prune and not ranking.admits(planner, cand, m):
             break
         if planner.memory_floor(cand, m) > capacity:
@@ -276,5 +272,6 @@ def search(
                 fitted[key] = _fits_somewhere(planner, base, m, at_cp1.get(key, []))
             if fitted[key]:
                 continue  # those ranks as data parallelism fit, and are faster (no exchange)
-        _walk_family(planner, base, m, family, index, ranking, prune)
+        if _state_fits(planner, first, m):  # else it overflows, whatever the microbatches
+            _walk_family(planner, base, m, family, index, ranking, prune)
     return [planner.predict(cand, m) for cand in ranking.best()]
