@@ -121,6 +121,19 @@ class Flight:
     end: float | None = None
 
 
+def _blocking(block, stats: OpStats, watchdog: Watchdog | None, call: Call) -> None:
+    """Run `block()`, which waits for `call`: watched (if there is a watchdog), its time
+    charged to `stats`, and `call` marked done once it returns."""
+    t0 = stats.clock.mark()
+    if watchdog:
+        watchdog.arm(call)
+    block()
+    if watchdog:
+        watchdog.disarm()
+    stats.blocked(t0, stats.clock.mark())
+    call.done = True
+
+
 class Work:
     """An in-flight async collective; `wait()` charges its blocking time to the stats."""
 
@@ -140,15 +153,8 @@ class Work:
 
     def wait(self) -> None:
         if self._handle is not None:
-            t0 = self._stats.clock.mark()  # a Comm's stats, which have its clock
-            if self._watch:
-                self._watch.arm(self._what)
-            self._handle.wait()
-            if self._watch:
-                self._watch.disarm()
-            self._stats.blocked(t0, self._stats.clock.mark())
+            _blocking(self._handle.wait, self._stats, self._watch, self._what)
             self._handle = None
-            self._what.done = True  # a Comm's works carry their ledger call
             if self.flight is not None and self.flight.end is None:
                 self.flight.end = time.time()
 
@@ -234,20 +240,13 @@ class Comm:
     ) -> Work | None:
         """Count a collective (see `_count`), number it in the ledger and run `fn(async_op)`."""
         stats, call = self._count(group, op, nbytes, sent), self.ledger.issue(op, group, nbytes)
-        t0 = self.clock.mark()
         if async_op:
             work = Work(fn(True), stats, self.watchdog, call)
             if self.trace is not None and work._handle is not None:
                 work.flight = _flight(work._handle, call)
                 self.trace.append(work.flight)
             return work
-        if self.watchdog:
-            self.watchdog.arm(call)
-        fn(False)
-        if self.watchdog:
-            self.watchdog.disarm()
-        call.done = True
-        stats.blocked(t0, self.clock.mark())
+        _blocking(lambda: fn(False), stats, self.watchdog, call)
         return None
 
     def _collective(
