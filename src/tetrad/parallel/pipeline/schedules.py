@@ -116,27 +116,18 @@ def add_transfers(order: list[Action], place: Callable[[int], int], n_stages: in
     """Weave receives (just before) and sends (just after) around each compute action."""
     out: list[Action] = []
     for a in order:
-        me = place(a.stage)
-        out += _recv_for(a, place, me, n_stages)
+        if a.kind == "W":  # its inputs and outputs stay on the stage
+            out.append(a)
+            continue
+        # F takes its input from the stage before and feeds the next; B (or BW) the reverse
+        step = 1 if a.kind == "F" else -1
+        src, dst, me = a.stage - step, a.stage + step, place(a.stage)
+        if 0 <= src < n_stages and place(src) != me:
+            out.append(Action(f"RECV_{a.kind[0]}", a.stage, a.microbatch, place(src)))
         out.append(a)
-        out += _send_after(a, place, me, n_stages)
+        if 0 <= dst < n_stages and place(dst) != me:
+            out.append(Action(f"SEND_{a.kind[0]}", dst, a.microbatch, place(dst)))
     return out
-
-
-def _recv_for(a: Action, place: Callable[[int], int], me: int, n: int) -> list[Action]:
-    if a.kind == "F" and a.stage > 0 and place(a.stage - 1) != me:
-        return [Action("RECV_F", a.stage, a.microbatch, place(a.stage - 1))]
-    if a.kind in ("B", "BW") and a.stage < n - 1 and place(a.stage + 1) != me:
-        return [Action("RECV_B", a.stage, a.microbatch, place(a.stage + 1))]
-    return []
-
-
-def _send_after(a: Action, place: Callable[[int], int], me: int, n: int) -> list[Action]:
-    if a.kind == "F" and a.stage < n - 1 and place(a.stage + 1) != me:
-        return [Action("SEND_F", a.stage + 1, a.microbatch, place(a.stage + 1))]
-    if a.kind in ("B", "BW") and a.stage > 0 and place(a.stage - 1) != me:
-        return [Action("SEND_B", a.stage - 1, a.microbatch, place(a.stage - 1))]
-    return []
 
 
 # --- compute orders: one list of F/B/W/BW per rank --------------------------------------
