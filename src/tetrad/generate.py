@@ -52,18 +52,13 @@ class Sampling:
 
 
 def generate(
-    run: str | Path,
-    prompt: str,
-    max_new_tokens: int = 64,
-    sampling: Sampling = Sampling(),
-    seed: int = 0,
+    run: str | Path, prompt: str, max_new_tokens: int, sampling: Sampling, seed: int
 ) -> str:
     """The prompt's continuation by the newest checkpoint of `run` (or checkpoint `run`),
     drawn as `sampling` says; the same seed gives the same text."""
     cfg, state = load_model(run, buffers=True)
-    model = spec_for(cfg.model).build(cfg.model).to_empty(device="cpu")
+    model = spec_for(cfg.model).build(cfg.model).to_empty(device="cpu").eval()
     model.load_state_dict(state)
-    model.eval()
     encode, decode = _codec(cfg.data.tokenizer)
     ids = encode(prompt)
     if not ids:
