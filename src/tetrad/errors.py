@@ -21,6 +21,8 @@ EXIT_USAGE = 2  # bad configuration or input, refused before or at start
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT after saving a checkpoint: resume with --resume
 REPORT_DIR = "TETRAD_REPORT_DIR"
 KINDS = ("error", "preempted", "stopped")  # in the launcher's order of interest
+# swallows file errors: a failure report must never raise a second failure (reentrant)
+_QUIET = contextlib.suppress(OSError, ValueError, KeyError, TypeError)
 
 
 def rank_and_attempt() -> tuple[int, int]:
@@ -48,7 +50,7 @@ def report(kind: str, message: str, code: int, **extra: Any) -> bool:
 
 def _write_json(path: Path, record: dict[str, Any]) -> bool:
     """Write `record` to `path` whole (the launcher never reads half a file); False on failure."""
-    with _quiet():
+    with _QUIET:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
@@ -65,7 +67,7 @@ def _newest_attempt(paths, key) -> list[dict[str, Any]]:
     """The readable JSON records of `paths` that belong to the newest attempt, by `key`."""
     records = []
     for path in sorted(paths):
-        with _quiet():
+        with _QUIET:
             records.append(json.loads(path.read_text()))
     last = max((r.get("attempt", 0) for r in records), default=0)
     return sorted((r for r in records if r.get("attempt", 0) == last), key=key)
@@ -86,7 +88,7 @@ def request_traces() -> None:
     """Ask every rank of this attempt to write its trace (without a launcher: nothing)."""
     directory, _, attempt = _attempt_dir()
     if directory is not None:
-        with _quiet():
+        with _QUIET:
             (directory / f"attempt{attempt:03d}.traces-requested").touch()
 
 
@@ -161,8 +163,3 @@ def _lag_on(name: str, by_rank: dict[int, dict], waiting: list[dict]) -> str | N
         f"behind on {name} (ranks {members}): {lags}; ranks {ahead} wait in {op} #{stuck} "
         f"over {name}"
     )
-
-
-def _quiet() -> contextlib.suppress:
-    """Swallow file errors: a failure report must never raise a second failure."""
-    return contextlib.suppress(OSError, ValueError, KeyError, TypeError)
