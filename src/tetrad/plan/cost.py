@@ -228,8 +228,7 @@ class Planner:
         times = self.stage_times(lay, m, facts)
         busy = tail = 0.0
         for r in range(lay.pp):
-            stages = held_stages(lay, r)
-            work = sum(times.total(k, s) for k in "FBW" for s in stages)
+            work = sum(times.total(k, s) for k in "FBW" for s in held_stages(lay, r))
             busy = max(busy, lay.microbatches * work)
             tail = max(tail, sum(self.after_schedule(lay, r, facts[r], times).values()))
         return busy + tail
@@ -272,10 +271,9 @@ class Planner:
         if self.engine.reduce_every_microbatch:
             for s, seconds in enumerate(self._per_micro_reduction(lay, m, facts, compute)):
                 fsdp["B"][s] += seconds
-        cp = self._cp_times(lay, m)
-        ep = self._ep_times(lay, m)
+        cp, ep = self._cp_times(lay, m), self._ep_times(lay, m)
         if lay.schedule in SPLIT_BACKWARD and not self._w_deferred(lay):
-            return _fold_w(compute, tp, fsdp, cp, ep)
+            compute = _fold_w(compute)
         return StageTimes(compute, tp, fsdp, cp, ep)
 
     def _w_deferred(self, lay: Layout) -> bool:
@@ -456,10 +454,9 @@ class Planner:
             n = _calls(psi, 1, bucket)
             ar = n * self.cluster.link(lay.tp, reps).time("all_reduce", reps, psi * 4 / n)
             return {"dp": ar + experts, "fsdp": 0.0}
-        rb = lay.reduce_dtype.itemsize
         n = _calls(psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
         link = self.cluster.link(lay.tp * lay.cp, lay.fsdp)
-        rs = n * link.time("reduce_scatter", lay.fsdp, psi * rb / n)
+        rs = n * link.time("reduce_scatter", lay.fsdp, psi * lay.reduce_dtype.itemsize / n)
         # the replica group dp x cp: cp ranks tp apart, dp ranks tp·cp·fsdp apart; priced
         # as one group over the span it covers
         outer = self.cluster.link(lay.tp * (lay.fsdp if lay.dp > 1 else 1), reps)
@@ -479,8 +476,7 @@ class Planner:
         n, link = len(group), self.cluster.group_link(group)
         if fa.expert_shards == 1:
             return link.time("all_reduce", n, fa.psi_experts * 4)
-        rb = lay.reduce_dtype.itemsize
-        return link.time("reduce_scatter", n, fa.psi_experts * rb)
+        return link.time("reduce_scatter", n, fa.psi_experts * lay.reduce_dtype.itemsize)
 
     def after_schedule(self, lay: Layout, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
         """Exposed seconds of one pp rank after its pipeline work: gradient reduction,
@@ -549,11 +545,10 @@ def _calls(elems: float, units: int, bucket: float) -> int:
     return max(1, math.ceil(elems / bucket)) if bucket else units
 
 
-def _fold_w(compute, tp, fsdp, cp, ep) -> StageTimes:
+def _fold_w(compute: dict[str, list[float]]) -> dict[str, list[float]]:
     """A split schedule whose W is not deferred: B does the weight gradients itself."""
-    moved = {"F": compute["F"], "W": [0.0] * len(compute["W"])}
-    moved["B"] = [b + w for b, w in zip(compute["B"], compute["W"])]
-    return StageTimes(moved, tp, fsdp, cp, ep)
+    folded = [b + w for b, w in zip(compute["B"], compute["W"])]
+    return {"F": compute["F"], "B": folded, "W": [0.0] * len(folded)}
 
 
 def _uniform_split(lay: Layout, m: ModelConfig) -> list[int] | None:

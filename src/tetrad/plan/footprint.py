@@ -274,8 +274,7 @@ class Footprint:
         per_stage = self.stage_activations(lay, m, split)
         out = 0.0
         for r in range(lay.pp):
-            stages = held_stages(lay, r)
-            acts = max(per_stage[s] for s in stages)
+            acts = max(per_stage[s] for s in held_stages(lay, r))
             peak = self.peak(lay, m, r, facts[r], acts)
             out = max(out, facts[r].state.total + acts + self._overhead(peak, acts))
         return out
