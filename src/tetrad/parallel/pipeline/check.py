@@ -367,7 +367,7 @@ def _batches(items: list[Item | Collective]) -> tuple[list[range], list[int], li
             last = max([last] + [batch_of[(a.kind, a.stage, a.microbatch)] for a in item.ops])
         elif isinstance(item, Action):
             need.append(last)
-        else:
+        else:  # a batch: a Post, or a Collective (no p2p op)
             posted = item.ops if isinstance(item, Post) else ()
             if isinstance(item, Collective) and item.needed:
                 last = len(ops)

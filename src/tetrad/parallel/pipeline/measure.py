@@ -230,7 +230,7 @@ def measure_step(
 
 
 def _costs_dict(c: Costs) -> dict:
-    return {k: v for k, v in asdict(c).items() if k != "each"}  # the per-stage lists, the scalars
+    return {k: v for k, v in asdict(c).items() if k != "each"}  # all but per-action overrides
 
 
 def write_timeline(measured: Timeline, simulated: Timeline, out_dir: str | Path) -> list[Path]:
