@@ -72,6 +72,9 @@ from tetrad.parallel.pipeline.p2p import Item, Post, Wait, computes
 from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, compute_only, wire
 from tetrad.parallel.pipeline.simulate import run_all
 
+Link = tuple[int, int]  # (sending rank, receiving rank)
+Op = tuple[int, int]  # (rank, index of the transfer in that rank's issue order)
+
 
 def check_actions(
     actions: list[list[Action]],
@@ -237,26 +240,30 @@ def _check_progress(actions: list[list[Action]], *, rendezvous: bool) -> None:
 
 def _check_channel_order(actions: list[list[Action]]) -> None:
     """Per link, the order of sends must equal the order the receiver waits."""
-    sends: dict[tuple[int, int], list[ActionKey]] = {}
-    recvs: dict[tuple[int, int], list[ActionKey]] = {}
-    for rank, acts in enumerate(actions):
-        for a in acts:
-            if a.kind.startswith("SEND"):
-                sends.setdefault((rank, a.peer), []).append(wire(a))
-            elif a.kind.startswith("RECV"):
-                recvs.setdefault((a.peer, rank), []).append(wire(a))
+    sends, recvs = _links([[a for a in acts if not a.is_compute] for acts in actions])
     for link, order in sends.items():
-        for i, (x, y) in enumerate(zip(order, recvs.get(link, []))):
-            if x != y:
+        for i, ((_, s), (_, r)) in enumerate(zip(order, recvs.get(link, []))):
+            if wire(s) != wire(r):
                 raise ValueError(
-                    f"link {link[0]}->{link[1]}: message {i} is sent as {x} "
-                    f"but received as {y} (in-order transports would mismatch)"
+                    f"link {link[0]}->{link[1]}: message {i} is sent as {wire(s)} "
+                    f"but received as {wire(r)} (in-order transports would mismatch)"
                 )
 
 
-# --- the programs the runtime issues ------------------------------------------------------
+def _links(transfers: list[list[Action]]) -> tuple[dict[Link, list], dict[Link, list]]:
+    """Per link, its sends and its receives in issue order, each with its `Op`."""
+    sends: dict[Link, list[tuple[Op, Action]]] = {}
+    recvs: dict[Link, list[tuple[Op, Action]]] = {}
+    for rank, ops in enumerate(transfers):
+        for n, a in enumerate(ops):
+            if a.kind.startswith("SEND"):
+                sends.setdefault((rank, a.peer), []).append(((rank, n), a))
+            else:
+                recvs.setdefault((a.peer, rank), []).append(((rank, n), a))
+    return sends, recvs
 
-Op = tuple[int, int]  # (rank, index of the transfer in that rank's issue order)
+
+# --- the programs the runtime issues ------------------------------------------------------
 
 
 def check_program(
@@ -332,13 +339,7 @@ def _check_item_order(rank: int, acts: list[Action], items: list[Item]) -> None:
 
 def _match(programs: list[list[Item]]) -> dict[Op, Op]:
     """Pair the k-th send on each link with the k-th receive (in-order matching)."""
-    sends: dict[tuple[int, int], list[tuple[Op, Action]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[Op, Action]]] = {}
-    for rank, items in enumerate(programs):
-        for n, a in enumerate(_posted(items)):
-            side = sends if a.kind.startswith("SEND") else recvs
-            link = (rank, a.peer) if a.kind.startswith("SEND") else (a.peer, rank)
-            side.setdefault(link, []).append(((rank, n), a))
+    sends, recvs = _links([_posted(items) for items in programs])
     match: dict[Op, Op] = {}
     for link in sends.keys() | recvs.keys():
         out, into = sends.get(link, []), recvs.get(link, [])
