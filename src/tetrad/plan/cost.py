@@ -217,8 +217,7 @@ class Planner:
     def memory(self, lay: Layout, m: ModelConfig, facts: list[RankFacts] | None = None) -> Memory:
         """The fullest rank's memory (what `predict` reports), without timing the step."""
         facts = facts or [self.rank_facts(lay, m, r) for r in range(lay.pp)]
-        order, deferred = self.order(lay), self._w_deferred(lay)
-        return self.footprint.memory(lay, m, self.split(lay, m), facts, order, deferred)
+        return self.footprint.memory(lay, m, self.split(lay, m), facts, self.order(lay))
 
     def step_floor(self, lay: Layout, m: ModelConfig) -> float:
         """A lower bound of `predict(lay, m).step_time_s` without simulating the schedule: no
@@ -235,8 +234,7 @@ class Planner:
 
     def rank_activations(self, lay: Layout, m: ModelConfig, pp_rank: int) -> float:
         """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory)."""
-        split, deferred = self.split(lay, m), self._w_deferred(lay)
-        return self.footprint.rank_activations(lay, m, split, self.order(lay), pp_rank, deferred)
+        return self.footprint.rank_activations(lay, m, self.split(lay, m), self.order(lay), pp_rank)
 
     def with_range(self, lay: Layout, m: ModelConfig, pred: Prediction) -> Prediction:
         """`pred` with a step-time range: the layout predicted at the lowest and highest
@@ -272,15 +270,9 @@ class Planner:
             for s, seconds in enumerate(self._per_micro_reduction(lay, m, facts, compute)):
                 fsdp["B"][s] += seconds
         cp, ep = self._cp_times(lay, m), self._ep_times(lay, m)
-        if lay.schedule in SPLIT_BACKWARD and not self._w_deferred(lay):
+        if lay.schedule in SPLIT_BACKWARD and not self.engine.defers_w(lay):
             compute = _fold_w(compute)
         return StageTimes(compute, tp, fsdp, cp, ep)
-
-    def _w_deferred(self, lay: Layout) -> bool:
-        """Whether the schedule's W actions hold deferred weight gradients."""
-        if lay.schedule not in SPLIT_BACKWARD:
-            return False
-        return lay.tp == 1 or self.engine.split_w_with_tp
 
     def _stage_seconds(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""

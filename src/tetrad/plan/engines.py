@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tetrad.layout import SPLIT_BACKWARD, Layout
 from tetrad.plan.compute import Kernels
 
 
@@ -85,6 +86,10 @@ class Implementation:
     zero_blocks: tuple[int, int] = (2, 2)
     zero3_incoming_grad: bool = False
     eager_loss: bool = False
+
+    def defers_w(self, lay: Layout) -> bool:
+        """Whether `lay`'s schedule's W actions hold deferred weight gradients."""
+        return lay.schedule in SPLIT_BACKWARD and (lay.tp == 1 or self.split_w_with_tp)
 
 
 # Share of TP traffic an overlapping implementation hides (Megatron's --tp-comm-overlap,

@@ -238,18 +238,12 @@ class Footprint:
         return out
 
     def rank_activations(
-        self,
-        lay: Layout,
-        m: ModelConfig,
-        split: list[int],
-        timeline: Timeline,
-        pp_rank: int,
-        deferred_w: bool,
+        self, lay: Layout, m: ModelConfig, split: list[int], timeline: Timeline, pp_rank: int
     ) -> float:
         """Peak activation bytes of pp rank `pp_rank` over the (simulated) step: its
         microbatches in flight, and each stage's output until its send is done."""
         per_stage = self.stage_activations(lay, m, split)
-        pending = self.stage_pending_w(lay, m, split) if deferred_w else []
+        pending = self.stage_pending_w(lay, m, split) if self.engine.defers_w(lay) else []
         sending = spec_for(m).activations.stage_output(m, lay.dtype_name)
         out = act.total_bytes(sending, lay.microbatch_size, lay.local_seq, lay.tp, lay.sp)
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
@@ -257,12 +251,12 @@ class Footprint:
 
     def memory(
         self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts],
-        timeline: Timeline, deferred_w: bool,
+        timeline: Timeline,
     ) -> Memory:  # fmt: skip
         """The fullest pp rank's memory: model state + activations in flight + overhead."""
         ranks = []
         for r in range(lay.pp):
-            acts = self.rank_activations(lay, m, split, timeline, r, deferred_w)
+            acts = self.rank_activations(lay, m, split, timeline, r)
             peak = self.peak(lay, m, r, facts[r], acts)
             ranks.append(Memory(float(facts[r].state.total), acts, self._overhead(peak, acts),
                                 self.device.hbm_bytes, peak))  # fmt: skip
