@@ -51,21 +51,16 @@ def gather_timeline(events: list[Event], comm: Comm, group: Group, **meta) -> Ti
     n = int(counts.max())
     rows = torch.full((n, 5), -1.0, **f64)  # [kind, stage, mb, start, end]
     if events:  # float64: epoch seconds need its 53 bits to keep microseconds
-        rows[: len(events)] = torch.tensor(
-            [[KINDS.index(e.kind), e.stage, e.microbatch, e.start, e.end] for e in events],
-            **f64,
-        )
+        mine = [[KINDS.index(e.kind), e.stage, e.microbatch, e.start, e.end] for e in events]
+        rows[: len(events)] = torch.tensor(mine, **f64)
     table = torch.empty(group.size * n, 5, **f64)
     comm.all_gather(table, rows, group)
     table = table.view(group.size, n, 5).cpu()
     valid = table[..., 0] >= 0
     t0 = float(table[..., 3][valid].min()) if bool(valid.any()) else 0.0
-    every = [
-        [
-            Event(KINDS[int(k)], int(s), int(mb), float(a) - t0, float(b) - t0)
-            for k, s, mb, a, b in table[r][valid[r]].tolist()
-        ]
-        for r in range(group.size)
+    every = [  # per rank, its valid rows (floats: tolist of float64)
+        [Event(KINDS[int(k)], int(s), int(mb), a - t0, b - t0) for k, s, mb, a, b in t[ok].tolist()]
+        for t, ok in zip(table, valid)
     ]
     ranks = [[e for e in ev if e.kind not in COMM_KINDS] for ev in every]
     lane = [[e for e in ev if e.kind in COMM_KINDS] for ev in every]
