@@ -282,11 +282,9 @@ class Footprint:
 
     def peak(self, lay: Layout, m: ModelConfig, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
-        eng = self.engine
         settings = PeakSettings(
-            eng.chunked_loss, self.recompute, eng.kernels.fused, eng.kernels.attention == "unfused",
-            *self._zero_buffers(lay, m, fa), _late_grads(lay, fa, self.shards(lay)),
-            eng.eager_loss, self._accumulated_grads(lay, fa),
+            self.engine, self.recompute, *self._zero_buffers(lay, m, fa),
+            _late_grads(lay, fa, self.shards(lay)), self._accumulated_grads(lay, fa),
         )  # fmt: skip
         return rank_peak(lay, m, pp_rank, acts, settings)
 

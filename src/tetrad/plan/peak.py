@@ -45,6 +45,7 @@ from tetrad.layout import Layout
 from tetrad.models.families import spec_for
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import held_stages
+from tetrad.plan.engines import Implementation
 
 
 @dataclass(frozen=True)
@@ -71,19 +72,17 @@ class Peak:
 
 @dataclass(frozen=True)
 class PeakSettings:
-    """What of an engine shapes its transients (`Footprint` passes its own)."""
+    """The engine and recompute policy whose transients these are, and the ZeRO and
+    gradient terms `Footprint` counts for the rank."""
 
-    chunked_loss: bool
+    engine: Implementation
     recompute: str
-    fused: bool
-    scores: bool
     zero_gathered: float  # ZeRO-3's gathered parameters, bytes
     zero_grads: float  # ZeRO-2/3's unsharded gradients alive in backward, bytes
     late_grads: float  # model-state gradients alive only from the reduction on, bytes
-    eager_loss: bool = False  # eager F.cross_entropy on fp32-cast logits (torchtitan)
     # of zero_grads: the whole gradients accumulated over microbatches, alive through every
     # moment of the later microbatches (their loss too), not at a block's backward only
-    accumulated_grads: float = 0.0
+    accumulated_grads: float
 
 
 def rank_peak(lay: Layout, m: ModelConfig, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
@@ -95,9 +94,10 @@ def rank_peak(lay: Layout, m: ModelConfig, pp_rank: int, acts: float, s: PeakSet
              ("ZeRO unsharded gradients", s.zero_grads - s.accumulated_grads)]  # fmt: skip
     moments = [("block backward", block + shared, [])]
     if last:
-        fwd, bwd = loss_forward(lay, m, s.chunked_loss), loss_backward(lay, m, s.chunked_loss)
+        chunked = s.engine.chunked_loss
+        fwd, bwd = loss_forward(lay, m, chunked), loss_backward(lay, m, chunked)
         hole = []
-        if s.eager_loss and not _chunked(lay, s.chunked_loss):
+        if s.engine.eager_loss and not _chunked(lay, chunked):
             bwd = eager_loss_backward(lay, m)
             hole = [("freed logits' space", eager_loss_hole(lay, m))]
         moments.append(("loss forward", [("loss chunk, forward", fwd)] + shared, []))
@@ -188,11 +188,11 @@ def block_backward(lay: Layout, m: ModelConfig, s: PeakSettings) -> float:
     out = 2 * tokens * m.hidden_dim * c / lay.tp + tokens * m.dim * c / (lay.tp if lay.sp else 1)
     family = spec_for(m).activations
     if s.recompute != "none":  # what the policy rebuilds for this block's backward
-        whole = family.layer(m, lay.tp, dt, "none", fused=s.fused)
-        kept = family.layer(m, lay.tp, dt, s.recompute, fused=s.fused)
+        whole = family.layer(m, lay.tp, dt, "none", fused=s.engine.kernels.fused)
+        kept = family.layer(m, lay.tp, dt, s.recompute, fused=s.engine.kernels.fused)
         out += act.total_bytes(whole, b, seq, lay.tp, lay.sp) - act.total_bytes(
             kept, b, seq, lay.tp, lay.sp
         )
-    if s.scores:
+    if s.engine.kernels.attention == "unfused":  # no flash kernel
         out += act.total_bytes(family.attention_scores(m, lay.seq_len), b, seq, lay.tp)
     return out
