@@ -217,9 +217,8 @@ class Footprint:
         chunked = self.engine.chunked_loss and lay.loss_chunk > 0
         head = family.head(m, lay.tp, dt, sp_shards=shards, chunked=chunked)
         head = act.total_bytes(head, b, s, lay.tp, lay.sp)
-        embed = act.total_bytes(family.embedding(lay.tp, dt), b, s, lay.tp, lay.sp)
         out = [n * layer_bytes for n in split]
-        out[0] += embed
+        out[0] += act.total_bytes(family.embedding(lay.tp, dt), b, s, lay.tp, lay.sp)
         out[-1] += head
         return out
 
@@ -229,8 +228,7 @@ class Footprint:
         its weight gradient in B."""
         b, s = lay.microbatch_size, lay.local_seq
         family = spec_for(m).activations
-        w = family.pending_w(m, lay.tp, lay.dtype_name)
-        one = act.total_bytes(w, b, s, lay.tp, lay.sp)
+        one = act.total_bytes(family.pending_w(m, lay.tp, lay.dtype_name), b, s, lay.tp, lay.sp)
         out = [n * one for n in split]
         if not (self.engine.chunked_loss and lay.loss_chunk > 0):
             head = family.pending_w_head(m, lay.tp, lay.dtype_name)
