@@ -418,6 +418,14 @@ class TrainConfig:
             choices=tuple(DTYPES),
         ),
     )
+    fp8: str = field(
+        default="",
+        metadata=cli(
+            "the blocks' linear layers' matmuls in FP8 with dynamic scales, one per tensor "
+            "or one per row, returning --dtype (bf16; fp32 to verify; docs/low_precision.md)",
+            choices=("tensorwise", "rowwise"),
+        ),
+    )
     recompute: str = field(
         default="none",
         metadata=cli(
@@ -728,6 +736,17 @@ def _validate_train(cfg: Config) -> None:
     _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
     _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables), got {t.grad_clip}")
     _require(t.dtype in DTYPES, f"train.dtype={t.dtype!r} not in {tuple(DTYPES)}")
+    _require(
+        t.fp8 in ("", "tensorwise", "rowwise"), f"train.fp8={t.fp8!r} is not tensorwise or rowwise"
+    )
+    _require(
+        not t.fp8 or t.dtype in ("bf16", "fp32"),
+        f"train.fp8={t.fp8!r} needs train.dtype 'bf16' (or 'fp32', to verify), got {t.dtype!r}",
+    )
+    _require(
+        not (t.fp8 == "rowwise" and t.dtype == "fp32" and _uses_cuda(t.device)),
+        "train.fp8='rowwise' with train.dtype='fp32' on CUDA: its kernel returns bf16 only",
+    )
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} not auto/cpu/cuda")
     _require(t.timeout > 0, f"train.timeout must be > 0 seconds, got {t.timeout}")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: never), got {t.eval_every}")

@@ -81,6 +81,7 @@ class Layout:
     ep: int = 1  # expert parallelism: ranks one MoE layer's experts are sharded over
     cp_kernel: str = "fused"  # a cp core's block attention (parallel/context_kernels.py)
     loss_chunk: int = 0  # tokens the head and loss run at a time (0: all of them at once)
+    fp8: str = ""  # "tensorwise", "rowwise": the blocks' linear matmuls in FP8 (models/fp8.py)
     compress: str = ""  # "int8", "fp8": gradients reduced in that block format; "": not
     error_feedback: bool = True  # a compressed reduction carries what it dropped forward
 
@@ -108,6 +109,7 @@ class Layout:
         split = _check_split(p, cfg.model.layers)
         _check_shapes(cfg)
         check_ep(p.ep, cfg.model.experts, p.degrees)
+        _check_fp8(cfg)
         window = cfg.model.sliding_window
         _require(
             not 0 < window < cfg.train.seq_len,
@@ -136,6 +138,7 @@ class Layout:
             ep=p.ep,
             cp_kernel=p.cp_kernel,
             loss_chunk=cfg.train.loss_chunk,
+            fp8=cfg.train.fp8,
             compress=p.reduce_dtype if p.reduce_dtype in COMPRESSED else "",
             error_feedback=p.error_feedback,
         )
@@ -361,6 +364,26 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int]) -> None:
         ep_fits(ep, data, tp),
         f"parallel.ep={ep} must divide the data ranks dp*fsdp*cp={data}, or be a multiple of"
         f" tp={tp} dividing dp*fsdp*cp*tp={data * tp}",
+    )
+
+
+def _check_fp8(cfg: Config) -> None:
+    """FP8 scales are taken over a microbatch's tokens and a whole weight: the layouts that
+    split those over ranks, or rewire the linears, are refused (models/fp8.py)."""
+    p, fp8 = cfg.parallel, cfg.train.fp8
+    if not fp8:
+        return
+    for axis in ("tp", "cp"):
+        degree = getattr(p, axis)
+        _require(
+            degree == 1,
+            f"train.fp8={fp8!r} with parallel.{axis}={degree}: scales over a tensor that {axis}"
+            " splits across ranks are not implemented yet",
+        )
+    _require(
+        p.pp_schedule not in SPLIT_BACKWARD or p.pp == 1,
+        f"train.fp8={fp8!r} with pp_schedule={p.pp_schedule!r}: the split backward's deferred"
+        " weight gradients are not implemented for FP8 linears yet",
     )
 
 

@@ -9,6 +9,7 @@ from tetrad.config import ModelConfig, TrainConfig
 from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.families import spec_for
+from tetrad.models.fp8 import use_fp8
 from tetrad.models.init import materialize
 from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
 from tetrad.models.spec import ModelSpec
@@ -41,6 +42,7 @@ def parallelize(
       2. pipeline split: keep only this stage's layers (pp);
       3. tensor parallelism: shrink each planned linear/embedding to its tp slice;
       4. materialise: fill each local tensor with its slice of the layout-invariant init;
+         with --fp8, the blocks' linears become FP8 ones (the same parameters);
       5. the model's memory settings (recomputation; a chunked loss that applies the
          head itself), then the runner: the pipeline schedule (its split backward rewires
          linears), or the plain microbatch loop;
@@ -60,6 +62,8 @@ def parallelize(
     if local.ep:  # the expert weights: this rank's experts, joined over ep
         unshard, slicer = local.ep.unshard(unshard), local.ep.slicer(slicer)
     materialize(model, model_cfg, train.seed, device, slicer, layout.master_dtype)
+    if layout.fp8:  # the same parameters, in modules whose matmuls run in FP8
+        use_fp8(model, spec.blocks, layout.fp8)
     spec.set_recompute(model, train.recompute)
     loss_fn = _loss_fn(model, train.loss_chunk, tp)
     replicated = local.replicated
