@@ -45,6 +45,7 @@ from typing import Any
 from tetrad.config import ModelConfig
 from tetrad.layout import SPLIT_BACKWARD, Layout
 from tetrad.models.families import spec_for
+from tetrad.models.spec import check_recompute
 from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
     build_schedule,
@@ -54,7 +55,6 @@ from tetrad.parallel.pipeline.schedules import (
 from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.parallel.pipeline.timeline import Event, Timeline
-from tetrad.plan import activations as act
 from tetrad.plan.candidates import (
     block_kinds,
     cp_exchange_bytes,
@@ -120,8 +120,7 @@ class Planner:
     many layouts share (building the meta model is the slow part of a search)."""
 
     def __init__(self, cluster: Cluster, engine: Implementation = TETRAD, recompute: str = "none"):
-        if recompute not in act.RECOMPUTE:
-            raise ValueError(f"recompute={recompute!r} is not one of {act.RECOMPUTE}")
+        check_recompute(recompute)
         if not cluster.overlap:  # nothing runs beside the compute on this machine
             engine = dataclasses.replace(
                 engine, tp_overlap=0.0, grad_overlap=False, param_gather_overlap=False,
@@ -358,8 +357,7 @@ class Planner:
         buffer = ep_bytes_per_layer(lay, m) / 4 * lay.ep / (lay.ep - 1)  # one call's copies
         one = self.cluster.all_to_all(group, buffer)
         counts = self.cluster.all_to_all(group, 8.0 * m.experts)
-        overlap = self.cluster.overlap
-        shared = self._shared_expert_seconds(lay, m, lay.microbatch_tokens) if overlap else 0.0
+        shared = self._shared_expert_seconds(lay, m) if self.cluster.overlap else 0.0
         forward = max(0.0, one - shared) + one + counts
         for stage in range(len(split)):
             moe = block_kinds(m, split, [stage])[1]
@@ -367,14 +365,14 @@ class Planner:
             out["B"][stage] = moe * 2 * one
         return out
 
-    def _shared_expert_seconds(self, lay: Layout, m: ModelConfig, tokens: float) -> float:
-        """Forward GEMM seconds of one layer's shared experts on one rank (split over tp
-        like a dense SwiGLU): the compute a dispatch all-to-all hides behind."""
+    def _shared_expert_seconds(self, lay: Layout, m: ModelConfig) -> float:
+        """Forward GEMM seconds of one layer's shared experts on one rank for a microbatch
+        (split over tp like a dense SwiGLU): the compute a dispatch all-to-all hides behind."""
         width = m.shared_experts * m.expert_dim / lay.tp
         if width == 0:
             return 0.0
         rate = self.cluster.device.flops_per_s(lay.dtype_name)
-        return 3 * 2 * tokens * m.dim * width / rate
+        return 3 * 2 * lay.microbatch_tokens * m.dim * width / rate
 
     def _zero3_gathers(
         self, lay: Layout, m: ModelConfig, facts: list[RankFacts], compute: dict[str, list[float]]
