@@ -401,8 +401,7 @@ def _leave(code: int) -> int:
 
 def _log_to_files(logs: Path, rank: int, attempt: int) -> None:
     """Send this rank's stderr (and stdout, but rank 0's) to OUT/logs/rank<R>.*.log."""
-    streams = [("stderr", 2)] + ([("stdout", 1)] if rank != 0 else [])
-    for name, fd in streams:
+    for name, fd in [("stderr", 2)] + ([("stdout", 1)] if rank != 0 else []):
         with open(logs / f"rank{rank}.{name}.log", "ab") as fh:
             fh.write(f"--- attempt {attempt}, pid {os.getpid()} ---\n".encode())
             fh.flush()
