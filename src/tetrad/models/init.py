@@ -38,7 +38,10 @@ def init_std(name: str, cfg: ModelConfig) -> float | None:
 
 
 def full_value(seed: int, name: str, shape: tuple[int, ...], cfg: ModelConfig) -> torch.Tensor:
-    """The full, unsharded float32 initial value of parameter `name`."""
+    """The full, unsharded float32 initial value of parameter `name` (a bias: zeros, as
+    Hugging Face's Qwen2 and Megatron start them)."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     std = init_std(name, cfg)
     if std is None:
         return torch.ones(shape)

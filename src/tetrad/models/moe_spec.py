@@ -58,8 +58,9 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 def layer_costs(m: ModelConfig, seq_len: int) -> list[float]:
     """[embedding, layers..., head+loss] FLOPs of one sequence, forward + backward: a dense
     layer is Llama's, an MoE layer has the active SwiGLU width and the router."""
-    dense = llama_layer_costs(m.layers, m.dim, m.hidden_dim, m.heads, m.kv_heads, m.vocab, seq_len)
-    moe = llama_layer_costs(1, m.dim, active_ffn(m), m.heads, m.kv_heads, m.vocab, seq_len)
+    shape = (m.heads, m.kv_heads, m.vocab, seq_len, m.head_dim)
+    dense = llama_layer_costs(m.layers, m.dim, m.hidden_dim, *shape)
+    moe = llama_layer_costs(1, m.dim, active_ffn(m), *shape)
     router = 3.0 * 2 * seq_len * m.dim * m.experts
     layers = [dense[1] if i < m.dense_layers else moe[1] + router for i in range(m.layers)]
     return [dense[0], *layers, dense[-1]]

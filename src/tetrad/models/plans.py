@@ -16,7 +16,9 @@ Styles:
 - `region`: a module whose (single) input enters the tp region once for all the column-wise
   linears inside it (identity forward / all-reduce backward, or all-gather with SP).
 - `sequence`: a norm that works on s/tp of the sequence under SP (replicated otherwise);
-  its weight's gradient is summed over tp.
+  its weight's gradient is summed over tp. Inside a region (Qwen3's per-head q/k norms,
+  after the column-wise projections) each tp rank normalises its own heads, so the
+  gradient is partial and summed over tp with or without SP.
 - `replicated`: identical on every tp rank; nothing to do.
 - `once`: a replicated module inside a region (an MoE layer's router): every tp rank
   computes it alike, and its input gradient is counted on one tp rank only, so the
@@ -104,5 +106,6 @@ def assign(names: list[str], plan: dict[str, str]) -> dict[str, str]:
 
 
 def decays(name: str) -> bool:
-    """Weight decay applies to matrices, not to norm gains (decided by logical name)."""
-    return not name.endswith("norm.weight")
+    """Weight decay applies to matrices, not to norm gains or biases (decided by logical
+    name, as Megatron decides it)."""
+    return not name.endswith(("norm.weight", ".bias"))
