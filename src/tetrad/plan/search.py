@@ -272,6 +272,6 @@ def search(
                 fitted[key] = _fits_somewhere(planner, base, m, at_cp1.get(key, []))
             if fitted[key]:
                 continue  # those ranks as data parallelism fit, and are faster (no exchange)
-        if _state_fits(planner, first, m):  # else it overflows, whatever the microbatches
+        if _state_fits(planner, first, m):  # else its state alone overflows, whatever the count
             _walk_family(planner, base, m, family, index, ranking, prune)
     return [planner.predict(cand, m) for cand in ranking.best()]
