@@ -52,6 +52,20 @@ def first_bucket_bytes(device: torch.device, bucket_bytes: int) -> int:
     return bucket_bytes if device.type == "cpu" else FIRST_BUCKET_BYTES
 
 
+def bucket_spans(nbytes: list[int], first: int, rest: int) -> list[list[int]]:
+    """The buckets of parameters of these byte sizes, as indices, taken in reverse order:
+    the first bucket closes once it reaches `first` bytes, the others `rest` (pure)."""
+    spans: list[list[int]] = [[]]
+    size = 0
+    for i in reversed(range(len(nbytes))):
+        spans[-1].append(i)
+        size += nbytes[i]
+        if size >= (rest if len(spans) > 1 else first):
+            spans.append([])
+            size = 0
+    return [s for s in spans if s]
+
+
 class Masters:
     """fp32 master copies of parameters that compute in a lower precision.
 
@@ -184,18 +198,13 @@ class GradBuckets(LocalGrads):
     @staticmethod
     def _make_buckets(params: list[nn.Parameter], first: int, rest: int) -> list[Bucket]:
         """Consecutive parameters in reverse order of definition (roughly the order backward
-        produces their gradients): the first bucket closes at `first` bytes, the others at
-        `rest`."""
-        buckets, current, size = [], [], 0
-        for p in reversed(params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= (rest if buckets else first):
-                buckets.append(current)
-                current, size = [], 0
-        if current:
-            buckets.append(current)
-        return [Bucket(b, b[0].dtype, b[0].device) for b in buckets]
+        produces their gradients), as `bucket_spans` groups them."""
+        sizes = [p.numel() * p.element_size() for p in params]
+        spans = bucket_spans(sizes, first, rest)
+        return [
+            Bucket([params[i] for i in span], params[span[0]].dtype, params[span[0]].device)
+            for span in spans
+        ]
 
     @contextmanager
     def final(self, names: Collection[str]) -> Iterator[None]:

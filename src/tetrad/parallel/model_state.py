@@ -31,6 +31,8 @@ from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.families import spec_for
 from tetrad.models.spec import ModelSpec
+from tetrad.parallel.compress import piece_sizes
+from tetrad.parallel.data import bucket_spans
 from tetrad.parallel.expert import REPLICATED as EXPERT_REPLICATED
 from tetrad.parallel.groups import ParamGroup, param_groups
 from tetrad.parallel.local import planned
@@ -131,7 +133,39 @@ def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelSta
     )
     spec, dtype = spec_for(m), layout.compute_dtype
     states = (group_bytes(g, named, replicated, mesh[g.axis].rank, spec, dtype) for g in groups)
-    return sum(states, ModelState(0, 0, 0))
+    state = sum(states, ModelState(0, 0, 0))
+    if layout.compress and layout.error_feedback:
+        sizes = [residual_bytes(g, named, replicated, layout, mesh, spec) for g in groups]
+        state = state + ModelState(0, sum(sizes), 0)
+    return state
+
+
+def residual_bytes(
+    group: ParamGroup,
+    named: list[tuple[str, tuple[int, ...]]],
+    replicated: dict[str, tuple[str, ...]],
+    layout: Layout,
+    mesh: Mesh,
+    spec: ModelSpec,
+) -> int:
+    """A compressed reduction's fp32 error-feedback residuals for one group
+    (parallel/compress.py): per ZeRO unit, the sender's over every rank's piece; per dp
+    bucket, that and the summing rank's piece. Buckets as `GradBuckets` makes them, with
+    the layout's first bucket (its CPU default when unset: on a GPU the first bucket's
+    padding may differ by a block per rank)."""
+    mine = group.of(named)
+    if group.sharded:
+        units = plan_units(mine, replicated, group.shards, spec, group.axis)
+        return sum(4 * group.shards * piece_sizes(u.padded, group.shards)[1] for u in units)
+    ranks = mesh[group.data].size
+    if ranks == 1:
+        return 0
+    numels = [math.prod(shape) for _, shape in mine]
+    c = layout.compute_dtype.itemsize
+    first = layout.first_bucket_bytes or layout.bucket_bytes
+    spans = bucket_spans([n * c for n in numels], first, layout.bucket_bytes)
+    widths = [piece_sizes(sum(numels[i] for i in span), ranks)[1] for span in spans]
+    return sum(4 * (ranks + 1) * w for w in widths)
 
 
 def group_bytes(
