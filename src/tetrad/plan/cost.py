@@ -326,8 +326,7 @@ class Planner:
         link = self.cluster.link(lay.tp, lay.cp)
         seconds = {"F": link.time("all_gather", lay.cp, nbytes),
                    "B": link.time("reduce_scatter", lay.cp, nbytes)}  # fmt: skip
-        s = lay.seq_len
-        b, tokens = lay.microbatch_size, lay.microbatch_tokens
+        b, tokens, s = lay.microbatch_size, lay.microbatch_tokens, lay.seq_len
         fwd = self.compute.block_forward(m, lay.tp, lay.sp, tokens, b, s, lay.dtype_name, lay.cp)
         window = {"F": fwd.attention, "B": self.compute.backward(fwd).attention}
         ring = self.engine.cp_overlap or (lay.cp_attention == "ring" and self.cluster.overlap)

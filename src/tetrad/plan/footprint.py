@@ -216,10 +216,9 @@ class Footprint:
             layer_bytes += act.total_bytes(gathered, b, s, lay.tp, lay.sp)
         chunked = self.engine.chunked_loss and lay.loss_chunk > 0
         head = family.head(m, lay.tp, dt, sp_shards=shards, chunked=chunked)
-        head = act.total_bytes(head, b, s, lay.tp, lay.sp)
         out = [n * layer_bytes for n in split]
         out[0] += act.total_bytes(family.embedding(lay.tp, dt), b, s, lay.tp, lay.sp)
-        out[-1] += head
+        out[-1] += act.total_bytes(head, b, s, lay.tp, lay.sp)
         return out
 
     def stage_pending_w(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[float]:
