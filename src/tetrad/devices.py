@@ -35,15 +35,19 @@ class Device:
 
     def flops_per_s(self, dtype: str) -> float:
         """The FLOP rate the planner charges: peak x efficiency."""
+        if dtype not in self.peak_tflops:
+            raise ValueError(f"{self.name} has no {dtype} peak (known: {sorted(self.peak_tflops)})")
         return self.peak_tflops[dtype] * 1e12 * self.efficiency
 
 
-# fp64 (verification runs): the FP64 tensor-core dense peak of NVIDIA's datasheets
-H100 = Device("h100", {"bf16": 989.0, "fp32": 67.0, "fp64": 67.0}, 81559 * 2**20, 3.35e12, 0.49)
+# fp64 (verification runs): the FP64 tensor-core dense peak of NVIDIA's datasheets; fp8:
+# the dense FP8 tensor-core peak (the linears under --fp8), twice bf16's on Hopper
+HOPPER = {"bf16": 989.0, "fp32": 67.0, "fp64": 67.0, "fp8": 1979.0}
+H100 = Device("h100", HOPPER, 81559 * 2**20, 3.35e12, 0.49)
 # torchtitan's benchmark parts (Grand Teton): H100 SXM with 96 GB HBM2e at 2.4 TB/s,
 # power-capped at 500 W: the same declared peak, a lower achievable share of it
-H100_HBM2E = Device("h100-hbm2e", {"bf16": 989.0, "fp32": 67.0, "fp64": 67.0}, 96e9, 2.4e12, 0.42)
-H200 = Device("h200", {"bf16": 989.0, "fp32": 67.0, "fp64": 67.0}, 140 * GiB, 4.8e12, 0.49)
+H100_HBM2E = Device("h100-hbm2e", HOPPER, 96e9, 2.4e12, 0.42)
+H200 = Device("h200", HOPPER, 140 * GiB, 4.8e12, 0.49)
 A100 = Device("a100", {"bf16": 312.0, "fp32": 19.5, "fp64": 19.5}, 80 * GiB, 2.039e12, 0.62)
 
 GPUS = {d.name: d for d in (H200, H100, H100_HBM2E, A100)}

@@ -83,6 +83,7 @@ def describe(lay: Layout, recompute: str = "none") -> dict[str, Any]:
         "virtual_stages": lay.virtual_stages, "microbatch_size": lay.microbatch_size,
         "global_batch": lay.global_batch, "seq_len": lay.seq_len,
         "dtype": lay.dtype_name, "recompute": recompute, "world": lay.world,
+        "fp8": lay.fp8, "reduce_dtype": lay.compress or dtype_name(lay.reduce_dtype),
     }  # fmt: skip
 
 
@@ -99,21 +100,23 @@ def gpt_as_llama(layers: int, hidden: int, heads: int, vocab: int, max_seq_len: 
 
 
 def layout_config(model: ModelConfig, global_batch: int, seq_len: int, dtype: str = "bf16",
-                  **parallel: Any) -> Config:  # fmt: skip
-    """A Config for the planner: `model`, batch, sequence, compute dtype and degrees."""
+                  fp8: str = "", **parallel: Any) -> Config:  # fmt: skip
+    """A Config for the planner: `model`, batch, sequence, compute dtype (and FP8 recipe)
+    and degrees."""
     cfg = Config()
     cfg.model = dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq_len))
     cfg.data.source = "synthetic"
     cfg.train.global_batch, cfg.train.seq_len, cfg.train.dtype = global_batch, seq_len, dtype
+    cfg.train.fp8 = fp8
     cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)
     return cfg
 
 
 def layout_for(model: ModelConfig, global_batch: int, seq_len: int, dtype: str = "bf16",
-               world: int | None = None, **parallel: Any) -> Layout:  # fmt: skip
+               world: int | None = None, fp8: str = "", **parallel: Any) -> Layout:  # fmt: skip
     """The validated Layout of `model`, batch, sequence, compute dtype and degrees
     (`Layout.build` of `layout_config`'s Config; ValueError naming what fails)."""
-    cfg = layout_config(model, global_batch, seq_len, dtype, **parallel)
+    cfg = layout_config(model, global_batch, seq_len, dtype, fp8, **parallel)
     return Layout.build(cfg, world)
 
 
@@ -143,7 +146,7 @@ class _Model:
 @functools.lru_cache(maxsize=8192)
 def _candidate(model: _Model, base: Layout, parallel: tuple) -> Layout:
     cfg = layout_config(model.model, base.global_batch, base.seq_len, base.dtype_name,
-                        **_carried(base) | dict(parallel))  # fmt: skip
+                        base.fp8, **_carried(base) | dict(parallel))  # fmt: skip
     cfg.train.loss_chunk = base.loss_chunk
     return Layout.build(cfg, cfg.parallel.world)
 
@@ -153,7 +156,8 @@ def _carried(base: Layout) -> dict[str, Any]:
     schedule and the counts the search chooses)."""
     reduce = "fp32" if base.dtype_name == "fp64" else dtype_name(base.reduce_dtype)
     return {
-        "reduce_dtype": reduce, "cp_attention": base.cp_attention, "cp_kernel": base.cp_kernel,
+        "reduce_dtype": base.compress or reduce, "error_feedback": base.error_feedback,
+        "cp_attention": base.cp_attention, "cp_kernel": base.cp_kernel,
         "bucket_mb": base.bucket_bytes / 2**20, "first_bucket_mb": base.first_bucket_bytes / 2**20,
         "reshard_after_forward": base.reshard_after_forward,
         "pp_split": "measured" if base.split_measured else "",

@@ -54,6 +54,17 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, help="sequences per step (or the run's)")
     p.add_argument("--seq-len", type=int, help="sequence length (or the run's)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="default bf16, or the run's")
+    p.add_argument(
+        "--fp8",
+        choices=("tensorwise", "rowwise"),
+        default="",
+        help="the blocks' linears in FP8 (priced at the device's FP8 peak)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=("fp32", "bf16", "int8", "fp8"),
+        help="what gradients cross ranks in (default fp32; int8/fp8: 1 + 4/256 bytes a value)",
+    )
     p.add_argument("--from-run", action="append", metavar="RUN", default=[],
                    help="a tetrad run directory (config.json, metrics.jsonl) on this "
                         "machine to fit efficiency and links to; repeatable")  # fmt: skip
@@ -135,7 +146,9 @@ def build_layout(args: argparse.Namespace, model: ModelConfig) -> Layout:
     if given.get("pp_schedule") in ("interleaved-1f1b", "zb-v"):
         given.setdefault("virtual_stages", 2)
     given["sp"] = given.get("tp", 1) > 1 and not args.no_sp and not model.moe
-    return layout_for(model, args.global_batch, args.seq_len, args.dtype, world, **given)
+    if args.reduce_dtype:
+        given["reduce_dtype"] = args.reduce_dtype
+    return layout_for(model, args.global_batch, args.seq_len, args.dtype, world, args.fp8, **given)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,7 +161,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cluster, calibration = calibrate(cluster, engine, runs, fit_links=not args.calibration)
     planner = Planner(cluster, engine, args.recompute)
     if args.search:
-        base = layout_for(model, args.global_batch, args.seq_len, args.dtype)
+        carried = {"reduce_dtype": args.reduce_dtype} if args.reduce_dtype else {}
+        base = layout_for(
+            model, args.global_batch, args.seq_len, args.dtype, None, args.fp8, **carried
+        )
         fixed = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
         preds = search(planner, base, model, args.gpus, Space(**fixed), top=args.top)
     else:
@@ -169,8 +185,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _layout_of(pred: Any, model: ModelConfig) -> Layout:
     """The Layout a prediction describes."""
     lay = pred.layout
+    given = {k: lay[k] for k in (*LAYOUT_FLAGS, "sp", "reduce_dtype")}
     return layout_for(model, lay["global_batch"], lay["seq_len"], lay["dtype"], lay["world"],
-                      **{k: lay[k] for k in (*LAYOUT_FLAGS, "sp")})  # fmt: skip
+                      lay["fp8"], **given)  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

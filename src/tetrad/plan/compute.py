@@ -99,17 +99,20 @@ class ComputeModel:
         return self.device.peak_tflops[dtype] * 1e12 * share
 
     def block_forward(self, m: ModelConfig, t: int, sp: bool, tokens: int, seqs: int,
-                      s: int, dtype: str, cp: int = 1) -> Parts:  # fmt: skip
+                      s: int, dtype: str, cp: int = 1, gemm_dtype: str = "") -> Parts:  # fmt: skip
         """One block's forward on one rank for `tokens` local tokens of `seqs` sequences of
         length `s`; with context parallelism a rank holds s/cp of each sequence and, the
-        chunks load-balanced, 1/cp of the causal attention."""
+        chunks load-balanced, 1/cp of the causal attention. `gemm_dtype`: the linears'
+        (fp8 under --fp8), where not `dtype`."""
         linears = spec_for(m).block_linears(m, t).values()  # (K, N) of each, on this rank
-        gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, dtype) for k, n in linears)
+        g = gemm_dtype or dtype
+        gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, g) for k, n in linears)
         nbytes = tokens * self.elementwise_bytes(m, t, sp, dtype)
         if self.kernels.attention == "unfused":
             attention = self._unfused_attention(m, t, seqs, s, dtype) / cp
         else:
-            attention = seqs * 2 * s * s * m.dim / t / cp / self._attention_rate(dtype)
+            width = m.heads * m.head_dim  # the query width (Qwen3 sets it apart from dim)
+            attention = seqs * 2 * s * s * width / t / cp / self._attention_rate(dtype)
         return Parts(gemm, attention, nbytes / self.device.hbm_Bps)
 
     def selective_redo(self, m: ModelConfig, t: int, tokens: int, dtype: str, fwd: Parts) -> float:
@@ -131,7 +134,7 @@ class ComputeModel:
         dropout: `UNFUSED_SCORE_BYTES` bytes an element forward (twice backward, as for
         every elementwise op), at HBM bandwidth; per tp rank its a/t heads."""
         c = DTYPE_BYTES[dtype]
-        flops = seqs * 4 * s * s * m.dim / t
+        flops = seqs * 4 * s * s * m.heads * m.head_dim / t
         scores = seqs * (m.heads / t) * s * s * UNFUSED_SCORE_BYTES * c / 2
         return flops / self._gemm_rate(s, s, dtype) + scores / self.device.hbm_Bps
 

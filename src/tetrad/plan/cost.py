@@ -277,8 +277,9 @@ class Planner:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
         s, dt = lay.seq_len, lay.dtype_name
         b, tokens = lay.microbatch_size, lay.microbatch_tokens  # tokens: cp splits sequences
-        fwd = self.compute.block_forward(m, lay.tp, lay.sp, tokens, b, s, dt, lay.cp)
-        selective = self.compute.selective_redo(m, lay.tp, tokens, dt, fwd)
+        fp8 = "fp8" if lay.fp8 else ""
+        fwd = self.compute.block_forward(m, lay.tp, lay.sp, tokens, b, s, dt, lay.cp, fp8)
+        selective = self.compute.selective_redo(m, lay.tp, tokens, fp8 or dt, fwd)
         redo = {"none": 0.0, "selective": selective, "full": fwd.total, "op": fwd.gemm / 2}
         bwd = self.compute.backward(fwd).total + redo[self.recompute]
         embed = tokens * m.dim * lay.element_bytes / self.cluster.device.hbm_Bps  # a lookup's write
@@ -327,7 +328,10 @@ class Planner:
         seconds = {"F": link.time("all_gather", lay.cp, nbytes),
                    "B": link.time("reduce_scatter", lay.cp, nbytes)}  # fmt: skip
         b, tokens, s = lay.microbatch_size, lay.microbatch_tokens, lay.seq_len
-        fwd = self.compute.block_forward(m, lay.tp, lay.sp, tokens, b, s, lay.dtype_name, lay.cp)
+        fp8 = "fp8" if lay.fp8 else ""
+        fwd = self.compute.block_forward(
+            m, lay.tp, lay.sp, tokens, b, s, lay.dtype_name, lay.cp, fp8
+        )
         window = {"F": fwd.attention, "B": self.compute.backward(fwd).attention}
         ring = self.engine.cp_overlap or (lay.cp_attention == "ring" and self.cluster.overlap)
         for kind in "FB":
@@ -439,13 +443,15 @@ class Planner:
         if reps * lay.fsdp == 1:
             return {"dp": experts, "fsdp": 0.0}
         bucket = self.engine.reduce_bucket
-        if lay.fsdp == 1:  # tetrad's plain DP keeps fp32 gradients; dp x cp is contiguous
+        if lay.fsdp == 1:  # plain DP: the buckets in their reduce width; dp x cp contiguous
             n = _calls(psi, 1, bucket)
-            ar = n * self.cluster.link(lay.tp, reps).time("all_reduce", reps, psi * 4 / n)
+            ar = n * self.cluster.link(lay.tp, reps).time(
+                "all_reduce", reps, psi * lay.reduce_bytes / n
+            )
             return {"dp": ar + experts, "fsdp": 0.0}
         n = _calls(psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
         link = self.cluster.link(lay.tp * lay.cp, lay.fsdp)
-        rs = n * link.time("reduce_scatter", lay.fsdp, psi * lay.reduce_dtype.itemsize / n)
+        rs = n * link.time("reduce_scatter", lay.fsdp, psi * lay.reduce_bytes / n)
         # the replica group dp x cp: cp ranks tp apart, dp ranks tp·cp·fsdp apart; priced
         # as one group over the span it covers
         outer = self.cluster.link(lay.tp * (lay.fsdp if lay.dp > 1 else 1), reps)
@@ -464,8 +470,8 @@ class Planner:
         group = ep_groups(lay)[1][0]
         n, link = len(group), self.cluster.group_link(group)
         if fa.expert_shards == 1:
-            return link.time("all_reduce", n, fa.psi_experts * 4)
-        return link.time("reduce_scatter", n, fa.psi_experts * lay.reduce_dtype.itemsize)
+            return link.time("all_reduce", n, fa.psi_experts * lay.reduce_bytes)
+        return link.time("reduce_scatter", n, fa.psi_experts * lay.reduce_bytes)
 
     def after_schedule(self, lay: Layout, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
         """Exposed seconds of one pp rank after its pipeline work: gradient reduction,
