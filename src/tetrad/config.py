@@ -8,6 +8,7 @@ everywhere with a `ValueError` that names it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -747,6 +748,11 @@ def _validate_train(cfg: Config) -> None:
         not (t.fp8 == "rowwise" and t.dtype == "fp32" and _uses_cuda(t.device)),
         "train.fp8='rowwise' with train.dtype='fp32' on CUDA: its kernel returns bf16 only",
     )
+    _require(
+        not t.fp8 or _uses_cuda(t.device) or _scaled_mm_on_cpu(),
+        f"train.fp8={t.fp8!r} on CPU: torch {torch.__version__} has no CPU kernel for FP8"
+        " matmuls (torch._scaled_mm; torch 2.6 has none): a newer torch, or a GPU",
+    )
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} not auto/cpu/cuda")
     _require(t.timeout > 0, f"train.timeout must be > 0 seconds, got {t.timeout}")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: never), got {t.eval_every}")
@@ -792,6 +798,17 @@ def _validate_straggler(t: TrainConfig) -> None:
         t.straggler_windows >= 1,
         f"train.straggler_windows={t.straggler_windows} must be >= 1",
     )
+
+
+@functools.cache
+def _scaled_mm_on_cpu() -> bool:
+    """Whether this torch runs `torch._scaled_mm` (FP8 matmuls) on CPU."""
+    one, a = torch.tensor(1.0), torch.zeros(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _uses_cuda(device: str) -> bool:
