@@ -100,7 +100,9 @@ def test_help():
 # `tetrad train`, declared once, by its `cli` metadata (config.py)
 CONFIG_ONLY = {
     "model": {"name", "family", "ffn_dim", "max_seq_len", "rope_theta", "norm_eps", "init_std",
-              "head_size", "qk_norm", "bias_rate", "capacity_factor"},
+              "head_size", "qk_norm", "bias_rate", "capacity_factor", "n_group", "topk_group",
+              "routed_scaling", "norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_dim",
+              "qk_rope_dim", "v_head_dim"},
     "parallel": {"reshard_after_forward", "elastic"},
     "train": {"min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip"},
     "data": {"max_bytes"},

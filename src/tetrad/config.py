@@ -136,6 +136,22 @@ class ModelConfig:
     )
     bias_rate: float = 0.001  # the loss-free bias's step per training step
     capacity_factor: float = 0.0  # 0: dropless (every token reaches its top_k experts)
+    # DeepSeek-V3's routing (docs/models.md): experts in n_group groups, each token's top_k
+    # chosen within its topk_group best groups; the chosen weights renormalised when
+    # norm_topk_prob, then times routed_scaling
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    norm_topk_prob: bool = True
+    # multi-head latent attention (family "deepseek_v3"): queries through a rank-q_lora_rank
+    # bottleneck (0: one projection), keys and values from a rank-kv_lora_rank latent; each
+    # head's query and key are qk_nope_dim channels without position and qk_rope_dim rotated
+    # ones (the key's shared by all heads), its value v_head_dim
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -239,6 +255,22 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         family="moe", layers=94, dim=4096, heads=64, kv_heads=4, head_size=128,
         vocab=151936, experts=128, top_k=8, moe_ffn_dim=1536, max_seq_len=40960,
         rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+    ),
+    # DeepSeek-V3: multi-head latent attention, 3 dense layers, then 256 routed experts in
+    # 8 groups (top 8 within the best 4 groups) and one shared; its 4096 positions before
+    # yarn (the 128K context is yarn's, not implemented); the tiny one trains here
+    "deepseek-tiny": dict(
+        family="deepseek_v3", layers=3, dim=32, heads=4, kv_heads=4, vocab=256, ffn_dim=64,
+        norm_eps=1e-6, experts=8, top_k=2, moe_ffn_dim=16, shared_experts=1, dense_layers=1,
+        router="sigmoid", balance="bias", n_group=4, topk_group=2, routed_scaling=2.5,
+        q_lora_rank=16, kv_lora_rank=12, qk_nope_dim=8, qk_rope_dim=4, v_head_dim=8,
+    ),
+    "deepseek-v3": dict(
+        family="deepseek_v3", layers=61, dim=7168, heads=128, kv_heads=128, vocab=129280,
+        ffn_dim=18432, max_seq_len=4096, norm_eps=1e-6, experts=256, top_k=8,
+        moe_ffn_dim=2048, shared_experts=1, dense_layers=3, router="sigmoid", balance="bias",
+        n_group=8, topk_group=4, routed_scaling=2.5, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
     ),
 }  # fmt: skip
 
@@ -696,8 +728,9 @@ def _validate_model(m: ModelConfig) -> None:
 
 def _validate_moe(m: ModelConfig) -> None:
     _require(
-        m.moe == (m.family == "moe"),
-        f"model.experts={m.experts} with family={m.family!r}: experts > 0 is the 'moe' family",
+        m.moe == (m.family in ("moe", "deepseek_v3")),
+        f"model.experts={m.experts} with family={m.family!r}: experts > 0 is the 'moe' family "
+        "(or 'deepseek_v3')",
     )
     if not m.moe:
         return

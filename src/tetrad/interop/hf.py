@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral,
-Qwen3-MoE): config.json <-> ModelConfig, weights by name (docs/models.md).
+Qwen3-MoE, DeepSeek-V3): config.json <-> ModelConfig, weights by name (docs/models.md).
 
 A Hugging Face Llama directory holds `config.json` and either one `model.safetensors` or
 shards listed in `model.safetensors.index.json`. Import reads headers first (every name,
@@ -13,6 +13,7 @@ Face's `rotate_half` pairs channel i with i + head_dim/2. So the rows of q and k
 permuted within each head on the way in and back on the way out:
 tetrad row 2i = HF row i, tetrad row 2i+1 = HF row i + head_dim/2. Qwen3's per-head
 QK-norm gains and Qwen2's q and k biases are permuted alike (their channels are q's and k's).
+DeepSeek-V3 stores its rotated channels interleaved already (`rope_interleave`): no permutation.
 
 Mixture of experts: a checkpoint stores one tensor per expert
 (`...experts.{j}.w1.weight`); tetrad stacks them along a first dimension of experts.
@@ -31,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tetrad.config import ModelConfig
+from tetrad.models import deepseek_spec
 from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
 from tetrad.models.moe_spec import QWEN3_MOE_NAMES, hf_architecture
@@ -48,6 +50,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 MODEL_TYPES = tuple(ARCHITECTURES)
 # what a type's attention has beyond Llama's: (QK-norm, q/k/v biases), and which types
@@ -57,15 +60,17 @@ WINDOWED = ("mistral", "mixtral")
 
 
 def model_type(model: ModelConfig) -> str:
-    """The Hugging Face model_type `model` is written as."""
-    return hf_architecture(model) if model.moe else model.family
+    """The Hugging Face model_type `model` is written as (the MoE family's: by its switches)."""
+    return hf_architecture(model) if model.family == "moe" else model.family
 
 
 def _spec(model: ModelConfig) -> ModelSpec:
     """The model's family spec, its names those of the Hugging Face model it is written as."""
     spec = spec_for(model)
-    if model.moe and hf_architecture(model) == "qwen3_moe":
+    if model_type(model) == "qwen3_moe":
         return dataclasses.replace(spec, hf_names=QWEN3_MOE_NAMES)
+    if model.family == "deepseek_v3":
+        return dataclasses.replace(spec, hf_names=deepseek_spec.hf_names(model))
     return spec
 
 
@@ -156,6 +161,8 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         "qkv_bias": SWITCHES.get(kind, (False, False))[1],
         "sliding_window": int(raw.get("sliding_window") or 0) if kind in WINDOWED else 0,
     }
+    if kind == "deepseek_v3":
+        return fields | _deepseek_fields(raw, file)
     if kind not in ("mixtral", "qwen3_moe"):
         return fields | {"family": kind}
     moe = _mixtral_fields(raw, file) if kind == "mixtral" else _qwen3_moe_fields(raw, file)
@@ -190,6 +197,31 @@ def _qwen3_moe_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     }
 
 
+def _deepseek_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    """The fields of a DeepSeek-V3 config.json: latent attention (no grouped-query heads,
+    no head size of its own) and its MoE (sigmoid router, loss-free bias, expert groups).
+    Weights stored in rotate_half order (rope_interleave false) are refused."""
+    if not raw.get("rope_interleave", True):
+        raise ValueError(f"{file}: rope_interleave=false is not supported (tetrad's rotary "
+                         "pairs are interleaved)")  # fmt: skip
+    ints = {
+        "experts": "n_routed_experts", "top_k": "num_experts_per_tok",
+        "moe_ffn_dim": "moe_intermediate_size", "shared_experts": "n_shared_experts",
+        "dense_layers": "first_k_dense_replace", "n_group": "n_group",
+        "topk_group": "topk_group", "kv_lora_rank": "kv_lora_rank",
+        "qk_nope_dim": "qk_nope_head_dim", "qk_rope_dim": "qk_rope_head_dim",
+        "v_head_dim": "v_head_dim",
+    }  # fmt: skip
+    heads = int(raw["num_attention_heads"])
+    return {field: _int(raw, key, file) for field, key in ints.items()} | {
+        "family": "deepseek_v3", "kv_heads": heads, "head_size": 0,
+        "q_lora_rank": int(raw.get("q_lora_rank") or 0),
+        "routed_scaling": float(raw.get("routed_scaling_factor", 1.0)),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+        "router": "sigmoid", "balance": "bias",
+    }  # fmt: skip
+
+
 def _int(raw: dict[str, Any], key: str, file: Path) -> int:
     if key not in raw:
         raise ValueError(f"{file}: missing {key!r}")
@@ -209,13 +241,25 @@ HF_KEYS = {  # ModelConfig field -> its key in config.json, for error messages
     "tie_embeddings": "tie_word_embeddings",
     "family": "model_type",
     "head_size": "head_dim",
-    "experts": "num_local_experts (Mixtral) / num_experts (Qwen3-MoE)",
+    "experts": "num_local_experts (Mixtral) / num_experts (Qwen3-MoE) / n_routed_experts",
     "top_k": "num_experts_per_tok",
-    "moe_ffn_dim": "intermediate_size (Mixtral) / moe_intermediate_size (Qwen3-MoE)",
-    "dense_layers": "mlp_only_layers",
+    "moe_ffn_dim": "intermediate_size (Mixtral) / moe_intermediate_size",
+    "dense_layers": "mlp_only_layers (Qwen3-MoE) / first_k_dense_replace (DeepSeek-V3)",
     "qk_norm": "model_type",
     "qkv_bias": "model_type",
     "sliding_window": "sliding_window",
+    "shared_experts": "n_shared_experts",
+    "router": "model_type",
+    "balance": "model_type",
+    "n_group": "n_group",
+    "topk_group": "topk_group",
+    "routed_scaling": "routed_scaling_factor",
+    "norm_topk_prob": "norm_topk_prob",
+    "q_lora_rank": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_dim": "qk_nope_head_dim",
+    "qk_rope_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
 }
 
 
@@ -297,6 +341,21 @@ class HFWeights(Mapping):
                     )
                 if shape != want:
                     raise ValueError(f"{self.files[key]}: {key} has shape {shape}, expected {want}")
+        if model.family == "deepseek_v3":
+            self._check_routing_bias()
+
+    def _check_routing_bias(self) -> None:
+        """A trained loss-free bias (DeepSeek-V3's e_score_correction_bias buffer) changes
+        which experts a token gets; the engine loads parameters, not buffers, so a nonzero
+        one is refused rather than dropped."""
+        for i in range(self.model.dense_layers, self.model.layers):
+            key = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+            if key not in self.files:
+                continue
+            with safe_open(self.files[key], framework="pt") as fh:
+                if fh.get_tensor(key).any():
+                    raise ValueError(f"{self.files[key]}: {key} is nonzero; importing a "
+                                     "trained routing bias is not supported yet")  # fmt: skip
 
     def _headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         out = {}
@@ -438,7 +497,28 @@ def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         dense["sliding_window"] = model.sliding_window or None
     elif kind in SWITCHES:
         dense["use_sliding_window"] = False
+    if kind == "deepseek_v3":
+        return _deepseek_config(model, dense)
     return _moe_config(model, dense) if model.moe else dense
+
+
+def _deepseek_config(model: ModelConfig, dense: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSeek-V3 config.json of a deepseek_v3 model (rotary over the rope channels,
+    interleaved; no multi-token prediction layer)."""
+    check_exportable(model)
+    m = model
+    return dense | {
+        "num_key_value_heads": m.heads, "head_dim": m.qk_rope_dim,
+        "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_dim, "qk_rope_head_dim": m.qk_rope_dim,
+        "qk_head_dim": m.qk_nope_dim + m.qk_rope_dim, "v_head_dim": m.v_head_dim,
+        "rope_interleave": True, "n_routed_experts": m.experts,
+        "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_dim,
+        "n_shared_experts": m.shared_experts, "first_k_dense_replace": m.dense_layers,
+        "n_group": m.n_group, "topk_group": m.topk_group,
+        "routed_scaling_factor": m.routed_scaling, "norm_topk_prob": m.norm_topk_prob,
+        "num_nextn_predict_layers": 0,
+    }  # fmt: skip
 
 
 def check_exportable(model: ModelConfig) -> None:
@@ -451,9 +531,14 @@ def check_exportable(model: ModelConfig) -> None:
         "qkv_bias": (model.qkv_bias != qkv_bias, f"{cls} {has[qkv_bias]} q/k/v biases"),
         "sliding_window": (model.sliding_window > 0 and kind not in WINDOWED, f"{cls} has none"),
     }
-    if model.moe:
+    if kind == "deepseek_v3":
+        refuse |= {
+            "router": (model.router != "sigmoid", f"{cls} routes by sigmoid"),
+            "shared_experts": (model.shared_experts < 1, f"{cls} has shared experts"),
+        }
+    elif model.moe:
         refuse |= _moe_refusals(model)
-    target = "Mixtral or Qwen3-MoE" if model.moe else cls
+    target = "Mixtral or Qwen3-MoE" if model.family == "moe" else cls
     for field, (bad, why) in refuse.items():
         if bad:
             raise ValueError(
@@ -468,6 +553,9 @@ def _moe_refusals(model: ModelConfig) -> dict[str, tuple[bool, str]]:
         "shared_experts": (model.shared_experts > 0, "neither has shared experts"),
         "router": (model.router != "softmax", "both route by softmax"),
         "balance": (model.balance == "bias", "neither has a routing bias"),
+        "n_group": (model.n_group > 1, "neither limits the experts to groups"),
+        "routed_scaling": (model.routed_scaling != 1, "neither scales the routed weights"),
+        "norm_topk_prob": (not model.norm_topk_prob, "tetrad writes them renormalised"),
         "dense_layers": (
             model.dense_layers > 0 and not model.qk_norm,
             "Mixtral has no dense layers (a QK-norm model exports as Qwen3-MoE, which has)",

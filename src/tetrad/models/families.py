@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from tetrad.config import ModelConfig
+from tetrad.models.deepseek_spec import DEEPSEEK_V3
 from tetrad.models.llama_spec import LLAMA, MISTRAL, QWEN2, QWEN3
 from tetrad.models.moe_spec import MOE
 from tetrad.models.spec import ModelSpec
 
-FAMILIES: dict[str, ModelSpec] = {spec.family: spec for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, MOE)}
+FAMILIES: dict[str, ModelSpec] = {
+    spec.family: spec for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, MOE, DEEPSEEK_V3)
+}
 
 
 def family(name: str) -> ModelSpec:

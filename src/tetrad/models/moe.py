@@ -62,6 +62,17 @@ def top_k_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+def check_groups(cfg: ModelConfig) -> None:
+    """Refuse a group-limited routing that cannot choose top_k experts."""
+    g, kg = cfg.n_group, cfg.topk_group
+    per = cfg.experts // g if g > 0 and cfg.experts % g == 0 else 0
+    if g > 1 and not (per >= 2 and 1 <= kg <= g and cfg.top_k <= kg * per):
+        raise ValueError(
+            f"model.n_group={g}, topk_group={kg}: {cfg.experts} experts must split into groups "
+            f"of at least 2, and top_k={cfg.top_k} fit in topk_group groups"
+        )
+
+
 # (tokens grouped by expert, a stacked weight, tokens per expert) -> each group times its expert
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -73,11 +84,16 @@ class Router(nn.Module):
     Qwen3-MoE). sigmoid: independent scores, the chosen ones normalised to sum to one
     (DeepSeek-V3). Either way the k are chosen on the scores plus `expert_bias` (the
     loss-free balance's buffer, zero unless balance is "bias") and weighted by the
-    scores alone."""
+    scores alone. DeepSeek-V3 also limits the choice to each token's `topk_group` best of
+    `n_group` expert groups, and scales the weights by `routed_scaling` (after
+    renormalising them, unless `norm_topk_prob` is off)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        check_groups(cfg)
         self.kind, self.top_k = cfg.router, cfg.top_k
+        self.groups, self.topk_group = cfg.n_group, cfg.topk_group
+        self.scaling, self.renormalise = cfg.routed_scaling, cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.dim))
         self.register_buffer("expert_bias", torch.zeros(cfg.experts))
         self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -87,10 +103,24 @@ class Router(nn.Module):
         all fp32 but the int64 ids."""
         logits = self.logits(x) if self._logits is None else self._logits(x)  # [T, E]
         scores = logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
-        ids = top_k_stable(scores + widen(self.expert_bias), self.top_k)
+        choice = scores + widen(self.expert_bias)
+        if self.groups > 1:
+            choice = self._in_best_groups(choice)
+        ids = top_k_stable(choice, self.top_k)
         chosen = scores.gather(1, ids)
         probs = scores if self.kind == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-        return probs, ids, chosen / chosen.sum(dim=-1, keepdim=True)
+        if self.renormalise:
+            chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+        return probs, ids, chosen * self.scaling
+
+    def _in_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] with the experts outside each token's `topk_group` best groups at
+        -inf; a group scores the sum of its two best (DeepSeek-V3's group-limited routing)."""
+        grouped = choice.unflatten(-1, (self.groups, -1))  # [T, groups, E/groups]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, groups]
+        best = top_k_stable(group_scores, self.topk_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] -> the scores' logits [T, E], fp32."""

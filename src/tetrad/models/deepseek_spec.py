@@ -1,0 +1,148 @@
+"""DeepSeek-V3's `ModelSpec`: the MoE family's, with multi-head latent attention.
+
+FLOPs count what a token computes: MLA's five projections (q down and up, kv down and
+up, out), scores over nope + rope channels and values of v_head_dim, then the feed-forward
+as in the MoE family (dense SwiGLUs first, then the router and the active experts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tetrad.config import ModelConfig
+from tetrad.models import moe_spec
+from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
+from tetrad.models.mla import keep_mla, meta_deepseek, param_shape
+from tetrad.models.moe_spec import MOE, MoEActivations, active_ffn, moe_layer_count
+from tetrad.models.plans import MOE_PLAN
+
+
+def attention_params(m: ModelConfig) -> int:
+    """Weights of one MLA layer's matmuls."""
+    d, h, r = m.dim, m.heads, m.q_lora_rank
+    qk = m.qk_nope_dim + m.qk_rope_dim
+    q = r * d + r * h * qk if r else d * h * qk
+    kv = d * (m.kv_lora_rank + m.qk_rope_dim) + m.kv_lora_rank * h * (m.qk_nope_dim + m.v_head_dim)
+    return q + kv + h * m.v_head_dim * d
+
+
+def _score_width(m: ModelConfig) -> int:
+    """Channels a query meets per position, over all heads: q·kᵀ (nope + rope) and p·v."""
+    return m.heads * (m.qk_nope_dim + m.qk_rope_dim + m.v_head_dim)
+
+
+def matmul_params(m: ModelConfig) -> int:
+    """Parameters one token's matmuls use: MLA, the dense SwiGLUs, the router and the
+    active experts of each MoE layer, and the head."""
+    dense = m.dense_layers * 3 * m.dim * m.hidden_dim
+    routed = moe_layer_count(m) * (3 * m.dim * active_ffn(m) + m.dim * m.experts)
+    return m.layers * attention_params(m) + dense + routed + m.vocab * m.dim
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token: 6·(active matmul params) + 6·L·scores·s."""
+    return 6.0 * matmul_params(m) + 6.0 * m.layers * _score_width(m) * seq_len
+
+
+def layer_costs(m: ModelConfig, seq_len: int) -> list[float]:
+    """[embedding, layers..., head+loss] FLOPs of one sequence, forward + backward."""
+    s, d = seq_len, m.dim
+    attention = 2 * s * attention_params(m) + 2 * s * s * _score_width(m)
+    dense = attention + 2 * s * 3 * d * m.hidden_dim
+    moe = attention + 2 * s * (3 * d * active_ffn(m) + d * m.experts)
+    layers = [3.0 * (dense if i < m.dense_layers else moe) for i in range(m.layers)]
+    return [3.0 * s * d, *layers, 3.0 * 2 * s * d * m.vocab]
+
+
+def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
+    """(K, N) per token of an MoE block's matmuls (tp is refused for MLA: t is 1)."""
+    h, d, r = m.heads, m.dim, m.q_lora_rank
+    out = {"attention.wq_a": (d, r)} if r else {}
+    out |= {
+        "attention.wq_b": (r or d, h * (m.qk_nope_dim + m.qk_rope_dim)),
+        "attention.wkv_a": (d, m.kv_lora_rank + m.qk_rope_dim),
+        "attention.wkv_b": (m.kv_lora_rank, h * (m.qk_nope_dim + m.v_head_dim)),
+        "attention.wo": (h * m.v_head_dim, d),
+    }
+    ffn = moe_spec.block_linears(m, t)
+    return out | {k: v for k, v in ffn.items() if not k.startswith("attention.")}
+
+
+class MLAActivations(MoEActivations):
+    """The MoE family's estimates, attention priced as a block of `heads` query and key
+    heads of nope + rope channels. Approximate: the latents and the narrower values are
+    not counted apart."""
+
+    @staticmethod
+    def _dense(m: ModelConfig) -> ModelConfig:
+        qk = m.qk_nope_dim + m.qk_rope_dim
+        return dataclasses.replace(MoEActivations._dense(m), head_size=qk, kv_heads=m.heads)
+
+
+ATTENTION_NAMES = {
+    "wq_a.weight": "q_a_proj.weight",
+    "q_a_norm.weight": "q_a_layernorm.weight",
+    "wq_b.weight": "q_b_proj.weight",
+    "wkv_a.weight": "kv_a_proj_with_mqa.weight",
+    "kv_a_norm.weight": "kv_a_layernorm.weight",
+    "wkv_b.weight": "kv_b_proj.weight",
+    "wo.weight": "o_proj.weight",
+}
+FFN_NAMES = {
+    "router.weight": "gate.weight",
+    "experts.w1": "experts.{j}.gate_proj.weight",
+    "experts.w3": "experts.{j}.up_proj.weight",
+    "experts.w2": "experts.{j}.down_proj.weight",
+    "shared.w1.weight": "shared_experts.gate_proj.weight",
+    "shared.w3.weight": "shared_experts.up_proj.weight",
+    "shared.w2.weight": "shared_experts.down_proj.weight",
+}
+# tetrad parameter -> Hugging Face name, as a DeepseekV3ForCausalLM checkpoint stores it
+HF_NAMES = {
+    **{k: v for k, v in LLAMA_NAMES.items() if ".attention." not in k},
+    **{f"layers.{{i}}.attention.{k}": f"model.layers.{{i}}.self_attn.{v}" for k, v in
+       ATTENTION_NAMES.items()},
+    **{f"layers.{{i}}.feed_forward.{k}": f"model.layers.{{i}}.mlp.{v}" for k, v in
+       FFN_NAMES.items()},
+}  # fmt: skip
+# without a query bottleneck (q_lora_rank 0) the one query projection is q_proj
+PLAIN_Q_NAMES = {
+    **HF_NAMES,
+    "layers.{i}.attention.wq_b.weight": "model.layers.{i}.self_attn.q_proj.weight",
+}
+
+
+def hf_names(m: ModelConfig) -> dict[str, str]:
+    """The Hugging Face names of a DeepSeek-V3 model's parameters."""
+    return HF_NAMES if m.q_lora_rank else PLAIN_Q_NAMES
+
+
+# Latent attention at tp > 1 is refused (layout.py): its down projections are replicated
+# linears inside the attention region whose weight gradients are partial on each tp rank,
+# a style parallel/tensor.py does not have yet. The plan covers the split parts (heads:
+# wq_b and wkv_b column-wise, wo row-wise; the latent norms summed over tp) and leaves
+# wq_a and wkv_a out, so apply_tp would refuse them by name.
+MLA_PLAN = {
+    **{k: v for k, v in MOE_PLAN.items() if not k.startswith("layers.*.attention.")},
+    "layers.*.attention.q_a_norm": "sequence",
+    "layers.*.attention.wq_b": "colwise",
+    "layers.*.attention.kv_a_norm": "sequence",
+    "layers.*.attention.wkv_b": "colwise",
+    "layers.*.attention.wo": "rowwise",
+}
+
+# the MoE family with latent attention: its router (sigmoid, bias, group-limited) and
+# experts are the MoE family's
+DEEPSEEK_V3 = dataclasses.replace(
+    MOE,
+    family="deepseek_v3",
+    build=meta_deepseek,
+    tp_plan=MLA_PLAN,
+    selective=keep_mla(ModelConfig(family="deepseek_v3", experts=2, shared_experts=1), True),
+    full_shape=param_shape,
+    layer_costs=layer_costs,
+    flops_per_token=flops_per_token,
+    block_linears=block_linears,
+    activations=MLAActivations(),
+    hf_names=HF_NAMES,  # without q_lora_rank: `hf_names`
+)

@@ -1,0 +1,220 @@
+"""The DeepSeek-V3 family: multi-head latent attention on the MoE decoder, the sigmoid
+router with group-limited top-k and routed scaling (docs/models.md).
+
+Oracles: a random transformers `DeepseekV3ForCausalLM` (query bottleneck or not),
+imported, gives transformers' logits and loss (fp32, relative 1e-5), and an export loads
+as the same class with tetrad's logits; every layout tetrad runs the family in (dp 2,
+pp 2, ZeRO-3 over fsdp 2, ep 2) reproduces the single process in fp64 (EXACT); the
+group-limited choice equals a brute-force one; what is not implemented (tp, sp, cp, yarn,
+rotate_half weights, a trained routing bias) is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import EXACT, Jobs, assert_close_run, tiny_config, train_worker, trainer_for
+from test_families import assert_same
+from tetrad.config import MODEL_PRESETS, model_preset
+from tetrad.interop import hf
+from tetrad.layout import Layout
+from tetrad.models import deepseek_spec
+from tetrad.models.families import spec_for
+from tetrad.models.init import build_model
+from tetrad.models.moe import Router
+
+transformers = pytest.importorskip("transformers")
+
+MODEL = {**MODEL_PRESETS["deepseek-tiny"], "vocab": 64}
+LAYOUTS = {
+    "dp2": {"dp": 2},
+    "pp2": {"pp": 2},
+    "fsdp2": {"fsdp": 2, "zero_stage": 3},
+    "ep2": {"dp": 2, "ep": 2},
+}
+STEPS = 3
+
+HF_SHAPE = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=80, moe_intermediate_size=24,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+    n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
+    kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+    max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6, initializer_range=0.15,
+)  # fmt: skip
+TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _config(parallel: dict):
+    """Two microbatches everywhere: one single-process reference serves every layout."""
+    return tiny_config(
+        model=MODEL, parallel={**parallel, "microbatches": 2}, train={"steps": STEPS}
+    )
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    jobs.add_training("layouts", [_config(par) for par in LAYOUTS.values()])
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return train_worker(0, 1, _config({}).to_dict())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(jobs, single, name):
+    got = jobs["layouts"][0][list(LAYOUTS).index(name)]
+    assert_close_run(got, single, rtol=EXACT)
+
+
+# --- transformers, both ways ------------------------------------------------------------
+
+
+def save_hf(path, q_lora_rank: int | None, seed: int = 0) -> None:
+    """A random DeepseekV3ForCausalLM: gains other than 1, experts and router of a scale
+    that routes differently by token (so a wrong group mask or scale shows)."""
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(**HF_SHAPE, q_lora_rank=q_lora_rank)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif "experts" in name or name.endswith("gate.weight"):
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+
+
+def tetrad_out(m, state: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and mean next-token loss of tetrad's model with `state` (the parameters; the
+    routing bias buffers stay at zero)."""
+    model = build_model(m, seed=0)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("expert_bias") for k in missing)
+    with torch.no_grad():
+        logits = model(tokens)
+    return logits, F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def hf_out(path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(tokens, labels=tokens)
+    return out.logits, out.loss
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_import_gives_hf_logits_and_loss(tmp_path, q_lora_rank):
+    save_hf(tmp_path, q_lora_rank)
+    cfg = tiny_config(train={"steps": 1, "dtype": "fp32"})
+    cfg.model = m = hf.model_config(tmp_path)
+    assert (m.family, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == (
+        "deepseek_v3",
+        q_lora_rank or 0,
+        12,
+        6,
+    )
+    assert (m.n_group, m.topk_group, m.routed_scaling, m.dense_layers) == (4, 2, 2.5, 1)
+    state = trainer_for(cfg, 0).engine.full_state_dict()  # through the engine's load
+    assert_same(tetrad_out(m, state, TOKENS), hf_out(tmp_path, TOKENS))
+
+
+def test_export_loads_as_the_same_class_with_the_same_logits(tmp_path):
+    m = dataclasses.replace(model_preset("deepseek-tiny"), vocab=96, init_std=0.2)
+    model = build_model(m, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    hf.save(state, m, tmp_path, max_shard_bytes=20_000)  # sharded, with an index
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert config.architectures == ["DeepseekV3ForCausalLM"]
+    assert_same(tetrad_out(m, state, TOKENS), hf_out(tmp_path, TOKENS))
+    back = hf.HFWeights(tmp_path, hf.model_config(tmp_path))  # and back, tensor for tensor
+    assert all(torch.equal(back[name][...], t) for name, t in state.items())
+
+
+def _edit_config(path, **change) -> None:
+    file = path / hf.CONFIG
+    file.write_text(json.dumps(json.loads(file.read_text()) | change))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}},
+      "rope_type='yarn' is not supported"),
+     ({"rope_interleave": False}, "rope_interleave=false is not supported")],
+)  # fmt: skip
+def test_what_tetrad_does_not_compute_is_refused_on_import(tmp_path, change, match):
+    save_hf(tmp_path, 16)
+    _edit_config(tmp_path, **change)
+    with pytest.raises(ValueError, match=match):
+        hf.model_config(tmp_path)
+
+
+def test_a_trained_routing_bias_is_refused_not_dropped(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_hf(tmp_path, 16)
+    file = tmp_path / hf.SINGLE
+    tensors = load_file(file)
+    tensors["model.layers.2.mlp.gate.e_score_correction_bias"][3] = 0.5
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="e_score_correction_bias is nonzero"):
+        hf.HFWeights(tmp_path, hf.model_config(tmp_path))
+
+
+# --- the router and the layouts refused ---------------------------------------------------
+
+
+def test_group_limited_choice_is_the_best_within_the_best_groups():
+    """Against brute force: each token's top_k among the experts of its topk_group groups
+    with the largest sums of their two best scores; weights renormalised, then scaled."""
+    m = dataclasses.replace(model_preset("deepseek-tiny"), experts=12, n_group=4, top_k=3)
+    router = Router(m).double()
+    with torch.no_grad():
+        router.weight.normal_(generator=torch.Generator().manual_seed(0))
+    x = torch.randn(64, m.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _, ids, weights = router(x)
+    scores = router.logits(x).sigmoid()
+    for t in range(x.shape[0]):
+        groups = scores[t].view(4, 3).topk(2).values.sum(-1).topk(2).indices
+        allowed = [e for e in range(12) if e // 3 in groups.tolist()]
+        best = max(itertools.combinations(allowed, 3), key=lambda c: scores[t, list(c)].sum())
+        assert sorted(ids[t].tolist()) == sorted(best)
+    chosen = scores.gather(1, ids)
+    torch.testing.assert_close(weights, 2.5 * chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_impossible_groups_are_refused():
+    m = dataclasses.replace(model_preset("deepseek-tiny"), topk_group=1, top_k=3)
+    with pytest.raises(ValueError, match="n_group=4, topk_group=1"):
+        spec_for(m).build(m)
+
+
+@pytest.mark.parametrize(
+    "parallel", [{"tp": 2}, {"tp": 2, "sp": True}, {"cp": 2}], ids=["tp2", "tp2-sp", "cp2"]
+)
+def test_latent_attention_layouts_not_implemented_are_refused(parallel):
+    cfg = tiny_config(model=MODEL, parallel=parallel)
+    axis = "tp" if "tp" in parallel else "cp"
+    with pytest.raises(ValueError, match=f"multi-head latent attention at {axis}=2"):
+        Layout.build(cfg, world=cfg.parallel.world)
+
+
+def test_the_published_size():
+    """deepseek-v3: 671B parameters, 37B of them active per token (its paper's counts,
+    without the multi-token prediction module's 14B)."""
+    m = model_preset("deepseek-v3")
+    names = dict(spec_for(m).build(m).named_parameters())
+    total = sum(p.numel() for p in names.values())
+    assert round(total / 1e9) == 671
+    active = deepseek_spec.matmul_params(m) + m.vocab * m.dim  # and the embedding's row
+    assert active == pytest.approx(37e9, rel=0.02)
