@@ -4,9 +4,9 @@ router with group-limited top-k and routed scaling (docs/models.md).
 Oracles: a random transformers `DeepseekV3ForCausalLM` (query bottleneck or not),
 imported, gives transformers' logits and loss (fp32, relative 1e-5), and an export loads
 as the same class with tetrad's logits; every layout tetrad runs the family in (dp 2,
-pp 2, ZeRO-3 over fsdp 2, ep 2) reproduces the single process in fp64 (EXACT); the
-group-limited choice equals a brute-force one; what is not implemented (tp, sp, cp, yarn,
-rotate_half weights, a trained routing bias) is refused by name.
+pp 2, ZeRO-3 over fsdp 2, ep 2) and recomputation reproduce the single process in fp64
+(EXACT); the group-limited choice equals a brute-force one; what is not implemented (tp,
+sp, cp, yarn, rotate_half weights, a trained routing bias) is refused by name.
 """
 
 from __future__ import annotations
@@ -71,6 +71,14 @@ def single() -> dict:
 def test_layout_matches_single_process(jobs, single, name):
     got = jobs["layouts"][0][list(LAYOUTS).index(name)]
     assert_close_run(got, single, rtol=EXACT)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_matches(single, recompute):
+    """MLA's selective policy (core and output projection kept) and full recomputation."""
+    cfg = _config({})
+    cfg.train.recompute = recompute
+    assert_close_run(train_worker(0, 1, cfg.to_dict()), single, rtol=EXACT)
 
 
 # --- transformers, both ways ------------------------------------------------------------
