@@ -450,13 +450,19 @@ def permute_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     return w.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
+# the MoE router's loss-free bias (a buffer): DeepSeek-V3's e_score_correction_bias
+ROUTING_BIAS = "expert_bias"
+
 # --- weights out --------------------------------------------------------------------------
 
 
 def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """tetrad's full logical tensors -> Hugging Face names and rotary order."""
+    """tetrad's full logical tensors -> Hugging Face names and rotary order. The routers'
+    loss-free bias (a buffer, given with the parameters) is kept by DeepSeek-V3 alone."""
     out = {}
     for name, t in state.items():
+        if name.endswith(ROUTING_BIAS) and model_type(model) != "deepseek_v3":
+            continue
         if _rotary_heads(name, model) is not None:
             t = permute_to_hf(t, model.head_dim)
         keys = hf_keys(name, model)
@@ -465,6 +471,18 @@ def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str,
         else:
             out[keys[0]] = t.contiguous()
     return out
+
+
+def check_routing_bias(state: dict[str, torch.Tensor], model: ModelConfig) -> None:
+    """A DeepSeek-V3 model trained with the loss-free balance routes by its bias: exported
+    without it, transformers would choose other experts. Refuse a state that lacks it."""
+    layers = range(model.dense_layers, model.layers)
+    missing = [i for i in layers if f"layers.{i}.feed_forward.router.{ROUTING_BIAS}" not in state]
+    if model_type(model) == "deepseek_v3" and model.balance == "bias" and missing:
+        raise ValueError(
+            f"model.balance='bias': the routers' {ROUTING_BIAS} of layers {missing} is not in "
+            "the state to export (load the checkpoint with its buffers)"
+        )
 
 
 def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
@@ -610,6 +628,7 @@ def save(
     a shard of its own), listed in model.safetensors.index.json when there is more than one.
     """
     check_exportable(model)
+    check_routing_bias(state, model)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype) for k, v in to_hf_state(state, model).items()}

@@ -90,6 +90,7 @@ ATTENTION_NAMES = {
 }
 FFN_NAMES = {
     "router.weight": "gate.weight",
+    "router.expert_bias": "gate.e_score_correction_bias",  # a buffer, exported only
     "experts.w1": "experts.{j}.gate_proj.weight",
     "experts.w3": "experts.{j}.up_proj.weight",
     "experts.w2": "experts.{j}.down_proj.weight",
