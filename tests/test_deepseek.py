@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from harness import EXACT, Jobs, assert_close_run, tiny_config, train_worker, trainer_for
 from test_families import assert_same
+from test_interop_hf import _import_and_train
 from tetrad.config import MODEL_PRESETS, model_preset
 from tetrad.interop import hf
 from tetrad.layout import Layout
@@ -28,6 +29,7 @@ from tetrad.models import deepseek_spec
 from tetrad.models.families import spec_for
 from tetrad.models.init import build_model
 from tetrad.models.moe import Router
+from tetrad.train.checkpoint import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,8 +59,25 @@ def _config(parallel: dict):
     )
 
 
+IMPORTS = {"pp2": {"pp": 2}, "ep2": {"dp": 2, "ep": 2}}
+
+
+def _import_configs(root, parallel: dict, name: str) -> list:
+    """A random transformers model (root/hf) imported and trained 3 steps in fp64, saved."""
+    cfg = tiny_config(parallel=parallel, train={"steps": STEPS, "out": str(root / name)})
+    cfg.model = hf.model_config(root / "hf")
+    cfg.checkpoint.every = STEPS
+    return [cfg]
+
+
 def declare_jobs(jobs: Jobs) -> None:
+    """Every layout, and the imports at pp 2 and ep 2, in one 2-rank world."""
     jobs.add_training("layouts", [_config(par) for par in LAYOUTS.values()])
+    root = jobs.tmp("import")
+    save_hf(root / "hf", 16)
+    for name, par in IMPORTS.items():
+        cfgs = [c.to_dict() for c in _import_configs(root, par, name)]
+        jobs.add(f"import-{name}", 2, _import_and_train, cfgs)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +98,26 @@ def test_recomputation_matches(single, recompute):
     cfg = _config({})
     cfg.train.recompute = recompute
     assert_close_run(train_worker(0, 1, cfg.to_dict()), single, rtol=EXACT)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(IMPORTS))
+def test_import_in_a_layout_reads_its_slices_trains_and_exports(jobs, name):
+    """Each rank reads only what it holds; the losses are the single process's (fp64); the
+    checkpoint, with its trained routing bias, exports to transformers' logits."""
+    root = jobs.tmp("import")
+    for rank in jobs[f"import-{name}"]:
+        assert rank[0]["read"] == rank[0]["held"]
+    (ref,) = _import_and_train(0, 1, [c.to_dict() for c in _import_configs(root, {}, "single")])
+    got = jobs[f"import-{name}"][0][0]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                               rtol=EXACT, atol=0)  # fmt: skip
+    cfg, state = load_model(root / name, buffers=True)
+    assert any(b.any() for n, b in state.items() if n.endswith("expert_bias"))
+    hf.save(state, cfg.model, root / f"{name}-hf")
+    state = {n: t.float() for n, t in state.items()}
+    m = dataclasses.replace(cfg.model, init_from_hf="")
+    assert_same(tetrad_out(m, state, TOKENS), hf_out(root / f"{name}-hf", TOKENS))
 
 
 # --- transformers, both ways ------------------------------------------------------------
