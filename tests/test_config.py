@@ -118,9 +118,9 @@ BAD = {
         r"zb-v holds exactly 2 stages per rank: virtual_stages=2, got 1",
     ),
     "more stages than layers": (
-        {"parallel": {"pp": 2, "virtual_stages": 2, "pp_schedule": "interleaved-1f1b",
+        {"parallel": {"pp": 2, "virtual_stages": 3, "pp_schedule": "interleaved-1f1b",
                       "microbatches": 2}}, None,
-        r"model\.layers=2 < pp\*virtual_stages=2\*2 = 4",
+        r"model\.layers=2 < pp\*virtual_stages-2=2\*3-2 = 4",
     ),
     "interleaved microbatches vs pp": (
         {"model": {"layers": 4}, "parallel": {"pp": 2, "pp_schedule": "interleaved-1f1b",

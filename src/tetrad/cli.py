@@ -124,7 +124,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="model preset (docs/models.md): tiny, small, base, llama3-8b, llama3-70b, "
         "llama3-405b; qwen3-tiny, qwen3-8b, qwen3-32b; qwen2-tiny, qwen2.5-7b; mistral-tiny, "
         "mistral-7b; mixtures of experts: moe-tiny, moe-small, mixtral-8x7b, qwen3-30b-a3b, "
-        "qwen3-235b-a22b",
+        "qwen3-235b-a22b, deepseek-tiny, deepseek-v3",
     )
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores/N)")
     p.add_argument(
