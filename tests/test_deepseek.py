@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from harness import EXACT, Jobs, assert_close_run, tiny_config, train_worker, trainer_for
 from test_families import assert_same
 from test_interop_hf import _import_and_train
+from tetrad.cli import main as cli_main
 from tetrad.config import MODEL_PRESETS, model_preset
 from tetrad.interop import hf
 from tetrad.layout import Layout
@@ -202,7 +203,9 @@ def _edit_config(path, **change) -> None:
     "change, match",
     [({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}},
       "rope_type='yarn' is not supported"),
-     ({"rope_interleave": False}, "rope_interleave=false is not supported")],
+     ({"rope_interleave": False}, "rope_interleave=false is not supported"),
+     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config is set"),
+     ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported")],
 )  # fmt: skip
 def test_what_tetrad_does_not_compute_is_refused_on_import(tmp_path, change, match):
     save_hf(tmp_path, 16)
@@ -259,6 +262,16 @@ def test_latent_attention_layouts_not_implemented_are_refused(parallel):
     axis = "tp" if "tp" in parallel else "cp"
     with pytest.raises(ValueError, match=f"multi-head latent attention at {axis}=2"):
         Layout.build(cfg, world=cfg.parallel.world)
+
+
+def test_the_planner_prices_the_published_size_and_refuses_tp(capsys):
+    base = ["plan", "--model", "deepseek-v3", "--gpus", "256", "--gpu", "h100",
+            "--global-batch", "1024", "--seq-len", "4096", "--microbatches", "64",
+            "--recompute", "full", "--pp", "16"]  # fmt: skip
+    assert cli_main([*base, "--dp", "16", "--ep", "16"]) == 0
+    assert "dp16·pp16·ep16" in capsys.readouterr().out
+    assert cli_main([*base, "--tp", "2", "--dp", "8", "--ep", "8"]) != 0
+    assert "multi-head latent attention at tp=2" in capsys.readouterr().err
 
 
 def test_the_published_size():

@@ -204,6 +204,12 @@ def _deepseek_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     if not raw.get("rope_interleave", True):
         raise ValueError(f"{file}: rope_interleave=false is not supported (tetrad's rotary "
                          "pairs are interleaved)")  # fmt: skip
+    if raw.get("quantization_config"):  # the published checkpoint: FP8 blocks with scales
+        raise ValueError(f"{file}: quantization_config is set; tetrad reads unquantised "
+                         "weights (convert the checkpoint to bf16 first)")  # fmt: skip
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(key, want) != want:
+            raise ValueError(f"{file}: {key}={raw[key]!r} is not supported (only {want!r})")
     ints = {
         "experts": "n_routed_experts", "top_k": "num_experts_per_tok",
         "moe_ffn_dim": "moe_intermediate_size", "shared_experts": "n_shared_experts",

@@ -20,6 +20,7 @@ from torch import nn
 from tetrad.config import ModelConfig
 from tetrad.models.llama import Block, Llama, RMSNorm, apply_rotary, rotary
 from tetrad.models.moe import MoEFeedForward, keep_selective
+from tetrad.models.moe import param_shape as moe_shape
 from tetrad.models.spec import Keep
 
 # the bottleneck norms' epsilon: transformers' DeepseekV3RMSNorm default, whatever
@@ -128,8 +129,6 @@ def meta_deepseek(cfg: ModelConfig) -> DeepSeekV3:
 def param_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     """Shape of the logical parameter `name` of a DeepSeek-V3 model (attention here, the
     rest as the MoE family's)."""
-    from tetrad.models.moe import param_shape as moe_shape
-
     h, d, qk = cfg.heads, cfg.dim, cfg.qk_nope_dim + cfg.qk_rope_dim
     shapes = {
         "wq_a": (cfg.q_lora_rank, d),
