@@ -487,7 +487,8 @@ def check_routing_bias(state: dict[str, torch.Tensor], model: ModelConfig) -> No
     if model_type(model) == "deepseek_v3" and model.balance == "bias" and missing:
         raise ValueError(
             f"model.balance='bias': the routers' {ROUTING_BIAS} of layers {missing} is not in "
-            "the state to export (load the checkpoint with its buffers)"
+            "the state to export, and without it transformers would route to other experts "
+            "(the checkpoint's buffers hold it: load_model(run, buffers=True))"
         )
 
 
