@@ -124,11 +124,11 @@ def test_import_in_a_layout_reads_its_slices_trains_and_exports(jobs, name):
 # --- transformers, both ways ------------------------------------------------------------
 
 
-def save_hf(path, q_lora_rank: int | None, seed: int = 0) -> None:
+def save_hf(path, q_lora_rank: int | None, seed: int = 0, **routing) -> None:
     """A random DeepseekV3ForCausalLM: gains other than 1, experts and router of a scale
     that routes differently by token (so a wrong group mask or scale shows)."""
     torch.manual_seed(seed)
-    config = transformers.DeepseekV3Config(**HF_SHAPE, q_lora_rank=q_lora_rank)
+    config = transformers.DeepseekV3Config(**HF_SHAPE, q_lora_rank=q_lora_rank, **routing)
     model = transformers.DeepseekV3ForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -157,18 +157,19 @@ def hf_out(path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out.logits, out.loss
 
 
-@pytest.mark.parametrize("q_lora_rank", [16, None])
-def test_import_gives_hf_logits_and_loss(tmp_path, q_lora_rank):
-    save_hf(tmp_path, q_lora_rank)
+@pytest.mark.parametrize(
+    "q_lora_rank, routing",
+    [(16, {}), (None, {"norm_topk_prob": False, "routed_scaling_factor": 1.5})],
+    ids=["q-bottleneck", "plain-q-unnormalised"],
+)
+def test_import_gives_hf_logits_and_loss(tmp_path, q_lora_rank, routing):
+    save_hf(tmp_path, q_lora_rank, **routing)
     cfg = tiny_config(train={"steps": 1, "dtype": "fp32"})
     cfg.model = m = hf.model_config(tmp_path)
-    assert (m.family, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == (
-        "deepseek_v3",
-        q_lora_rank or 0,
-        12,
-        6,
-    )
-    assert (m.n_group, m.topk_group, m.routed_scaling, m.dense_layers) == (4, 2, 2.5, 1)
+    assert (m.family, m.q_lora_rank, m.kv_lora_rank) == ("deepseek_v3", q_lora_rank or 0, 12)
+    assert (m.v_head_dim, m.n_group, m.topk_group, m.dense_layers) == (6, 4, 2, 1)
+    want = (1.5, False) if routing else (2.5, True)
+    assert (m.routed_scaling, m.norm_topk_prob) == want
     state = trainer_for(cfg, 0).engine.full_state_dict()  # through the engine's load
     assert_same(tetrad_out(m, state, TOKENS), hf_out(tmp_path, TOKENS))
 
