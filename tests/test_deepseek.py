@@ -38,6 +38,7 @@ MODEL = {**MODEL_PRESETS["deepseek-tiny"], "vocab": 64}
 LAYOUTS = {
     "dp2": {"dp": 2},
     "pp2": {"pp": 2},
+    "pp2-zb": {"pp": 2, "pp_schedule": "zb-h1"},  # MLA's weight gradients deferred
     "fsdp2": {"fsdp": 2, "zero_stage": 3},
     "ep2": {"dp": 2, "ep": 2},
 }
