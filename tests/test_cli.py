@@ -174,3 +174,12 @@ def test_flags_override_the_config_file(tmp_path):
     assert build_config(train_parser().parse_args(["--data", "synthetic"])) == expected
     with pytest.raises(SystemExit):
         train_parser().parse_args(["--tp", "auto"])  # only dp and fsdp follow the world
+
+
+def test_experts_flag_keeps_a_mixtures_own_family():
+    from tetrad.cli import experts_family
+
+    assert experts_family("llama", 8) == "moe" and experts_family("qwen3", 4) == "moe"
+    assert experts_family("moe", 0) == "llama"
+    assert experts_family("deepseek_v3", 16) == "deepseek_v3"  # not turned into plain MoE
+    assert experts_family("moe", 8) == "moe"

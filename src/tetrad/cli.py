@@ -156,8 +156,8 @@ def build_config(args: argparse.Namespace) -> Config:
             value = elastic_axis(cfg, dest)
         if value is not None:
             setattr(getattr(cfg, section), f.name, value)
-    if args.experts is not None:  # experts make a mixture of experts, none a dense model
-        cfg.model.family = "moe" if args.experts > 0 else "llama"
+    if args.experts is not None:
+        cfg.model.family = experts_family(cfg.model.family, args.experts)
     if cfg.data.tokenizer:  # absolute: export and generate find it from anywhere
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)
     args.vocab_note = vocab_from_data(cfg, args)
@@ -408,13 +408,23 @@ def _log_to_files(logs: Path, rank: int, attempt: int) -> None:
             os.dup2(fh.fileno(), fd)
 
 
+def experts_family(family: str, experts: int) -> str:
+    """The family `--experts N` leaves: experts make a dense family a mixture of experts
+    ("moe"), none make a mixture a dense Llama; a mixture's own family (DeepSeek-V3) stays."""
+    from tetrad.models.families import FAMILIES
+
+    if (experts > 0) == (FAMILIES[family].moe is not None):
+        return family
+    return "moe" if experts > 0 else "llama"
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     """A checkpoint (or a run's newest) as a Hugging Face Llama directory."""
     from tetrad.interop import hf
     from tetrad.train.checkpoint import load_model, resolve
 
     source = resolve(args.source)
-    cfg, state = load_model(source)
+    cfg, state = load_model(source, buffers=True)  # a router's bias: DeepSeek-V3 keeps it
     files = hf.save(state, cfg.model, args.hf, int(args.max_shard_mb * 2**20), DTYPES[args.dtype])
     if cfg.data.tokenizer:
         from tetrad.interop.tokenizer import export_tokenizer
