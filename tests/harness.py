@@ -165,13 +165,16 @@ class Jobs:
         self.add(name, worlds.pop(), train_many, [c.to_dict() for c in cfgs])
 
     def start(self) -> None:
-        """Run every queued world, the largest first, one after another in a background
-        thread. The ranks then use the cores that the tests needing no world leave idle
+        """Run every queued world, the largest first, in two background threads (each
+        taking every other size, one world after another: a world's ranks wait on each
+        other's gloo messages often enough that two worlds keep two cores busier than
+        one). The ranks then use the cores that the tests needing no world leave idle
         (pytest runs those first, see conftest); a test that asks for a job waits for its
         own world only. A world that has started takes no more jobs."""
         worlds = sorted(self._queued, reverse=True)
         self._done.update((w, threading.Event()) for w in worlds)
-        threading.Thread(target=self._run_all, args=(worlds,), name="jobs", daemon=True).start()
+        for lane in (worlds[0::2], worlds[1::2]):
+            threading.Thread(target=self._run_all, args=(lane,), name="jobs", daemon=True).start()
 
     def _run_all(self, worlds: list[int]) -> None:
         for world in worlds:
