@@ -47,6 +47,6 @@ def test_the_ends_may_hold_no_layer():
 
 def test_every_schedule_with_layerless_ends_matches_the_single_process(reference, jobs):
     runs = {world: iter(jobs[f"uneven-{world}"][0]) for world in (2, 4)}
-    for name, case in CASES.items():
+    for case in CASES.values():
         got = next(runs[case[0]])
         assert_close_run(got, reference(model=case[4], train=TRAIN))
