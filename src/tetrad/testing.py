@@ -118,6 +118,9 @@ def spawn(
             p.join(timeout=5)
 
 
+EXIT_GRACE_S = 10.0  # how long a result may trail its rank's exit (a loaded machine)
+
+
 def _collect(procs, results, world: int, timeout: float) -> list[Any]:
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
@@ -128,12 +131,18 @@ def _collect(procs, results, world: int, timeout: float) -> list[Any]:
         try:
             rank, ok, payload = results.get(timeout=0.5)
         except queue.Empty:
-            for r, p in enumerate(procs):
-                if r not in out and p.exitcode is not None:
-                    raise RuntimeError(
-                        f"rank {r} exited with code {p.exitcode} without a result"
-                    ) from None
-            continue
+            gone = [
+                (r, p.exitcode)
+                for r, p in enumerate(procs)
+                if r not in out and p.exitcode is not None
+            ]
+            if not gone:
+                continue
+            try:  # a rank exits once its result is in the pipe: it may not be read yet
+                rank, ok, payload = results.get(timeout=EXIT_GRACE_S)
+            except queue.Empty:
+                r, code = gone[0]
+                raise RuntimeError(f"rank {r} exited with code {code} without a result") from None
         if not ok:
             raise RuntimeError(f"rank {rank} of {world} failed:\n{payload}")
         out[rank] = _unpack(payload)
