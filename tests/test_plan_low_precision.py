@@ -41,3 +41,18 @@ def test_compressed_reductions_move_a_quarter_of_the_bytes():
     zero = [_predict("--fsdp", "64", *f) for f in ([], ["--reduce-dtype", "fp8"])]
     assert zero[1]["layout"]["reduce_dtype"] == "fp8"
     assert 0.5 < zero[1]["breakdown"]["fsdp"] / zero[0]["breakdown"]["fsdp"] < 0.95
+
+
+def test_the_residuals_are_in_the_planned_memory():
+    """Error feedback keeps fp32 residuals: under dp 64 the sender's over every gradient
+    value and the summing rank's piece, 4·Ψ·(1 + 1/64) bytes (to padding); none without
+    feedback."""
+    from tetrad.config import model_preset
+    from tetrad.models.flops import param_count
+
+    psi = param_count(model_preset("llama3-8b"))
+    int8 = ("--reduce-dtype", "int8")
+    flags = ((), int8, (*int8, "--no-error-feedback"))
+    fp32, fed, plain = (_predict(*f)["memory"]["model_state"] for f in flags)
+    assert fed - fp32 == pytest.approx(4 * psi * (1 + 1 / 64), rel=1e-3)
+    assert plain == fp32

@@ -133,11 +133,8 @@ def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelSta
     )
     spec, dtype = spec_for(m), layout.compute_dtype
     states = (group_bytes(g, named, replicated, mesh[g.axis].rank, spec, dtype) for g in groups)
-    state = sum(states, ModelState(0, 0, 0))
-    if layout.compress and layout.error_feedback:
-        sizes = [residual_bytes(g, named, replicated, layout, mesh, spec) for g in groups]
-        state = state + ModelState(0, sum(sizes), 0)
-    return state
+    residuals = sum(residual_bytes(g, named, replicated, layout, spec) for g in groups)
+    return sum(states, ModelState(0, residuals, 0))
 
 
 def residual_bytes(
@@ -145,19 +142,21 @@ def residual_bytes(
     named: list[tuple[str, tuple[int, ...]]],
     replicated: dict[str, tuple[str, ...]],
     layout: Layout,
-    mesh: Mesh,
     spec: ModelSpec,
 ) -> int:
-    """A compressed reduction's fp32 error-feedback residuals for one group
-    (parallel/compress.py): per ZeRO unit, the sender's over every rank's piece; per dp
-    bucket, that and the summing rank's piece. Buckets as `GradBuckets` makes them, with
-    the layout's first bucket (its CPU default when unset: on a GPU the first bucket's
-    padding may differ by a block per rank)."""
+    """A compressed reduction's fp32 error-feedback residuals for one group, counted with
+    the gradients (parallel/compress.py): per ZeRO unit, the sender's over every rank's
+    piece; per dp bucket, that and the summing rank's piece; none without compression or
+    feedback. Buckets as `GradBuckets` makes them, with the layout's first bucket (its CPU
+    default when unset: on a GPU the first bucket's padding may differ by a block per
+    rank). The runtime and the planner alike."""
+    if not (layout.compress and layout.error_feedback):
+        return 0
     mine = group.of(named)
     if group.sharded:
         units = plan_units(mine, replicated, group.shards, spec, group.axis)
         return sum(4 * group.shards * piece_sizes(u.padded, group.shards)[1] for u in units)
-    ranks = mesh[group.data].size
+    ranks = layout.data if group.data == "data" else layout.expert_data
     if ranks == 1:
         return 0
     numels = [math.prod(shape) for _, shape in mine]

@@ -84,6 +84,7 @@ def describe(lay: Layout, recompute: str = "none") -> dict[str, Any]:
         "global_batch": lay.global_batch, "seq_len": lay.seq_len,
         "dtype": lay.dtype_name, "recompute": recompute, "world": lay.world,
         "fp8": lay.fp8, "reduce_dtype": lay.compress or dtype_name(lay.reduce_dtype),
+        "error_feedback": lay.error_feedback,
     }  # fmt: skip
 
 

@@ -61,6 +61,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="the blocks' linears in FP8 (priced at the device's FP8 peak)",
     )
     p.add_argument(
+        "--no-error-feedback",
+        action="store_true",
+        help="with --reduce-dtype int8/fp8: no residuals kept (less memory)",
+    )
+    p.add_argument(
         "--reduce-dtype",
         choices=("fp32", "bf16", "int8", "fp8"),
         help="what gradients cross ranks in (default fp32; int8/fp8: 1 + 4/256 bytes a value)",
@@ -146,8 +151,7 @@ def build_layout(args: argparse.Namespace, model: ModelConfig) -> Layout:
     if given.get("pp_schedule") in ("interleaved-1f1b", "zb-v"):
         given.setdefault("virtual_stages", 2)
     given["sp"] = given.get("tp", 1) > 1 and not args.no_sp and not model.moe
-    if args.reduce_dtype:
-        given["reduce_dtype"] = args.reduce_dtype
+    given |= _reduction(args)
     return layout_for(model, args.global_batch, args.seq_len, args.dtype, world, args.fp8, **given)
 
 
@@ -161,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cluster, calibration = calibrate(cluster, engine, runs, fit_links=not args.calibration)
     planner = Planner(cluster, engine, args.recompute)
     if args.search:
-        carried = {"reduce_dtype": args.reduce_dtype} if args.reduce_dtype else {}
+        carried = _reduction(args)
         base = layout_for(
             model, args.global_batch, args.seq_len, args.dtype, None, args.fp8, **carried
         )
@@ -182,10 +186,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return answer
 
 
+def _reduction(args: argparse.Namespace) -> dict[str, Any]:
+    """The gradient reduction's flags, as layout settings (none given: the defaults)."""
+    out: dict[str, Any] = {"error_feedback": not args.no_error_feedback}
+    return out | ({"reduce_dtype": args.reduce_dtype} if args.reduce_dtype else {})
+
+
 def _layout_of(pred: Any, model: ModelConfig) -> Layout:
     """The Layout a prediction describes."""
     lay = pred.layout
-    given = {k: lay[k] for k in (*LAYOUT_FLAGS, "sp", "reduce_dtype")}
+    given = {k: lay[k] for k in (*LAYOUT_FLAGS, "sp", "reduce_dtype", "error_feedback")}
     return layout_for(model, lay["global_batch"], lay["seq_len"], lay["dtype"], lay["world"],
                       lay["fp8"], **given)  # fmt: skip
 

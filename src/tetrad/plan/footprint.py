@@ -26,7 +26,13 @@ from tetrad.devices import Device
 from tetrad.layout import Layout
 from tetrad.models.families import spec_for
 from tetrad.parallel.groups import param_groups
-from tetrad.parallel.model_state import ModelState, expert_names, group_bytes, local_parameters
+from tetrad.parallel.model_state import (
+    ModelState,
+    expert_names,
+    group_bytes,
+    local_parameters,
+    residual_bytes,
+)
 from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import block_kinds, held_stages, model_key
@@ -134,7 +140,8 @@ class Footprint:
         then by what its blocks are (places with the same blocks share their facts)."""
         place = (model_key(m), tuple(split), pp_rank, lay.pp, lay.virtual_stages,
                  lay.schedule, lay.tp, self.shards(lay), lay.zero_stage, lay.dtype_name,
-                 _ep_shape(lay), _expert_shards(lay, m, self.shards(lay)))  # fmt: skip
+                 _ep_shape(lay), _expert_shards(lay, m, self.shards(lay)),
+                 _residual_shape(lay))  # fmt: skip
         if place not in self._places:
             self._places[place] = self._rank_facts(lay, m, split, pp_rank)
         return self._places[place]
@@ -145,7 +152,8 @@ class Footprint:
         first, last = 0 in stages, len(split) - 1 in stages
         shards = self.shards(lay)
         key = (model_key(m), lay.tp, shards, lay.zero_stage, lay.dtype_name, kinds, first,
-               last, _ep_shape(lay), _expert_shards(lay, m, shards))  # fmt: skip
+               last, _ep_shape(lay), _expert_shards(lay, m, shards),
+               _residual_shape(lay))  # fmt: skip
         if key not in self._facts:
             named, replicated = self._local_parameters(lay, m, kinds, first, last)
             numel = {n: math.prod(s) for n, s in named}
@@ -347,6 +355,14 @@ def _largest_linear(lay: Layout, m: ModelConfig) -> float:
     return max(m.dim * m.hidden_dim, m.dim * m.dim) / lay.tp
 
 
+def _residual_shape(lay: Layout) -> tuple | None:
+    """What a compressed reduction's residuals depend on (`model_state.residual_bytes`):
+    the format, the ranks summed over, the buckets; None without them."""
+    if not (lay.compress and lay.error_feedback):
+        return None
+    return lay.compress, lay.data, lay.expert_data, lay.bucket_bytes, lay.first_bucket_bytes
+
+
 def _ep_shape(lay: Layout) -> tuple[int, bool]:
     """(ep, whether the ep group spans the tp ranks): what a rank's expert slice depends
     on (`mesh.expert_groups`)."""
@@ -362,7 +378,8 @@ def _state(lay: Layout, m: ModelConfig, named, replicated, shards: int) -> Model
     groups = param_groups([n for n, _ in named], experts, lay.zero_stage, shards, spread)
     spec, dtype = spec_for(m), lay.compute_dtype
     states = (group_bytes(g, named, replicated, 0, spec, dtype) for g in groups)
-    return sum(states, ModelState(0, 0, 0))
+    residuals = sum(residual_bytes(g, named, replicated, lay, spec) for g in groups)
+    return sum(states, ModelState(0, residuals, 0))
 
 
 def _expert_shards(lay: Layout, m: ModelConfig, shards: int) -> int:
