@@ -155,6 +155,7 @@ def test_without_feedback_the_small_values_never_arrive(jobs):
     assert (got[~large] == 0).all() and (got[large] == 2 * STEPS).all()
 
 
+@pytest.mark.rounding
 def test_training_through_compressed_reductions_follows_the_single_process(reference, jobs):
     """Each layout's losses stay within a bound of the fp32 single process's, and not
     equal to them (the gradients did go through the block formats). The bound: every

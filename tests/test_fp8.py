@@ -79,6 +79,7 @@ def _distance(a: dict, b: dict) -> float:
     return max(losses, float(weights))
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_layouts_match_the_fp8_single_process(reference, jobs, recipe):
     """A layout that gives each rank whole microbatches and whole weights computes the
