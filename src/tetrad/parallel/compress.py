@@ -16,7 +16,8 @@ factor, over about a quarter of fp32's bytes.
 Error feedback: what quantization dropped at each hop (`Residual`: the sender's over its
 whole gradient, the summing rank's over its piece) is added to the next step's values
 before they are quantized, so the error does not accumulate over steps (1-bit Adam's
-compensation; without it, a component below a block's step is never sent at all).
+compensation; without it, a component below a block's step is never sent at all). The
+residuals are each rank's own state: checkpoints save and restore them (train/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ def dequantize(wire: torch.Tensor, fmt: str) -> torch.Tensor:
 
 class Residual:
     """Error feedback for one hop: `send(x)` quantizes x plus what the last call dropped,
-    and keeps what this one drops. Off (`feedback=False`): x quantized as it is."""
+    and keeps what this one drops. Off (`feedback=False`): x quantized as it is. `size`:
+    the values each call sends (what a checkpoint's copy must match; 0: unknown)."""
 
-    def __init__(self, fmt: str, feedback: bool):
-        self.fmt, self.feedback = fmt, feedback
+    def __init__(self, fmt: str, feedback: bool, size: int = 0):
+        self.fmt, self.feedback, self.size = fmt, feedback, size
         self.error: torch.Tensor | None = None  # fp32, x's size
 
     def send(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,9 +94,17 @@ class QuantizedReduce:
     def __init__(self, numel: int, group: Group, comm: Comm, fmt: str, feedback: bool):
         self.group, self.comm, self.fmt, self.numel = group, comm, fmt, numel
         self.piece, self.width = piece_sizes(numel, group.size)
-        self.sent, self.summed = Residual(fmt, feedback), Residual(fmt, feedback)
+        n = group.size
+        self.sent = Residual(fmt, feedback, n * self.width)
+        self.summed = Residual(fmt, feedback, self.width)
         self.work: Work | None = None
         self.arrived: torch.Tensor | None = None
+
+    def residuals(self, name: str, gather: bool = True) -> dict[str, Residual]:
+        """Its error feedback by name: the sender's, and (`gather`: data parallelism) the
+        summing rank's; none without feedback."""
+        hops = {f"{name}.sent": self.sent} | ({f"{name}.summed": self.summed} if gather else {})
+        return {k: r for k, r in hops.items() if r.feedback}
 
     def start(self, x: torch.Tensor) -> None:
         n = self.group.size

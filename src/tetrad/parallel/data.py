@@ -32,7 +32,7 @@ from torch import nn
 
 from tetrad.comm import Comm, Work
 from tetrad.mesh import Group
-from tetrad.parallel.compress import QuantizedReduce
+from tetrad.parallel.compress import QuantizedReduce, Residual
 from tetrad.parallel.runner import Held
 from tetrad.precision import mixed, widen
 
@@ -152,6 +152,10 @@ class LocalGrads:
     def after_step(self) -> None:
         if self.masters:
             self.masters.copy_to_model()
+
+    def residuals(self) -> dict[str, Residual]:
+        """A compressed reduction's error feedback by name (checkpoints): none here."""
+        return {}
 
     def held(self) -> Held:
         params = [p for _, p in self.named]
@@ -285,6 +289,15 @@ class GradBuckets(LocalGrads):
         if self.masters:
             self.masters.drop_grads()
 
+    def residuals(self) -> dict[str, Residual]:
+        """Each compressed bucket's residuals, as "bucket<i>.sent" and "bucket<i>.summed"."""
+        return {
+            k: r
+            for i, b in enumerate(self.buckets)
+            if b.quantized is not None
+            for k, r in b.quantized.residuals(f"bucket{i}").items()
+        }
+
     def held(self) -> Held:
         """`LocalGrads.held`, and a compressed reduction's residuals among the gradients."""
         held = super().held()
@@ -321,6 +334,9 @@ class TiedGrads:
 
     def after_step(self) -> None:
         self.inner.after_step()
+
+    def residuals(self) -> dict[str, Residual]:
+        return self.inner.residuals()
 
     def held(self) -> Held:
         return self.inner.held()

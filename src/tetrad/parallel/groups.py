@@ -14,11 +14,14 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from torch import nn
 
 from tetrad.parallel.runner import GradSync, Held
+
+if TYPE_CHECKING:
+    from tetrad.parallel.compress import Residual
 
 T = TypeVar("T")
 
@@ -95,6 +98,10 @@ class GroupedGrads:
     def after_step(self) -> None:
         for part in self.parts:
             part.after_step()
+
+    def residuals(self) -> dict[str, Residual]:
+        """Every part's, named "<part index>.<its name>"."""
+        return {f"{i}.{k}": r for i, p in enumerate(self.parts) for k, r in p.residuals().items()}
 
     def held(self) -> Held:
         helds = [part.held() for part in self.parts]

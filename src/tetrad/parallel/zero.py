@@ -55,7 +55,7 @@ from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.plans import decays
 from tetrad.models.spec import ModelSpec
-from tetrad.parallel.compress import PieceWork, QuantizedReduce
+from tetrad.parallel.compress import PieceWork, QuantizedReduce, Residual
 from tetrad.parallel.runner import Held
 from tetrad.precision import mixed
 
@@ -572,6 +572,14 @@ class ZeroShards:
         grads = [u.flat.grad for u in self.units] + [u.grad for u in self.units]
         grads += [q.sent.error for q in self.quantized.values()]
         return Held(params, grads, masters if two else [])
+
+    def residuals(self) -> dict[str, Residual]:
+        """Each unit's compressed reduce-scatter's sender residual, "<axis>.<unit>.sent"."""
+        units = [u for u in self.units if id(u) in self.quantized]
+        named = (
+            self.quantized[id(u)].residuals(f"{self.axis}.{u.layout.name}", False) for u in units
+        )
+        return {k: r for d in named for k, r in d.items()}
 
     # --- views for the engine ------------------------------------------------------------
     def params(self) -> list[tuple[str, nn.Parameter]]:

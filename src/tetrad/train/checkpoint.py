@@ -3,7 +3,9 @@
 On disk, OUT/checkpoints/step_00000010/ holds
   rank-00000.safetensors ...  each rank's own boxes of the logical tensors ("<name>",
                               "exp_avg/<name>", "exp_avg_sq/<name>"), fp32; a replica
-                              (dp, an unsplit tensor on tp, a tied embedding on pp) writes none
+                              (dp, an unsplit tensor on tp, a tied embedding on pp) writes none;
+                              and its compressed reductions' error-feedback residuals
+                              ("residual/<rank>/<name>", whole: one rank's own state)
   manifest.json               written last: every logical tensor's full shape and which box of
                               it each file holds, sha256 of each file, training state, data
                               position, RNG state
@@ -43,7 +45,7 @@ from tetrad.config import DTYPES, Config, from_dict
 from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
 from tetrad.parallel.boxes import Box, box_numel, box_shape, intersect, relative
-from tetrad.parallel.state_adapter import BUFFER
+from tetrad.parallel.state_adapter import BUFFER, snapshot
 from tetrad.precision import wide
 from tetrad.train.optim import lr_at
 
@@ -52,6 +54,7 @@ VERSION = 2  # 1: consolidated (every tensor whole in model/optim.safetensors); 
 MANIFEST = "manifest.json"
 _DIR = re.compile(r"step_(\d{8})")
 _TMP = ".tmp-"  # prefix of a save in progress (or one a crash cut short)
+RESIDUAL = "residual/"  # key prefix of a rank's error-feedback residuals (parallel/compress.py)
 
 
 class CorruptCheckpoint(ValueError):
@@ -87,7 +90,8 @@ class Checkpoint:
     def optim(self) -> dict[str, torch.Tensor]:
         """AdamW's "exp_avg/<name>", "exp_avg_sq/<name>" full size, and "step"."""
         read = self.reader
-        out = {n: read.full(n) for n in read.tensors if "/" in n and not n.startswith(BUFFER)}
+        kept = [n for n in read.tensors if "/" in n and not n.startswith((BUFFER, RESIDUAL))]
+        out = {n: read.full(n) for n in kept}
         return out | {"step": torch.tensor(float(self.manifest["training"]["optimizer_step"]))}
 
 
@@ -177,7 +181,7 @@ class Saver:
         if (path / MANIFEST).is_file():
             return path  # already committed: a resumed run that ends where it started
         tmp = prepare(path, engine)
-        owned, adam_step = engine.owned_slices(optimizer)  # copies
+        owned, adam_step = owned_state(engine, optimizer)  # copies
         info = describe(step, adam_step, loader, cfg)
         work = partial(write_shard, tmp, engine.mesh.rank, owned)
         self.pending = PendingSave(path, info, *in_background(work, "tetrad-checkpoint"))
@@ -191,6 +195,16 @@ class Saver:
         pending.thread.join()
         shard, error = pending.result.get("value"), pending.result.get("error")
         return commit(pending.path, shard, error, pending.info, engine, cfg)
+
+
+def owned_state(engine, optimizer) -> tuple[list, int]:
+    """`engine.owned_slices` (copies), and this rank's error-feedback residuals, each whole
+    under "residual/<rank>/<name>" (zeros before its first reduction)."""
+    owned, step = engine.owned_slices(optimizer)
+    for name, r in engine.grads.residuals().items():
+        error = torch.zeros(r.size) if r.error is None else r.error
+        owned.append((f"{RESIDUAL}{engine.mesh.rank}/{name}", ((0, r.size),), snapshot(error)))
+    return owned, step
 
 
 def in_background(work: Callable[[], Any], name: str) -> tuple[threading.Thread, dict]:
@@ -278,7 +292,10 @@ def build_manifest(shards: list[dict], info: dict, cfg: Config) -> dict[str, Any
     tensors: dict[str, dict] = {}
     for s in shards:
         for key, pieces in s["slices"].items():
-            shape = list(full_shape(key.rsplit("/", 1)[-1], cfg.model))
+            if key.startswith(RESIDUAL):  # a rank's own tensor, saved whole
+                shape = [b for _, b in pieces[0]["box"]]
+            else:
+                shape = list(full_shape(key.rsplit("/", 1)[-1], cfg.model))
             entry = tensors.setdefault(key, {"shape": shape, "dtype": saved, "slices": []})
             entry["slices"] += pieces
     for key, entry in tensors.items():
@@ -290,11 +307,16 @@ def build_manifest(shards: list[dict], info: dict, cfg: Config) -> dict[str, Any
     return head | info
 
 
-def describe(step: int, adam_step: int, loader, cfg: Config) -> dict:
-    """The manifest's state sections: training, data position, RNG, placement."""
+def placement(cfg: Config) -> dict[str, Any]:
+    """Where the state was: degrees, world, ZeRO stage, schedule (the manifest's saved_from)."""
     p = cfg.parallel
     layout = ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero_stage", "sp", "pp_schedule")
     layout += ("virtual_stages",)
+    return {k: getattr(p, k) for k in layout} | {"world": p.world}
+
+
+def describe(step: int, adam_step: int, loader, cfg: Config) -> dict:
+    """The manifest's state sections: training, data position, RNG, placement."""
     return {
         "training": {
             "step": step,
@@ -310,7 +332,7 @@ def describe(step: int, adam_step: int, loader, cfg: Config) -> dict:
         },
         "placement": {
             "kind": "sharded",  # each tensor as boxes, each box in one rank's file
-            "saved_from": {k: getattr(p, k) for k in layout} | {"world": p.world},
+            "saved_from": placement(cfg),
         },
     }
 
@@ -407,6 +429,11 @@ class SliceReader:
     def full(self, key: str) -> torch.Tensor:
         return self(key, tuple((0, n) for n in self.tensors[key]["shape"]))
 
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        """A saved tensor's full shape (None: not saved)."""
+        entry = self.tensors.get(key)
+        return None if entry is None else tuple(entry["shape"])
+
     def verify_all(self) -> None:
         for fname in self.files:
             self._file(fname)
@@ -495,20 +522,42 @@ def restore(path: Path, engine, optimizer, loader, cfg: Config) -> int:
         manifest = read_manifest(path)
         reader = SliceReader(path, manifest)
         check_model(path, reader.tensors, cfg)
-        install(reader, manifest, engine, optimizer, loader)
+        install(reader, manifest, engine, optimizer, loader, cfg)
     engine.after_load()
     if engine.mesh.rank == 0:
         print(f"tetrad: resumed from {path}", flush=True)
     return int(manifest["training"]["step"])
 
 
-def install(reader, state: dict, engine, optimizer, loader) -> None:
-    """This rank's boxes through `reader`, and a saved `state`'s Adam step count, data
-    position and RNG state."""
+def install(reader, state: dict, engine, optimizer, loader, cfg: Config) -> None:
+    """This rank's boxes through `reader`, its residuals, and a saved `state`'s Adam step
+    count, data position and RNG state."""
     engine.load_owned(reader, int(state["training"]["optimizer_step"]), optimizer)
+    load_residuals(reader, state, engine, cfg)
     loader.load_state_dict(state["data"])
     rng = bytes.fromhex(state["rng"]["torch_cpu_state"])
     torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+
+
+def load_residuals(reader, state: dict, engine, cfg: Config) -> None:
+    """This rank's error-feedback residuals from their saved values, when the checkpoint was
+    saved by this placement (`placement`: the same world, degrees, stage and schedule) and
+    holds each of them at its size; else every one starts from zero, as on a fresh start,
+    and rank 0 says so: on another world or layout (an elastic shrink) rank r's residuals
+    were dropped from another rank's gradient, or from other pieces of it."""
+    held = engine.grads.residuals()
+    if not held:
+        return
+    keys = {n: f"{RESIDUAL}{engine.mesh.rank}/{n}" for n in held}
+    saved, now = state.get("placement", {}).get("saved_from"), placement(cfg)
+    fits = all(reader.shape(keys[n]) == (r.size,) for n, r in held.items())
+    for n, r in held.items():
+        r.error = (
+            reader(keys[n], ((0, r.size),)).to(engine.device) if saved == now and fits else None
+        )
+    if engine.mesh.rank == 0 and not (saved == now and fits):
+        why = f"saved at {saved}, resumed at {now}" if saved != now else "not in the checkpoint"
+        print(f"tetrad: the compressed reductions' residuals start from zero ({why})", flush=True)
 
 
 def restore_newest(root: Path, engine, optimizer, loader, cfg: Config) -> int | None:

@@ -82,6 +82,7 @@ from tetrad.train.checkpoint import (
     gather_json,
     in_background,
     install,
+    owned_state,
     serialise,
     step_dirs,
 )
@@ -227,7 +228,7 @@ class LocalCheckpoints:
 
     def start(self, step: int, optimizer, loader) -> None:
         """Snapshot this rank's boxes (copies) and write them in the background."""
-        owned, adam_step = self.engine.owned_slices(optimizer)
+        owned, adam_step = owned_state(self.engine, optimizer)
         info = describe(step, adam_step, loader, self.cfg) | {"local_world": self.local_world}
         work = partial(self._write, step, owned, info)
         self.pending = Generation(step, *in_background(work, "tetrad-local-checkpoint"))
@@ -382,7 +383,7 @@ class LocalCheckpoints:
         # the training state is every rank's alike; the RNG state is per rank: a rank of a
         # smaller world takes the one of the rank it is numbered as (any would do: data and
         # weights depend on the seed and the step alone)
-        install(reader, metas[self.rank % len(metas)], self.engine, optimizer, loader)
+        install(reader, metas[self.rank % len(metas)], self.engine, optimizer, loader, self.cfg)
 
 
 # --- blobs and files ------------------------------------------------------------------------
@@ -573,6 +574,11 @@ class BlobReader:
                 for p in pieces:
                     box = tuple(tuple(b) for b in p["box"])
                     self.pieces.setdefault(key, []).append((box, named[p["key"]]))
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        """A saved tensor's full shape, as far as its boxes reach (None: not saved)."""
+        boxes = [box for box, _ in self.pieces.get(key, [])]
+        return tuple(max(d) for d in zip(*[[b for _, b in box] for box in boxes])) or None
 
     def __call__(self, key: str, box: Box) -> torch.Tensor:
         pieces = self.pieces.get(key, [])
