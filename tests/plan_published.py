@@ -16,6 +16,7 @@ import statistics
 
 from plan_helpers import planned
 from tetrad.config import ModelConfig, model_preset
+from tetrad.models.moe_spec import matmul_params
 from tetrad.plan.candidates import gpt_as_llama, layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, MEGATRON
@@ -84,12 +85,46 @@ TORCHTITAN_ROWS = [
 # 1.5B (22 layers, 24 heads, hidden 2304, seq 1024, microbatch 6), p = 8, m = 24
 ZB_PAPER_BUBBLES = {"1f1b": 0.2431, "interleaved-1f1b": 0.1055, "zb-h1": 0.1585}
 
+# Mixtures of experts on H100s (Megatron-LM), bf16, sequence 4096 unless stated. Qwen3-235B-A22B
+# on 256 GPUs: yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (commit
+# c1ad0b5c), "Performance Results": (label, engine, degrees, microbatch size, recompute,
+# published step seconds); the distributed optimizer over the data ranks is fsdp with
+# ZeRO-1, Megatron-FSDP ZeRO-3; "norm, act" recomputation is priced as tetrad's selective.
+# Global batch 2048.
+I1F1B = "interleaved-1f1b"
+QWEN235_ROWS = [
+    ("tp2 pp8 v4 ep32 (DeepEP)", "megatron-deepep",
+     dict(tp=2, pp=8, virtual_stages=4, pp_schedule=I1F1B, ep=32, fsdp=16, zero_stage=1),
+     1, "selective", 19.7),
+    ("tp2 pp8 v4 ep32 (DeepEP, 1F1B a2a overlap)", "megatron-deepep-overlap",
+     dict(tp=2, pp=8, virtual_stages=4, pp_schedule=I1F1B, ep=32, fsdp=16, zero_stage=1),
+     1, "selective", 17.6),
+    ("tp2 ep8 fsdp128 (DeepEP, Megatron-FSDP)", "megatron-deepep",
+     dict(tp=2, ep=8, fsdp=128, zero_stage=3), 4, "full", 17.6),
+    ("tp2 pp32 v3 ep8 (all-to-all)", "megatron",
+     dict(tp=2, pp=32, virtual_stages=3, pp_schedule=I1F1B, ep=8, fsdp=4, zero_stage=1),
+     1, "selective", 24.2),
+    ("tp4 pp8 v4 ep8 (DeepEP)", "megatron-deepep",
+     dict(tp=4, pp=8, virtual_stages=4, pp_schedule=I1F1B, ep=8, fsdp=8, zero_stage=1),
+     1, "none", 29.0),
+]  # fmt: skip
+# The same file's "Long Context" table (tp4 pp8 v4 ep8, DeepEP, global batch 256 on 256
+# GPUs, layernorm and moe recomputed): (sequence, cp, TFLOP/s per GPU with the router's
+# load forced to balance, dropless)
+QWEN235_LONG = [(16384, 1, 295, 237), (32768, 2, 335, 277), (65536, 4, 368, 320),
+                (131072, 8, 389, 357)]  # fmt: skip
+# Qwen3-30B-A3B on 32 GPUs, tp 1, ep 8, distributed optimizer over 32, global batch 256 of
+# microbatch 1: 234.1 TFLOP/s per GPU (Megatron-LM, as issue 38 quotes it)
+QWEN30_ROW = (32, 8, 256, 234.1)
+
 # the stated bounds (see docs/plan.md), on the relative error of predicted throughput
 # (= of MFU): every row within THROUGHPUT_WORST, nine in ten within THROUGHPUT_MOST
 THROUGHPUT_WORST = 0.35
 THROUGHPUT_MOST = 0.20
 MEMORY_BOUND = 0.10
 LOSO_MEDIAN = 0.12  # leave-one-source-out median |error|
+MOE_WORST = 0.25  # every published MoE row's throughput within 25%
+MOE_MEDIAN = 0.10  # and their median |error| within 10%
 
 
 # --- building the rows --------------------------------------------------------------------
@@ -187,6 +222,69 @@ def bubble_rate(planner: Planner, cfg) -> float:
     return 1 - busy / (busy + pred.breakdown["bubble"] + pred.breakdown["pp"]) if p.pp > 1 else 0.0
 
 
+def megatron_moe_flops(m: ModelConfig, seq_len: int) -> float:
+    """FLOPs a token as Megatron-LM counts them for its TFLOP/s: 6 x the active matmul
+    parameters and the causal half of attention (6·L·heads·head_dim·s; tetrad counts the
+    square, 12·L·heads·head_dim·s)."""
+    return 6.0 * matmul_params(m) + 6.0 * m.layers * m.heads * m.head_dim * seq_len
+
+
+def moe_cases() -> list[tuple[str, Planner, object, float]]:
+    """(label, planner, config, published step seconds) of every published MoE row; the
+    TFLOP/s rows as step seconds through `megatron_moe_flops`."""
+    q235, q30 = model_preset("qwen3-235b-a22b"), model_preset("qwen3-30b-a3b")
+    h100 = cluster_preset("h100")
+    out = []
+    for label, engine, degrees, size, recompute, step in QWEN235_ROWS:
+        cfg = layout_config(q235, 2048, 4096, sp=True, microbatches=2048 // size // degrees["fsdp"],
+                            **degrees)  # fmt: skip
+        out.append((f"Qwen3-235B {label}", Planner(h100, ENGINES[engine], recompute), cfg, step))
+    for seq, cp, balanced, dropless in QWEN235_LONG:
+        fsdp = 256 // (4 * cp * 8)
+        cfg = layout_config(q235, 256, seq, sp=True, tp=4, cp=cp, pp=8, virtual_stages=4,
+                            pp_schedule=I1F1B, ep=8, fsdp=fsdp, zero_stage=1,
+                            microbatches=256 // fsdp)  # fmt: skip
+        flops = megatron_moe_flops(q235, seq) * 256 * seq / 256
+        for word, tflops, imbalance in (("balanced", balanced, 1.0), ("dropless", dropless, None)):
+            engine = ENGINES["megatron-deepep"]
+            if imbalance:  # the router forced to balance: no rank more loaded than another
+                engine = dataclasses.replace(engine, routing_imbalance=imbalance)
+            planner = Planner(h100, engine, "selective")
+            out.append((f"Qwen3-235B s{seq} cp{cp} {word}", planner, cfg, flops / tflops / 1e12))
+    gpus, ep, batch, tflops = QWEN30_ROW
+    cfg = layout_config(
+        q30, batch, 4096, fsdp=gpus, zero_stage=1, ep=ep, microbatches=batch // gpus
+    )
+    step = megatron_moe_flops(q30, 4096) * batch * 4096 / gpus / tflops / 1e12
+    out.append(("Qwen3-30B-A3B tp1 ep8 fsdp32", Planner(h100, ENGINES["megatron"]), cfg, step))
+    return out
+
+
+@functools.cache
+def moe_rows() -> tuple[dict, ...]:
+    """Every published MoE row predicted: label, engine, layout, step seconds, error of
+    the predicted throughput (published step / predicted step - 1), memory."""
+    out = []
+    for label, planner, cfg, step in moe_cases():
+        pred = planner.predict(*planned(cfg), detail=False)
+        out.append({"label": label, "engine": planner.engine.name, "pred": pred,
+                    "published_s": step, "error": step / pred.step_time_s - 1})  # fmt: skip
+    return tuple(out)
+
+
+def print_moe() -> None:
+    """The MoE table of docs/plan.md: each published row, predicted against published."""
+    print("| row | engine | published step | predicted | throughput error | memory (GiB) |")
+    print("|---|---|---|---|---|---|")
+    for r in moe_rows():
+        p = r["pred"]
+        print(f"| {r['label']} | {r['engine']} | {r['published_s']:.2f} s |"
+              f" {p.step_time_s:.2f} s | {100 * r['error']:+.1f}% |"
+              f" {p.memory.total / 2**30:.0f} |")  # fmt: skip
+    errs = [abs(r["error"]) for r in moe_rows()]
+    print(f"median {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%")
+
+
 # --- the tables in docs/plan.md -------------------------------------------------------------
 
 
@@ -281,3 +379,4 @@ def print_bubbles() -> None:
 if __name__ == "__main__":
     print_tables()
     print_bubbles()
+    print_moe()

@@ -19,6 +19,7 @@ from tetrad.models.moe import meta_moe
 from tetrad.models.moe_spec import flops_per_token
 from tetrad.parallel.model_state import model_state_bytes
 from tetrad.plan.candidates import ep_bytes_per_layer, layout_config
+from tetrad.plan.compute import ROUTING_IMBALANCE
 from tetrad.plan.cost import Planner
 from tetrad.plan.hardware import Link, cluster_preset
 from tetrad.plan.search import Space, search
@@ -189,20 +190,21 @@ def _ep_seconds(cluster, **parallel) -> float:
 
 
 def test_all_to_all_priced_on_the_links_the_group_spans():
-    """Inside a node: every MoE layer's four all-to-alls (and the counts) at NVLink's rate.
-    An ep group of fsdp ranks tp apart that crosses a node: the half that leaves the
-    node goes over one NIC, and that is the time."""
-    m, c = model_preset("mixtral-8x7b"), DTYPE_BYTES["bf16"]
+    """Inside a node: every MoE layer's four all-to-alls (and the counts) at NVLink's rate,
+    the most loaded rank receiving ROUTING_IMBALANCE times the mean. An ep group of fsdp
+    ranks tp apart that crosses a node: the half that leaves the node goes over one NIC,
+    and that is the time."""
+    m, c, f = model_preset("mixtral-8x7b"), DTYPE_BYTES["bf16"], ROUTING_IMBALANCE
     seconds, cfg = _ep_seconds(_bandwidth_cluster(8), fsdp=8, ep=8)
     counts = 8 * m.experts * 7 / 8
-    per_layer = ep_bytes_per_layer(*planned(cfg)) + counts
+    per_layer = f * ep_bytes_per_layer(*planned(cfg)) + counts
     assert seconds == pytest.approx(m.layers * per_layer / 100e9, rel=1e-9)
     # tp 2 x fsdp 4 on nodes of 4: the ep group (fsdp ranks 0, 2, 4, 6) spans two nodes
     seconds, cfg = _ep_seconds(_bandwidth_cluster(4), fsdp=4, tp=2, ep=4)
     buffer = (64 // 4) * 1024 / 2 * m.top_k * m.dim * c  # tokens/tp, k copies each
     outside = buffer * 2 / 4 / 10e9  # 2 of the 4 members on the other node, one NIC
     counts = 8 * m.experts * 2 / 4 / 10e9
-    assert seconds == pytest.approx(m.layers * (4 * outside + counts), rel=1e-9)
+    assert seconds == pytest.approx(m.layers * (4 * f * outside + counts), rel=1e-9)
     assert _ep_seconds(_bandwidth_cluster(8), fsdp=4, tp=2, ep=1)[0] == 0.0
 
 

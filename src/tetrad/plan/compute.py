@@ -17,6 +17,13 @@ hides them all:
 The backward of an elementwise op moves about twice the forward's bytes (it reads the
 saved input and the output gradient, writes the input gradient); flash attention's
 backward runs 2.5x the forward's FLOPs (five matmuls to two).
+
+A mixture of experts' routed experts run as grouped GEMMs, one matmul per expert over the
+token copies routed to it: each at the rate of its own shape (the expert's width, not the
+k experts' sum) and of its tokens, `M / (M + GROUPED_HALF_TOKENS)` for M copies an
+expert, the most loaded rank of the ep group setting the pace (`ROUTING_IMBALANCE`). The
+router (fp32 logits, softmax, top-k) and the permutation of the copies to and from the
+experts are elementwise bytes.
 """
 
 from __future__ import annotations
@@ -48,6 +55,14 @@ BACKWARD_ATTENTION = 2.5  # flash attention's backward FLOPs over its forward's
 # (2 + 2), the dropout reads them and writes its output and a 1-byte mask (2 + 2 + 1)
 UNFUSED_SCORE_BYTES = 9
 BACKWARD_ELEMENTWISE = 2.0  # bytes an elementwise backward moves over its forward's
+# Token copies an expert's GEMM needs to reach half its shape's rate (a grouped GEMM of few
+# rows per expert is latency- and load-bound): a stated fit on the published Qwen3-30B-A3B
+# row (docs/plan.md, "Mixtures of experts, against published runs")
+GROUPED_HALF_TOKENS = 1024.0
+# Copies the most loaded rank of an ep group receives over the mean, with a dropless
+# router trained with its balancing loss: a stated fit on the Megatron-MoE model zoo's
+# forced-balance against dropless Qwen3-235B rows (docs/plan.md)
+ROUTING_IMBALANCE = 1.2
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,9 @@ class Parts:
         return self.gemm + self.attention + self.elementwise
 
 
+ROUTED = "feed_forward.experts."  # the routed experts' linears in `ModelSpec.block_linears`
+
+
 def gemm_factor(width: float) -> float:
     """Share of the large-GEMM rate a GEMM with a dimension of `width` elements reaches."""
     return width / (width + GEMM_HALF_WIDTH)
@@ -99,14 +117,23 @@ class ComputeModel:
         return self.device.peak_tflops[dtype] * 1e12 * share
 
     def block_forward(self, m: ModelConfig, t: int, sp: bool, tokens: int, seqs: int,
-                      s: int, dtype: str, cp: int = 1, gemm_dtype: str = "") -> Parts:  # fmt: skip
+                      s: int, dtype: str, cp: int = 1, gemm_dtype: str = "", ep: int = 1,
+                      imbalance: float = 1.0) -> Parts:  # fmt: skip
         """One block's forward on one rank for `tokens` local tokens of `seqs` sequences of
         length `s`; with context parallelism a rank holds s/cp of each sequence and, the
         chunks load-balanced, 1/cp of the causal attention. `gemm_dtype`: the linears'
-        (fp8 under --fp8), where not `dtype`."""
-        linears = spec_for(m).block_linears(m, t).values()  # (K, N) of each, on this rank
+        (fp8 under --fp8), where not `dtype`. `ep`, `imbalance`: the routed experts' ep
+        degree and the most loaded rank's copies over the mean (where ep > 1)."""
         g = gemm_dtype or dtype
-        gemm = sum(2 * tokens * k * n / self._gemm_rate(k, n, g) for k, n in linears)
+        gemm = 0.0
+        for name, (k, n) in spec_for(m).block_linears(m, t).items():  # (K, N) on this rank
+            rate = self._gemm_rate(k, n, g)
+            if name.startswith(ROUTED) and self.sized:  # one GEMM an expert, of its rows
+                load = imbalance if ep > 1 else 1.0
+                rows = tokens * m.top_k * ep / (t * m.experts) * load
+                shape = (m.expert_dim, n) if name.endswith("w2") else (k, m.expert_dim)
+                rate = self._gemm_rate(*shape, g) * rows / (rows + GROUPED_HALF_TOKENS) / load
+            gemm += 2 * tokens * k * n / rate
         nbytes = tokens * self.elementwise_bytes(m, t, sp, dtype)
         if self.kernels.attention == "unfused":
             attention = self._unfused_attention(m, t, seqs, s, dtype) / cp
@@ -140,14 +167,18 @@ class ComputeModel:
 
     def elementwise_bytes(self, m: ModelConfig, t: int, sp: bool, dtype: str) -> float:
         """HBM bytes a block's elementwise forward moves per token on one rank."""
-        c, h, f = DTYPE_BYTES[dtype], m.dim, m.hidden_dim
+        c, h = DTYPE_BYTES[dtype], m.dim
+        f = (m.top_k + m.shared_experts) * m.expert_dim if m.moe else m.hidden_dim
         kv = m.kv_heads * m.head_dim
         if self.kernels.fused:  # one read and one write per fused op
             norms, rotary, gate = 2 * (2 * c * h), 2 * c * (h + kv), 3 * c * f
         else:  # fp32 cast, square-mean, scale, cast back, weight; complex rotary; silu, mul
             norms, rotary, gate = 2 * (20 * h + 4 * c * h), (2 * c + 16) * (h + kv), 5 * c * f
         residual = 2 * 3 * c * h
-        return (norms + residual) / (t if sp else 1) + (rotary + gate) / t
+        # MoE: the router's fp32 logits written, softmaxed and read by top-k; the k copies
+        # gathered to the experts (read and written) and back (read, weighted, summed)
+        routing = (3 * 4 * m.experts + (3 * m.top_k + 1) * c * h) if m.moe else 0
+        return (norms + residual) / (t if sp else 1) + (rotary + gate + routing) / t
 
     def backward(self, fwd: Parts) -> Parts:
         """The input-gradient part of a block's backward, from its forward, for this kernel

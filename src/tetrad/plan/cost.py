@@ -275,10 +275,9 @@ class Planner:
 
     def _stage_seconds(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
-        s, dt = lay.seq_len, lay.dtype_name
-        b, tokens = lay.microbatch_size, lay.microbatch_tokens  # tokens: cp splits sequences
+        dt, tokens = lay.dtype_name, lay.microbatch_tokens  # tokens: cp splits sequences
         fp8 = "fp8" if lay.fp8 else ""
-        fwd = self.compute.block_forward(m, lay.tp, lay.sp, tokens, b, s, dt, lay.cp, fp8)
+        fwd = self._block(lay, m)
         selective = self.compute.selective_redo(m, lay.tp, tokens, fp8 or dt, fwd)
         redo = {"none": 0.0, "selective": selective, "full": fwd.total, "op": fwd.gemm / 2}
         bwd = self.compute.backward(fwd).total + redo[self.recompute]
@@ -293,6 +292,14 @@ class Planner:
             "W": [0.0] + [fwd.gemm] * m.layers + [head_w],
         }
         return {k: stage_costs(v, self.split(lay, m)) for k, v in per.items()}
+
+    def _block(self, lay: Layout, m: ModelConfig):
+        """One block's forward on one rank for one microbatch, by kernel kind."""
+        fp8 = "fp8" if lay.fp8 else ""
+        return self.compute.block_forward(
+            m, lay.tp, lay.sp, lay.microbatch_tokens, lay.microbatch_size, lay.seq_len,
+            lay.dtype_name, lay.cp, fp8, lay.ep, self.engine.routing_imbalance,
+        )  # fmt: skip
 
     def _tp_times(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """Exposed TP seconds per microbatch per stage: 2 all-reduces of b·s·h per layer
@@ -327,11 +334,7 @@ class Planner:
         link = self.cluster.link(lay.tp, lay.cp)
         seconds = {"F": link.time("all_gather", lay.cp, nbytes),
                    "B": link.time("reduce_scatter", lay.cp, nbytes)}  # fmt: skip
-        b, tokens, s = lay.microbatch_size, lay.microbatch_tokens, lay.seq_len
-        fp8 = "fp8" if lay.fp8 else ""
-        fwd = self.compute.block_forward(
-            m, lay.tp, lay.sp, tokens, b, s, lay.dtype_name, lay.cp, fp8
-        )
+        fwd = self._block(lay, m)
         window = {"F": fwd.attention, "B": self.compute.backward(fwd).attention}
         ring = self.engine.cp_overlap or (lay.cp_attention == "ring" and self.cluster.overlap)
         for kind in "FB":
@@ -356,16 +359,22 @@ class Planner:
         out = {k: [0.0] * len(split) for k in "FBW"}
         if lay.ep == 1:
             return out
-        group = ep_groups(lay)[0][0]  # every group spans the same links
+        eng = self.engine
+        group = list(range(lay.ep)) if eng.ep_inner else ep_groups(lay)[0][0]  # all alike
         buffer = ep_bytes_per_layer(lay, m) / 4 * lay.ep / (lay.ep - 1)  # one call's copies
-        one = self.cluster.all_to_all(group, buffer)
+        leaving = _node_copies(m, self.cluster.gpus_per_node, group) if eng.ep_dedup else 1.0
+        one = self.cluster.all_to_all(group, buffer * eng.routing_imbalance, leaving)
         counts = self.cluster.all_to_all(group, 8.0 * m.experts)
         shared = self._shared_expert_seconds(lay, m) if self.cluster.overlap else 0.0
-        forward = max(0.0, one - shared) + one + counts
+        forward, backward = max(0.0, one - shared) + one + counts, 2 * one
+        if eng.ep_overlap and self.cluster.overlap:  # beside another microbatch's block
+            fwd = self._block(lay, m)
+            forward = max(0.0, forward - fwd.total)
+            backward = max(0.0, backward - self.compute.backward(fwd).total)
         for stage in range(len(split)):
             moe = block_kinds(m, split, [stage])[1]
             out["F"][stage] = moe * forward
-            out["B"][stage] = moe * 2 * one
+            out["B"][stage] = moe * backward
         return out
 
     def _shared_expert_seconds(self, lay: Layout, m: ModelConfig) -> float:
@@ -557,6 +566,20 @@ def _uniform_split(lay: Layout, m: ModelConfig) -> list[int] | None:
         k = (layers + 2) // stages
         return [k - 1] + [k] * (stages - 2) + [k - 1]
     return None
+
+
+def _node_copies(m: ModelConfig, per_node: int, group: list[int]) -> float:
+    """Share of a token's copies bound off its node that cross the network where the
+    copies bound for one node travel once (DeepEP): of the k experts drawn uniformly
+    without replacement from E, the expected number of other nodes that get at least one,
+    over the expected copies bound off the node."""
+    nodes = {r // per_node for r in group}
+    if len(nodes) == 1:
+        return 1.0
+    e, k, off = m.experts, m.top_k, len(nodes) - 1
+    held = e // len(nodes)  # experts a node holds
+    miss = math.prod((e - held - i) / (e - i) for i in range(k))  # a node gets none
+    return off * (1 - miss) / (k * off / len(nodes))
 
 
 def _rank_of_stage(lay: Layout, stage: int) -> int:

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tetrad.layout import SPLIT_BACKWARD, Layout
-from tetrad.plan.compute import Kernels
+from tetrad.plan.compute import ROUTING_IMBALANCE, Kernels
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,14 @@ class Implementation:
     freed before the backward (torchtitan's `loss_fn` and `del pred`; under tp DTensor's
     loss_parallel): its backward holds one fp32 N·V/t tensor more under tp, and the freed
     compute-dtype logits stay reserved (`plan.peak.eager_loss_backward`, `eager_loss_hole`).
+    ep_inner: the ep group takes the innermost ranks (tp first, then the data ranks:
+    Megatron's expert mesh with expert tp 1); tetrad's takes the data ranks first
+    (`mesh.expert_groups`). ep_dedup: a token's copies bound for one node cross the
+    network once and fan out over NVLink there (DeepEP's internode kernels).
+    ep_overlap: the dispatch and combine of one microbatch run beside another
+    microbatch's compute (Megatron's 1F1B all-to-all overlap); only what they take beyond
+    it shows. routing_imbalance: copies the most loaded ep rank receives over the mean
+    (`plan.compute.ROUTING_IMBALANCE`; 1: forced balance).
     """
 
     name: str
@@ -86,6 +94,10 @@ class Implementation:
     zero_blocks: tuple[int, int] = (2, 2)
     zero3_incoming_grad: bool = False
     eager_loss: bool = False
+    ep_inner: bool = False
+    ep_dedup: bool = False
+    ep_overlap: bool = False
+    routing_imbalance: float = ROUTING_IMBALANCE
 
     def defers_w(self, lay: Layout) -> bool:
         """Whether `lay`'s schedule's W actions hold deferred weight gradients."""
@@ -101,8 +113,14 @@ TETRAD = Implementation("tetrad", chunked_loss=True, split_w_with_tp=True, zero_
 MEGATRON = Implementation(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
     "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
     split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),
-    split="uniform", cp_overlap=True, cp_gathers_kv=False,
+    split="uniform", cp_overlap=True, cp_gathers_kv=False, ep_inner=True,
 )  # fmt: skip
+# Megatron-LM with DeepEP's dispatcher (--moe-token-dispatcher-type flex), and with its
+# all-to-all overlapped across microbatches (--overlap-moe-expert-parallel-comm)
+MEGATRON_DEEPEP = dataclasses.replace(MEGATRON, name="megatron-deepep", ep_dedup=True)
+MEGATRON_EP_OVERLAP = dataclasses.replace(
+    MEGATRON_DEEPEP, name="megatron-deepep-overlap", ep_overlap=True
+)
 TORCHTITAN = Implementation("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True,
                     cp_overlap=True, cp_gathers_kv=False, shards_over_cp=True,
                     eager_loss=True)  # fmt: skip
@@ -142,6 +160,6 @@ LLAMA3 = dataclasses.replace(
 )
 ENGINES = {
     e.name: e
-    for e in (TETRAD, MEGATRON, MEGATRON_2021, TORCHTITAN, TORCHTITAN_COMPILE,
-              TORCHTITAN_ASYNC_TP, DEEPSPEED, LLAMA3)
+    for e in (TETRAD, MEGATRON, MEGATRON_DEEPEP, MEGATRON_EP_OVERLAP, MEGATRON_2021,
+              TORCHTITAN, TORCHTITAN_COMPILE, TORCHTITAN_ASYNC_TP, DEEPSPEED, LLAMA3)
 }  # fmt: skip

@@ -131,14 +131,15 @@ class Cluster:
         stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
         return self.link(stride, len(ranks))
 
-    def all_to_all(self, ranks: list[int], nbytes: float) -> float:
+    def all_to_all(self, ranks: list[int], nbytes: float, leaving: float = 1.0) -> float:
         """Seconds of an all-to-all over these global ranks in which each sends `nbytes`
         spread evenly over the group ((n - 1)/n of it leaves the rank).
 
         Every pair exchanges at once (NCCL posts all the sends and receives of one call
         together), so the latency is one call on the slowest link kind the group spans,
         and the transfer the slower of the two paths: what stays in the node over NVLink,
-        what leaves it over the rank's own NIC (each GPU has one)."""
+        what leaves it over the rank's own NIC (each GPU has one), `leaving` times the
+        even share (a dispatcher that sends a token once per node sends less)."""
         n = len(ranks)
         if n <= 1:
             return 0.0
@@ -147,7 +148,7 @@ class Cluster:
         inside = (local - 1) / n * nbytes / self.intra.bw_Bps
         if local == n:
             return self.intra.base_s + self.intra.alpha_s + inside
-        outside = (n - local) / n * nbytes / self.inter.bw_Bps
+        outside = (n - local) / n * nbytes * leaving / self.inter.bw_Bps
         return self.inter.base_s + self.inter.alpha_s + max(inside, outside)
 
     def p2p_link(self, distance: int) -> Link:
