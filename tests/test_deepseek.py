@@ -1,12 +1,14 @@
 """The DeepSeek-V3 family: multi-head latent attention on the MoE decoder, the sigmoid
 router with group-limited top-k and routed scaling (docs/models.md).
 
-Oracles: a random transformers `DeepseekV3ForCausalLM` (query bottleneck or not),
-imported, gives transformers' logits and loss (fp32, relative 1e-5), and an export loads
-as the same class with tetrad's logits; every layout tetrad runs the family in (dp 2,
-pp 2, ZeRO-3 over fsdp 2, ep 2) and recomputation reproduce the single process in fp64
-(EXACT); the group-limited choice equals a brute-force one; what is not implemented (tp,
-sp, cp, yarn, rotate_half weights, a trained routing bias) is refused by name.
+Oracles: a random transformers `DeepseekV3ForCausalLM` (query bottleneck or not, with a
+trained routing bias or not), imported, gives transformers' logits and loss (fp32,
+relative 1e-5), and an export loads as the same class with tetrad's logits; every layout
+(dp 2, tp 2 with and without SP, cp 2 all-gather and ring, pp 2, ZeRO-3 over fsdp 2,
+ep 2, and tp 2 + SP with ep 2, with pp 2 zb-h1, with cp 2) and recomputation reproduce
+the single process in fp64 (EXACT); an import trained at tp 2 + SP has transformers'
+first-step loss; the group-limited choice equals a brute-force one; what is not
+implemented (yarn, rotate_half weights) is refused by name.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from test_interop_hf import _import_and_train
 from tetrad.cli import main as cli_main
 from tetrad.config import MODEL_PRESETS, model_preset
 from tetrad.interop import hf
-from tetrad.layout import Layout
 from tetrad.models import deepseek_spec
 from tetrad.models.families import spec_for
 from tetrad.models.init import build_model
@@ -41,6 +42,15 @@ LAYOUTS = {
     "pp2-zb": {"pp": 2, "pp_schedule": "zb-h1"},  # MLA's weight gradients deferred
     "fsdp2": {"fsdp": 2, "zero_stage": 3},
     "ep2": {"dp": 2, "ep": 2},
+    "tp2": {"tp": 2},  # the down projections replicated, the latents entering the region
+    "tp2-sp": {"tp": 2, "sp": True},  # ... on each rank's s/2, their gradients summed
+    "cp2": {"cp": 2},  # all-gather core: k (nope + rope) and v (v_head_dim) side by side
+    "cp2-ring": {"cp": 2, "cp_attention": "ring"},
+    "tp2-sp-ep2": {"tp": 2, "sp": True, "ep": 2},
+}
+LAYOUTS4 = {  # one 4-rank world: SP's down projections deferred to W; cp inside tp
+    "tp2-sp-pp2-zb": {"tp": 2, "sp": True, "pp": 2, "pp_schedule": "zb-h1"},
+    "cp2-tp2-sp": {"cp": 2, "tp": 2, "sp": True, "cp_attention": "ring"},
 }
 STEPS = 3
 
@@ -72,14 +82,26 @@ def _import_configs(root, parallel: dict, name: str) -> list:
     return [cfg]
 
 
+def _first_step_config(root, parallel: dict):
+    """The model with a trained routing bias (root/hf-bias), one fp32 step."""
+    cfg = tiny_config(parallel=parallel, train={"steps": 1, "dtype": "fp32"})
+    cfg.model = hf.model_config(root / "hf-bias")
+    return cfg
+
+
 def declare_jobs(jobs: Jobs) -> None:
-    """Every layout, and the imports at pp 2 and ep 2, in one 2-rank world."""
+    """Every layout, the imports at pp 2 and ep 2 and at tp 2 + SP, in one 2-rank world;
+    the combinations of four ranks in one 4-rank world."""
     jobs.add_training("layouts", [_config(par) for par in LAYOUTS.values()])
+    jobs.add_training("layouts4", [_config(par) for par in LAYOUTS4.values()])
     root = jobs.tmp("import")
     save_hf(root / "hf", 16)
     for name, par in IMPORTS.items():
         cfgs = [c.to_dict() for c in _import_configs(root, par, name)]
         jobs.add(f"import-{name}", 2, _import_and_train, cfgs)
+    save_hf(root / "hf-bias", 16, bias=0.5)
+    cfg = _first_step_config(root, {"tp": 2, "sp": True})
+    jobs.add("import-tp2-sp", 2, _import_and_train, [cfg.to_dict()])
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +110,10 @@ def single() -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(LAYOUTS) + list(LAYOUTS4))
 def test_layout_matches_single_process(jobs, single, name):
-    got = jobs["layouts"][0][list(LAYOUTS).index(name)]
+    job, names = ("layouts", list(LAYOUTS)) if name in LAYOUTS else ("layouts4", list(LAYOUTS4))
+    got = jobs[job][0][names.index(name)]
     assert_close_run(got, single, rtol=EXACT)
 
 
@@ -122,12 +145,31 @@ def test_import_in_a_layout_reads_its_slices_trains_and_exports(jobs, name):
     assert_same(tetrad_out(m, state, TOKENS), hf_out(root / f"{name}-hf", TOKENS))
 
 
+@pytest.mark.distributed
+def test_import_at_tp2_sp_has_the_first_step_loss_of_transformers(jobs):
+    """A random model with a trained routing bias, imported at tp 2 + SP (each rank reads
+    its slices; the bias, a buffer, read whole): its first loss, over the first batch,
+    is transformers' on the same tokens (fp32, relative 1e-5)."""
+    root = jobs.tmp("import")
+    for rank in jobs["import-tp2-sp"]:
+        assert rank[0]["read"] == rank[0]["held"]
+    got = jobs["import-tp2-sp"][0][0]["losses"][0]
+    batch = trainer_for(_first_step_config(root, {}), 0).loader.batch(0)
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(root / "hf-bias")
+    with torch.no_grad():
+        logits = torch.cat([model(mb.inputs).logits for mb in batch])
+    targets = torch.cat([mb.targets for mb in batch])
+    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=0)
+
+
 # --- transformers, both ways ------------------------------------------------------------
 
 
-def save_hf(path, q_lora_rank: int | None, seed: int = 0, **routing) -> None:
+def save_hf(path, q_lora_rank: int | None, seed: int = 0, bias: float = 0.0, **routing) -> None:
     """A random DeepseekV3ForCausalLM: gains other than 1, experts and router of a scale
-    that routes differently by token (so a wrong group mask or scale shows)."""
+    that routes differently by token (so a wrong group mask or scale shows); `bias`: the
+    std of a trained routing bias (e_score_correction_bias; 0: untrained)."""
     torch.manual_seed(seed)
     config = transformers.DeepseekV3Config(**HF_SHAPE, q_lora_rank=q_lora_rank, **routing)
     model = transformers.DeepseekV3ForCausalLM(config)
@@ -137,6 +179,9 @@ def save_hf(path, q_lora_rank: int | None, seed: int = 0, **routing) -> None:
                 p.uniform_(0.5, 1.5)
             elif "experts" in name or name.endswith("gate.weight"):
                 p.normal_(0, 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias") and bias:
+                b.normal_(0, bias)
     model.save_pretrained(path)
 
 
@@ -187,13 +232,16 @@ def test_export_loads_as_the_same_class_with_the_same_logits(tmp_path):
     params = {n: p.detach() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match="expert_bias of layers \\[1, 2\\] is not in the state"):
         hf.save(params, m, tmp_path)
-    state = params | {n: b for n, b in model.named_buffers()}
+    buffers = dict(model.named_buffers())
+    state = params | buffers
     hf.save(state, m, tmp_path, max_shard_bytes=20_000)  # sharded, with an index
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     assert config.architectures == ["DeepseekV3ForCausalLM"]
     assert_same(tetrad_out(m, state, TOKENS), hf_out(tmp_path, TOKENS))
-    with pytest.raises(ValueError, match="e_score_correction_bias is nonzero"):
-        hf.HFWeights(tmp_path, hf.model_config(tmp_path))  # refused on the way back
+    back = hf.HFWeights(tmp_path, hf.model_config(tmp_path))  # and back, the bias too
+    for name, b in buffers.items():
+        box = tuple((0, n) for n in b.shape)
+        assert torch.equal(back.read_buffer(f"buffer/{name}", box), b)
 
 
 def _edit_config(path, **change) -> None:
@@ -216,16 +264,22 @@ def test_what_tetrad_does_not_compute_is_refused_on_import(tmp_path, change, mat
         hf.model_config(tmp_path)
 
 
-def test_a_trained_routing_bias_is_refused_not_dropped(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    save_hf(tmp_path, 16)
-    file = tmp_path / hf.SINGLE
-    tensors = load_file(file)
-    tensors["model.layers.2.mlp.gate.e_score_correction_bias"][3] = 0.5
-    save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="e_score_correction_bias is nonzero"):
-        hf.HFWeights(tmp_path, hf.model_config(tmp_path))
+def test_a_trained_routing_bias_imports_and_exports(tmp_path):
+    """transformers (a trained e_score_correction_bias) -> tetrad, through the engine's
+    load -> export: the same logits and loss each way; without the bias they differ."""
+    save_hf(tmp_path / "hf", 16, bias=0.5)
+    cfg = tiny_config(train={"steps": 1, "dtype": "fp32"})
+    cfg.model = m = hf.model_config(tmp_path / "hf")
+    engine = trainer_for(cfg, 0).engine
+    buffers = {n: b.clone() for n, b in engine.model.named_buffers()}
+    assert all(b.any() for b in buffers.values()) and len(buffers) == m.layers - m.dense_layers
+    state = engine.full_state_dict() | buffers
+    theirs = hf_out(tmp_path / "hf", TOKENS)
+    assert_same(tetrad_out(m, state, TOKENS), theirs)
+    dropped = tetrad_out(m, engine.full_state_dict(), TOKENS)[0]  # routed otherwise
+    assert (dropped - theirs[0]).abs().max() > 1e-2 * theirs[0].abs().max()
+    hf.save(state, m, tmp_path / "out")
+    assert_same(tetrad_out(m, state, TOKENS), hf_out(tmp_path / "out", TOKENS))
 
 
 # --- the router and the layouts refused ---------------------------------------------------
@@ -256,24 +310,14 @@ def test_impossible_groups_are_refused():
         spec_for(m).build(m)
 
 
-@pytest.mark.parametrize(
-    "parallel", [{"tp": 2}, {"tp": 2, "sp": True}, {"cp": 2}], ids=["tp2", "tp2-sp", "cp2"]
-)
-def test_latent_attention_layouts_not_implemented_are_refused(parallel):
-    cfg = tiny_config(model=MODEL, parallel=parallel)
-    axis = "tp" if "tp" in parallel else "cp"
-    with pytest.raises(ValueError, match=f"multi-head latent attention at {axis}=2"):
-        Layout.build(cfg, world=cfg.parallel.world)
-
-
-def test_the_planner_prices_the_published_size_and_refuses_tp(capsys):
+def test_the_planner_prices_the_published_size_with_and_without_tp(capsys):
     base = ["plan", "--model", "deepseek-v3", "--gpus", "256", "--gpu", "h100",
             "--global-batch", "1024", "--seq-len", "4096", "--microbatches", "64",
             "--recompute", "full", "--pp", "16"]  # fmt: skip
     assert cli_main([*base, "--dp", "16", "--ep", "16"]) == 0
     assert "dp16·pp16·ep16" in capsys.readouterr().out
-    assert cli_main([*base, "--tp", "2", "--dp", "8", "--ep", "8"]) != 0
-    assert "multi-head latent attention at tp=2" in capsys.readouterr().err
+    assert cli_main([*base, "--tp", "2", "--dp", "8", "--ep", "8"]) == 0
+    assert "dp8·tp2·pp16·ep8" in capsys.readouterr().out
 
 
 def test_the_published_size():

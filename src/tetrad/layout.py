@@ -110,7 +110,6 @@ class Layout:
         _check_shapes(cfg)
         check_ep(p.ep, cfg.model.experts, p.degrees)
         _check_fp8(cfg)
-        _check_latent_attention(cfg)
         window = cfg.model.sliding_window
         _require(
             not 0 < window < cfg.train.seq_len,
@@ -477,21 +476,6 @@ def _check_shapes(cfg: Config) -> None:
         f"model.layers={cfg.model.layers} < pp*virtual_stages-2={p.pp}*{p.virtual_stages}-2"
         f" = {stages - 2}: every stage but the first and the last needs a layer",
     )
-
-
-# --- DeepSeek-V3: what multi-head latent attention does not run under yet ---------------
-def _check_latent_attention(cfg: Config) -> None:
-    """MLA's replicated down projections would need a tp style that sums their partial
-    weight gradients (docs/models.md); its core takes no context-parallel exchange."""
-    if cfg.model.family != "deepseek_v3":
-        return
-    for axis in ("tp", "cp"):
-        degree = getattr(cfg.parallel, axis)
-        _require(
-            degree == 1,
-            f"model.family='deepseek_v3': multi-head latent attention at {axis}={degree} is not "
-            "implemented (dp, fsdp/ZeRO, pp and ep are)",
-        )
 
 
 def _check_tp(m: ModelConfig, tp: int) -> None:

@@ -321,9 +321,15 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
     raise ValueError(f"{d} has neither {SINGLE} nor {INDEX}")
 
 
+# the MoE router's loss-free bias (a buffer): DeepSeek-V3's e_score_correction_bias
+ROUTING_BIAS = "expert_bias"
+
+
 class HFWeights(Mapping):
     """tetrad name -> a lazy tensor in a Hugging Face directory, indexable by this rank's
-    slice (`weights[name][rows, cols]` reads those elements only), as float32.
+    slice (`weights[name][rows, cols]` reads those elements only), as float32. The model's
+    buffers a checkpoint holds (DeepSeek-V3's trained routing bias) are read apart, by
+    `read_buffer`: the engine loads parameters from the mapping, buffers from a reader.
 
     Constructing it checks every tensor the model needs: present, float, the right shape.
     """
@@ -331,8 +337,10 @@ class HFWeights(Mapping):
     def __init__(self, directory: str | Path, model: ModelConfig):
         self.directory, self.model = Path(directory), model
         self.files = weight_files(directory)
-        self.names = [n for n, _ in spec_for(model).build(model).named_parameters()]
+        meta = spec_for(model).build(model)
+        self.names = [n for n, _ in meta.named_parameters()]
         headers = self._headers()
+        self.buffers = self._check_buffers(meta, headers)
         for name in self.names:
             want = tuple(full_shape(name, model))
             if stacked(name, model):
@@ -347,21 +355,37 @@ class HFWeights(Mapping):
                     )
                 if shape != want:
                     raise ValueError(f"{self.files[key]}: {key} has shape {shape}, expected {want}")
-        if model.family == "deepseek_v3":
-            self._check_routing_bias()
 
-    def _check_routing_bias(self) -> None:
-        """A trained loss-free bias (DeepSeek-V3's e_score_correction_bias buffer) changes
-        which experts a token gets; the engine loads parameters, not buffers, so a nonzero
-        one is refused rather than dropped."""
-        for i in range(self.model.dense_layers, self.model.layers):
-            key = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
-            if key not in self.files:
+    def _check_buffers(self, meta: torch.nn.Module, headers: dict) -> dict[str, str]:
+        """tetrad buffer -> the Hugging Face tensor holding it: DeepSeek-V3's routers'
+        loss-free bias (e_score_correction_bias), which changes which experts a token
+        gets, checked like a parameter; the other families' routers hold none (theirs
+        start at zero, as tetrad's)."""
+        if model_type(self.model) != "deepseek_v3":
+            return {}
+        out = {}
+        for name, b in meta.named_buffers():
+            key = hf_name(name, self.model)
+            if not name.endswith(ROUTING_BIAS) or key not in self.files:
                 continue
-            with safe_open(self.files[key], framework="pt") as fh:
-                if fh.get_tensor(key).any():
-                    raise ValueError(f"{self.files[key]}: {key} is nonzero; importing a "
-                                     "trained routing bias is not supported yet")  # fmt: skip
+            dtype, shape = headers[key]
+            if dtype not in FLOATS or shape != tuple(b.shape):
+                raise ValueError(f"{self.files[key]}: {key} is {dtype} {shape}, expected a "
+                                 f"float of shape {tuple(b.shape)}")  # fmt: skip
+            out[name] = key
+        return out
+
+    def read_buffer(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """Elements `box` ((start, stop) per dim) of model buffer `key` ("buffer/<name>",
+        as the state adapter's `load_buffers` asks), float32: the checkpoint's value, or
+        zeros (tetrad's start) where it holds none."""
+        name = key.rpartition("/")[2]
+        index = tuple(slice(lo, hi) for lo, hi in box)
+        if name not in self.buffers:
+            return torch.zeros([hi - lo for lo, hi in box])
+        hf_key = self.buffers[name]
+        with safe_open(self.files[hf_key], framework="pt") as fh:
+            return fh.get_slice(hf_key)[index].float()
 
     def _headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         out = {}
@@ -455,9 +479,6 @@ def permute_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     rest = w.shape[1:]
     return w.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
-
-# the MoE router's loss-free bias (a buffer): DeepSeek-V3's e_score_correction_bias
-ROUTING_BIAS = "expert_bias"
 
 # --- weights out --------------------------------------------------------------------------
 

@@ -11,10 +11,12 @@ import dataclasses
 
 from tetrad.config import ModelConfig
 from tetrad.models import moe_spec
+from tetrad.models.llama import rotary_at
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
-from tetrad.models.mla import keep_mla, meta_deepseek, param_shape
+from tetrad.models.mla import apply_rotary_tail, keep_mla, meta_deepseek, param_shape
 from tetrad.models.moe_spec import MOE, MoEActivations, active_ffn, moe_layer_count
 from tetrad.models.plans import MOE_PLAN
+from tetrad.models.spec import Rotary
 
 
 def attention_params(m: ModelConfig) -> int:
@@ -118,15 +120,17 @@ def hf_names(m: ModelConfig) -> dict[str, str]:
     return HF_NAMES if m.q_lora_rank else PLAIN_Q_NAMES
 
 
-# Latent attention at tp > 1 is refused (layout.py): its down projections are replicated
-# linears inside the attention region whose weight gradients are partial on each tp rank,
-# a style parallel/tensor.py does not have yet. The plan covers the split parts (heads:
-# wq_b and wkv_b column-wise, wo row-wise; the latent norms summed over tp) and leaves
-# wq_a and wkv_a out, so apply_tp would refuse them by name.
+# Latent attention under tp: the heads split (wq_b and wkv_b column-wise, wo row-wise);
+# the down projections and their norms, which every head reads, stay before the region
+# (`sequence`: replicated without SP; under SP on each rank's s/tp, their weights'
+# gradients summed over tp). The attention module enters the region after them, on the
+# narrow latents (its `use_entry`), not on the full-width input (docs/models.md).
 MLA_PLAN = {
     **{k: v for k, v in MOE_PLAN.items() if not k.startswith("layers.*.attention.")},
+    "layers.*.attention.wq_a": "sequence",
     "layers.*.attention.q_a_norm": "sequence",
     "layers.*.attention.wq_b": "colwise",
+    "layers.*.attention.wkv_a": "sequence",
     "layers.*.attention.kv_a_norm": "sequence",
     "layers.*.attention.wkv_b": "colwise",
     "layers.*.attention.wo": "rowwise",
@@ -145,5 +149,7 @@ DEEPSEEK_V3 = dataclasses.replace(
     flops_per_token=flops_per_token,
     block_linears=block_linears,
     activations=MLAActivations(),
+    # the core's last qk_rope_dim channels of each head rotate (cp: at global positions)
+    rotary=Rotary(tables=rotary_at, apply=apply_rotary_tail),
     hf_names=HF_NAMES,  # without q_lora_rank: `hf_names`
 )

@@ -13,6 +13,8 @@ parallelism: it imports only torch and the other model files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,12 +31,19 @@ LATENT_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention: low-rank projections around a swappable core."""
+    """Multi-head latent attention: low-rank projections around a swappable core.
+
+    The down projections (wq_a, wkv_a) and their norms see every head; what follows them
+    is per head. `use_entry(fn)` puts `fn` between the two, on the narrow inputs of the
+    per-head part (the query and kv latents and the shared rotary key, concatenated):
+    tensor parallelism enters its region there, after the down projections, not before.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, qk = cfg.heads, cfg.qk_nope_dim + cfg.qk_rope_dim
-        self.kv_rank = cfg.kv_lora_rank
+        self.kv_rank, self.nope_dim = cfg.kv_lora_rank, cfg.qk_nope_dim
+        self.rope_dim, self.v_dim = cfg.qk_rope_dim, cfg.v_head_dim
         self.wq_a: nn.Linear | None = None  # q_lora_rank 0: wq_b is the one query projection
         self.q_a_norm: RMSNorm | None = None
         if cfg.q_lora_rank:
@@ -45,41 +54,61 @@ class MLAttention(nn.Module):
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, LATENT_EPS)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(h * cfg.v_head_dim, cfg.dim, bias=False)
-        self.core: nn.Module = MLACore(cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.rope_theta)
+        self.core: nn.Module = MLACore(qk, cfg.qk_rope_dim, cfg.v_head_dim, cfg.rope_theta)
+        self.entry: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def use_entry(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply `fn` to [q latent | kv latent | rotary key] [b, s, widths] before the heads."""
+        self.entry = fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.wq_b(x if self.wq_a is None else self.q_a_norm(self.wq_a(x)))
-        latent, k_rot = self.wkv_a(x).split([self.kv_rank, self.core.rope_dim], dim=-1)
-        kv = self.wkv_b(self.kv_a_norm(latent))  # [b, s, heads · (nope + v)]
-        return self.wo(self.core(q, kv, k_rot))
+        q_in = x if self.wq_a is None else self.q_a_norm(self.wq_a(x))
+        latent, k_rot = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        q_in, kv_in, k_rot = self._enter(q_in, self.kv_a_norm(latent), k_rot)
+        q = self.wq_b(q_in)  # [b, s, heads · (nope + rope)]
+        kv = self.wkv_b(kv_in).unflatten(-1, (-1, self.nope_dim + self.v_dim))
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [b, s, h, ·]
+        k = torch.cat([k_nope, k_rot[:, :, None].expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        return self.wo(self.core(q, k.flatten(2), v.flatten(2)))
+
+    def _enter(self, *parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.entry is None:
+            return parts
+        widths = [p.shape[-1] for p in parts]
+        return self.entry(torch.cat(parts, dim=-1)).split(widths, dim=-1)
 
 
 class MLACore(nn.Module):
-    """Rotary on the decoupled part, then causal softmax(qkᵀ/√(nope+rope))v. Local heads
-    are read from the inputs' widths."""
+    """Causal softmax(qkᵀ/√head_dim)v over per-head q, k of `head_dim` (nope + rope)
+    channels and v of `v_head_dim`, rotary on the last `rope_dim` channels of q and k only.
+    Local heads are read from the inputs' widths; context parallelism swaps it whole."""
 
-    def __init__(self, nope_dim: int, rope_dim: int, theta: float):
+    def __init__(self, head_dim: int, rope_dim: int, v_head_dim: int, theta: float):
         super().__init__()
-        self.nope_dim, self.rope_dim, self.theta = nope_dim, rope_dim, theta
+        self.head_dim, self.rope_dim, self.v_head_dim = head_dim, rope_dim, v_head_dim
+        self.theta = theta
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, k_rot: torch.Tensor) -> torch.Tensor:
-        """q [b, s, heads · (nope + rope)], kv [b, s, heads · (nope + v)], k_rot [b, s, rope]
-        -> [b, s, heads · v]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k [b, s, heads · head_dim], v [b, s, heads · v_head_dim] -> [b, s, heads · v]."""
         b, s = q.shape[:2]
-        q = q.unflatten(-1, (-1, self.nope_dim + self.rope_dim))  # [b, s, h, nope + rope]
-        heads = q.shape[2]
-        k_nope, v = kv.unflatten(-1, (heads, -1)).split(
-            [self.nope_dim, kv.shape[-1] // heads - self.nope_dim], dim=-1
-        )
+        q, k = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k))
         rope = rotary(s, self.rope_dim, self.theta, q.device)
-        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rotary(q_rot, rope)], dim=-1)
-        k_rot = apply_rotary(k_rot[:, :, None], rope).expand(-1, -1, heads, -1)
-        k = torch.cat([k_nope, k_rot], dim=-1)
+        q, k = apply_rotary_tail(q, rope), apply_rotary_tail(k, rope)
+        v = v.unflatten(-1, (-1, self.v_head_dim))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
         return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def apply_rotary_tail(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x [b, s, heads, d] with its last channels, as many as the tables `rope` [s, r/2, 2]
+    rotate, rotated (interleaved pairs, `apply_rotary`); the first d - r untouched."""
+    rope_dim = 2 * rope.shape[-2]
+    if rope_dim == x.shape[-1]:
+        return apply_rotary(x, rope)
+    plain, rot = x.split([x.shape[-1] - rope_dim, rope_dim], dim=-1)
+    return torch.cat([plain, apply_rotary(rot, rope)], dim=-1)
 
 
 class MLABlock(Block):

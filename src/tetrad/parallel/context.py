@@ -34,6 +34,8 @@ bytes each moves per layer, which tests/test_cp.py checks against `Comm`'s count
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -65,27 +67,45 @@ def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     return x.index_select(dim, chunk_positions(x.shape[dim], cp, rank, x.device))
 
 
+@dataclass(frozen=True)
+class HeadDims:
+    """An attention core's per-head widths: q and k (`head_dim`), the channels of them
+    rotary turns (`rope_dim`: all, or the last ones: latent attention) and v's."""
+
+    head_dim: int
+    rope_dim: int
+    v_head_dim: int
+
+    @staticmethod
+    def of(core: nn.Module) -> HeadDims:
+        """A core's widths: `head_dim`, and `rope_dim`, `v_head_dim` where it has them."""
+        hd = core.head_dim
+        return HeadDims(hd, getattr(core, "rope_dim", hd), getattr(core, "v_head_dim", hd))
+
+
 class _CPCore(nn.Module):
     """What both cores share: the cp group, the rotary of this rank's global positions (the
     family's, `rotary`), and the block kernel's kind (parallel.cp_kernel: fused or unfused)."""
 
     def __init__(
-        self, head_dim: int, theta: float, rotary: Rotary, comm: Comm, group: Group, kernel: str
+        self, dims: HeadDims, theta: float, rotary: Rotary, comm: Comm, group: Group, kernel: str
     ):
         super().__init__()
-        self.head_dim, self.theta, self.comm, self.group = head_dim, theta, comm, group
+        self.dims, self.theta, self.comm, self.group = dims, theta, comm, group
+        self.head_dim = dims.head_dim
         self.rotary, self.kernel = rotary, kernel
 
     def positions(self, local: int, device) -> torch.Tensor:
         return chunk_positions(local * self.group.size, self.group.size, self.group.rank, device)
 
     def rotated(self, q, k, v):
-        """[b, s/cp, heads·hd] each -> q [b, s/cp, h, hd], k, v [b, s/cp, kvh, hd], rotary
-        applied at the global positions; and those positions."""
+        """[b, s/cp, heads·hd] (v: heads·v_hd) -> q [b, s/cp, h, hd], k [b, s/cp, kvh, hd],
+        v [b, s/cp, kvh, v_hd], rotary applied at the global positions; and those positions."""
         b, s = q.shape[:2]
-        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        q, k = (t.view(b, s, -1, self.head_dim) for t in (q, k))
+        v = v.view(b, s, -1, self.dims.v_head_dim)
         pos = self.positions(s, q.device)
-        rope = self.rotary.tables(pos, self.head_dim, self.theta)
+        rope = self.rotary.tables(pos, self.dims.rope_dim, self.theta)
         return self.rotary.apply(q, rope), self.rotary.apply(k, rope), v, pos
 
 
@@ -95,7 +115,7 @@ class AllGatherCore(_CPCore):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
         q, k, v, _ = self.rotated(q, k, v)
-        kv = gather_from_cp(torch.stack((k, v)), self.comm, self.group, dim=2)  # [2,b,S,kvh,hd]
+        kv = gather_from_cp(torch.cat((k, v), -1), self.comm, self.group, dim=1)  # [b,S,kvh,·]
         attend = _GatheredAttention.apply
         return attend(q, kv, self.group.rank, self.kernel).reshape(b, s, -1)
 
@@ -124,10 +144,11 @@ def _block(rank: int, src: int, c: int):
     return slice(c, 2 * c), slice(0, 2 * c), False
 
 
-def _heads(kv: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's block [2, b, s, kvh, hd] -> k, v [b, H, s, hd], repeated to the query
-    heads (only for the kernel: what travels and what is saved stays unrepeated)."""
-    k, v = kv.transpose(2, 3).unbind(0)  # [b, kvh, s, hd]
+def _heads(kv: torch.Tensor, rep: int, k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's block [b, s, kvh, k_dim + v_dim] (k and v side by side: v may be narrower,
+    latent attention's) -> k, v [b, H, s, ·], repeated to the query heads (only for the
+    kernel: what travels and what is saved stays unrepeated)."""
+    k, v = kv.transpose(1, 2).split([k_dim, kv.shape[-1] - k_dim], dim=-1)  # [b, kvh, s, ·]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return k.contiguous(), v.contiguous()
@@ -137,13 +158,14 @@ class _Online:
     """The running softmax(qkᵀ/√d)v of this rank's queries over the blocks seen so far:
     output and log-sum-exp in fp32, each block merged by log-sum-exp."""
 
-    def __init__(self, q: torch.Tensor, kv_heads: int, kernel: BlockKernel):
+    def __init__(self, q: torch.Tensor, kv_heads: int, v_dim: int, kernel: BlockKernel):
         self.q = q.transpose(1, 2).contiguous()  # [b, H, s, hd]
         self.kernel = kernel
         self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
-        # laid out [b, s, H, hd] (seen as [b, H, s, hd]): in fp32 the result handed on is
-        # this very tensor, so the next matmul's saved input and ours are one
-        self.out = torch.zeros(q.shape, dtype=wide(q.dtype), device=q.device).transpose(1, 2)
+        # laid out [b, s, H, v_hd] (seen as [b, H, s, v_hd]): in fp32 the result handed on
+        # is this very tensor, so the next matmul's saved input and ours are one
+        shape = (*q.shape[:-1], v_dim)
+        self.out = torch.zeros(shape, dtype=wide(q.dtype), device=q.device).transpose(1, 2)
         self.lse = torch.full(
             self.q.shape[:-1], float("-inf"), dtype=wide(q.dtype), device=q.device
         )  # [b, H, s]
@@ -151,7 +173,7 @@ class _Online:
     def add(self, kv: torch.Tensor, where: tuple[int, int, int]) -> None:
         """Merge the block of rank `src`'s keys and values; `where` = (rank, src, chunk)."""
         rows, cols, diag = _block(*where)
-        k, v = _heads(kv, self.rep)
+        k, v = _heads(kv, self.rep, self.q.shape[-1])
         q = self.q[:, :, rows].contiguous()
         k, v = k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
         block_out, block_lse = self.kernel.forward(q, k, v, diag, self.scale)
@@ -164,7 +186,7 @@ class _Online:
         self.lse[..., rows] = merged
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.out.transpose(1, 2).to(dtype)  # [b, s, H, hd]: itself in fp32
+        return self.out.transpose(1, 2).to(dtype)  # [b, s, H, v_hd]: itself in fp32
 
 
 class _Grads:
@@ -172,24 +194,26 @@ class _Grads:
 
     def __init__(self, q, grad, out, lse, kv_heads: int, kernel: BlockKernel):
         self.q, self.dout = q.transpose(1, 2).contiguous(), grad.transpose(1, 2).contiguous()
-        self.out, self.lse = out.to(q.dtype), lse  # out, lse: [b, H, s, hd], [b, H, s]
+        self.out, self.lse = out.to(q.dtype), lse  # out, lse: [b, H, s, v_hd], [b, H, s]
         self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
         self.dq = torch.zeros(self.q.shape, dtype=wide(q.dtype), device=q.device)
         self._mine = (self.dout, self.q, self.out, self.lse)  # what the rows slice
         self.kernel = kernel
 
     def block(self, kv: torch.Tensor, where: tuple[int, int, int]) -> torch.Tensor:
-        """Add one block's dq; return its (dk, dv) [2, b, s, kvh, hd] in fp32."""
+        """Add one block's dq; return its (dk | dv) [b, s, kvh, k_dim + v_dim] in fp32."""
         rows, cols, diag = _block(*where)
-        k, v = _heads(kv, self.rep)
+        k_dim = self.q.shape[-1]
+        k, v = _heads(kv, self.rep, k_dim)
         k, v = k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
         dout, q, out, lse = (t[:, :, rows].contiguous() for t in self._mine)
         dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, diag, self.scale)
         self.dq[:, :, rows] += widen(dq)
-        grads = torch.zeros((2, *kv.shape[1:]), dtype=wide(kv.dtype), device=kv.device)
-        for i, g in enumerate((dk, dv)):  # [b, H, m, hd] -> summed per kv head [b, m, kvh, hd]
-            b, _, m, hd = g.shape
-            grads[i][:, cols] = widen(g).view(b, -1, self.rep, m, hd).sum(2).transpose(1, 2)
+        grads = torch.zeros(kv.shape, dtype=wide(kv.dtype), device=kv.device)
+        for part, g in zip((slice(0, k_dim), slice(k_dim, None)), (dk, dv)):
+            b, _, m, hd = g.shape  # [b, H, m, ·] -> summed per kv head [b, m, kvh, ·]
+            per_kv = widen(g).view(b, -1, self.rep, m, hd).sum(2).transpose(1, 2)
+            grads[:, cols, :, part] = per_kv
         return grads
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
@@ -197,16 +221,17 @@ class _Grads:
 
 
 class _GatheredAttention(torch.autograd.Function):
-    """This rank's queries q [b, s, h, hd] against the gathered kv [2, b, cp·s, kvh, hd]
+    """This rank's queries q [b, s, h, hd] against the gathered kv [b, cp·s, kvh, hd + v_hd]
     (rank-major), block by block; saves only q, kv, the fp32 output and log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, kv, rank: int, kind: str):
-        s, n = q.shape[1], kv.shape[2] // q.shape[1]
-        ctx.kernel = pick_kernel(kind, q)
-        run = _Online(q, kv.shape[3], ctx.kernel)
+        s, n = q.shape[1], kv.shape[1] // q.shape[1]
+        v_dim = kv.shape[-1] - q.shape[-1]
+        ctx.kernel = pick_kernel(kind, q, v_dim)
+        run = _Online(q, kv.shape[2], v_dim, ctx.kernel)
         for src in range(n):
-            run.add(kv[:, :, src * s : (src + 1) * s], (rank, src, s // 2))
+            run.add(kv[:, src * s : (src + 1) * s], (rank, src, s // 2))
         ctx.rank = rank
         ctx.save_for_backward(q, kv, run.out, run.lse)
         return run.result(q.dtype)
@@ -214,27 +239,28 @@ class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, kv, out, lse = ctx.saved_tensors
-        s, n = q.shape[1], kv.shape[2] // q.shape[1]
-        grads = _Grads(q, grad, out, lse, kv.shape[3], ctx.kernel)
+        s, n = q.shape[1], kv.shape[1] // q.shape[1]
+        grads = _Grads(q, grad, out, lse, kv.shape[2], ctx.kernel)
         dkv = torch.empty(kv.shape, dtype=wide(kv.dtype), device=kv.device)
         for src in range(n):
-            dkv[:, :, src * s : (src + 1) * s] = grads.block(
-                kv[:, :, src * s : (src + 1) * s], (ctx.rank, src, s // 2)
+            dkv[:, src * s : (src + 1) * s] = grads.block(
+                kv[:, src * s : (src + 1) * s], (ctx.rank, src, s // 2)
             )
         return grads.result(q.dtype), dkv.to(kv.dtype), None, None
 
 
 class _RingAttention(torch.autograd.Function):
-    """The same from this rank's own k, v [b, s, kvh, hd]: the kv blocks pass around the
+    """The same from this rank's own k [b, s, kvh, hd], v [b, s, kvh, v_hd]: the kv blocks
+    (k and v side by side) pass around the
     ring, the next in flight while the one in hand is computed; in backward their dk, dv
     (fp32) travel with them and arrive home, after cp hops, summed over every user."""
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, group: Group, kind: str):
         n, r, c = group.size, group.rank, q.shape[1] // 2
-        ctx.kernel = pick_kernel(kind, q)
-        run = _Online(q, k.shape[2], ctx.kernel)
-        kv = torch.stack((k, v)).contiguous()  # [2, b, s, kvh, hd]: what travels
+        ctx.kernel = pick_kernel(kind, q, v.shape[-1])
+        run = _Online(q, k.shape[2], v.shape[-1], ctx.kernel)
+        kv = torch.cat((k, v), -1).contiguous()  # [b, s, kvh, hd + v_hd]: what travels
         for i in range(n):
             works, nxt = [], None
             if i < n - 1:
@@ -254,8 +280,8 @@ class _RingAttention(torch.autograd.Function):
         comm, group = ctx.comm, ctx.group
         n, r, c = group.size, group.rank, q.shape[1] // 2
         grads = _Grads(q, grad, out, lse, k.shape[2], ctx.kernel)
-        kv = torch.stack((k, v)).contiguous()
-        dkv = torch.zeros((2, *k.shape), dtype=wide(k.dtype), device=q.device)  # travels
+        kv = torch.cat((k, v), -1).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=wide(k.dtype), device=q.device)  # travels
         incoming: list = []  # the dkv of the block now in hand, still arriving
         for i in range(n):
             works, nxt = [], None
@@ -274,7 +300,8 @@ class _RingAttention(torch.autograd.Function):
         for w in incoming:  # after n hops: this rank's own block's dk, dv, summed
             w.wait()
         dq = grads.result(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dk, dv = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 CORES = dict(zip(CP_ATTENTION, (AllGatherCore, RingCore)))
@@ -289,11 +316,11 @@ def apply_cp(
     kernel: str = "fused",
 ) -> None:
     """Swap every attention core of `model` (the modules its family's `spec` names, with
-    their `head_dim` and `theta`) for the cp core `attention` (allgather or ring), rotating
-    with the spec's rotary and attending block by block with the `kernel` kind (fused or
-    unfused): no parameters, nothing to shard or materialise."""
+    their `theta` and widths, `HeadDims.of`) for the cp core `attention` (allgather or
+    ring), rotating with the spec's rotary and attending block by block with the `kernel`
+    kind (fused or unfused): no parameters, nothing to shard or materialise."""
     kind = CORES[attention]
     cores = [(n, m) for n, m in model.named_modules() if matches(spec.attention_core, n)]
     for name, core in cores:
-        new = kind(core.head_dim, core.theta, spec.rotary, comm, mesh["cp"], kernel)
+        new = kind(HeadDims.of(core), core.theta, spec.rotary, comm, mesh["cp"], kernel)
         model.set_submodule(name, new)

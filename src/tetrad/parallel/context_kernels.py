@@ -18,9 +18,13 @@ fallback everywhere else.
 Also unfused: on CUDA, a head size not a multiple of 8 or over 256 (the fused kernels'
 limits); a kernel whose ops this torch lacks; `parallel.cp_kernel = "unfused"`.
 
-Every kernel takes q [b, H, n, hd] and k, v [b, H, m, hd] (kv heads already repeated to
-the query heads) and returns the output in q's dtype and the log-sum-exp in fp32
-[b, H, n]. A causal block is a diagonal one (n = m), masked top-left.
+Every kernel takes q, k [b, H, n or m, hd] and v [b, H, m, v_hd] (kv heads already
+repeated to the query heads; v_hd may differ from hd: latent attention's) and returns the
+output [b, H, n, v_hd] in q's dtype and the log-sum-exp in fp32 [b, H, n]. A causal block
+is a diagonal one (n = m), masked top-left. torch's flash ops take one head size for q, k
+and v: given another v, the narrower side is zero-padded to the wider for the call
+(`_one_head_size`; zero channels add nothing to a score or an output) and the padding cut
+from what comes back. The memory-efficient op takes v's own.
 """
 
 from __future__ import annotations
@@ -135,14 +139,39 @@ def _cuda_efficient_backward(dout, q, k, v, out, lse, causal: bool, scale: float
     return dq, dk, dv
 
 
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _one_head_size(forward: Callable, backward: Callable) -> tuple[Callable, Callable]:
+    """A (forward, backward) that takes q, k and v of one head size, made to take v of
+    another: every side zero-padded to the widest for the call, the padding cut after."""
+
+    def padded_forward(q, k, v, causal: bool, scale: float):
+        if q.shape[-1] == v.shape[-1]:
+            return forward(q, k, v, causal, scale)
+        d = max(q.shape[-1], v.shape[-1])
+        out, lse = forward(_pad(q, d), _pad(k, d), _pad(v, d), causal, scale)
+        return out[..., : v.shape[-1]], lse
+
+    def padded_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        if q.shape[-1] == v.shape[-1]:
+            return backward(dout, q, k, v, out, lse, causal, scale)
+        d, hd, v_hd = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
+        wide_args = (_pad(t, d) for t in (dout, q, k, v, out))
+        dq, dk, dv = backward(*wide_args, lse, causal, scale)
+        return dq[..., :hd], dk[..., :hd], dv[..., :v_hd]
+
+    return padded_forward, padded_backward
+
+
 KERNELS = {
     k.name: k
     for k in (
         BlockKernel("unfused", unfused_forward, unfused_backward),
         BlockKernel(
             "cpu-flash",
-            _cpu_flash_forward,
-            _cpu_flash_backward,
+            *_one_head_size(_cpu_flash_forward, _cpu_flash_backward),
             (
                 "_scaled_dot_product_flash_attention_for_cpu",
                 "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -150,8 +179,7 @@ KERNELS = {
         ),
         BlockKernel(
             "cuda-flash",
-            _cuda_flash_forward,
-            _cuda_flash_backward,
+            *_one_head_size(_cuda_flash_forward, _cuda_flash_backward),
             ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
         ),
         BlockKernel(
@@ -178,9 +206,11 @@ def kernel_name(
     dtype: torch.dtype,
     head_dim: int,
     capability: tuple[int, int] | None = None,
+    v_head_dim: int | None = None,
 ) -> str:
     """Which kernel (a key of KERNELS) runs a block (pure): `kind` is parallel.cp_kernel,
-    `device` the device type, `capability` a CUDA device's compute capability."""
+    `device` the device type, `capability` a CUDA device's compute capability, `v_head_dim`
+    the values' head size when it is not `head_dim` (CUDA's fused kernels check the wider)."""
     if kind not in CP_KERNELS:
         raise ValueError(f"cp_kernel={kind!r} is not one of {CP_KERNELS}")
     name = "unfused"
@@ -188,14 +218,18 @@ def kernel_name(
         return name
     if device == "cpu":
         name = "cpu-flash"
-    elif device == "cuda" and head_dim % 8 == 0 and head_dim <= 256:
+    elif device == "cuda" and all(
+        d % 8 == 0 and d <= 256 for d in (head_dim, v_head_dim or head_dim)
+    ):
         half = dtype in (torch.float16, torch.bfloat16)
         name = "cuda-flash" if half and (capability or (0, 0)) >= (8, 0) else "cuda-efficient"
     return name if all(has_op(op) for op in KERNELS[name].ops) else "unfused"
 
 
-def pick_kernel(kind: str, q: torch.Tensor) -> BlockKernel:
-    """The kernel for blocks of queries like `q` [b, H, n, hd] (kind: parallel.cp_kernel)."""
+def pick_kernel(kind: str, q: torch.Tensor, v_head_dim: int | None = None) -> BlockKernel:
+    """The kernel for blocks of queries like `q` [b, H, n, hd] and values of `v_head_dim`
+    (None: hd) (kind: parallel.cp_kernel)."""
     cuda = q.device.type == "cuda"
     capability = torch.cuda.get_device_capability(q.device) if cuda else None
-    return KERNELS[kernel_name(kind, q.device.type, q.dtype, q.shape[-1], capability)]
+    name = kernel_name(kind, q.device.type, q.dtype, q.shape[-1], capability, v_head_dim)
+    return KERNELS[name]

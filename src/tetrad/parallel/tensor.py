@@ -225,16 +225,46 @@ class SequenceParallelLogits(Deferrable):
         return F.linear(widen(x), widen(weight))  # [T/t, E]
 
     def _sink(self, weight: torch.Tensor):
-        """W's destination: this rank's partial gradient, summed over tp (as f's backward
-        sums it in an ordinary backward), into the weight used in this forward."""
+        """W's destination: this rank's partial gradient, summed over tp, into the weight
+        used in this forward."""
+        return _summed_sink(weight, self.tp)
+
+
+class SequenceParallelLinear(SplitLinear):
+    """A replicated bias-free linear before a tp region under SP (latent attention's down
+    projections): it runs on this rank's s/t of the sequence, so its weight's gradient is
+    partial on each rank and summed over tp in the graph (f on the weight, in
+    `reduce_dtype`), as `sequence_parallel_norm` sums its gain's; deferred to W
+    (zero-bubble), the sum is W's."""
+
+    def __init__(self, linear: nn.Linear, tp: TP):
+        device = linear.weight.device
+        super().__init__(linear.in_features, linear.out_features, bias=False, device=device)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s/t, in] -> [b, s/t, out]
         tp = self.tp
+        if self.store is not None:
+            return split_matmul(x, self.weight, self.store, _summed_sink(self.weight, tp))
+        return F.linear(x, copy_to_tp(self.weight, tp.comm, tp.group, tp.reduce_dtype))
 
-        def sink(g: torch.Tensor) -> None:
-            summed = g.to(tp.reduce_dtype)
-            tp.comm.all_reduce(summed, tp.group)
-            accumulate(weight, summed.to(g.dtype))
 
-        return sink
+def _summed_sink(weight: torch.Tensor, tp: TP):
+    """W's destination for a weight used on this rank's own tokens: its partial gradient,
+    summed over tp (as f's backward sums it in an ordinary backward)."""
+
+    def sink(g: torch.Tensor) -> None:
+        summed = g.to(tp.reduce_dtype)
+        tp.comm.all_reduce(summed, tp.group)
+        accumulate(weight, summed.to(g.dtype))
+
+    return sink
+
+
+def _enters_inside(module: nn.Module) -> bool:
+    """Whether a region module says where inside it the region starts (`use_entry`: latent
+    attention, after its down projections)."""
+    return callable(getattr(module, "use_entry", None))
 
 
 def sequence_parallel_router(router: nn.Module, tp: TP) -> nn.Module:
@@ -372,6 +402,8 @@ def _tp_module(module: nn.Module, style: str, tp: TP, m: ModelConfig, in_region:
         return sequence_parallel_router(module, tp), None
     if style in ("region", "replicated", "once", "tokens"):
         return module, None
+    if style == "sequence" and isinstance(module, nn.Linear):  # before a region (MLA's)
+        return (SequenceParallelLinear(module, tp) if tp.sp else module), None
     device, t = module.weight.device, tp.group.size
     bias = getattr(module, "bias", None) is not None
     if style == "kv" and m.kv_heads < t:
@@ -401,8 +433,8 @@ def _check_coverage(model: nn.Module, styles: dict[str, str], norm_class: type[n
         style = styles.get(name)
         if style in ("colwise", "rowwise", "kv") and not isinstance(module, nn.Linear):
             raise ValueError(f"{name!r}: {style} needs an nn.Linear")
-        if style == "rowwise" and module.bias is not None:
-            raise ValueError(f"{name!r}: rowwise needs a bias-free nn.Linear")
+        if style in ("rowwise", "sequence") and getattr(module, "bias", None) is not None:
+            raise ValueError(f"{name!r}: {style} needs a bias-free module")
 
 
 def apply_tp(
@@ -421,7 +453,12 @@ def apply_tp(
     tp = TP(comm, mesh["tp"], sp, reduce_dtype)
     styles = assign([n for n, _ in model.named_modules() if n], plan)
     _check_coverage(model, styles, spec.norm_class)
-    regions = tuple(name + "." for name, style in styles.items() if style == "region")
+    # a region entered inside (MLA's, after its down projections) holds modules before it
+    regions = tuple(
+        name + "."
+        for name, style in styles.items()
+        if style == "region" and not _enters_inside(model.get_submodule(name))
+    )
     kinds: dict[str, str] = {}  # parameter name -> shard kind
     for name, style in styles.items():
         module = model.get_submodule(name)
@@ -445,9 +482,12 @@ def apply_tp(
 def _enter_region(module: nn.Module, style: str, tp: TP) -> None:
     """Where a region's input enters tp. Under SP an MoE layer is no region (its tokens
     stay split over tp; the router's weight gradient is summed instead), and its shared
-    expert is a region of its own."""
+    expert is a region of its own. A region that names its own entry (`use_entry`: latent
+    attention) is entered there, its replicated modules before it (`sequence`) outside."""
     moe_tokens_split = tp.sp and _takes_dispatch(module)
-    if style == "region" and not moe_tokens_split:
+    if style == "region" and _enters_inside(module):
+        module.use_entry(tp.enter)  # the narrow latents enter, not the full-width input
+    elif style == "region" and not moe_tokens_split:
         module.register_forward_pre_hook(lambda _, args: (tp.enter(args[0]),))
     if style == "once" and not tp.sp:
         module.register_forward_pre_hook(lambda _, args: (once_in_tp(args[0], tp.group),))

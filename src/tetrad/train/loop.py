@@ -139,6 +139,7 @@ class Trainer:
         self.engine = parallelize(layout, cfg.model, t, mesh, self.comm, device)
         if hf is not None:
             self.engine.load_full(hf)  # each rank reads only its slices
+            self.engine.state.load_buffers(hf.read_buffer)  # a trained routing bias
         self.optimizer = build_optimizer(self.engine.named_parameters(), cfg.train)
         self.balance = ExpertBalance(self.engine, cfg, mesh)  # MoE models only
         self.straggler = StragglerWatch(cfg.train, mesh, self.comm)  # compute time per rank
