@@ -396,6 +396,14 @@ class ParallelConfig:
             flag="no-error-feedback",
         ),
     )
+    fp8_all_gather: bool = field(
+        default=False,
+        metadata=cli(
+            "with --fp8 tensorwise and ZeRO-3: all-gather the FP8 linears' weights in FP8 "
+            "(one byte a value; each weight's scale max-reduced over fsdp once a step), "
+            "which the linears use as gathered (docs/low_precision.md)"
+        ),
+    )
     # elastic shrink (docs/checkpoint.md): "dp" or "fsdp" (--dp auto / --fsdp auto) takes
     # the world over the other degrees' product at each (re)start; `microbatches` is the
     # count at `elastic_max_world` ranks, whose microbatch size every smaller world keeps
@@ -474,6 +482,13 @@ class TrainConfig:
             "apply the head and the loss this many tokens at a time, never holding full logits "
             "(default 1024; 0: full logits)",
             metavar="TOKENS",
+        ),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=cli(
+            "compile each transformer block with torch.compile (inductor), its artifacts "
+            "cached under $TORCHINDUCTOR_CACHE_DIR or OUT/compile_cache (docs/compile.md)"
         ),
     )
     # steps between counts of the saved activations (0: the first step only): the meter's
@@ -797,6 +812,16 @@ def _validate_train(cfg: Config) -> None:
     )
     _require(t.recompute in RECOMPUTE, f"train.recompute={t.recompute!r} is not one of {RECOMPUTE}")
     _require(
+        not (t.compile and t.recompute == "selective"),
+        "train.compile with train.recompute='selective': its tape reads the block's kernels "
+        "one by one, which a compiled block does not run; use recompute 'full' or 'none'",
+    )
+    _require(
+        not t.compile or _uses_cuda(t.device) or _cpp_compiler() is not None,
+        "train.compile on CPU: inductor found no C++ compiler (it tries $CXX, else g++): "
+        "install one, or set CXX",
+    )
+    _require(
         t.meter_every >= 0,
         f"train.meter_every={t.meter_every} must be >= 0 (steps; 0: the first step only)",
     )
@@ -815,6 +840,17 @@ def _validate_train(cfg: Config) -> None:
         _require(Path(d.source).exists(), f"data.source={d.source!r}: no such file or directory")
     if d.tokenizer:
         _require(Path(d.tokenizer).exists(), f"data.tokenizer={d.tokenizer!r}: no such file")
+
+
+def _cpp_compiler() -> str | None:
+    """The C++ compiler inductor would use on CPU (torch's own search), or None."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        return get_cpp_compiler()
+    except InvalidCxxCompiler:
+        return None
 
 
 def _validate_straggler(t: TrainConfig) -> None:

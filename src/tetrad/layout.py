@@ -84,6 +84,7 @@ class Layout:
     fp8: str = ""  # "tensorwise", "rowwise": the blocks' linear matmuls in FP8 (models/fp8.py)
     compress: str = ""  # "int8", "fp8": gradients reduced in that block format; "": not
     error_feedback: bool = True  # a compressed reduction carries what it dropped forward
+    fp8_all_gather: bool = False  # ZeRO-3 gathers the FP8 linears' weights in FP8
 
     @property
     def reduce_bytes(self) -> float:
@@ -141,6 +142,7 @@ class Layout:
             fp8=cfg.train.fp8,
             compress=p.reduce_dtype if p.reduce_dtype in COMPRESSED else "",
             error_feedback=p.error_feedback,
+            fp8_all_gather=p.fp8_all_gather,
         )
 
     @property
@@ -369,8 +371,17 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int]) -> None:
 
 def _check_fp8(cfg: Config) -> None:
     """FP8 scales are taken over a microbatch's tokens and a whole weight: the layouts that
-    split those over ranks, or rewire the linears, are refused (models/fp8.py)."""
+    split those over ranks, or rewire the linears, are refused (models/fp8.py). The FP8
+    all-gather is ZeRO-3's, of tensorwise weights (parallel/compress.py)."""
     p, fp8 = cfg.parallel, cfg.train.fp8
+    if p.fp8_all_gather:
+        _require(
+            fp8 == "tensorwise" and p.zero_stage == 3 and p.fsdp > 1,
+            f"parallel.fp8_all_gather with train.fp8={fp8!r}, zero_stage={p.zero_stage}, "
+            f"fsdp={p.fsdp}: it gathers ZeRO-3's shards (fsdp > 1) of tensorwise FP8 weights; "
+            "rowwise scales its input gradient's weight per input feature, which an FP8 copy "
+            "scaled per output row cannot give",
+        )
     if not fp8:
         return
     for axis in ("tp", "cp"):

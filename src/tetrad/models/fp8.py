@@ -18,6 +18,11 @@ every layout that gives a rank the same microbatch (data parallelism, ZeRO, pipe
 which is what the equivalence tests hold; tensor and context parallelism split a scale's
 values across ranks (refused for now, see layout.py).
 
+Under ZeRO-3 with `--fp8-all-gather` a linear's weight arrives already in FP8 with its
+tensorwise scale (parallel/compress.py, `Float8Gather`: the same values `scaled` would give
+of the whole weight); `Float8Linear.cast_from` hands it those, which its forward and its
+input gradient then use as they are.
+
 On CUDA, `_scaled_mm` wants its first operand row-major, its second column-major, and
 dimensions that are multiples of 16 (checked by reading torch's kernels; this machine runs
 the CPU kernel, which takes any layout).
@@ -25,50 +30,90 @@ the CPU kernel, which takes any layout).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "rowwise")
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # an amax -> the max over the ranks sharing it
 
 
 def scaled(
-    t: torch.Tensor, dtype: torch.dtype, dim: int | None
+    t: torch.Tensor, dtype: torch.dtype, dim: int | None, reduce: Reduce | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`t` in `dtype` and the fp32 scale that multiplies it back: the largest magnitude over
-    all of `t` (dim None) or along `dim` (one per row kept, keepdim) over `dtype`'s largest."""
-    top = torch.finfo(dtype).max
+    all of `t` (dim None) or along `dim` (one per row kept, keepdim) over `dtype`'s largest;
+    `reduce` makes it the largest over the ranks holding the rest of those values."""
     amax = t.abs().amax() if dim is None else t.abs().amax(dim, keepdim=True)
-    scale = amax.float().clamp(min=1e-12) / top
-    return (t.float() / scale).clamp(-top, top).to(dtype), scale
+    scale = scale_of(amax if reduce is None else reduce(amax), dtype)
+    return quantize(t, scale, dtype), scale
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, dtypes, dims, out_dtype) -> torch.Tensor:
+def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 scale that puts a largest magnitude `amax` on `dtype`'s largest value."""
+    return amax.float().clamp(min=1e-12) / torch.finfo(dtype).max
+
+
+def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` over `scale` (broadcast), rounded into `dtype`, saturating at its largest value."""
+    top = torch.finfo(dtype).max
+    return (t.float() / scale).clamp(-top, top).to(dtype)
+
+
+Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # high precision, or (FP8, scale)
+# each matmul's operands by their logical dimensions (x [M, K], weight [N, K], grad [M, N]):
+# the forward's, the input gradient's, the weight gradient's
+FORWARD, GRAD_X, GRAD_W = ("MK", "KN"), ("MN", "NK"), ("NM", "MK")
+
+
+def _reducer(dims: str, dim: int | None, splits: dict[str, Reduce]) -> Reduce | None:
+    """The max over ranks an operand's amax needs: over every group that splits one of
+    the dimensions it is taken along (all of them tensorwise; the contracted one rowwise).
+    A kept dimension split (a rowwise scale per row this rank holds) needs none."""
+    fns = [splits[d] for d in (dims if dim is None else dims[dim]) if d in splits]
+    return None if not fns else lambda amax: functools.reduce(lambda a, f: f(a), fns, amax)
+
+
+def _operand(t: Operand, dtype, dim, names: str, splits) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values, scale) of one operand: as it came, or scaled (see `_mm`)."""
+    return t if isinstance(t, tuple) else scaled(t, dtype, dim, _reducer(names, dim, splits))
+
+
+def _mm(a: Operand, b: Operand, dtypes, dims, out_dtype, names=("", ""), splits=None):
     """a [M, K] @ b [K, N] with each operand scaled into its FP8 dtype along its `dims`
-    entry (None: one scale; else the contracted dimension, so the scale is per kept row)."""
-    a8, sa = scaled(a, dtypes[0], dims[0])
-    b8, sb = scaled(b, dtypes[1], dims[1])
+    entry (None: one scale; else the contracted dimension, so the scale is per kept row),
+    unless it comes cast already, as (FP8 values, scale). `names`: the operands' logical
+    dimensions, `splits` the max over the ranks holding the rest of a split one."""
+    a8, sa = _operand(a, dtypes[0], dims[0], names[0], splits or {})
+    b8, sb = _operand(b, dtypes[1], dims[1], names[1], splits or {})
     b8 = b8.t().contiguous().t()  # column-major, as CUDA's kernels want their second operand
     return torch._scaled_mm(a8.contiguous(), b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
 
 class _Float8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, rowwise: bool):
+    def forward(ctx, x, weight, rowwise: bool, cast, splits):
+        """`cast`: the weight's tensorwise (FP8 values, scale), gathered so; else None.
+        `splits`: logical dimension -> the max over the ranks that split it."""
         ctx.save_for_backward(x, weight)
-        ctx.rowwise = rowwise
+        ctx.rowwise, ctx.cast, ctx.splits = rowwise, cast, splits  # cast: refilled by ZeRO
         dims = (1, 0) if rowwise else (None, None)  # per token, per output feature
-        return _mm(x, weight.t(), (E4M3, E4M3), dims, x.dtype)
+        b = weight.t() if cast is None else (cast[0].t(), cast[1])
+        return _mm(x, b, (E4M3, E4M3), dims, x.dtype, FORWARD, splits)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        rowwise = ctx.rowwise
+        rowwise, splits = ctx.rowwise, ctx.splits
         g = E4M3 if rowwise else E5M2
         dims = (1, 0) if rowwise else (None, None)
-        grad_x = _mm(grad, weight, (g, E4M3), dims, grad.dtype)  # [M, N] @ [N, K]
-        grad_w = _mm(grad.t(), x, (g, E4M3), dims, weight.dtype)  # [N, M] @ [M, K]
-        return grad_x, grad_w, None
+        w = weight if ctx.cast is None else ctx.cast
+        grad_x = _mm(grad, w, (g, E4M3), dims, grad.dtype, GRAD_X, splits)  # [M,N] @ [N,K]
+        grad_w = _mm(grad.t(), x, (g, E4M3), dims, weight.dtype, GRAD_W, splits)  # [N,M] @ [M,K]
+        return grad_x, grad_w, None, None, None
 
 
 class Float8Linear(nn.Module):
@@ -78,10 +123,30 @@ class Float8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, recipe: str):
         super().__init__()
         self.weight, self.bias, self.recipe = linear.weight, linear.bias, recipe
+        self.cast: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.splits: dict[str, Reduce] = {}
+
+    def split_over(self, dim: str, reduce: Reduce) -> None:
+        """The ranks of a group hold other parts of this linear's `dim` ("M": its tokens,
+        under cp; "N": its output features, a column-parallel weight under tp; "K": its
+        input features, a row-parallel one): each scale taken along it becomes the max over
+        them (`reduce(amax)`, an all-reduce with max), so every rank scales as the single
+        process does. A rowwise scale per row this rank holds needs none."""
+        if dim not in "MNK" or len(dim) != 1:
+            raise ValueError(f"split dimension {dim!r} is not one of 'M', 'N', 'K'")
+        self.splits[dim] = reduce
+
+    def cast_from(self, weight8: torch.Tensor, scale: torch.Tensor) -> None:
+        """Take the weight as these FP8 values [out, in] and tensorwise scale from now on
+        (buffers a ZeRO-3 FP8 gather fills before each use), not by quantizing it."""
+        if self.recipe != "tensorwise":
+            raise ValueError(f"an FP8-gathered weight is tensorwise, not {self.recipe!r}")
+        self.cast = (weight8, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        out = _Float8Matmul.apply(flat, self.weight, self.recipe == "rowwise")
+        rowwise = self.recipe == "rowwise"
+        out = _Float8Matmul.apply(flat, self.weight, rowwise, self.cast, self.splits)
         out = out.view(*x.shape[:-1], -1)
         return out if self.bias is None else out + self.bias
 

@@ -22,11 +22,16 @@ residuals are each rank's own state: checkpoints save and restore them (train/ch
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 from tetrad.comm import Comm, Work
 from tetrad.config import BLOCK  # values per scale
 from tetrad.mesh import Group
+from tetrad.models.fp8 import E4M3
+from tetrad.models.fp8 import quantize as to_float8
 
 # format -> (its storage dtype, the largest magnitude it represents)
 FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
@@ -146,3 +151,79 @@ class PieceWork:
 
     def wait(self) -> None:
         self.out.copy_(self.reduce.finish(gather=False))
+
+
+class Float8Gather:
+    """ZeRO-3's all-gather of one unit whose FP8 linears' weights travel in FP8
+    (`--fp8-all-gather`, tensorwise). Rank r sends its shard as one byte a value, each
+    weight's values quantized with that weight's scale (e4m3; the other parameters' places
+    0), then its values of the other parameters (norms) in the compute dtype, padded to the
+    most any rank holds (`width`): the gathered bytes hold every FP8 weight whole (`w8`,
+    which the linears take as they are) and the rest, written into the compute buffer.
+
+    The scales (`bind`, the owner's): a weight's amax is the largest of its shards'
+    (`amax`, every unit's reduced in one all-reduce with max), so each rank divides by the
+    scale `models.fp8.scaled` takes of the whole weight, and the gathered weight is the
+    whole one quantized, value for value."""
+
+    def __init__(self, linears: list[tuple[int, tuple[int, ...], Any]], numel: int,
+                 padded: int, rank: int, n: int, dtype: torch.dtype, device):  # fmt: skip
+        """`linears`: (offset in the unit's flat buffer, shape, module) of each FP8 weight,
+        its module a `models.fp8.Float8Linear`."""
+        self.n, self.shard, self.dtype, self.groups = n, padded // n, dtype, len(linears)
+        self.linears = linears
+        weight = torch.full((padded,), -1, dtype=torch.long)  # -1: another parameter
+        for i, (off, shape, _) in enumerate(linears):
+            weight[off : off + math.prod(shape)] = i
+        weight[numel:] = self.groups  # padding: sent as FP8 zeros, never a value
+        other = (weight < 0).view(n, self.shard)
+        self.width = int(other.sum(1).max())
+        mine = weight.view(n, self.shard)[rank]
+        self.fp8_at = (mine >= 0).nonzero().squeeze(1).to(device)
+        self.which = mine[mine >= 0].clamp(max=self.groups - 1).to(device)  # padding: any
+        self.other_at = other[rank].nonzero().squeeze(1).to(device)
+        # a received other value: rank j's k-th goes to flat position dst, from src
+        rows, cols = other.nonzero(as_tuple=True)
+        firsts = torch.cumsum(other.sum(1), 0) - other.sum(1)
+        self.src = (rows * self.width + torch.arange(len(rows)) - firsts[rows]).to(device)
+        self.dst = (rows * self.shard + cols).to(device)
+        wide = self.shard + self.width * dtype.itemsize
+        self.w8 = torch.zeros(padded, dtype=torch.uint8, device=device)
+        self.recv = torch.zeros(n * wide, dtype=torch.uint8, device=device)
+        self.scales: torch.Tensor | None = None  # [groups] fp32, a view of the owner's
+
+    def bind(self, scales: torch.Tensor) -> None:
+        """Take `scales` [groups] as the weights' (refreshed by the owner), and make each
+        linear take its weight from the gathered FP8 values and its scale."""
+        self.scales = scales
+        for (off, shape, linear), scale in zip(self.linears, scales):
+            linear.cast_from(self.w8[off : off + math.prod(shape)].view(E4M3).view(shape), scale)
+
+    def amax(self, master: torch.Tensor) -> torch.Tensor:
+        """Each weight's largest magnitude over this rank's shard (0: none of it here)."""
+        values = master.to(self.dtype)[self.fp8_at].abs().float()
+        out = torch.zeros(self.groups, device=master.device)
+        return out.scatter_reduce_(0, self.which, values, "amax")
+
+    def start(self, master: torch.Tensor, comm: Comm, group: Group) -> tuple[Work, torch.Tensor]:
+        """Quantize this rank's shard and launch the gather; (work, the buffer sent)."""
+        for t in (self.w8, self.recv):
+            t.untyped_storage().resize_(t.numel())
+        values = master.to(self.dtype)
+        send = torch.zeros(self.recv.numel() // self.n, dtype=torch.uint8, device=master.device)
+        q = to_float8(values[self.fp8_at], self.scales[self.which], E4M3)
+        send[self.fp8_at] = q.view(torch.uint8)
+        other = values.new_zeros(self.width)
+        other[: len(self.other_at)] = values[self.other_at]
+        send[self.shard :] = other.view(torch.uint8)
+        return comm.all_gather(self.recv, send, group, async_op=True), send
+
+    def land(self, data: torch.Tensor) -> None:
+        """After the gather: the FP8 weights into `w8`, the other values into `data`."""
+        rows = self.recv.view(self.n, -1)
+        self.w8.view(self.n, self.shard).copy_(rows[:, : self.shard])
+        data[self.dst] = rows[:, self.shard :].contiguous().view(self.dtype).reshape(-1)[self.src]
+        self.recv.untyped_storage().resize_(0)
+
+    def free(self) -> None:
+        self.w8.untyped_storage().resize_(0)

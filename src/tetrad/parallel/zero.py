@@ -53,9 +53,10 @@ from torch import nn
 from tetrad.comm import Comm, Work
 from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
+from tetrad.models.fp8 import E4M3, Float8Linear, scale_of
 from tetrad.models.plans import decays
 from tetrad.models.spec import ModelSpec
-from tetrad.parallel.compress import PieceWork, QuantizedReduce, Residual
+from tetrad.parallel.compress import Float8Gather, PieceWork, QuantizedReduce, Residual
 from tetrad.parallel.runner import Held
 from tetrad.precision import mixed
 
@@ -214,6 +215,7 @@ class FlatUnit:
             )
         self.installed = False  # whether this forward pass already has the views
         self.gathered, self.pending = True, None  # pending: (Work, its input) in flight
+        self.fp8: Float8Gather | None = None  # its FP8 linears' weights gathered in FP8
         self.reduced = False
 
     def attach_grad(self, grad: torch.Tensor | None) -> None:
@@ -241,6 +243,8 @@ class FlatUnit:
 
     def free(self) -> None:
         self.data.untyped_storage().resize_(0)
+        if self.fp8 is not None:
+            self.fp8.free()
         self.gathered = False
 
     def allocate(self) -> None:
@@ -309,6 +313,9 @@ class ZeroShards:
             for u in self.units:
                 q = QuantizedReduce(u.layout.padded, self.group, comm, *job.compression)
                 self.quantized[id(u)] = q
+        # --fp8-all-gather: each weight's scale, max-reduced over the shards once a step
+        self.scales = self._float8_gathers() if job.fp8_all_gather else None
+        self.stale = True  # the scales predate the master weights (a step, a load)
         self.prefetch_midway: set[str] = set()  # blocks that prefetch from their middle
         self.sync = True
         # reduce-scatters in flight (unit, work, full gradient, shard), then dp all-reduces
@@ -318,6 +325,33 @@ class ZeroShards:
         self.armed: set[int] = set()  # units whose next accumulation is their last
         self.done: set[str] = set()  # parameters whose last backward work has run
         self._register_hooks(model)
+
+    def _float8_gathers(self) -> torch.Tensor:
+        """Give each unit holding FP8 linears its `Float8Gather`; returns the scales of all
+        their weights end to end, each gather's linears bound to theirs."""
+        for u in self.units:
+            at = zip(u.layout.offsets, u.targets)
+            linears = [(off, shape, m) for off, (m, attr, shape) in at
+                       if isinstance(m, Float8Linear) and attr == "weight"]  # fmt: skip
+            if linears:
+                lay = u.layout
+                args = (lay.numel, lay.padded, u.rank, lay.world, self.dtype, self.device)
+                u.fp8 = Float8Gather(linears, *args)
+        gathers = [u.fp8 for u in self.units if u.fp8 is not None]
+        scales = torch.ones(sum(g.groups for g in gathers), device=self.device)
+        for g, part in zip(gathers, scales.split([g.groups for g in gathers])):
+            g.bind(part)
+        return scales
+
+    def _refresh_scales(self) -> None:
+        """Every FP8-gathered weight's scale from the masters: one all-reduce (max) of
+        each weight's amax over this rank's shard, the same point on every rank (the
+        first gather after a step or a load)."""
+        units = [u for u in self.units if u.fp8 is not None]
+        amax = torch.cat([u.fp8.amax(u.master) for u in units])
+        self.comm.all_reduce(amax, self.group, op="max")
+        self.scales.copy_(scale_of(amax, E4M3))
+        self.stale = False
 
     def reduce_in_backward(self, on: bool) -> None:
         """See `GradSync`: off, a unit reduces only when armed by `final`."""
@@ -435,6 +469,11 @@ class ZeroShards:
         if unit is None or unit.gathered or unit.pending is not None:
             return
         unit.allocate()
+        if unit.fp8 is not None:
+            if self.stale:
+                self._refresh_scales()
+            unit.pending = unit.fp8.start(unit.master, self.comm, self.group)
+            return
         dtype = unit.data.dtype  # the compute dtype: bf16 gathers half the bytes
         source = unit.master if unit.master.dtype == dtype else unit.master.to(dtype)
         work = self.comm.all_gather(unit.data, source, self.group, async_op=True)
@@ -446,6 +485,8 @@ class ZeroShards:
             self.prefetch(unit)
         if unit.pending is not None:
             unit.pending[0].wait()
+            if unit.fp8 is not None:
+                unit.fp8.land(unit.data)
             unit.pending, unit.gathered = None, True
 
     def drain(self) -> None:
@@ -555,7 +596,9 @@ class ZeroShards:
 
     def after_step(self) -> None:
         """Stages 1-2: all-gather the updated shards (all launched, then all awaited: a
-        gather left in flight past the last step aborts the process at exit)."""
+        gather left in flight past the last step aborts the process at exit). Stage 3 with
+        FP8 gathers: the next one first takes the new weights' scales."""
+        self.stale = True
         if self.stage < 3:
             for u in self.units:
                 u.gathered = False

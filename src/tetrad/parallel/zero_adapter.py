@@ -181,6 +181,7 @@ def load_units(
     """Install full local tensors by name: each unit's shard into its master weights (and
     into the compute buffer while that is gathered), and its views' AdamW state."""
     shards.drain()
+    shards.stale = True  # FP8 gathers: new weights, new scales
     for u in shards.units:
         lo, hi = u.rank * u.layout.shard, (u.rank + 1) * u.layout.shard
         full = _flatten(u.layout, params, u.master.dtype).to(u.data.device)
