@@ -50,8 +50,8 @@ def test_fp8_gathered_training_is_the_fp8_zero3_run(reference, jobs):
 
 def _unit_bytes(cfg, n: int) -> tuple[list[tuple[int, int]], int]:
     """Per block unit: (its bf16 gather's bytes, its FP8 gather's bytes); and the number
-    of FP8 weights. FP8: one byte a padded value; the norms in bf16, each rank's share
-    padded to the largest (a formula of the pure unit layout)."""
+    of FP8 weights. FP8: each rank sends one byte a value of its FP8 weights and two (bf16)
+    of the rest, padded to the most a rank sends (even): a formula of the unit layout."""
     from tetrad.layout import Layout
     from tetrad.models.families import spec_for
     from tetrad.models.fp8 import use_fp8
@@ -67,11 +67,11 @@ def _unit_bytes(cfg, n: int) -> tuple[list[tuple[int, int]], int]:
     for u in plan_units(shapes, local.replicated, n, spec):
         if u.name == ROOT:
             continue
-        other = torch.zeros(u.padded, dtype=torch.bool)
+        sent = torch.zeros(u.padded, dtype=torch.long)  # bytes each value takes
         for name, off, shape in zip(u.names, u.offsets, u.shapes):
-            other[off : off + math.prod(shape)] = name not in fp8
-        width = int(other.view(n, u.shard).sum(1).max())
-        out.append((2 * u.padded, u.padded + n * width * 2))
+            sent[off : off + math.prod(shape)] = 1 if name in fp8 else 2
+        width = int(sent.view(n, u.shard).sum(1).max())
+        out.append((2 * u.padded, n * (width + width % 2)))
     return out, len(fp8)
 
 

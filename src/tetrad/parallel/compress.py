@@ -155,11 +155,12 @@ class PieceWork:
 
 class Float8Gather:
     """ZeRO-3's all-gather of one unit whose FP8 linears' weights travel in FP8
-    (`--fp8-all-gather`, tensorwise). Rank r sends its shard as one byte a value, each
-    weight's values quantized with that weight's scale (e4m3; the other parameters' places
-    0), then its values of the other parameters (norms) in the compute dtype, padded to the
-    most any rank holds (`width`): the gathered bytes hold every FP8 weight whole (`w8`,
-    which the linears take as they are) and the rest, written into the compute buffer.
+    (`--fp8-all-gather`, tensorwise). Rank r sends its shard's values of the other
+    parameters (norms, routed experts) in the compute dtype, then its FP8 weights' values
+    as one byte each (e4m3, each weight's values over that weight's scale), padded to the
+    most any rank sends (`width` bytes, a multiple of the dtype's size). The gathered
+    bytes hold every FP8 weight whole (`w8`, which the linears take as it is) and the rest,
+    written into the compute buffer.
 
     The scales (`bind`, the owner's): a weight's amax is the largest of its shards'
     (`amax`, every unit's reduced in one all-reduce with max), so each rank divides by the
@@ -170,26 +171,34 @@ class Float8Gather:
                  padded: int, rank: int, n: int, dtype: torch.dtype, device):  # fmt: skip
         """`linears`: (offset in the unit's flat buffer, shape, module) of each FP8 weight,
         its module a `models.fp8.Float8Linear`."""
-        self.n, self.shard, self.dtype, self.groups = n, padded // n, dtype, len(linears)
-        self.linears = linears
-        weight = torch.full((padded,), -1, dtype=torch.long)  # -1: another parameter
+        self.n, self.dtype, self.groups, self.linears = n, dtype, len(linears), linears
+        weight = torch.full((padded,), -1, dtype=torch.long)  # -1: another parameter's
         for i, (off, shape, _) in enumerate(linears):
             weight[off : off + math.prod(shape)] = i
-        weight[numel:] = self.groups  # padding: sent as FP8 zeros, never a value
-        other = (weight < 0).view(n, self.shard)
-        self.width = int(other.sum(1).max())
-        mine = weight.view(n, self.shard)[rank]
-        self.fp8_at = (mine >= 0).nonzero().squeeze(1).to(device)
-        self.which = mine[mine >= 0].clamp(max=self.groups - 1).to(device)  # padding: any
-        self.other_at = other[rank].nonzero().squeeze(1).to(device)
-        # a received other value: rank j's k-th goes to flat position dst, from src
-        rows, cols = other.nonzero(as_tuple=True)
-        firsts = torch.cumsum(other.sum(1), 0) - other.sum(1)
-        self.src = (rows * self.width + torch.arange(len(rows)) - firsts[rows]).to(device)
-        self.dst = (rows * self.shard + cols).to(device)
-        wide = self.shard + self.width * dtype.itemsize
+        weight = weight[:numel]  # the padding: neither, never sent
+        shard, e = padded // n, dtype.itemsize
+        rank_of = torch.arange(numel) // shard
+        fp8, other = weight >= 0, weight < 0
+        counts8 = torch.bincount(rank_of[fp8], minlength=n)
+        counts = torch.bincount(rank_of[other], minlength=n)
+        self.others = int(counts.max())  # the most other values a rank holds
+        width = int((counts8 + e * counts).max())
+        self.width = -(-width // e) * e
+        mine = rank_of == rank
+        self.fp8_at = (fp8 & mine).nonzero().squeeze(1).to(device) - rank * shard
+        self.which = weight[fp8 & mine].to(device)
+        self.other_at = (other & mine).nonzero().squeeze(1).to(device) - rank * shard
+        # where each received value lands: rank j's k-th other value (at j·others + k of
+        # the gathered others), and its k-th FP8 byte (at j·width + e·counts[j] + k)
+        firsts8, firsts = counts8.cumsum(0) - counts8, counts.cumsum(0) - counts
+        j8, jo = rank_of[fp8], rank_of[other]
+        k8, ko = torch.arange(len(j8)) - firsts8[j8], torch.arange(len(jo)) - firsts[jo]
+        self.src8 = (j8 * self.width + e * counts[j8] + k8).to(device)
+        self.dst8 = fp8.nonzero().squeeze(1).to(device)
+        self.src = (jo * self.others + ko).to(device)
+        self.dst = other.nonzero().squeeze(1).to(device)
         self.w8 = torch.zeros(padded, dtype=torch.uint8, device=device)
-        self.recv = torch.zeros(n * wide, dtype=torch.uint8, device=device)
+        self.recv = torch.zeros(n * self.width, dtype=torch.uint8, device=device)
         self.scales: torch.Tensor | None = None  # [groups] fp32, a view of the owner's
 
     def bind(self, scales: torch.Tensor) -> None:
@@ -210,19 +219,18 @@ class Float8Gather:
         for t in (self.w8, self.recv):
             t.untyped_storage().resize_(t.numel())
         values = master.to(self.dtype)
-        send = torch.zeros(self.recv.numel() // self.n, dtype=torch.uint8, device=master.device)
+        send = torch.zeros(self.width, dtype=torch.uint8, device=master.device)
+        others = values[self.other_at].view(torch.uint8)
+        send[: others.numel()] = others
         q = to_float8(values[self.fp8_at], self.scales[self.which], E4M3)
-        send[self.fp8_at] = q.view(torch.uint8)
-        other = values.new_zeros(self.width)
-        other[: len(self.other_at)] = values[self.other_at]
-        send[self.shard :] = other.view(torch.uint8)
+        send[others.numel() : others.numel() + q.numel()] = q.view(torch.uint8)
         return comm.all_gather(self.recv, send, group, async_op=True), send
 
     def land(self, data: torch.Tensor) -> None:
         """After the gather: the FP8 weights into `w8`, the other values into `data`."""
-        rows = self.recv.view(self.n, -1)
-        self.w8.view(self.n, self.shard).copy_(rows[:, : self.shard])
-        data[self.dst] = rows[:, self.shard :].contiguous().view(self.dtype).reshape(-1)[self.src]
+        self.w8[self.dst8] = self.recv[self.src8]
+        rows = self.recv.view(self.n, self.width)[:, : self.others * self.dtype.itemsize]
+        data[self.dst] = rows.contiguous().view(self.dtype).reshape(-1)[self.src]
         self.recv.untyped_storage().resize_(0)
 
     def free(self) -> None:
