@@ -21,6 +21,7 @@ from tetrad.parallel.model_state import model_state_bytes
 from tetrad.plan.candidates import ep_bytes_per_layer, layout_config
 from tetrad.plan.compute import ROUTING_IMBALANCE
 from tetrad.plan.cost import Planner
+from tetrad.plan.engines import ENGINES
 from tetrad.plan.hardware import Link, cluster_preset
 from tetrad.plan.search import Space, search
 
@@ -243,9 +244,9 @@ def test_search_proposes_ep_when_the_experts_do_not_fit_replicated():
 
 
 def test_cli_predicts_an_ep_layout(capsys):
-    """`tetrad plan --ep` with the MoE flags: the layout carries ep, tp runs without SP
-    (tetrad's MoE refuses it), the model override reaches the model, and the all-to-all
-    shows in the breakdown."""
+    """`tetrad plan --ep` with the MoE flags: the layout carries ep, tp runs with SP (as
+    tetrad's MoE and Megatron's run it), the model override reaches the model, and the
+    all-to-all shows in the breakdown."""
     from tetrad.cli import main
 
     argv = ["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--gpu", "h100",
@@ -254,9 +255,31 @@ def test_cli_predicts_an_ep_layout(capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     pred = out["predictions"][0]
-    assert pred["layout"]["ep"] == 8 and pred["layout"]["sp"] is False
+    assert pred["layout"]["ep"] == 8 and pred["layout"]["sp"] is True
     assert out["model"]["top_k"] == 1
     assert pred["breakdown"]["ep"] > 0
+
+
+def test_cli_gives_a_fixed_layout_the_microbatches_that_fit(capsys):
+    """Qwen3-30B-A3B as Megatron-LM ran it (32 GPUs, ep 8, batch 256) without
+    --microbatches: not one microbatch of 8 sequences (it does not fit), but the fewest
+    microbatches that fit, said in a note; none fitting is said too."""
+    from tetrad.cli import main
+
+    argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "32", "--global-batch", "256",
+            "--seq-len", "4096", "--fsdp", "32", "--zero-stage", "1", "--ep", "8",
+            "--engine", "megatron", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    pred = out["predictions"][0]
+    n = pred["layout"]["microbatches"]
+    assert pred["memory"]["fits"] and 1 < n <= 8 and f"--microbatches {n}" in out["note"]
+    planner = Planner(cluster_preset("h100"), ENGINES["megatron"])
+    fewer = layout_config(model_preset("qwen3-30b-a3b"), 256, 4096, fsdp=32, zero_stage=1,
+                          ep=8, microbatches=n // 2)  # fmt: skip
+    assert not planner.memory(*planned(fewer)).fits
+    assert main([*argv[:-1], "--seq-len", "65536", "--json"]) == 0
+    assert "no microbatch count" in json.loads(capsys.readouterr().out)["note"]
 
 
 def test_zero_buffers_leave_the_ep_experts_out():

@@ -8,10 +8,11 @@
 
 A layout is the degrees (dp, fsdp, tp, pp, cp; the ones not given: dp takes what is
 left, the others are 1; ep, for a mixture of experts, borrows ranks of those) plus zero
-stage, sp (off for MoE models), schedule, microbatches and virtual stages. With --search
-the given flags are fixed and the rest is searched. A table by default; --json prints one
-JSON object: {"mode", "cluster", "model", "engine", "predictions": [...]} (and
-"calibration" with --from-run). Every shown prediction carries a step-time range.
+stage, sp (on where tp > 1, unless --no-sp), schedule, microbatches (not given: the
+fewest that fit) and virtual stages. With --search the given flags are fixed and the rest
+is searched. A table by default; --json prints one JSON object: {"mode", "cluster",
+"model", "engine", "predictions": [...]} (and "calibration" with --from-run; "note" where
+the microbatches were chosen). Every shown prediction carries a step-time range.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tetrad.plan.candidates import layout_for
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES
 from tetrad.plan.hardware import CLUSTERS, Cluster, at_efficiency, calibrated, cluster_preset
-from tetrad.plan.search import Space, search
+from tetrad.plan.search import Space, divisors, search
 
 GiB = 2**30
 MODEL_FLAGS = ("layers", "dim", "heads", "kv_heads", "vocab", "ffn_dim",
@@ -150,7 +151,7 @@ def build_layout(args: argparse.Namespace, model: ModelConfig) -> Layout:
     given.setdefault("microbatches", given.get("pp", 1))
     if given.get("pp_schedule") in ("interleaved-1f1b", "zb-v"):
         given.setdefault("virtual_stages", 2)
-    given["sp"] = given.get("tp", 1) > 1 and not args.no_sp and not model.moe
+    given["sp"] = given.get("tp", 1) > 1 and not args.no_sp
     given |= _reduction(args)
     return layout_for(model, args.global_batch, args.seq_len, args.dtype, world, args.fp8, **given)
 
@@ -172,7 +173,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fixed = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
         preds = search(planner, base, model, args.gpus, Space(**fixed), top=args.top)
     else:
-        preds = [planner.predict(build_layout(args, model), model)]
+        lay, note = build_layout(args, model), ""
+        if args.microbatches is None:
+            lay, note = fewest_that_fit(planner, args, model, lay)
+        preds = [planner.predict(lay, model)]
     preds = [planner.with_range(_layout_of(p, model), model, p) for p in preds]
     answer = {
         "mode": "search" if args.search else "predict",
@@ -183,7 +187,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if calibration is not None:
         answer["calibration"] = dataclasses.asdict(calibration)
+    if not args.search and note:
+        answer["note"] = note
     return answer
+
+
+def fewest_that_fit(planner: Planner, args: argparse.Namespace, model: ModelConfig,
+                    lay: Layout) -> tuple[Layout, str]:  # fmt: skip
+    """A fixed layout without --microbatches: the fewest microbatches (the largest
+    microbatch) whose predicted memory fits, with a note saying so; `lay` (pp of them)
+    with a note where none fits or the default does."""
+    if planner.memory(lay, model).fits:
+        return lay, ""
+    for n in divisors(lay.global_batch // lay.data_ranks):
+        try:
+            cand = build_layout(argparse.Namespace(**{**vars(args), "microbatches": n}), model)
+        except ValueError:
+            continue
+        if planner.memory(cand, model).fits:
+            return cand, f"--microbatches {n}: the fewest that fit (the default, pp, does not)"
+    return lay, "no microbatch count of this layout fits"
 
 
 def _reduction(args: argparse.Namespace) -> dict[str, Any]:
@@ -282,6 +305,8 @@ def print_prediction(answer: dict[str, Any]) -> None:
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+    if answer.get("note"):
+        print(answer["note"])
 
 
 SEARCH_COLUMNS = ("#", "layout", "step", "range", "tokens/s", "MFU", "bubble", "GiB")

@@ -131,7 +131,7 @@ def families(base: Layout, m: ModelConfig, world: int, gpus_per_node: int,
     gb = base.global_batch
     for deg in degrees(m, base.seq_len, world, gpus_per_node, space):
         for zero in _choices(space.zero_stage, [2, 3] if deg["fsdp"] > 1 else [3]):
-            sp = deg["tp"] > 1 and not m.moe  # MoE: tp without sp (not priced yet)
+            sp = deg["tp"] > 1
             data = deg["dp"] * deg["fsdp"]
             if gb % data:
                 continue
