@@ -320,6 +320,19 @@ def test_the_planner_prices_the_published_size_with_and_without_tp(capsys):
     assert "dp8·tp2·pp16·ep8" in capsys.readouterr().out
 
 
+def test_matmul_shapes_on_a_tp_rank():
+    """The heads' projections split over tp, the down projections whole on every rank."""
+    m = model_preset("deepseek-v3")
+    one, two = deepseek_spec.block_linears(m, 1), deepseek_spec.block_linears(m, 2)
+    for name in ("wq_a", "wkv_a"):
+        assert two[f"attention.{name}"] == one[f"attention.{name}"]
+    for name in ("wq_b", "wkv_b"):
+        k, n = one[f"attention.{name}"]
+        assert two[f"attention.{name}"] == (k, n // 2)
+    k, n = one["attention.wo"]
+    assert two["attention.wo"] == (k // 2, n) and k == m.heads * m.v_head_dim
+
+
 def test_the_published_size():
     """deepseek-v3: 671B parameters, 37B of them active per token (its paper's counts,
     without the multi-token prediction module's 14B)."""

@@ -13,7 +13,8 @@ import torch
 
 from harness import reference_csv
 from plan_helpers import planned
-from tetrad.config import ModelConfig, model_preset
+from tetrad.config import DTYPES, ModelConfig, model_preset
+from tetrad.models.families import spec_for
 from tetrad.models.llama_spec import LLAMA
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
@@ -73,6 +74,31 @@ def test_llama_layer_is_what_autograd_saves(dtype):
     rest = act.total_bytes(family.head(m, 1, dtype) + family.embedding(1, dtype), b, s)
     assert measured[1] - measured[0] == layer
     assert measured[0] - layer == pytest.approx(rest, abs=8)  # the loss's scalar weight
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, 0], ids=["q-bottleneck", "plain-q"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_deepseek_layer_is_what_autograd_saves(dtype, q_lora_rank):
+    """An MLA MoE block (deepseek-tiny's routing, latents of their own widths, values
+    narrower than keys) against a live count of the tensors autograd saves (tp=1)."""
+    from tetrad.models.llama import cross_entropy_sum
+    from tetrad.models.mla import DeepSeekV3
+    from tetrad.parallel.activation_meter import ActivationMeter
+
+    m = dataclasses.replace(model_preset("deepseek-tiny"), dim=64, q_lora_rank=q_lora_rank)
+    b, s, measured = 2, 32, []
+    for layers in (2, 3):  # one dense layer, then MoE layers: the difference is one
+        torch.manual_seed(0)
+        model = DeepSeekV3(dataclasses.replace(m, layers=layers)).to(DTYPES[dtype])
+        meter = ActivationMeter()
+        meter.reset(model.parameters())
+        ids = torch.randint(0, m.vocab, (b, s))
+        with meter.saving():
+            loss = cross_entropy_sum(model(ids), ids)
+        measured.append(meter.live)
+        del loss
+    layer = spec_for(m).activations.layer(m, 1, dtype)
+    assert measured[1] - measured[0] == act.total_bytes(layer, b, s)
 
 
 def test_microbatches_in_flight():

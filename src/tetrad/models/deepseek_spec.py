@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from tetrad.config import ModelConfig
+from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import moe_spec
 from tetrad.models.llama import rotary_at
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.mla import apply_rotary_tail, keep_mla, meta_deepseek, param_shape
 from tetrad.models.moe_spec import MOE, MoEActivations, active_ffn, moe_layer_count
 from tetrad.models.plans import MOE_PLAN
-from tetrad.models.spec import Rotary
+from tetrad.models.spec import Rotary, Saved
 
 
 def attention_params(m: ModelConfig) -> int:
@@ -57,8 +57,11 @@ def layer_costs(m: ModelConfig, seq_len: int) -> list[float]:
 
 
 def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
-    """(K, N) per token of an MoE block's matmuls (tp is refused for MLA: t is 1)."""
-    h, d, r = m.heads, m.dim, m.q_lora_rank
+    """(K, N) per token of an MLA MoE block's matmuls on one tp rank: the down
+    projections whole (replicated: every tp rank runs them; under SP on its s/t of the
+    tokens, which this per-token count does not see), the up projections' and wo's heads
+    1/t each; the feed-forward as the MoE family's."""
+    h, d, r = m.heads // t, m.dim, m.q_lora_rank
     out = {"attention.wq_a": (d, r)} if r else {}
     out |= {
         "attention.wq_b": (r or d, h * (m.qk_nope_dim + m.qk_rope_dim)),
@@ -70,15 +73,100 @@ def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
     return out | {k: v for k, v in ffn.items() if not k.startswith("attention.")}
 
 
+# the dense formulas' attention items, which MLA's replace (llama_activations.layer)
+LLAMA_ATTENTION = ("attention norm", "qkv input", "rotary cos/sin", "sdpa q, out",
+                   "attention k, v", "sdpa log-sum-exp", "QK-norm", "gathered k, v weights",
+                   "block input", "k, v", "attention out", "attention log-sum-exp",
+                   "wo out (partial sum under tp)")  # fmt: skip
+
+
+def _norm(c: int, width: int, copy: int) -> float:
+    """An RMSNorm's saved bytes a token: its fp32 input (`copy` bytes: itself in fp32, a
+    view of a wider output then), the normalised value, the fp32 rsqrt."""
+    return copy + c * width + 4
+
+
+def mla_attention(m: ModelConfig, t: int, c: int) -> list[Saved]:
+    """What an MLA block's attention saves, a token (c: the compute dtype's bytes), as a
+    live count finds it (tests/test_plan_activations.py): the attention norm; the down
+    projections' input (x, on the rank's s/t under SP); the latent norms (in fp32 the kv
+    norm's input is a view of wkv_a's whole output, latent and rotary key); the latents
+    entering the heads (one tensor under tp: q latent, kv latent and rotary key
+    concatenated, the region's entry; apart without tp, where x is wq_b's own input
+    without a query bottleneck); the rotary table of the rope channels; the attention
+    kernel's q, k, v and output, each head padded to the wider of q·k's and v's head size
+    (the flash kernels take one), and its log-sum-exp; wo's input."""
+    d, r_q, r_kv, rope = m.dim, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_dim
+    heads, width = m.heads, max(m.qk_nope_dim + rope, m.v_head_dim)
+    entered = (r_q or d) + r_kv + rope if t > 1 else r_q + r_kv
+    items = [
+        Saved("attention norm", _norm(c, d, 4 * d), "seq"),
+        Saved("down projections' input", c * d, "seq"),
+        Saved("kv latent norm", _norm(c, r_kv, 4 * (r_kv + (rope if c == 4 else 0))), "seq"),
+        Saved("latents entering the heads", c * entered, "rank"),
+        Saved("rotary cos/sin", per_position=4 * rope, split="rank"),
+        Saved("attention q, k, v, out (padded)", 4 * c * heads * width, "tp"),
+        Saved("attention log-sum-exp", 4 * heads, "tp"),
+        Saved("wo input", c * heads * m.v_head_dim, "tp"),
+    ]
+    if r_q:
+        items.insert(2, Saved("q latent norm", _norm(c, r_q, 4 * r_q), "seq"))
+    return items
+
+
+MOE_ROUTING = "routing: logits, probabilities, ids, copies"  # the MoE family's item
+
+
+def routing(m: ModelConfig, c: int) -> list[Saved]:
+    """What DeepSeek-V3's router and dispatch keep a token, live at the end of forward:
+    the fp32 scores (sigmoid's output), the sort's indices over every expert (the choice
+    sorts them all), the chosen scores and their sum (renormalised), the ids and the
+    dispatch's order (int64 each), the weights in the compute dtype, the token copies
+    for the experts and their weighted outputs; under a narrower compute dtype the
+    router's fp32 input and, a microbatch, its fp32 weight (and the int32 group ends of
+    the grouped expert matmuls). The group-limited choice's own tensors (group scores,
+    their sort, the mask) feed only the ids and are freed."""
+    e, k, d = m.experts, m.top_k, m.dim
+    ids = 4 * k + (4 if m.norm_topk_prob else 0) + 8 * k + 8 * k + c * k
+    per_token = 12 * e + ids + 2 * c * k * d  # and the three grouped matmuls' group ends
+    items = [Saved("routing: scores, sort, ids, weights, copies", per_token, fixed=3 * 4 * e)]
+    if c < 4:
+        items.append(Saved("router's fp32 input, weight", 4 * d, "rank", fixed=4 * e * d))
+    return [dataclasses.replace(it, split="rank") for it in items]
+
+
 class MLAActivations(MoEActivations):
-    """The MoE family's estimates, attention priced as a block of `heads` query and key
-    heads of nope + rope channels. Approximate: the latents and the narrower values are
-    not counted apart."""
+    """The MoE family's estimates with MLA's attention (`mla_attention`) in place of the
+    dense block's; other parts (the head, zero-bubble's pending W) priced as a block of
+    `heads` query and key heads of nope + rope channels."""
 
     @staticmethod
     def _dense(m: ModelConfig) -> ModelConfig:
         qk = m.qk_nope_dim + m.qk_rope_dim
         return dataclasses.replace(MoEActivations._dense(m), head_size=qk, kv_heads=m.heads)
+
+    def layer(self, m: ModelConfig, t: int, dtype: str, recompute: str = "none",
+              sp_shards: bool = False, fused: bool = False,
+              gqa_native: bool = False) -> list[Saved]:  # fmt: skip
+        items = super().layer(m, t, dtype, recompute, sp_shards, fused, gqa_native)
+        if recompute in ("full", "op"):  # the block input; torchtitan's policy, as dense
+            return items
+        c = DTYPE_BYTES[dtype]
+        ffn = [it for it in items if it.name not in LLAMA_ATTENTION and it.name != MOE_ROUTING]
+        ffn += routing(m, c)
+        if recompute == "selective":  # the policy keeps the core's output and wo's
+            return self._selective(m, c) + ffn
+        return mla_attention(m, t, c) + ffn
+
+    @staticmethod
+    def _selective(m: ModelConfig, c: int) -> list[Saved]:
+        width = max(m.qk_nope_dim + m.qk_rope_dim, m.v_head_dim)
+        return [
+            Saved("block input", c * m.dim, "seq"),
+            Saved("attention out (padded)", c * m.heads * width, "tp"),
+            Saved("attention log-sum-exp", 4 * m.heads, "tp"),
+            Saved("wo out (partial sum under tp)", c * m.dim, "rank"),
+        ]
 
 
 ATTENTION_NAMES = {
@@ -92,7 +180,7 @@ ATTENTION_NAMES = {
 }
 FFN_NAMES = {
     "router.weight": "gate.weight",
-    "router.expert_bias": "gate.e_score_correction_bias",  # a buffer, exported only
+    "router.expert_bias": "gate.e_score_correction_bias",  # a buffer: HFWeights.read_buffer
     "experts.w1": "experts.{j}.gate_proj.weight",
     "experts.w3": "experts.{j}.up_proj.weight",
     "experts.w2": "experts.{j}.down_proj.weight",

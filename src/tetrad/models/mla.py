@@ -94,11 +94,19 @@ class MLACore(nn.Module):
         q, k = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k))
         rope = rotary(s, self.rope_dim, self.theta, q.device)
         q, k = apply_rotary_tail(q, rope), apply_rotary_tail(k, rope)
-        v = v.unflatten(-1, (-1, self.v_head_dim))
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        # torch's flash kernels take one head size for q, k and v; without it attention
+        # falls back to the unfused one, which keeps the whole [b, h, s, s] softmax for
+        # backward. Zero channels change no score and no output: pad, then cut.
+        width = max(self.head_dim, self.v_head_dim)
+        q, k, v = (
+            _pad(t, width).transpose(1, 2) for t in (q, k, v.unflatten(-1, (-1, self.v_head_dim)))
         )
-        return out.transpose(1, 2).reshape(b, s, -1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5)
+        return out[..., : self.v_head_dim].transpose(1, 2).reshape(b, s, -1)
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def apply_rotary_tail(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
