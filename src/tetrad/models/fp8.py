@@ -15,8 +15,11 @@ the compute dtype. What is saved for backward is the high-precision input and we
 
 Scales depend on the values they cover: a scale over a microbatch's tokens is the same in
 every layout that gives a rank the same microbatch (data parallelism, ZeRO, pipelines),
-which is what the equivalence tests hold; tensor and context parallelism split a scale's
-values across ranks (refused for now, see layout.py).
+which is what the equivalence tests hold. Tensor and context parallelism split a scale's
+values across ranks: `Float8Linear.split_over` makes each scale the max over them (one
+all-reduce of the amax, given by the caller, who alone knows the group), so every rank
+scales as the single process does; not wired into the tp layers and cp yet (refused, see
+layout.py).
 
 Under ZeRO-3 with `--fp8-all-gather` a linear's weight arrives already in FP8 with its
 tensorwise scale (parallel/compress.py, `Float8Gather`: the same values `scaled` would give
