@@ -1,7 +1,8 @@
 """A compressed reduction's error-feedback residuals in checkpoints (train/checkpoint.py):
 a run saved and resumed continues bitwise as the uninterrupted one, through dp's buckets
-(both hops) and ZeRO-3's reduce-scatter; without the residuals (stripped from the
-manifest) it does not; resumed at another layout they start from zero, said once."""
+(both hops; resumed from the in-memory generation) and ZeRO-3's reduce-scatter (from the
+durable checkpoint); without the residuals (stripped from the manifest) it does not;
+resumed at another layout they start from zero, said once."""
 
 from __future__ import annotations
 
@@ -24,8 +25,13 @@ LAYOUTS = {
 }
 
 
-def _cfg(out, parallel: dict, every: int = 0, resume: bool = False) -> dict:
+MEMORY = "dp-int8"  # the layout whose resume reads the in-memory generation
+
+
+def _cfg(out, parallel: dict, every: int = 0, resume: bool = False, memory: bool = False):
     ck = {"every": every, "resume": resume, "keep": 1}
+    if memory:
+        ck |= {"local_every": SAVED, "local_dir": str(out / "memory")}
     train = {"out": str(out), "dtype": "fp32", "steps": STEPS}
     return tiny_config(train=train, parallel=parallel, checkpoint=ck).to_dict()
 
@@ -61,9 +67,10 @@ def _worker(rank: int, world: int, root: str, name: str) -> dict:
 
     out, parallel = Path(root) / name, LAYOUTS[name]
     runs = {"whole": _run(rank, _cfg(out / "whole", parallel))}
-    _run(rank, _cfg(out / "saved", parallel, every=SAVED), stop=SAVED)
+    memory = name == MEMORY
+    _run(rank, _cfg(out / "saved", parallel, every=SAVED, memory=memory), stop=SAVED)
     _strip(out / "saved")
-    runs["resumed"] = _run(rank, _cfg(out / "saved", parallel, resume=True))
+    runs["resumed"] = _run(rank, _cfg(out / "saved", parallel, resume=True, memory=memory))
     runs["stripped"] = _run(rank, _cfg(out / "stripped", parallel, resume=True))
     other = LAYOUTS["zero3-fp8" if name == "dp-int8" else "dp-int8"]
     runs["other"] = _run(rank, _cfg(out / "saved", other, resume=True))
@@ -81,6 +88,7 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(jobs, name):
         whole, resumed, stripped = runs["whole"], runs["resumed"], runs["stripped"]
         assert resumed["start"] == stripped["start"] == SAVED
         assert resumed["said"].count("residuals") == 0
+        assert ("resumed from memory" in resumed["said"]) == (name == MEMORY and rank == 0)
         for n, w in whole["state"].items():  # bitwise, on every rank
             assert torch.equal(resumed["state"][n], w), (rank, n)
         # the residuals matter: started from zero, the same run lands elsewhere
