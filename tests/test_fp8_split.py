@@ -1,9 +1,9 @@
 """FP8 linears split over ranks (models/fp8.py `Float8Linear.split_over`): two ranks each
 holding half of a linear's tokens (cp, "M"), output features (column tp, "N") or input
 features (row tp, "K") take every scale as the max over both, and so compute the single
-process's FP8 matmuls: what a rank computes whole equals the single process's slice bit
-for bit, what it computes in part sums to it within fp32 rounding. Without the shared
-max, the halves' own scales move the results by FP8 steps."""
+process's FP8 matmuls: what a rank computes whole is the single process's slice, what it
+computes in part sums to it within fp32 rounding. Without the shared max, the halves'
+own scales move the results by FP8 steps."""
 
 from __future__ import annotations
 
@@ -74,10 +74,7 @@ def _worker(rank: int, world: int) -> dict:
                 got = _run(*mine, recipe, (dim, max_over) if shared else None)
                 pairs = [(t, ref[at]) if at is not None else (summed(t), ref)
                          for t, ref, at in zip(got, single, whole)]  # fmt: skip
-                out[recipe, dim, shared] = [
-                    (at is not None, float((a - b).norm() / b.norm()))
-                    for (a, b), at in zip(pairs, whole)
-                ]
+                out[recipe, dim, shared] = [float((a - b).norm() / b.norm()) for a, b in pairs]
     return out
 
 
@@ -89,13 +86,14 @@ def declare_jobs(jobs: Jobs) -> None:
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dim", ["M", "N", "K"])
 def test_a_split_linear_computes_the_single_process_fp8_matmuls(jobs, recipe, dim):
-    """Shared scales: each whole slice equal, each summed part within 1e-6 (two fp32
-    partial sums of the same FP8 products against one: measured here about 1e-7); the
-    halves' own scales: some result off by more than 1e-3 (an FP8 step is 2^-4 to 2^-3)."""
+    """Shared scales: every result within 1e-6 of the single process's (the same FP8
+    operands: a slice computed whole differs only if a kernel sums another way, 0 here; a
+    part summed over ranks by two fp32 partial sums against one, 6e-8 to 7e-8 here); the
+    halves' own scales: some result off by more than 1e-3 (measured 3e-3 to 8e-2: an FP8
+    step is 2^-4 to 2^-3 of a value)."""
     for rank in jobs["fp8-split"]:
-        for whole, diff in rank[recipe, dim, True]:
-            assert diff == 0 if whole else diff < 1e-6, (whole, diff)
-        assert max(diff for _, diff in rank[recipe, dim, False]) > 1e-3
+        assert max(rank[recipe, dim, True]) < 1e-6
+        assert max(rank[recipe, dim, False]) > 1e-3
 
 
 def test_a_split_dimension_is_one_of_the_matmuls():
