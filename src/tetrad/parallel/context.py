@@ -22,6 +22,10 @@ Two cores, `parallel.cp_attention` picks:
   block from the saved log-sum-exp, and the blocks' dk and dv (fp32) travel around the
   ring with them, arriving home summed. Memory: one kv block in flight, never all of S.
 
+Keys and values travel side by side in one tensor [b, s, kv heads, hd + v_hd]: values
+may have a head size of their own and rotary may turn only the last channels of each
+head (latent attention: the core's `rope_dim`, `v_head_dim`; `HeadDims`).
+
 Each block (this rank's queries against one rank's keys and values) runs through a
 kernel that returns its output and log-sum-exp, and whose backward, given the merged
 output and log-sum-exp, returns the block's share of the gradients: torch's fused

@@ -17,6 +17,12 @@ stored split by input features across all of tp and all-gathered for each forwar
 backward's reduce-scatter sums the gradient contributions of every rank that used a head
 and leaves each element on exactly one rank (no double count in the gradient norm).
 
+Latent attention (DeepSeek-V3's MLA) enters the region after its down projections, on the
+narrow latents (the module's `use_entry`): the down projections and their norms stay
+before it, replicated, or under SP on the rank's s/t with their weights' gradients
+summed over tp (`SequenceParallelLinear`, `sequence_parallel_norm`); docs/models.md has
+the bytes.
+
 The output head is split over the vocabulary and its logits never leave their rank: the
 vocabulary-parallel cross-entropy combines per-rank log-sum-exps. The vocabulary is cut
 in blocks of ceil(V/tp), as if padded to a multiple of tp; the padding rows are never
