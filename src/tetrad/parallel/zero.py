@@ -35,7 +35,9 @@ gradient per unit during the step for this). HSDP: the reduce-scattered shard is
 all-reduced over "replica" (dp × cp: with context parallelism the cp ranks' gradients
 are summed too). Mixed precision: compute buffers in `train.dtype` are gathered
 from casts of the fp32 master shards; gradients are reduced in `parallel.reduce_dtype`
-and kept as fp32 shards for the optimizer.
+and kept as fp32 shards for the optimizer. `--fp8-all-gather` (stage 3): a block's FP8
+linears' weights are gathered in FP8 with scales max-reduced once a step
+(parallel/compress.py, `Float8Gather`), the rest of the unit in the compute dtype.
 """
 
 from __future__ import annotations
@@ -618,11 +620,10 @@ class ZeroShards:
 
     def residuals(self) -> dict[str, Residual]:
         """Each unit's compressed reduce-scatter's sender residual, "<axis>.<unit>.sent"."""
-        units = [u for u in self.units if id(u) in self.quantized]
-        named = (
-            self.quantized[id(u)].residuals(f"{self.axis}.{u.layout.name}", False) for u in units
-        )
-        return {k: r for d in named for k, r in d.items()}
+        out: dict[str, Residual] = {}
+        for u in (u for u in self.units if id(u) in self.quantized):
+            out |= self.quantized[id(u)].residuals(f"{self.axis}.{u.layout.name}", False)
+        return out
 
     # --- views for the engine ------------------------------------------------------------
     def params(self) -> list[tuple[str, nn.Parameter]]:
