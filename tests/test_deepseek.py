@@ -4,11 +4,11 @@ router with group-limited top-k and routed scaling (docs/models.md).
 Oracles: a random transformers `DeepseekV3ForCausalLM` (query bottleneck or not, with a
 trained routing bias or not), imported, gives transformers' logits and loss (fp32,
 relative 1e-5), and an export loads as the same class with tetrad's logits; every layout
-(dp 2, tp 2 with and without SP, cp 2 all-gather and ring, pp 2, ZeRO-3 over fsdp 2,
-ep 2, and tp 2 + SP with ep 2, with pp 2 zb-h1, with cp 2) and recomputation reproduce
-the single process in fp64 (EXACT); an import trained at tp 2 + SP has transformers'
-first-step loss; the group-limited choice equals a brute-force one; what is not
-implemented (yarn, rotate_half weights) is refused by name.
+(dp 2, tp 2 with and without SP, cp 2 all-gather and ring, the unfused block kernel too,
+pp 2, ZeRO-3 over fsdp 2, ep 2, and tp 2 + SP with ep 2, with pp 2 zb-h1, with cp 2) and
+recomputation reproduce the single process in fp64 (EXACT); an import trained at tp 2 +
+SP has transformers' first-step loss; the group-limited choice equals a brute-force one;
+what is not implemented (yarn, rotate_half weights) is refused by name.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ LAYOUTS = {
     "tp2-sp": {"tp": 2, "sp": True},  # ... on each rank's s/2, their gradients summed
     "cp2": {"cp": 2},  # all-gather core: k (nope + rope) and v (v_head_dim) side by side
     "cp2-ring": {"cp": 2, "cp_attention": "ring"},
+    "cp2-unfused": {"cp": 2, "cp_kernel": "unfused"},  # the reference block kernel
     "tp2-sp-ep2": {"tp": 2, "sp": True, "ep": 2},
 }
 LAYOUTS4 = {  # one 4-rank world: SP's down projections deferred to W; cp inside tp
