@@ -46,12 +46,10 @@ def _worker(rank: int, world: int) -> dict:
     from tetrad.comm import Comm
     from tetrad.config import ParallelConfig
     from tetrad.mesh import Mesh
+    from tetrad.parallel.compress import max_over
 
     group, comm = Mesh.build(ParallelConfig(dp=world), rank)["dp"], Comm("cpu")
-
-    def max_over(amax: torch.Tensor) -> torch.Tensor:
-        comm.all_reduce(amax, group, op="max")
-        return amax
+    shared_max = max_over(comm, group)
 
     def summed(t: torch.Tensor) -> torch.Tensor:
         comm.all_reduce(t, group)
@@ -71,7 +69,7 @@ def _worker(rank: int, world: int) -> dict:
         single = _run(x, w, g, recipe)
         for dim, (mine, whole) in parts.items():
             for shared in (True, False):
-                got = _run(*mine, recipe, (dim, max_over) if shared else None)
+                got = _run(*mine, recipe, (dim, shared_max) if shared else None)
                 pairs = [(t, ref[at]) if at is not None else (summed(t), ref)
                          for t, ref, at in zip(got, single, whole)]  # fmt: skip
                 out[recipe, dim, shared] = [float((a - b).norm() / b.norm()) for a, b in pairs]

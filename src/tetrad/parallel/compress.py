@@ -23,6 +23,7 @@ residuals are each rank's own state: checkpoints save and restore them (train/ch
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -151,6 +152,18 @@ class PieceWork:
 
     def wait(self) -> None:
         self.out.copy_(self.reduce.finish(gather=False))
+
+
+def max_over(comm: Comm, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An FP8 scale's reduction over the ranks of `group` that hold the rest of its values
+    (`Float8Linear.split_over`; the FP8 gather's scales): the amax, made their max in place
+    by one all-reduce, returned."""
+
+    def reduce(amax: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(amax, group, op="max")
+        return amax
+
+    return reduce
 
 
 class Float8Gather:

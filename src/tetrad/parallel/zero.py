@@ -58,7 +58,13 @@ from tetrad.mesh import Group, Mesh
 from tetrad.models.fp8 import E4M3, Float8Linear, scale_of
 from tetrad.models.plans import decays
 from tetrad.models.spec import ModelSpec
-from tetrad.parallel.compress import Float8Gather, PieceWork, QuantizedReduce, Residual
+from tetrad.parallel.compress import (
+    Float8Gather,
+    PieceWork,
+    QuantizedReduce,
+    Residual,
+    max_over,
+)
 from tetrad.parallel.runner import Held
 from tetrad.precision import mixed
 
@@ -350,8 +356,7 @@ class ZeroShards:
         each weight's amax over this rank's shard, the same point on every rank (the
         first gather after a step or a load)."""
         units = [u for u in self.units if u.fp8 is not None]
-        amax = torch.cat([u.fp8.amax(u.master) for u in units])
-        self.comm.all_reduce(amax, self.group, op="max")
+        amax = max_over(self.comm, self.group)(torch.cat([u.fp8.amax(u.master) for u in units]))
         self.scales.copy_(scale_of(amax, E4M3))
         self.stale = False
 
