@@ -65,12 +65,22 @@ def rotary(seq_len: int, head_dim: int, theta: float, device: torch.device) -> t
     return rotary_at(torch.arange(seq_len, device=device), head_dim, theta)
 
 
+@torch.library.custom_op("tetrad::rotary_at", mutates_args=())
 def rotary_at(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
-    """cos/sin tables of the given (global) positions, [len, head_dim/2, 2] in float32."""
+    """cos/sin tables of the given (global) positions, [len, head_dim/2, 2] in float32.
+
+    An opaque op to torch.compile: the tables are float32 even in an fp64 model, and a
+    compiled block's own pow, cos and sin differ from ATen's by float32 ulps, which an
+    fp64 comparison sees (1e-10 after 4 steps): compiled, the tables stay ATen's."""
     device = positions.device
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
     angles = torch.outer(positions.float(), inv)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+@rotary_at.register_fake
+def _(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    return positions.new_empty((positions.shape[0], head_dim // 2, 2), dtype=torch.float32)
 
 
 def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -108,7 +118,17 @@ class Attention(nn.Module):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [b, s, local (kv) heads · hd]
         if self.q_norm is not None:
             q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
-        return self.wo(self.core(q, k, v))
+        # a core swapped in (context parallelism's: its own autograd functions around
+        # collectives) runs eagerly under torch.compile, one graph break
+        out = self.core(q, k, v) if type(self.core) is CausalCore else eager(self.core, q, k, v)
+        return self.wo(out)
+
+
+@torch.compiler.disable
+def eager(fn: Callable, *args):
+    """fn(*args), run eagerly when called from a compiled region (a graph break there): for
+    the parts whose own autograd functions, collectives or host reads a graph cannot hold."""
+    return fn(*args)
 
 
 def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +197,14 @@ class Block(nn.Module):
     def selective_policy(self) -> Keep:
         """The kernels selective recomputation keeps (and drops) in this block."""
         return KEEP_SELECTIVE
+
+    def compile(self, *args, **kwargs) -> None:
+        """torch.compile (`args`, `kwargs` its own) of the body only, where
+        nn.Module.compile would take the whole call: the hooks around the block (ZeRO's
+        gathers) and the recomputation region stay eager, and the region's rerun in
+        backward runs the compiled body again. Blocks alike share one compiled graph (the
+        parameters are its inputs), so compiling costs one graph per distinct block."""
+        self.body = torch.compile(self.body, *args, **kwargs)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))

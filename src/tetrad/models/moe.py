@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.config import ModelConfig
-from tetrad.models.llama import KEEP_SELECTIVE, Block, Llama
+from tetrad.models.llama import KEEP_SELECTIVE, Block, Llama, eager
 from tetrad.models.spec import Keep
 from tetrad.precision import wide, widen
 
@@ -320,11 +320,13 @@ class MoEFeedForward(nn.Module):
         b, s, d = x.shape
         flat = x.reshape(-1, d)  # [T, d]
         probs, ids, weights = self.router(flat)
-        out = self.dispatch(flat, ids, weights.to(x.dtype), self.experts, self.shared)
+        # eager under torch.compile: the groups' sizes (and ep's all-to-all) follow the
+        # routing, a shape a graph would recompile for at every step
+        out = eager(self.dispatch, flat, ids, weights.to(x.dtype), self.experts, self.shared)
         out = out.view(b, s, d)
         aux = self._aux_per_sequence(probs.view(b, s, -1), ids.view(b, s, -1))  # [b]
         if not (self.recomputed and torch.is_grad_enabled()):
-            self._record(probs, ids, aux)
+            eager(self._record, probs, ids, aux)  # bincount: a size from the values
         if self.balance == "aux" and self.aux_coef > 0 and torch.is_grad_enabled():
             out = _WithAuxGrad.apply(out, aux.sum() * (self.aux_coef * self.aux_scale))
         return out

@@ -65,6 +65,9 @@ def parallelize(
     if layout.fp8:  # the same parameters, in modules whose matmuls run in FP8
         use_fp8(model, spec.blocks, layout.fp8)
     spec.set_recompute(model, train.recompute)
+    if train.compile:  # each block's body; its hooks, collectives and the loss stay eager
+        for block in model.get_submodule(spec.blocks).values():
+            block.compile(dynamic=False)
     loss_fn = _loss_fn(model, train.loss_chunk, tp)
     replicated = local.replicated
     runner: Runner = MicrobatchLoop(model, loss_fn, meter_every=train.meter_every)

@@ -30,7 +30,7 @@ from tetrad.train import checkpoint
 from tetrad.train.balance import ExpertBalance
 from tetrad.train.data import Loader, source_of
 from tetrad.train.local_checkpoint import LocalCheckpoints
-from tetrad.train.metrics import MetricsWriter, peak_memory_bytes
+from tetrad.train.metrics import CompileCost, MetricsWriter, peak_memory_bytes
 from tetrad.train.optim import build_optimizer, lr_at, set_lr
 from tetrad.train.stop import Preempted, StopRequest
 from tetrad.train.straggler import StragglerWatch
@@ -136,6 +136,9 @@ class Trainer:
         # --pp-split measured: timed and agreed here, the resolved split used from now on
         layout = self.layout = resolve_split(layout, cfg.model, t, self.comm, mesh["world"], device)
         cfg = self.cfg = record_split(cfg, layout)
+        if t.compile:  # a restart finds the compiled blocks on disk (inductor's caches)
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(t.out) / "compile_cache"))
+        self.compile_cost = CompileCost() if t.compile else None
         self.engine = parallelize(layout, cfg.model, t, mesh, self.comm, device)
         if hf is not None:
             self.engine.load_full(hf)  # each rank reads only its slices
@@ -272,9 +275,10 @@ class Trainer:
         run = self.engine.last_run
         measured = self.measured_state[-1].total if self.measured_state else 0
         self.measured_state[:-1] = []  # only the latest is read
+        compiled = self.compile_cost.read() if self.compile_cost else ()
         maxed = torch.tensor(
             [float(peak_memory_bytes(self.device)), seconds, float(self.model_state),
-             float(measured), float(run.peak_activation_bytes if run else 0)],
+             float(measured), float(run.peak_activation_bytes if run else 0), *compiled],
             dtype=torch.float64,
             device=self.device,
         )  # fmt: skip
@@ -300,6 +304,8 @@ class Trainer:
             "comm_bytes": float(summed[0]),
             "skipped": result.skipped,
         } | self._epoch()
+        if compiled:  # the most any rank spent compiling this step, and recompiled
+            row |= {"compile_s": float(maxed[5]), "recompiles": int(maxed[6])}
         if window:
             row |= self.straggler.observe(summed[1:].tolist())
         return row | self.balance.metrics()  # MoE: expert load, from the step's own sync

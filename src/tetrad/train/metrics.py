@@ -18,6 +18,31 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+class CompileCost:
+    """What torch.compile (`--compile`) cost since the last `read`: seconds compiling (the
+    frames dynamo compiles, and the backward graphs compiled at their first backward) and
+    recompilations (dynamo's guard failures: a recompiled block after the first step is a
+    guard on something that changes from step to step, or from microbatch to microbatch)."""
+
+    TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+
+    def __init__(self) -> None:
+        self.last = self._totals()
+
+    @classmethod
+    def _totals(cls) -> tuple[float, int]:
+        from torch._dynamo.utils import compilation_time_metrics, guard_failures
+
+        seconds = sum(sum(compilation_time_metrics.get(key, ())) for key in cls.TIMERS)
+        return seconds, sum(len(reasons) for reasons in guard_failures.values())
+
+    def read(self) -> tuple[float, int]:
+        now = self._totals()
+        seconds, recompiles = now[0] - self.last[0], now[1] - self.last[1]
+        self.last = now
+        return seconds, recompiles
+
+
 # metrics.jsonl keys that TensorBoard shows, under these tags
 SCALARS = {
     "loss": "train/loss",
@@ -31,6 +56,7 @@ SCALARS = {
     "peak_mem_bytes": "memory/peak_bytes",
     "model_state_bytes": "memory/model_state_bytes",
     "comm_bytes": "comm/bytes",
+    "compile_s": "perf/compile_s",
 }
 
 

@@ -148,7 +148,12 @@ def split_matmul(
     (`sink` says where it goes; by default into `weight`'s gradient)."""
     if store is None or not torch.is_grad_enabled():
         return F.linear(x, weight)
-    return _DeferredMatmul.apply(x, weight, store, sink)
+    return _deferred_matmul(x, weight, store, sink)
+
+
+# Under --compile a graph break: its backward files work into the store, a side effect
+# a compiled backward cannot keep, so the matmul and its B run eagerly, W as always
+_deferred_matmul = torch.compiler.disable(_DeferredMatmul.apply)
 
 
 class _DeferredGroupedMatmul(torch.autograd.Function):
