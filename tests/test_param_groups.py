@@ -83,6 +83,9 @@ class _Fake:
     def held(self) -> Held:
         return Held([self.p], [None], [])
 
+    def residuals(self) -> dict:
+        return {"bucket0.sent": self.name}
+
 
 def test_grouped_grads_forwards_in_order():
     log: list = []
@@ -93,6 +96,7 @@ def test_grouped_grads_forwards_in_order():
     grads.finish()
     grads.zero_grad()
     grads.after_step()
+    assert grads.residuals() == {"0.bucket0.sent": "dense", "1.bucket0.sent": "expert"}
     assert log == [
         ("reduce", "dense"), ("reduce", "expert"),
         ("enter", "dense"), ("enter", "expert"), ("body", None),

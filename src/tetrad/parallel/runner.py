@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from torch import nn
 from tetrad.comm import Work
 from tetrad.models.batch import Microbatch
 from tetrad.parallel.activation_meter import ActivationMeter
+
+if TYPE_CHECKING:
+    from tetrad.parallel.compress import Residual
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -102,6 +105,9 @@ class GradSync(Protocol):
 
     def held(self) -> Held:
         """The tensors of the model state it owns (parameters, gradients, masters)."""
+
+    def residuals(self) -> dict[str, Residual]:
+        """Its compressed reductions' error feedback by name: rank state checkpoints keep."""
 
 
 class Runner(Protocol):
