@@ -21,12 +21,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import EXACT, Jobs, assert_close_run, tiny_config, train_worker, trainer_for
+from harness import (
+    EXACT,
+    Jobs,
+    assert_close_run,
+    one_step_comm,
+    tiny_config,
+    train_worker,
+    trainer_for,
+)
 from test_families import assert_same
 from test_interop_hf import _import_and_train
 from tetrad.cli import main as cli_main
 from tetrad.config import MODEL_PRESETS, model_preset
 from tetrad.interop import hf
+from tetrad.layout import Layout
 from tetrad.models import deepseek_spec
 from tetrad.models.families import spec_for
 from tetrad.models.init import build_model
@@ -83,6 +92,19 @@ def _import_configs(root, parallel: dict, name: str) -> list:
     return [cfg]
 
 
+# the comm step: one dense MLA layer more (2 and 3 layers, 1 and 2 dense), fp32, dim 64
+# against latents of 16 + 12 + 4 = 32 channels (the input's width would move twice as much)
+COMM = [
+    tiny_config(
+        model={**MODEL, "dim": 64, "layers": dense + 1, "dense_layers": dense},
+        parallel={"tp": 2, "sp": sp, "microbatches": 2},
+        train={"dtype": "fp32"},
+    )
+    for sp in (False, True)
+    for dense in (1, 2)
+]
+
+
 def _first_step_config(root, parallel: dict):
     """The model with a trained routing bias (root/hf-bias), one fp32 step."""
     cfg = tiny_config(parallel=parallel, train={"steps": 1, "dtype": "fp32"})
@@ -95,6 +117,7 @@ def declare_jobs(jobs: Jobs) -> None:
     the combinations of four ranks in one 4-rank world."""
     jobs.add_training("layouts", [_config(par) for par in LAYOUTS.values()])
     jobs.add_training("layouts4", [_config(par) for par in LAYOUTS4.values()])
+    jobs.add("comm", 2, one_step_comm, [c.to_dict() for c in COMM])
     root = jobs.tmp("import")
     save_hf(root / "hf", 16)
     for name, par in IMPORTS.items():
@@ -144,6 +167,29 @@ def test_import_in_a_layout_reads_its_slices_trains_and_exports(jobs, name):
     state = {n: t.float() for n, t in state.items()}
     m = dataclasses.replace(cfg.model, init_from_hf="")
     assert_same(tetrad_out(m, state, TOKENS), hf_out(root / f"{name}-hf", TOKENS))
+
+
+def _bus(summary: dict, *ops: str) -> float:
+    return sum(summary.get(f"tp/{op}", {}).get("bus_bytes", 0.0) for op in ops)
+
+
+@pytest.mark.distributed
+def test_the_tp_region_moves_the_latents_not_the_input(jobs):
+    """Per dense MLA layer per microbatch, fp32 elements on the bus (docs/models.md): the
+    latents' w = q_lora_rank + kv_lora_rank + qk_rope_dim where Llama's attention moves
+    dim, the rest as Megatron's block; under SP besides, the down projections' and the
+    four norms' weight gradients summed over tp."""
+    plain1, plain2, sp1, sp2 = jobs["comm"][0]
+    m, cfg = COMM[0].model, COMM[0]
+    b, s, t, mb = Layout.build(cfg).microbatch_size, cfg.train.seq_len, 2, 2
+    w, d = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim, m.dim
+    region = 2 * (t - 1) / t * 4 * b * s * (w + 3 * d) * mb  # f/g, or gather/scatter pairs
+    assert _bus(plain2, "all_reduce") - _bus(plain1, "all_reduce") == pytest.approx(region)
+    moved = _bus(sp2, "all_gather", "reduce_scatter") - _bus(sp1, "all_gather", "reduce_scatter")
+    assert moved == pytest.approx(region)
+    weights = d * w + 2 * d + m.q_lora_rank + m.kv_lora_rank  # wq_a, wkv_a; norm gains
+    summed = 2 * (t - 1) / t * 4 * weights * mb
+    assert _bus(sp2, "all_reduce") - _bus(sp1, "all_reduce") == pytest.approx(summed)
 
 
 @pytest.mark.distributed
