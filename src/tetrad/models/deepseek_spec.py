@@ -158,6 +158,15 @@ class MLAActivations(MoEActivations):
             return self._selective(m, c) + ffn
         return mla_attention(m, t, c) + ffn
 
+    def cp_gathered_kv(self, m: ModelConfig, t: int, dtype: str, cp: int, seq_len: int,
+                       gqa_native: bool = False) -> list[Saved]:  # fmt: skip
+        """The dense formula's, the other shards' keys and values at MLA's widths: per head
+        nope + rope key channels and v_head_dim value channels, side by side."""
+        items = super().cp_gathered_kv(m, t, dtype, cp, seq_len, gqa_native)
+        width = (m.heads // t) * (m.qk_nope_dim + m.qk_rope_dim + m.v_head_dim)
+        kv = Saved("other shards' k, v", DTYPE_BYTES[dtype] * width * (cp - 1), "rank")
+        return [kv if it.name == kv.name else it for it in items]
+
     @staticmethod
     def _selective(m: ModelConfig, c: int) -> list[Saved]:
         width = max(m.qk_nope_dim + m.qk_rope_dim, m.v_head_dim)
