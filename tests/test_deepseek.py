@@ -5,10 +5,11 @@ Oracles: a random transformers `DeepseekV3ForCausalLM` (query bottleneck or not,
 trained routing bias or not), imported, gives transformers' logits and loss (fp32,
 relative 1e-5), and an export loads as the same class with tetrad's logits; every layout
 (dp 2, tp 2 with and without SP, cp 2 all-gather and ring, the unfused block kernel too,
-pp 2, ZeRO-3 over fsdp 2, ep 2, and tp 2 + SP with ep 2, with pp 2 zb-h1, with cp 2) and
-recomputation reproduce the single process in fp64 (EXACT); an import trained at tp 2 +
-SP has transformers' first-step loss; the group-limited choice equals a brute-force one;
-what is not implemented (yarn, rotate_half weights) is refused by name.
+pp 2, ZeRO-3 over fsdp 2, ep 2, and tp 2 + SP with ep 2, with pp 2 zb-h1, with cp 2;
+tp 2 + SP without the query bottleneck) and recomputation reproduce the single process
+in fp64 (EXACT); a dense MLA layer's tp bytes are docs/models.md's formula; an import
+trained at tp 2 + SP has transformers' first-step loss; the group-limited choice equals
+a brute-force one; what is not implemented (yarn, rotate_half weights) is refused by name.
 """
 
 from __future__ import annotations
@@ -74,11 +75,14 @@ HF_SHAPE = dict(
 TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
-def _config(parallel: dict):
+def _config(parallel: dict, **model):
     """Two microbatches everywhere: one single-process reference serves every layout."""
     return tiny_config(
-        model=MODEL, parallel={**parallel, "microbatches": 2}, train={"steps": STEPS}
+        model={**MODEL, **model}, parallel={**parallel, "microbatches": 2}, train={"steps": STEPS}
     )
+
+
+PLAIN_Q = {"q_lora_rank": 0}  # wq_b reads the input itself: it enters the region whole
 
 
 IMPORTS = {"pp2": {"pp": 2}, "ep2": {"dp": 2, "ep": 2}}
@@ -118,6 +122,7 @@ def declare_jobs(jobs: Jobs) -> None:
     jobs.add_training("layouts", [_config(par) for par in LAYOUTS.values()])
     jobs.add_training("layouts4", [_config(par) for par in LAYOUTS4.values()])
     jobs.add("comm", 2, one_step_comm, [c.to_dict() for c in COMM])
+    jobs.add_training("plain-q", [_config({"tp": 2, "sp": True}, **PLAIN_Q)])
     root = jobs.tmp("import")
     save_hf(root / "hf", 16)
     for name, par in IMPORTS.items():
@@ -139,6 +144,14 @@ def test_layout_matches_single_process(jobs, single, name):
     job, names = ("layouts", list(LAYOUTS)) if name in LAYOUTS else ("layouts4", list(LAYOUTS4))
     got = jobs[job][0][names.index(name)]
     assert_close_run(got, single, rtol=EXACT)
+
+
+@pytest.mark.distributed
+def test_without_the_query_bottleneck_at_tp2_sp(jobs):
+    """The input, not a latent, enters the region for wq_b (concatenated with the kv
+    latent and the rotary key): still the single process's run."""
+    single = train_worker(0, 1, _config({}, **PLAIN_Q).to_dict())
+    assert_close_run(jobs["plain-q"][0][0], single, rtol=EXACT)
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
