@@ -117,6 +117,13 @@ QWEN235_LONG = [(16384, 1, 295, 237), (32768, 2, 335, 277), (65536, 4, 368, 320)
 # microbatch 1: 234.1 TFLOP/s per GPU (Megatron-LM, as issue 38 quotes it)
 QWEN30_ROW = (32, 8, 256, 234.1)
 
+# Llama 3 Herd (Dubey et al. 2024), Table 4: Llama 3 405B on H100s, tp 8, pp 16, bf16,
+# 16M tokens a step: (GPUs, sequence, cp, dp, sequences a data rank, TFLOP/s per GPU)
+LLAMA3_ROWS = [(8192, 8192, 1, 64, 32, 430), (16384, 8192, 1, 128, 16, 400),
+               (16384, 131072, 16, 8, 16, 380)]  # fmt: skip
+LLAMA3_MARGIN_GIB = 0.5  # the memory the 405B layouts must leave free (docs/plan.md)
+LLAMA3_TIME = 0.15  # their step times within 15%
+
 # the stated bounds (see docs/plan.md), on the relative error of predicted throughput
 # (= of MFU): every row within THROUGHPUT_WORST, nine in ten within THROUGHPUT_MOST
 THROUGHPUT_WORST = 0.35
@@ -220,6 +227,49 @@ def bubble_rate(planner: Planner, cfg) -> float:
     pred = planner.predict(*planned(cfg))
     busy = pred.breakdown["compute"] + pred.breakdown["tp"] + pred.breakdown["fsdp"]
     return 1 - busy / (busy + pred.breakdown["bubble"] + pred.breakdown["pp"]) if p.pp > 1 else 0.0
+
+
+def llama3_config(row: tuple, virtual_stages: int):
+    """A Table 4 row as the paper describes it: interleaved, ZeRO-2 over the data ranks,
+    `virtual_stages` chunks a rank (the paper does not give them)."""
+    _, seq, cp, dp, per_rank, _ = row
+    return layout_config(LLAMA31_405B, dp * per_rank, seq, fsdp=dp, tp=8, pp=16, cp=cp,
+                         sp=True, zero_stage=2, microbatches=per_rank,
+                         pp_schedule=I1F1B, virtual_stages=virtual_stages)  # fmt: skip
+
+
+@functools.cache
+def llama3_rows() -> tuple[dict, ...]:
+    """Each Table 4 row with the `llama3` engine at the fastest of 2, 4 and 8 chunks a
+    rank whose memory fits with LLAMA3_MARGIN_GIB free (the planner's own choice, as for
+    the Megatron rows' schedules); error: predicted over published TFLOP/s (both
+    counting the whole s x s attention square), minus 1."""
+    planner = Planner(cluster_preset("h100"), ENGINES["llama3"])
+    out = []
+    for row in LLAMA3_ROWS:
+        best = None
+        for v in (2, 4, 8):
+            pred = planner.predict(*planned(llama3_config(row, v)), detail=False)
+            room = pred.memory.capacity - pred.memory.total
+            if room >= LLAMA3_MARGIN_GIB * 2**30 and (
+                best is None or pred.step_time_s < best[1].step_time_s
+            ):
+                best = (v, pred)
+        v, pred = best
+        out.append({"row": row, "v": v, "pred": pred, "error": pred.tflops_per_gpu / row[-1] - 1})
+    return tuple(out)
+
+
+def print_llama3() -> None:
+    """The Llama 3 405B table of docs/plan.md."""
+    print("| GPUs | sequence | layout | v | published TFLOP/s | predicted | step error | GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in llama3_rows():
+        gpus, seq, cp, dp, _, tflops = r["row"]
+        p = r["pred"]
+        print(f"| {gpus:,} | {seq:,} | tp8 cp{cp} pp16 dp{dp} | {r['v']} | {tflops} |"
+              f" {p.tflops_per_gpu:.0f} | {100 * (1 / (1 + r['error']) - 1):+.1f}% |"
+              f" {p.memory.total / 2**30:.1f} |")  # fmt: skip
 
 
 def megatron_moe_flops(m: ModelConfig, seq_len: int) -> float:
@@ -380,3 +430,4 @@ if __name__ == "__main__":
     print_tables()
     print_bubbles()
     print_moe()
+    print_llama3()

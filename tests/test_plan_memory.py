@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from plan_helpers import planned
-from plan_published import LLAMA31_405B
+from plan_published import LLAMA3_MARGIN_GIB, LLAMA31_405B
 from tetrad.config import model_preset
 from tetrad.layout import Layout
 from tetrad.models.flops import param_count
@@ -63,10 +63,6 @@ def test_llama3_405b_production_layout_fits():
     mem = Planner(cluster_preset("h100"), MEGATRON).predict(*planned(cfg)).memory
     assert mem.fits, mem
     assert not Planner(cluster_preset("h100")).predict(*planned(cfg)).memory.fits
-
-
-# the margin the planner states for the Llama 3 405B layouts (docs/plan.md, "Llama 3 405B")
-LLAMA3_MARGIN_GIB = 0.5
 
 
 @pytest.mark.parametrize("seq,batch,fsdp,cp,microbatches", [

@@ -424,13 +424,21 @@ class Planner:
         self, lay: Layout, m: ModelConfig, facts: list[RankFacts], compute: dict[str, list[float]]
     ) -> list[float]:
         """Exposed gradient reduction per microbatch per stage, for engines that reduce
-        after every microbatch (FSDP2): hidden behind that microbatch's backward."""
+        after every microbatch (FSDP2): hidden behind that microbatch's backward; where the
+        engine reduces asynchronously, behind the next microbatch's forward too (its last
+        unit waits at the end of the step: `after_schedule`)."""
         out = []
         for stage, layers in enumerate(self.split(lay, m)):
-            fa = facts[_rank_of_stage(lay, stage)]
+            rank = _rank_of_stage(lay, stage)
+            fa = facts[rank]
             share = (layers + 1) / (fa.layer_units + 1)  # this chunk's share of the rank
-            seconds = sum(self._grad_reduction(lay, fa).values()) * share
-            out.append(_exposed(seconds, layers + 1, compute["B"][stage] + compute["W"][stage]))
+            seconds = sum(self._grad_reduction(lay, fa).values())
+            if self.engine.reduce_async:  # the rank's reduction beside its whole microbatch
+                busy = sum(compute[k][s] for k in "FBW" for s in held_stages(lay, rank))
+                out.append(max(0.0, seconds - busy) * share)
+            else:
+                window = compute["B"][stage] + compute["W"][stage]
+                out.append(_exposed(seconds * share, layers + 1, window))
         return out
 
     def p2p_time(self, lay: Layout, m: ModelConfig) -> float:
@@ -498,6 +506,8 @@ class Planner:
             shown = _exposed(seconds, units, bwd if hidden else 0.0)
             # what shows is shared between the axes as their seconds are
             grad = {k: shown * v / seconds for k, v in parts.items()} if seconds else grad
+        elif eng.reduce_async:  # the last microbatch's last unit, with nothing after it
+            grad["fsdp"] = sum(self._grad_reduction(lay, fa).values()) / units
         gather = 0.0
         if lay.fsdp > 1:
             link = self.cluster.link(lay.tp * lay.cp, lay.fsdp)

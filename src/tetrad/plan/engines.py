@@ -62,6 +62,9 @@ class Implementation:
     freed before the backward (torchtitan's `loss_fn` and `del pred`; under tp DTensor's
     loss_parallel): its backward holds one fp32 N·V/t tensor more under tp, and the freed
     compute-dtype logits stay reserved (`plan.peak.eager_loss_backward`, `eager_loss_hole`).
+    reduce_async: with reduce_every_microbatch, a microbatch's reduction runs beside the
+    rank's next compute, forward included, not only its own backward: only the last
+    microbatch's last unit waits at the end of the step (Llama 3's FSDP).
     ep_inner: the ep group takes the innermost ranks (tp first, then the data ranks:
     Megatron's expert mesh with expert tp 1); tetrad's takes the data ranks first
     (`mesh.expert_groups`). ep_dedup: a token's copies bound for one node cross the
@@ -94,6 +97,7 @@ class Implementation:
     zero_blocks: tuple[int, int] = (2, 2)
     zero3_incoming_grad: bool = False
     eager_loss: bool = False
+    reduce_async: bool = False
     ep_inner: bool = False
     ep_dedup: bool = False
     ep_overlap: bool = False
@@ -151,13 +155,19 @@ MEGATRON_2021 = Implementation(
 # Llama 3's own 4D training stack as its paper describes it (Llama 3 Herd, section 3.3.2):
 # Megatron-class fused kernels and sequence shards, one layer fewer on the first and last
 # stages (the uniform split with the embedding and the loss counted), asynchronous p2p
-# with an interleaved schedule that keeps fewer warm-up microbatches than Megatron's, and
-# FSDP that keeps gradients sharded (reduce-scattered as each backward makes them) and
-# the bf16 weights whole through the step (ZeRO-2), sharded over the data and cp ranks as
-# torchtitan's (the paper does not say; docs/plan.md)
+# with an interleaved schedule that keeps fewer warm-up microbatches than Megatron's,
+# FSDP that keeps gradients sharded (reduce-scattered in fp32 as each microbatch's
+# backward makes them, asynchronously: beside the next microbatch's work) and the bf16
+# weights whole through the step (ZeRO-2), and context parallelism that all-gathers the
+# keys and values instead of a ring (not overlapped). Assumed, where the paper is silent
+# (docs/plan.md): the state sharded over the data and cp ranks as torchtitan's, the
+# gathered keys and values not kept for backward, FlashAttention-2-class kernels (the
+# run predates FlashAttention-3)
 LLAMA3 = dataclasses.replace(
-    MEGATRON, name="llama3", interleaved_lag=1, reduce_every_microbatch=True, shards_over_cp=True
-)
+    MEGATRON, name="llama3", interleaved_lag=1, reduce_every_microbatch=True,
+    reduce_async=True, shards_over_cp=True, cp_overlap=False,
+    kernels=Kernels(True, "fa2", gqa_native=True),
+)  # fmt: skip
 ENGINES = {
     e.name: e
     for e in (TETRAD, MEGATRON, MEGATRON_DEEPEP, MEGATRON_EP_OVERLAP, MEGATRON_2021,
