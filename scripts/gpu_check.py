@@ -6,7 +6,9 @@
 2. single-GPU bf16 training of a 125M-parameter Llama (12 layers, dim 768, vocab 32000)
    for `--steps` steps: tokens/s and MFU (medians past the first steps), against the
    declared peak of the GPU, or, for a GPU tetrad has no figure for, a bf16 matmul peak
-   measured here (reported as such); it fails under `--mfu-floor`;
+   measured here (reported as such); it fails under `--mfu-floor`; then the same run
+   with `--compile`: its MFU, tokens/s over the eager run's, the seconds compiling and
+   the recompilations after the first step (it fails on any, or on a non-finite loss);
 3. that run's measured peak memory (the caching allocator's) against `tetrad plan`'s
    prediction for the same model, batch and device: it fails when they differ by more
    than `--memory-tol` (relative);
@@ -162,6 +164,11 @@ def plan_parts(
             240,
         )
     )
+    eager = parts[-1]
+    compiled = [*eager.argv[: eager.argv.index("--out")], "--compile"]
+    parts.append(
+        Part("train_bf16_100m_compiled", [*compiled, "--out", str(work / "compiled")], 300)
+    )
     layout = [
         *common,
         *LAYOUT_MODEL,
@@ -276,6 +283,24 @@ def judge_bf16(r: dict[str, Any], steps: int, limits: dict[str, float]) -> dict[
     return {"ok": not failed, "failed": failed}
 
 
+def judge_compiled(
+    compiled: dict[str, Any], rows: list[dict[str, Any]], eager: dict[str, Any]
+) -> dict[str, Any]:
+    """The compiled 125M run against the eager one: its MFU, the ratio of their tokens/s,
+    its compile seconds; failed on a non-finite loss or a recompilation after step 0."""
+    later = sum(row.get("recompiles", 0) for row in rows[1:])
+    out = compiled | {
+        "compile_s": round(sum(row.get("compile_s", 0.0) for row in rows), 1),
+        "recompiles_after_first_step": later,
+        "eager_mfu": eager.get("mfu"),
+    }
+    if "tokens_per_s" in compiled and "tokens_per_s" in eager:
+        out["speedup_over_eager"] = compiled["tokens_per_s"] / eager["tokens_per_s"]
+    failed = [] if compiled.get("finite") else ["a loss is not finite, or too few steps"]
+    failed += [f"{later} recompilations after the first step"] if later else []
+    return out | {"ok": not failed, "failed": failed}
+
+
 def summarize(
     env: dict[str, Any],
     parts: list[Part],
@@ -374,6 +399,9 @@ def evaluate(part: Part, work: Path, args: argparse.Namespace, gpu: str) -> None
         r |= throughput(read_metrics(work / "bf16"))
         r["memory"] = planned_memory(args, gpu, r.get("peak_mem_bytes"))
         r |= judge_bf16(r, args.steps, thresholds(args))
+    elif part.name == "train_bf16_100m_compiled" and r["ok"]:
+        rows = read_metrics(work / "compiled")
+        r |= judge_compiled(throughput(rows), rows, throughput(read_metrics(work / "bf16")))
     elif part.name.startswith("layout_") and part.name != "layout_single" and r["ok"]:
         ref = [row["loss"] for row in read_metrics(work / "single")]
         got = [row["loss"] for row in read_metrics(work / part.name.removeprefix("layout_"))]

@@ -60,24 +60,28 @@ def test_without_a_gpu_it_says_so(tmp_path):
 def test_parts_on_one_and_two_gpus(tmp_path):
     args = gc.parse_args(["--steps", "50"])
     one, skipped = gc.plan_parts(args, 1, tmp_path)
-    assert [p.name for p in one] == ["cuda_tests", "train_bf16_100m"]
+    assert [p.name for p in one] == ["cuda_tests", "train_bf16_100m", "train_bf16_100m_compiled"]
+    compiled = one[2].argv  # the eager run's command, compiled, in a directory of its own
+    assert compiled[: compiled.index("--out")] == [*one[1].argv[: one[1].argv.index("--out")],
+                                                     "--compile"]  # fmt: skip
+    assert compiled[-1] != one[1].argv[-1]
     assert "need 2 GPUs, this machine has 1" in skipped[0]
     bf16 = one[1].argv
     assert bf16[bf16.index("--dtype") + 1] == "bf16" and bf16[bf16.index("--steps") + 1] == "50"
     two, skipped = gc.plan_parts(gc.parse_args(["--skip-tests"]), 2, tmp_path)
     names = [p.name for p in two]
     layouts = ("dp", "fsdp", "tp", "pp-1f1b", "pp-zb-h1", "pp-interleaved", "cp-ring")
-    assert names == ["train_bf16_100m", "layout_single"] + [f"layout_{n}" for n in layouts] + [
-        "bench_comm"
-    ]
+    assert names == ["train_bf16_100m", "train_bf16_100m_compiled", "layout_single"] + [
+        f"layout_{n}" for n in layouts
+    ] + ["bench_comm"]
     assert skipped[0] == "cuda_tests: --skip-tests" and "ep all-to-all" in skipped[1]
     assert "--peak-tflops" not in two[0].argv  # a declared peak: the trainer's own
     measured, _ = gc.plan_parts(args, 1, tmp_path, peak=512.34)
     bf16 = measured[1].argv
     assert bf16[bf16.index("--peak-tflops") + 1] == "512.3"
-    # every part has a timeout, so a hang is reported: on one GPU 8 minutes at most
-    assert sum(p.timeout_s for p in one) <= 8 * 60 and sum(p.timeout_s for p in two) <= 20 * 60
-    for p in two[2:-1]:  # every layout runs the same job on 2 ranks as the single GPU
+    # every part has a timeout, so a hang is reported: on one GPU 13 minutes at most
+    assert sum(p.timeout_s for p in one) <= 13 * 60 and sum(p.timeout_s for p in two) <= 25 * 60
+    for p in two[3:-1]:  # every layout runs the same job on 2 ranks as the single GPU
         assert p.argv[p.argv.index("--nproc") + 1] == "2"
         assert p.argv[p.argv.index("--global-batch") + 1] == "8"
 
@@ -120,6 +124,19 @@ def test_the_bf16_run_is_judged_on_mfu_and_memory():
     unplanned = gc.judge_bf16({**good, "memory": {"error": "no planner preset"}}, 50, limits)
     assert not unplanned["ok"] and "not compared" in unplanned["failed"][0]
     assert not gc.judge_bf16({**good, "steps": 49}, 50, limits)["ok"]
+
+
+def test_the_compiled_run_is_judged_on_recompiles():
+    rows = [{"loss": 5.0, "tokens_per_s": 2000.0, "mfu": 0.4, "step_time_s": 0.1,
+             "peak_mem_bytes": 1, "compile_s": 30.0 if i == 0 else 0.0, "recompiles": 0}
+            for i in range(50)]  # fmt: skip
+    eager = {"tokens_per_s": 1000.0, "mfu": 0.2}
+    good = gc.judge_compiled(gc.throughput(rows), rows, eager)
+    assert good["ok"] and good["speedup_over_eager"] == 2.0 and good["compile_s"] == 30.0
+    assert good["eager_mfu"] == 0.2 and good["recompiles_after_first_step"] == 0
+    rows[20]["recompiles"] = 3
+    bad = gc.judge_compiled(gc.throughput(rows), rows, eager)
+    assert not bad["ok"] and "3 recompilations after the first step" in bad["failed"]
 
 
 def test_junit_counts(tmp_path):
