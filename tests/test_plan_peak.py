@@ -17,6 +17,7 @@ reused), so there the measured peak is held to 5% above the prediction and 10% b
 from __future__ import annotations
 
 import csv
+import statistics
 
 import pytest
 import torch
@@ -227,6 +228,67 @@ def test_eager_loss_terms_are_what_closes_the_published_peaks():
         assert eager_loss_hole(*planned(cfg)) == 2 * n_v
         assert dict(with_.peak.reserved) == {"freed logits' space": 2 * n_v}
         assert with_.allocated - without.allocated == pytest.approx((4 if tp > 1 else 0) * n_v)
+
+
+def test_eager_loss_terms_hold_on_the_rows_they_were_not_developed_on():
+    """Out of sample: the eight published peaks other than the two the eager-loss terms
+    were developed on (Table1 FSDP eager, Table4 2D) are within 10% with the terms, and
+    their median |error| falls (from 9% without them to under 1%)."""
+    import dataclasses
+
+    held = [row for i, row in enumerate(MIB_ROWS) if i not in (0, 8)]
+    errors = {True: [], False: []}
+    for key, case in held:
+        model, fsdp, cp, tp, seq, local, recompute, engine = case
+        cfg = layout_config(MODELS[model], local * fsdp, seq, fsdp=fsdp, cp=cp, tp=tp, sp=tp > 1)
+        for eager in (True, False):
+            eng = dataclasses.replace(ENGINES[engine], eager_loss=eager)
+            mem = Planner(cluster_preset("h100-hbm2e"), eng, recompute).memory(*planned(cfg))
+            errors[eager].append(abs(mem.total / GiB / published_peak(*key) - 1))
+    assert max(errors[True]) <= MEMORY_BOUND
+    assert statistics.median(errors[True]) < 0.01 < 0.05 < statistics.median(errors[False])
+
+
+# torchtitan's Llama 3.1 405B pipeline rows (Tables 5 and 6: tp 8, pp 8, full recompute,
+# compile, Float8, async TP; torchtitan's default microbatches, one per stage): the CSV
+# key and (seq, fsdp, cp, local batch, schedule, virtual stages, microbatches)
+PIPELINE_ROWS = [
+    (("Table5", "FSDP 8, TP 8, PP 8", "3D+compile+Float8+AsyncTP, 1F1B"),
+     (8192, 8, 1, 32, "1f1b", 1, 8)),
+    (("Table5", "FSDP 8, TP 8, PP 8", "3D+compile+Float8+AsyncTP, Interleaved 1F1B"),
+     (8192, 8, 1, 32, "interleaved-1f1b", 2, 16)),
+    (("Table6", "FSDP 8, CP 1, TP 8, PP 8", "4D+compile+Float8+AsyncTP+1F1B"),
+     (32768, 8, 1, 8, "1f1b", 1, 8)),
+    (("Table6", "FSDP 4, CP 2, TP 8, PP 8", "4D+compile+Float8+AsyncTP+1F1B"),
+     (65536, 4, 2, 8, "1f1b", 1, 8)),
+    (("Table6", "FSDP 2, CP 4, TP 8, PP 8", "4D+compile+Float8+AsyncTP+1F1B"),
+     (131072, 2, 4, 8, "1f1b", 1, 8)),
+    (("Table6", "FSDP 1, CP 8, TP 8, PP 8", "4D+compile+Float8+AsyncTP+1F1B"),
+     (262144, 1, 8, 8, "1f1b", 1, 8)),
+]  # fmt: skip
+PIPELINE_BOUND = 0.20  # Float8's casts and fragmentation not modelled: all predicted under
+
+
+def test_torchtitan_pipeline_rows_hold_fsdp_unsharded():
+    """The 405B pipeline rows, which no term was fitted to: within 20% (all under) once
+    FSDP2 under torch's pipelining keeps the stage's weights gathered and its gradients
+    whole in fp32 to the last backward (`pp_no_sync`); priced as sharded FSDP they were
+    52-62% under."""
+    import dataclasses
+
+    for key, (seq, fsdp, cp, local, schedule, v, m) in PIPELINE_ROWS:
+        cfg = layout_config(MODELS["llama3-405b"], local * fsdp, seq, fsdp=fsdp, tp=8, pp=8, cp=cp,
+                            sp=True, microbatches=m, pp_schedule=schedule,
+                            virtual_stages=v)  # fmt: skip
+        published = published_peak(*key)
+        for no_sync in (True, False):
+            eng = dataclasses.replace(ENGINES["torchtitan-async-tp"], pp_no_sync=no_sync)
+            mem = Planner(cluster_preset("h100-hbm2e"), eng, "full").memory(*planned(cfg))
+            error = mem.total / GiB / published - 1
+            if no_sync:
+                assert -PIPELINE_BOUND <= error < 0, (key, error)
+            else:
+                assert error < -0.5, (key, error)
 
 
 def test_torchtitan_shards_the_state_over_cp_at_fsdp_1():

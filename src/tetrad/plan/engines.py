@@ -62,6 +62,12 @@ class Implementation:
     freed before the backward (torchtitan's `loss_fn` and `del pred`; under tp DTensor's
     loss_parallel): its backward holds one fp32 N·V/t tensor more under tp, and the freed
     compute-dtype logits stay reserved (`plan.peak.eager_loss_backward`, `eager_loss_hole`).
+    pp_no_sync: under pp, ZeRO-2/3 as torch's pipelining runs FSDP2
+    (`PipelineStage.backward_maybe_with_nosync`: no resharding after backward and no
+    gradient reduction until a stage's last backward; torchtitan also turns
+    reshard_after_forward off under pp): the stage's weights stay gathered from its first
+    forward to the step and its gradients accumulate whole, in the reduce dtype (fp32).
+    Memory only: the traffic is priced as `reduce_every_microbatch` says.
     reduce_async: with reduce_every_microbatch, a microbatch's reduction runs beside the
     rank's next compute, forward included, not only its own backward: only the last
     microbatch's last unit waits at the end of the step (Llama 3's FSDP).
@@ -97,6 +103,7 @@ class Implementation:
     zero_blocks: tuple[int, int] = (2, 2)
     zero3_incoming_grad: bool = False
     eager_loss: bool = False
+    pp_no_sync: bool = False
     reduce_async: bool = False
     ep_inner: bool = False
     ep_dedup: bool = False
@@ -127,7 +134,7 @@ MEGATRON_EP_OVERLAP = dataclasses.replace(
 )
 TORCHTITAN = Implementation("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True,
                     cp_overlap=True, cp_gathers_kv=False, shards_over_cp=True,
-                    eager_loss=True)  # fmt: skip
+                    eager_loss=True, pp_no_sync=True)  # fmt: skip
 TORCHTITAN_COMPILE = dataclasses.replace(
     TORCHTITAN, name="torchtitan-compile", kernels=Kernels(fused=True)
 )

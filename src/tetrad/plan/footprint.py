@@ -298,6 +298,8 @@ class Footprint:
         `_zero_buffers`' gradients): from the first microbatch's backward to the
         reduction, so every moment of a later microbatch holds them, its loss included."""
         whole = self.shards(lay) > 1 and lay.zero_stage >= 2 and lay.microbatches > 1
+        if whole and _no_sync(self.engine, lay):
+            return lay.reduce_bytes * fa.psi_scattered
         if not whole or self.engine.reduce_every_microbatch:
             return 0.0
         return lay.element_bytes * fa.psi_scattered
@@ -319,6 +321,9 @@ class Footprint:
         c, eng = lay.element_bytes, self.engine
         if self.shards(lay) == 1:
             return 0.0, 0.0
+        if _no_sync(eng, lay):  # the stage's weights gathered, its gradients whole in fp32
+            gathered = c * fa.psi_scattered if lay.zero_stage == 3 else 0.0
+            return gathered, lay.reduce_bytes * fa.psi_scattered
         gathered_blocks, grad_blocks = eng.zero_blocks
         gathered = grads = 0.0
         block = fa.block + fa.expert_unit  # a block's units: its own, and its experts'
@@ -336,6 +341,11 @@ class Footprint:
             if eng.max_live_params and eng.reduce_bucket and not whole:
                 grads = max(min(units, 2 * eng.reduce_bucket), _largest_linear(lay, m))
         return c * gathered, c * grads
+
+
+def _no_sync(eng: Implementation, lay: Layout) -> bool:
+    """Whether `eng` runs ZeRO under pp as torch's pipelining runs FSDP2 (`pp_no_sync`)."""
+    return eng.pp_no_sync and lay.pp > 1 and lay.zero_stage >= 2
 
 
 def _late_grads(lay: Layout, fa: RankFacts, shards: int) -> float:
