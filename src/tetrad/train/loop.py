@@ -88,6 +88,17 @@ def init_distributed(
     return Mesh.build(layout, rank, timeout), device
 
 
+def use_compile_cache(default: Path) -> None:
+    """Inductor's caches (FX graphs, AOT autograd) in $TORCHINDUCTOR_CACHE_DIR if the user
+    set it, else in `default` (the run's OUT/compile_cache): a restart loads the compiled
+    blocks instead of compiling them again. (Inductor writes its own default into the
+    variable on first use, so that value counts as unset.)"""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default.resolve())
+
+
 def hf_weights(cfg: Config):
     """The Hugging Face weights to start from (None: tetrad's own init), every tensor's
     name, shape and dtype checked against the configured model."""
@@ -136,8 +147,8 @@ class Trainer:
         # --pp-split measured: timed and agreed here, the resolved split used from now on
         layout = self.layout = resolve_split(layout, cfg.model, t, self.comm, mesh["world"], device)
         cfg = self.cfg = record_split(cfg, layout)
-        if t.compile:  # a restart finds the compiled blocks on disk (inductor's caches)
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(t.out) / "compile_cache"))
+        if t.compile:
+            use_compile_cache(Path(t.out) / "compile_cache")
         self.compile_cost = CompileCost() if t.compile else None
         self.engine = parallelize(layout, cfg.model, t, mesh, self.comm, device)
         if hf is not None:

@@ -31,10 +31,12 @@ class CompileCost:
 
     @classmethod
     def _totals(cls) -> tuple[float, int]:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
         from torch._dynamo.utils import compilation_time_metrics, guard_failures
 
         seconds = sum(sum(compilation_time_metrics.get(key, ())) for key in cls.TIMERS)
-        return seconds, sum(len(reasons) for reasons in guard_failures.values())
+        # a code whose guards failed holds one compiled entry more for each recompilation
+        return seconds, sum(len(entries(code)) - 1 for code in guard_failures)
 
     def read(self) -> tuple[float, int]:
         now = self._totals()

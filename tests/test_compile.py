@@ -1,0 +1,160 @@
+"""`--compile`: every layout with compiled blocks (inductor) computes what the eager single
+process does, compiles once (no recompilation after the first step, across steps and
+microbatches), and a restart loads the compiled blocks from the cache on disk.
+
+Bound: fp64 runs at EXACT (1e-10). Inductor fuses and reorders a block's float64 sums,
+which moves results by float64 round-off only, as a layout's regrouping does; the float32
+rotary tables (float32 even in an fp64 model) would differ by float32 ulps through
+inductor's own pow/cos/sin, so they are an opaque op computed by ATen's kernels
+(`models/llama.rotary_at`). bf16 is held to its own rounding (`check_rounded`).
+
+One world of 2 ranks runs every layout, all ranks sharing one inductor cache directory, so
+a graph that two layouts (or two ranks) share compiles once. dp, ZeRO-3, tp + sp and both
+pipeline schedules compile with inductor; the layouts whose blocks break around eager
+parts (cp's attention, the MoE dispatch) and bf16 with `aot_eager`, dynamo and AOT
+autograd without inductor's kernels: their graph breaks, guards and recompilations are
+dynamo's, and inductor's C++ compilation is most of this file's time (on 2 cores, about
+10 s per graph)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from harness import Jobs, assert_close_run, check_rounded, tiny_config, trainer_for
+from tetrad.config import from_dict
+from tetrad.layout import Layout
+from tetrad.train.metrics import CompileCost
+
+pytestmark = pytest.mark.distributed
+
+MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 32, "shared_experts": 1}
+# name -> (model, parallel, train overrides); microbatches 2 where a step has several
+AOT_EAGER = {"cp2-ring", "moe-ep2", "bf16"}
+LAYOUTS = {
+    "dp2": ({}, {"dp": 2, "microbatches": 2}, {}),
+    "dp2-full": ({}, {"dp": 2, "microbatches": 2}, {"recompute": "full"}),
+    "fsdp2-zero3": ({}, {"fsdp": 2, "zero_stage": 3, "microbatches": 2}, {}),
+    "tp2-sp": ({}, {"tp": 2, "sp": True}, {}),
+    "pp2-1f1b": ({}, {"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"}, {}),
+    "pp2-zb-h1": ({}, {"pp": 2, "microbatches": 2, "pp_schedule": "zb-h1"}, {}),
+    "cp2-ring": ({}, {"cp": 2, "cp_attention": "ring"}, {}),
+    "moe-ep2": (MOE, {"dp": 2, "ep": 2}, {}),
+}
+BF16 = ({}, {"dp": 2, "microbatches": 2}, {"dtype": "bf16"})
+
+
+def _config(model: dict, par: dict, train: dict, compiled: bool = True):
+    return tiny_config(model=model, parallel=par, train={**train, "compile": compiled})
+
+
+def _train_compiled(rank: int, world: int, runs: list[tuple[dict, str]], out: str) -> list[dict]:
+    """Each (config, backend) trained with its blocks compiled, its metrics rows kept;
+    then the first one again after dynamo forgets every compiled frame: a restart,
+    reading the compiled graphs back from OUT/compile_cache (every config's `out`)."""
+    from torch._dynamo.utils import counters
+
+    results = []
+    for raw, backend in runs:
+        cfg = from_dict(raw | {"train": {**raw["train"], "out": out}})
+        with mock.patch.object(torch, "compile", partial(torch.compile, backend=backend)):
+            trainer = trainer_for(cfg, rank)  # its blocks compiled with `backend`
+            rows = trainer.fit()
+        results.append(
+            {
+                "losses": [r["loss"] for r in rows],
+                "grad_norms": [r["grad_norm"] for r in rows],
+                "recompiles": [r["recompiles"] for r in rows],
+                "compile_s": [r["compile_s"] for r in rows],
+                "state": trainer.engine.full_state_dict(),
+            }
+        )
+    torch._dynamo.reset()
+    counters.clear()
+    raw = runs[0][0] | {"train": {**runs[0][0]["train"], "out": out, "steps": 1}}
+    trainer_for(from_dict(raw), rank).fit()
+    results.append(dict(counters["inductor"]))
+    return results
+
+
+def declare_jobs(jobs: Jobs) -> None:
+    named = [*LAYOUTS.items(), ("bf16", BF16)]
+    runs = [(_config(*c).to_dict(), _backend(name)) for name, c in named]
+    jobs.add("compiled", 2, _train_compiled, runs, str(jobs.tmp("run")))
+
+
+def _backend(name: str) -> str:
+    return "aot_eager" if name in AOT_EAGER else "inductor"
+
+
+def _got(jobs, index: int) -> dict:
+    return jobs["compiled"][0][index]
+
+
+def _single(reference, model: dict, par: dict, train: dict) -> dict:
+    return reference(
+        model=model, parallel={"microbatches": par.get("microbatches", 1)}, train=train
+    )
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compiled_layout_matches_eager_single_process(reference, jobs, name):
+    model, par, train = LAYOUTS[name]
+    got = _got(jobs, list(LAYOUTS).index(name))
+    assert_close_run(got, _single(reference, model, par, train))
+    assert got["compile_s"][0] > 0  # compiled: the blocks' graphs were built in step 0
+    assert got["recompiles"][1:] == [0] * (len(got["recompiles"]) - 1)
+
+
+@pytest.mark.rounding
+def test_compiled_bf16_within_its_own_rounding(reference, jobs):
+    model, par, train = BF16
+    got = _got(jobs, len(LAYOUTS))
+    check_rounded(got, _single(reference, model, par, train), _single(reference, model, par, {}))
+    assert got["recompiles"][1:] == [0] * (len(got["recompiles"]) - 1)
+
+
+def test_restart_reads_compiled_blocks_from_the_cache(jobs):
+    inductor = jobs["compiled"][0][-1]
+    assert inductor.get("fxgraph_cache_hit", 0) > 0 and "fxgraph_cache_miss" not in inductor
+    assert any((Path(jobs.tmp("run")) / "compile_cache").iterdir())
+
+
+def test_recompiles_are_counted():
+    """A guard on a value that changes from call to call (a Python int here, as a step
+    number would be) is a recompilation each time, and CompileCost counts each."""
+    cost = CompileCost()
+
+    @torch.compile(backend="eager", dynamic=False)
+    def scaled(x, k):
+        return x * k
+
+    for k in range(3):
+        scaled(torch.ones(2), k)
+    seconds, recompiles = cost.read()
+    assert recompiles == 2 and seconds > 0
+    scaled(torch.ones(2), 1)  # cached: no more
+    assert cost.read()[1] == 0
+
+
+def test_no_cxx_compiler_is_one_error_line(tmp_path):
+    """On CPU without a C++ compiler, `tetrad train --compile` says so in one line, before
+    anything starts."""
+    env = {"PATH": "/usr/bin:/bin", "CXX": str(tmp_path / "no-such-c++")}
+    cmd = [sys.executable, "-m", "tetrad.cli", "train", "--compile", "--device", "cpu"]
+    cmd += ["--steps", "1", "--out", str(tmp_path / "run"), "--data", "synthetic"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("tetrad: error:") and "C++ compiler" in lines[0]
+
+
+def test_compile_refuses_selective_recompute():
+    with pytest.raises(ValueError, match="selective"):
+        Layout.build(_config({}, {}, {"recompute": "selective"}))
