@@ -99,7 +99,7 @@ QWEN235_ROWS = [
     ("tp2 pp8 v4 ep32 (DeepEP, 1F1B a2a overlap)", "megatron-deepep-overlap",
      dict(tp=2, pp=8, virtual_stages=4, pp_schedule=I1F1B, ep=32, fsdp=16, zero_stage=1),
      1, "selective", 17.6),
-    ("tp2 ep8 fsdp128 (DeepEP, Megatron-FSDP)", "megatron-deepep",
+    ("tp2 ep8 fsdp128 (DeepEP, Megatron-FSDP)", "megatron-fsdp",
      dict(tp=2, ep=8, fsdp=128, zero_stage=3), 4, "full", 17.6),
     ("tp2 pp32 v3 ep8 (all-to-all)", "megatron",
      dict(tp=2, pp=32, virtual_stages=3, pp_schedule=I1F1B, ep=8, fsdp=4, zero_stage=1),

@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from plan_helpers import planned
-from plan_published import MOE_MEDIAN, MOE_WORST, QWEN235_ROWS, moe_rows
+from plan_published import MOE_MEDIAN, MOE_WORST, QWEN235_ROWS, moe_cases, moe_rows
 from tetrad.config import model_preset
 from tetrad.models.families import spec_for
 from tetrad.plan.candidates import layout_config
@@ -109,3 +109,14 @@ def test_a2a_overlap_and_dedup_shorten_the_exposed_all_to_all():
         for name in ("megatron", "megatron-deepep", "megatron-deepep-overlap")
     }  # fmt: skip
     assert ep["megatron"] > ep["megatron-deepep"] > ep["megatron-deepep-overlap"]
+
+
+def test_megatron_fsdp_layout_fits_reducing_every_microbatch():
+    """The published Megatron-FSDP layout (ZeRO-3 over 128, ep 8, 4 microbatches of 4)
+    fits as Megatron-FSDP runs it, gradients reduce-scattered after every microbatch; with
+    them accumulated whole over the microbatches (60 GiB) it would not."""
+    row = moe_rows()[2]
+    assert row["engine"] == "megatron-fsdp" and row["pred"].memory.fits
+    _, _, cfg, _ = moe_cases()[2]
+    whole = Planner(cluster_preset("h100"), ENGINES["megatron-deepep"], "full")
+    assert not whole.memory(*planned(cfg)).fits

@@ -132,6 +132,11 @@ MEGATRON_DEEPEP = dataclasses.replace(MEGATRON, name="megatron-deepep", ep_dedup
 MEGATRON_EP_OVERLAP = dataclasses.replace(
     MEGATRON_DEEPEP, name="megatron-deepep-overlap", ep_overlap=True
 )
+# Megatron-FSDP (--use-megatron-fsdp, ZeRO-3) with DeepEP: gradients reduce-scattered into
+# their shards after every microbatch, not accumulated whole
+MEGATRON_FSDP = dataclasses.replace(
+    MEGATRON_DEEPEP, name="megatron-fsdp", reduce_every_microbatch=True
+)
 TORCHTITAN = Implementation("torchtitan", grad_overlap_pp=True, reduce_every_microbatch=True,
                     cp_overlap=True, cp_gathers_kv=False, shards_over_cp=True,
                     eager_loss=True, pp_no_sync=True)  # fmt: skip
@@ -177,6 +182,7 @@ LLAMA3 = dataclasses.replace(
 )  # fmt: skip
 ENGINES = {
     e.name: e
-    for e in (TETRAD, MEGATRON, MEGATRON_DEEPEP, MEGATRON_EP_OVERLAP, MEGATRON_2021,
+    for e in (TETRAD, MEGATRON, MEGATRON_DEEPEP, MEGATRON_EP_OVERLAP, MEGATRON_FSDP,
+              MEGATRON_2021,
               TORCHTITAN, TORCHTITAN_COMPILE, TORCHTITAN_ASYNC_TP, DEEPSPEED, LLAMA3)
 }  # fmt: skip
