@@ -103,12 +103,15 @@ def test_fp8_layouts_match_the_fp8_single_process(reference, jobs, recipe):
 
 @pytest.mark.parametrize(
     "parallel,named",
-    [({"tp": 2}, "parallel.tp=2"), ({"cp": 2}, "parallel.cp=2"),
+    [({"tp": 4}, "parallel.tp=4 > model.kv_heads=2"),
+     ({"tp": 2, "fsdp": 2, "zero_stage": 3, "fp8_all_gather": True}, "parallel.tp=2: a tp shard"),
      ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 2}, "pp_schedule='zb-h1'")],
 )  # fmt: skip
-def test_layouts_that_split_a_scale_are_refused_by_name(parallel, named):
+def test_layouts_fp8_cannot_follow_are_refused_by_name(parallel, named):
+    """A kv head shared by tp ranks, an FP8 gather of tp shards, zero-bubble's deferred W
+    (tp, sp and cp run: test_fp8_tp.py)."""
     from tetrad.layout import Layout
 
-    cfg = tiny_config(parallel=parallel, train={"dtype": "bf16", "fp8": "rowwise"})
+    cfg = tiny_config(parallel=parallel, train={"dtype": "bf16", "fp8": "tensorwise"})
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):
         Layout.build(cfg, cfg.parallel.world)

@@ -98,3 +98,11 @@ def test_a_split_dimension_is_one_of_the_matmuls():
     linear = Float8Linear(torch.nn.Linear(4, 4), "tensorwise")
     with pytest.raises(ValueError, match="'B'"):
         linear.split_over("B", lambda a: a)
+
+
+def test_a_dimension_split_twice_takes_both_maxima():
+    """Tokens split over cp and, before an SP region, over tp: the max over both groups."""
+    linear = Float8Linear(torch.nn.Linear(4, 4), "tensorwise")
+    linear.split_over("M", lambda amax: amax * 2)
+    linear.split_over("M", lambda amax: amax + 1)
+    assert float(linear.splits["M"](torch.tensor(1.0))) == 3

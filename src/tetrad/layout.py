@@ -370,9 +370,11 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int]) -> None:
 
 
 def _check_fp8(cfg: Config) -> None:
-    """FP8 scales are taken over a microbatch's tokens and a whole weight: the layouts that
-    split those over ranks, or rewire the linears, are refused (models/fp8.py). The FP8
-    all-gather is ZeRO-3's, of tensorwise weights (parallel/compress.py)."""
+    """FP8 scales are the single process's where a layout splits a microbatch's tokens (cp,
+    sp) or a weight (tp): each is the max over the ranks splitting it (models/fp8.py). A kv
+    head shared by tp ranks, the split backward's deferred weight gradients and an FP8
+    gather of tp shards are refused. The FP8 all-gather is ZeRO-3's, of tensorwise weights
+    (parallel/compress.py)."""
     p, fp8 = cfg.parallel, cfg.train.fp8
     if p.fp8_all_gather:
         _require(
@@ -382,15 +384,19 @@ def _check_fp8(cfg: Config) -> None:
             "rowwise scales its input gradient's weight per input feature, which an FP8 copy "
             "scaled per output row cannot give",
         )
+        _require(
+            p.tp == 1,
+            f"parallel.fp8_all_gather with parallel.tp={p.tp}: a tp shard's FP8 scale would "
+            "need its amax's max over tp as well as fsdp, which is not implemented",
+        )
     if not fp8:
         return
-    for axis in ("tp", "cp"):
-        degree = getattr(p, axis)
-        _require(
-            degree == 1,
-            f"train.fp8={fp8!r} with parallel.{axis}={degree}: scales over a tensor that {axis}"
-            " splits across ranks are not implemented yet",
-        )
+    _require(
+        p.tp <= cfg.model.kv_heads,
+        f"train.fp8={fp8!r} with parallel.tp={p.tp} > model.kv_heads={cfg.model.kv_heads}: "
+        "the tp ranks sharing a kv head each hold a partial gradient of it, which FP8 "
+        "cannot quantize as the single process quantizes their sum",
+    )
     _require(
         p.pp_schedule not in SPLIT_BACKWARD or p.pp == 1,
         f"train.fp8={fp8!r} with pp_schedule={p.pp_schedule!r}: the split backward's deferred"

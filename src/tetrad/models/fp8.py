@@ -16,10 +16,11 @@ the compute dtype. What is saved for backward is the high-precision input and we
 Scales depend on the values they cover: a scale over a microbatch's tokens is the same in
 every layout that gives a rank the same microbatch (data parallelism, ZeRO, pipelines),
 which is what the equivalence tests hold. Tensor and context parallelism split a scale's
-values across ranks: `Float8Linear.split_over` makes each scale the max over them (one
-all-reduce of the amax, given by the caller, who alone knows the group), so every rank
-scales as the single process does; not wired into the tp layers and cp yet (refused, see
-layout.py).
+values across ranks: `split_over` makes each scale the max over them (one all-reduce of
+the amax, given by the caller, who alone knows the group), so every rank scales as the
+single process does: `parallelize` splits every FP8 matmul's tokens over cp (`use_fp8`'s
+`tokens`), and the tp linears (parallel/tensor.py) run theirs through a `Float8Matmul`
+split along what tp splits of them.
 
 Under ZeRO-3 with `--fp8-all-gather` a linear's weight arrives already in FP8 with its
 tensorwise scale (parallel/compress.py, `Float8Gather`: the same values `scaled` would give
@@ -119,25 +120,27 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-class Float8Linear(nn.Module):
-    """A linear layer's parameters (the same tensors, the same names) with its matmuls in
-    FP8 (`recipe`: "tensorwise" or "rowwise")."""
+class Float8Matmul:
+    """A linear's FP8 matmul x [.., K] @ weight [N, K]ᵀ (`recipe`: "tensorwise" or
+    "rowwise"), its scales' reductions over the ranks splitting it (`split_over`) and an
+    FP8-gathered weight (`cast_from`); a tensor-parallel layer holds one for its matmul."""
 
-    def __init__(self, linear: nn.Linear, recipe: str):
-        super().__init__()
-        self.weight, self.bias, self.recipe = linear.weight, linear.bias, recipe
+    def __init__(self, recipe: str):
+        self.recipe = recipe
         self.cast: tuple[torch.Tensor, torch.Tensor] | None = None
         self.splits: dict[str, Reduce] = {}
 
     def split_over(self, dim: str, reduce: Reduce) -> None:
         """The ranks of a group hold other parts of this linear's `dim` ("M": its tokens,
-        under cp; "N": its output features, a column-parallel weight under tp; "K": its
-        input features, a row-parallel one): each scale taken along it becomes the max over
-        them (`reduce(amax)`, an all-reduce with max), so every rank scales as the single
-        process does. A rowwise scale per row this rank holds needs none."""
+        under cp, or under sp before a tp region; "N": its output features, a
+        column-parallel weight under tp; "K": its input features, a row-parallel one): each
+        scale taken along it becomes the max over them (`reduce(amax)`, an all-reduce with
+        max), so every rank scales as the single process does. A rowwise scale per row this
+        rank holds needs none. A dimension split twice (tokens over cp and tp) takes both."""
         if dim not in "MNK" or len(dim) != 1:
             raise ValueError(f"split dimension {dim!r} is not one of 'M', 'N', 'K'")
-        self.splits[dim] = reduce
+        first = self.splits.get(dim)
+        self.splits[dim] = reduce if first is None else lambda amax: reduce(first(amax))
 
     def cast_from(self, weight8: torch.Tensor, scale: torch.Tensor) -> None:
         """Take the weight as these FP8 values [out, in] and tensorwise scale from now on
@@ -146,24 +149,46 @@ class Float8Linear(nn.Module):
             raise ValueError(f"an FP8-gathered weight is tensorwise, not {self.recipe!r}")
         self.cast = (weight8, scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [.., K] @ weight [N, K]ᵀ -> [.., N], in FP8."""
         flat = x.reshape(-1, x.shape[-1])
         rowwise = self.recipe == "rowwise"
-        out = _Float8Matmul.apply(flat, self.weight, rowwise, self.cast, self.splits)
-        out = out.view(*x.shape[:-1], -1)
+        out = _Float8Matmul.apply(flat, weight, rowwise, self.cast, self.splits)
+        return out.view(*x.shape[:-1], -1)
+
+
+class Float8Linear(Float8Matmul, nn.Module):
+    """A linear layer's parameters (the same tensors, the same names) with its matmuls in
+    FP8 (`recipe`: "tensorwise" or "rowwise")."""
+
+    def __init__(self, linear: nn.Linear, recipe: str):
+        nn.Module.__init__(self)
+        Float8Matmul.__init__(self, recipe)
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x, self.weight)
         return out if self.bias is None else out + self.bias
 
 
-def use_fp8(model: nn.Module, blocks: str, recipe: str) -> list[str]:
+def use_fp8(model: nn.Module, blocks: str, recipe: str, tokens: Reduce | None = None) -> list[str]:
     """Make every `nn.Linear` inside the blocks (the `ModuleDict` at path `blocks`) a
-    `Float8Linear`; returns their paths."""
+    `Float8Linear`, and run every layer there that takes one (`use_float8`: the tensor-
+    parallel linears) through a `Float8Matmul`; returns their paths. `tokens`: the max over
+    the ranks holding a microbatch's other tokens (cp), which every one of them splits."""
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe {recipe!r} is not one of {RECIPES}")
     root = model.get_submodule(blocks)
     swapped = []
     for name, module in list(root.named_modules()):
+        path = f"{blocks}.{name}"
         if type(module) is nn.Linear:
-            path = f"{blocks}.{name}"
-            model.set_submodule(path, Float8Linear(module, recipe))
-            swapped.append(path)
+            model.set_submodule(path, fp8 := Float8Linear(module, recipe))
+        elif callable(getattr(module, "use_float8", None)):
+            module.use_float8(fp8 := Float8Matmul(recipe))
+        else:
+            continue
+        if tokens is not None:
+            fp8.split_over("M", tokens)
+        swapped.append(path)
     return swapped

@@ -13,6 +13,7 @@ from tetrad.models.fp8 import use_fp8
 from tetrad.models.init import materialize
 from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
 from tetrad.models.spec import ModelSpec
+from tetrad.parallel.compress import max_over
 from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads, first_bucket_bytes
 from tetrad.parallel.engine import Engine
 from tetrad.parallel.groups import GroupedGrads, ParamGroup, param_groups
@@ -63,7 +64,8 @@ def parallelize(
         unshard, slicer = local.ep.unshard(unshard), local.ep.slicer(slicer)
     materialize(model, model_cfg, train.seed, device, slicer, layout.master_dtype)
     if layout.fp8:  # the same parameters, in modules whose matmuls run in FP8
-        use_fp8(model, spec.blocks, layout.fp8)
+        tokens = max_over(comm, mesh["cp"]) if layout.cp > 1 else None  # split over cp
+        use_fp8(model, spec.blocks, layout.fp8, tokens)
     spec.set_recompute(model, train.recompute)
     if train.compile:  # each block's body; its hooks, collectives and the loss stay eager
         for block in model.get_submodule(spec.blocks).values():

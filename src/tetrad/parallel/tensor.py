@@ -29,6 +29,11 @@ in blocks of ceil(V/tp), as if padded to a multiple of tp; the padding rows are 
 allocated (the last block is just shorter), so padded logits cannot leak into the loss.
 
 Tied embeddings work unchanged: the embedding and the head share the same vocab rows.
+
+With --fp8 the column, row and SP linears run their matmul in FP8 (`Float8Split`), each
+scale the max over tp along what tp splits: output features, input features, an SP
+linear's tokens (a column linear's are gathered before it, a row one's scattered after).
+A kv head shared by tp ranks (kv_heads < tp) gets partial gradients: refused with FP8.
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ from tetrad.config import ModelConfig
 from tetrad.mesh import Group, Mesh
 from tetrad.models.batch import IGNORE
 from tetrad.models.families import spec_for
+from tetrad.models.fp8 import Float8Matmul
 from tetrad.models.init import Slicer, full_shape
 from tetrad.models.loss import linear_cross_entropy
 from tetrad.models.plans import assign
 from tetrad.models.spec import module_at
+from tetrad.parallel.compress import max_over
 from tetrad.parallel.pipeline.weightgrad import Deferrable, SplitLinear, accumulate, split_matmul
 from tetrad.precision import widen
 
@@ -95,21 +102,45 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
     return min(rank * block, vocab), min((rank + 1) * block, vocab)
 
 
-class ColumnParallelLinear(SplitLinear):
-    """Output features split over tp, and its bias if it has one (Qwen2's q, k, v); its
-    input is already in the tp region. (Each tp linear is a `SplitLinear`: zero-bubble
-    schedules defer its weight gradient to W, its collectives and bias staying in B.)"""
+class Float8Split(SplitLinear):
+    """A tp linear whose matmul runs in FP8 once given a `Float8Matmul` (`use_fp8` calls
+    `use_float8`), each scale along the dimension tp splits (`split`, models/fp8.py) the
+    max over the tp group; the bias and the collectives around it stay as they are."""
 
-    def __init__(self, in_features: int, out_features: int, tp: int, device=None, bias=False):
-        super().__init__(in_features, out_features // tp, bias=bias, device=device)
+    split = ""
+    fp8: Float8Matmul | None = None
+    tp: TP
+
+    def use_float8(self, fp8: Float8Matmul) -> None:
+        fp8.split_over(self.split, max_over(self.tp.comm, self.tp.group))
+        self.fp8 = fp8
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # FP8 is refused with zero-bubble's deferred W (layout.py)
+        return super().matmul(x) if self.fp8 is None else self.fp8.matmul(x, self.weight)
+
+
+class ColumnParallelLinear(Float8Split):
+    """Output features split over tp, and its bias if it has one (Qwen2's q, k, v); its
+    input is already in the tp region, its tokens whole (gathered under SP). (Each tp
+    linear is a `SplitLinear`: zero-bubble schedules defer its weight gradient to W, its
+    collectives and bias staying in B.)"""
+
+    split = "N"
+
+    def __init__(self, in_features: int, out_features: int, tp: TP, device=None, bias=False):
+        super().__init__(in_features, out_features // tp.group.size, bias=bias, device=device)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x)
         return out if self.bias is None else out + self.bias
 
 
-class RowParallelLinear(SplitLinear):
+class RowParallelLinear(Float8Split):
     """Input features split over tp; the partial products are summed across tp."""
+
+    split = "K"
 
     def __init__(self, in_features: int, out_features: int, tp: TP, device=None):
         super().__init__(in_features // tp.group.size, out_features, bias=False, device=device)
@@ -236,12 +267,14 @@ class SequenceParallelLogits(Deferrable):
         return _summed_sink(weight, self.tp)
 
 
-class SequenceParallelLinear(SplitLinear):
+class SequenceParallelLinear(Float8Split):
     """A replicated bias-free linear before a tp region under SP (latent attention's down
     projections): it runs on this rank's s/t of the sequence, so its weight's gradient is
     partial on each rank and summed over tp in the graph (f on the weight, in
     `reduce_dtype`), as `sequence_parallel_norm` sums its gain's; deferred to W
-    (zero-bubble), the sum is W's."""
+    (zero-bubble), the sum is W's. In FP8 its tokens are what tp splits."""
+
+    split = "M"
 
     def __init__(self, linear: nn.Linear, tp: TP):
         device = linear.weight.device
@@ -252,7 +285,8 @@ class SequenceParallelLinear(SplitLinear):
         tp = self.tp
         if self.store is not None:
             return split_matmul(x, self.weight, self.store, _summed_sink(self.weight, tp))
-        return F.linear(x, copy_to_tp(self.weight, tp.comm, tp.group, tp.reduce_dtype))
+        weight = copy_to_tp(self.weight, tp.comm, tp.group, tp.reduce_dtype)
+        return F.linear(x, weight) if self.fp8 is None else self.fp8.matmul(x, weight)
 
 
 def _summed_sink(weight: torch.Tensor, tp: TP):
@@ -416,7 +450,7 @@ def _tp_module(module: nn.Module, style: str, tp: TP, m: ModelConfig, in_region:
         kv = ReplicatedKVLinear(module.in_features, m.kv_heads, m.head_dim, tp, device, bias)
         return kv, "cols"
     if style in ("colwise", "kv"):  # kv: whole kv heads per rank, an ordinary column split
-        args = (module.in_features, module.out_features, t, device, bias)
+        args = (module.in_features, module.out_features, tp, device, bias)
         return ColumnParallelLinear(*args), "rows"
     if style == "rowwise":
         return RowParallelLinear(module.in_features, module.out_features, tp, device), "cols"
