@@ -18,7 +18,7 @@ from plan_published import MOE_MEDIAN, MOE_WORST, QWEN235_ROWS, moe_cases, moe_r
 from tetrad.config import model_preset
 from tetrad.models.families import spec_for
 from tetrad.plan.candidates import layout_config
-from tetrad.plan.compute import GROUPED_HALF_TOKENS, ROUTED, ComputeModel, Kernels, gemm_factor
+from tetrad.plan.compute import GROUPED_HALF_TOKENS, ComputeModel, Kernels, gemm_factor
 from tetrad.plan.cost import Planner, _node_copies
 from tetrad.plan.engines import ENGINES
 from tetrad.plan.hardware import cluster_preset
@@ -57,10 +57,16 @@ def _experts_gemm(ep: int, imbalance: float = 1.0, tp: int = 1) -> tuple[float, 
     tokens = 4096
     full = cm.block_forward(m, tp, False, tokens, 1, 4096, "bf16", ep=ep, imbalance=imbalance)
     rate = device.flops_per_s("bf16")
+    spec = spec_for(m)
+    assert sorted(spec.routed_linears.items()) == [
+        ("feed_forward.experts.w1", "n"),
+        ("feed_forward.experts.w2", "k"),
+        ("feed_forward.experts.w3", "n"),
+    ]
     base = sum(  # the block's other linears, at their own shapes
         2 * tokens * k * n / (rate * gemm_factor(k) * gemm_factor(n))
-        for name, (k, n) in spec_for(m).block_linears(m, tp).items()
-        if not name.startswith(ROUTED)
+        for name, (k, n) in spec.block_linears(m, tp).items()
+        if name not in spec.routed_linears
     )
     load = imbalance if ep > 1 else 1.0
     rows = tokens * m.top_k * ep / (tp * m.experts) * load

@@ -94,6 +94,15 @@ def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+# the routed experts' linears in `block_linears` and their side of one expert's width: w1
+# and w3 widen to it, w2 contracts over it
+ROUTED_LINEARS = {
+    "feed_forward.experts.w1": "n",
+    "feed_forward.experts.w3": "n",
+    "feed_forward.experts.w2": "k",
+}
+
+
 class MoEActivations:
     """Saved-tensor estimates of an MoE block (models/spec.ActivationFormulas): the dense
     formulas with the SwiGLU at the active width (each routed copy keeps its SwiGLU's
@@ -184,6 +193,7 @@ MOE = dataclasses.replace(
     flops_per_token=flops_per_token,
     block_linears=block_linears,
     activations=MoEActivations(),
+    routed_linears=ROUTED_LINEARS,
     hf_names=MIXTRAL_NAMES,  # Qwen3-MoE's: interop/hf.py, by `hf_architecture`
     moe=MoEParts(
         router=Router,

@@ -162,6 +162,10 @@ class ModelSpec:
     norm_class: type[nn.Module]
     rotary: Rotary  # what context parallelism's attention cores rotate with
     moe: MoEParts | None = None  # the router and experts, in a mixture-of-experts family
+    # the routed experts' linears among `block_linears`' keys, each with the side ("k" or
+    # "n") that is one expert's width: the planner prices them as grouped GEMMs, one matmul
+    # an expert of that width (block_linears gives the k experts' sum on a tp rank)
+    routed_linears: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def roots(self) -> tuple[str, ...]:

@@ -92,9 +92,6 @@ class Parts:
         return self.gemm + self.attention + self.elementwise
 
 
-ROUTED = "feed_forward.experts."  # the routed experts' linears in `ModelSpec.block_linears`
-
-
 def gemm_factor(width: float) -> float:
     """Share of the large-GEMM rate a GEMM with a dimension of `width` elements reaches."""
     return width / (width + GEMM_HALF_WIDTH)
@@ -125,13 +122,14 @@ class ComputeModel:
         (fp8 under --fp8), where not `dtype`. `ep`, `imbalance`: the routed experts' ep
         degree and the most loaded rank's copies over the mean (where ep > 1)."""
         g = gemm_dtype or dtype
-        gemm = 0.0
-        for name, (k, n) in spec_for(m).block_linears(m, t).items():  # (K, N) on this rank
+        gemm, spec = 0.0, spec_for(m)
+        for name, (k, n) in spec.block_linears(m, t).items():  # (K, N) on this rank
             rate = self._gemm_rate(k, n, g)
-            if name.startswith(ROUTED) and self.sized:  # one GEMM an expert, of its rows
+            side = spec.routed_linears.get(name)
+            if side and self.sized:  # one GEMM an expert, of its rows
                 load = imbalance if ep > 1 else 1.0
                 rows = tokens * m.top_k * ep / (t * m.experts) * load
-                shape = (m.expert_dim, n) if name.endswith("w2") else (k, m.expert_dim)
+                shape = (m.expert_dim, n) if side == "k" else (k, m.expert_dim)
                 rate = self._gemm_rate(*shape, g) * rows / (rows + GROUPED_HALF_TOKENS) / load
             gemm += 2 * tokens * k * n / rate
         nbytes = tokens * self.elementwise_bytes(m, t, sp, dtype)
