@@ -101,6 +101,40 @@ def test_deepseek_layer_is_what_autograd_saves(dtype, q_lora_rank):
     assert measured[1] - measured[0] == act.total_bytes(layer, b, s)
 
 
+def _moe_layer_saves(m: ModelConfig, dtype: str, b: int, s: int) -> int:
+    """Bytes autograd keeps saved for one MoE layer of `m`: a model of two less one."""
+    from tetrad.models.llama import cross_entropy_sum
+    from tetrad.models.moe import MoE
+    from tetrad.parallel.activation_meter import ActivationMeter
+
+    measured = []
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        model = MoE(dataclasses.replace(m, layers=layers)).to(DTYPES[dtype])
+        meter = ActivationMeter()
+        meter.reset(model.parameters())
+        ids = torch.randint(0, m.vocab, (b, s))
+        with meter.saving():
+            loss = cross_entropy_sum(model(ids), ids)
+        measured.append(meter.live)
+        del loss
+    return measured[1] - measured[0]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_moe_layer_is_what_autograd_saves(dtype):
+    """An MoE block (moe-tiny's softmax router and shared expert) against a live count of
+    the tensors autograd saves (tp=1); the auxiliary loss adds its per-sequence tensors,
+    8·experts + 4 bytes a sequence, which the estimate leaves out (moe_spec.routing)."""
+    m = dataclasses.replace(model_preset("moe-tiny"), dim=64, balance="none")
+    assert (m.router, m.shared_experts, m.dense_layers) == ("softmax", 1, 0)
+    b, s = 2, 32
+    layer = act.total_bytes(spec_for(m).activations.layer(m, 1, dtype), b, s)
+    assert _moe_layer_saves(m, dtype, b, s) == layer
+    aux = dataclasses.replace(m, balance="aux")
+    assert _moe_layer_saves(aux, dtype, b, s) == layer + b * (8 * m.experts + 4)
+
+
 def test_microbatches_in_flight():
     """1F1B: rank r holds p - r microbatches; GPipe m; interleaved rank 0 holds
     L·(1 + (p-1)/(p·v)) layers (Korthikanti Sec. 4.2.3), with one unit per layer."""

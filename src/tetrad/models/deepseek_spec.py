@@ -114,27 +114,6 @@ def mla_attention(m: ModelConfig, t: int, c: int) -> list[Saved]:
     return items
 
 
-MOE_ROUTING = "routing: logits, probabilities, ids, copies"  # the MoE family's item
-
-
-def routing(m: ModelConfig, c: int) -> list[Saved]:
-    """What DeepSeek-V3's router and dispatch keep a token, live at the end of forward:
-    the fp32 scores (sigmoid's output), the sort's indices over every expert (the choice
-    sorts them all), the chosen scores and their sum (renormalised), the ids and the
-    dispatch's order (int64 each), the weights in the compute dtype, the token copies
-    for the experts and their weighted outputs; under a narrower compute dtype the
-    router's fp32 input and, a microbatch, its fp32 weight (and the int32 group ends of
-    the grouped expert matmuls). The group-limited choice's own tensors (group scores,
-    their sort, the mask) feed only the ids and are freed."""
-    e, k, d = m.experts, m.top_k, m.dim
-    ids = 4 * k + (4 if m.norm_topk_prob else 0) + 8 * k + 8 * k + c * k
-    per_token = 12 * e + ids + 2 * c * k * d  # and the three grouped matmuls' group ends
-    items = [Saved("routing: scores, sort, ids, weights, copies", per_token, fixed=3 * 4 * e)]
-    if c < 4:
-        items.append(Saved("router's fp32 input, weight", 4 * d, "rank", fixed=4 * e * d))
-    return [dataclasses.replace(it, split="rank") for it in items]
-
-
 class MLAActivations(MoEActivations):
     """The MoE family's estimates with MLA's attention (`mla_attention`) in place of the
     dense block's; other parts (the head, zero-bubble's pending W) priced as a block of
@@ -151,9 +130,8 @@ class MLAActivations(MoEActivations):
         items = super().layer(m, t, dtype, recompute, sp_shards, fused, gqa_native)
         if recompute in ("full", "op"):  # the block input; torchtitan's policy, as dense
             return items
-        c = DTYPE_BYTES[dtype]
-        ffn = [it for it in items if it.name not in LLAMA_ATTENTION and it.name != MOE_ROUTING]
-        ffn += routing(m, c)
+        c = DTYPE_BYTES[dtype]  # the feed-forward's items, its routing's (moe_spec.routing)
+        ffn = [it for it in items if it.name not in LLAMA_ATTENTION]
         if recompute == "selective":  # the policy keeps the core's output and wo's
             return self._selective(m, c) + ffn
         return mla_attention(m, t, c) + ffn

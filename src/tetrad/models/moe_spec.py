@@ -103,13 +103,41 @@ ROUTED_LINEARS = {
 }
 
 
+def routing(m: ModelConfig, c: int) -> list[Saved]:
+    """What an MoE layer's router and dispatch keep a token (c: the compute dtype's bytes),
+    live at the end of forward, as a live count finds it (tests/test_plan_activations.py,
+    softmax and sigmoid routers): the fp32 scores (softmax's or sigmoid's output), the
+    sort's int64 indices over every expert (the choice sorts them all; the ids are a view
+    of them), the chosen scores and their sum (renormalised), the weights in the compute
+    dtype and the k expert outputs they weight; the dispatch's two int64 orders and the k
+    token copies entering the experts; the int32 group ends of the three grouped expert
+    matmuls, a microbatch; under a narrower compute dtype the router's fp32 input and, a
+    microbatch, its fp32 weight. The group-limited choice's own tensors (group scores,
+    their sort, the mask) feed only the ids and are freed.
+
+    Under tp without sp every tp rank routes all the tokens and weights the joined
+    outputs ("seq") but dispatches 1/tp of them ("tp", parallel/expert.py); under sp a tp
+    rank holds its s/tp tokens for all of it. Not counted: the auxiliary loss's per-sequence
+    tensors (8·experts + 4 bytes a sequence; a `Saved` has no per-sequence bytes)."""
+    e, k, d = m.experts, m.top_k, m.dim
+    router = 12 * e + 4 * k + (4 if m.norm_topk_prob else 0) + c * k + c * k * d
+    items = [
+        Saved("routing: scores, sort, chosen, weights, expert outputs", router, "seq"),
+        Saved("dispatch: orders, token copies", 2 * 8 * k + c * k * d, "tp"),
+        Saved("grouped matmuls' group ends", split="rank", fixed=3 * 4 * e),
+    ]
+    if c < 4:
+        items.append(Saved("router's fp32 input", 4 * d, "seq"))
+        items.append(Saved("router's fp32 weight", split="rank", fixed=4 * e * d))
+    return items
+
+
 class MoEActivations:
     """Saved-tensor estimates of an MoE block (models/spec.ActivationFormulas): the dense
     formulas with the SwiGLU at the active width (each routed copy keeps its SwiGLU's
-    tensors) plus the routing's own (fp32 logits and probabilities, ids and weights, the
-    token copies gathered for the experts and their weighted outputs). Approximate: the
-    dense layers of `dense_layers` are priced as MoE layers, and the load is taken as
-    perfectly balanced."""
+    tensors) plus the routing's own (`routing`). Exact at tp 1 for an MoE block (a live
+    count, tests/test_plan_activations.py); the dense layers of `dense_layers` are priced
+    as MoE layers, and the load is taken as perfectly balanced."""
 
     @staticmethod
     def _dense(m: ModelConfig) -> ModelConfig:
@@ -123,9 +151,7 @@ class MoEActivations:
         )
         if recompute == "full":
             return items
-        c, k = DTYPE_BYTES[dtype], m.top_k
-        routing = 4 * 2 * m.experts + (8 + 4) * k + 2 * c * k * m.dim
-        return items + [Saved("routing: logits, probabilities, ids, copies", routing, "rank")]
+        return items + routing(m, DTYPE_BYTES[dtype])
 
     def attention_scores(self, m: ModelConfig, seq_len: int) -> list[Saved]:
         return llama_activations.attention_scores(m, seq_len)
