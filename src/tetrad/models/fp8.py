@@ -120,6 +120,10 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
+# Under --compile a split matmul is a graph break: its scales' all-reduces run eagerly
+_split_matmul = torch.compiler.disable(_Float8Matmul.apply)
+
+
 class Float8Matmul:
     """A linear's FP8 matmul x [.., K] @ weight [N, K]ᵀ (`recipe`: "tensorwise" or
     "rowwise"), its scales' reductions over the ranks splitting it (`split_over`) and an
@@ -153,7 +157,8 @@ class Float8Matmul:
         """x [.., K] @ weight [N, K]ᵀ -> [.., N], in FP8."""
         flat = x.reshape(-1, x.shape[-1])
         rowwise = self.recipe == "rowwise"
-        out = _Float8Matmul.apply(flat, weight, rowwise, self.cast, self.splits)
+        apply = _split_matmul if self.splits else _Float8Matmul.apply
+        out = apply(flat, weight, rowwise, self.cast, self.splits)
         return out.view(*x.shape[:-1], -1)
 
 
