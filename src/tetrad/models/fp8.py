@@ -178,9 +178,9 @@ class Float8Linear(Float8Matmul, nn.Module):
 
 def use_fp8(model: nn.Module, blocks: str, recipe: str, tokens: Reduce | None = None) -> list[str]:
     """Make every `nn.Linear` inside the blocks (the `ModuleDict` at path `blocks`) a
-    `Float8Linear`, and run every layer there that takes one (`use_float8`: the tensor-
-    parallel linears) through a `Float8Matmul`; returns their paths. `tokens`: the max over
-    the ranks holding a microbatch's other tokens (cp), which every one of them splits."""
+    `Float8Linear`, and give every layer there that takes a `Float8Matmul` (`use_float8`:
+    the tensor-parallel linears) one; returns their paths. `tokens`: the max over the
+    ranks holding a microbatch's other tokens (cp), which every one of them splits."""
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe {recipe!r} is not one of {RECIPES}")
     root = model.get_submodule(blocks)
