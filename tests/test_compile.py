@@ -9,9 +9,10 @@ inductor's own pow/cos/sin, so they are an opaque op computed by ATen's kernels
 (`models/llama.rotary_at`). bf16 is held to its own rounding (`check_rounded`).
 
 One world of 2 ranks runs every layout, all ranks sharing one inductor cache directory, so
-a graph that two layouts (or two ranks) share compiles once. dp, ZeRO-3, tp + sp and both
-pipeline schedules compile with inductor; full recomputation, the layouts whose blocks
-break around eager parts (cp's attention, the MoE dispatch) and bf16 with `aot_eager`:
+a graph that two layouts (or two ranks) share compiles once. dp, ZeRO-3, tp + sp and pp
+1F1B compile with inductor; full recomputation, the layouts whose blocks break around
+eager parts (zero-bubble's deferred matmuls, cp's attention, the MoE dispatch) and bf16
+with `aot_eager`:
 dynamo and AOT autograd without inductor's kernels, so their graph breaks, guards and
 recompilations are dynamo's, and inductor's C++ compilation (most of this file's time, on
 2 cores about 10 s a graph) is paid for the layouts the issue names."""
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from unittest import mock
@@ -37,7 +39,7 @@ pytestmark = pytest.mark.distributed
 MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 32, "shared_experts": 1}
 # name -> (model, parallel, train overrides): a block's input [2, 16, 32] where the layout
 # lets it be (dp's and pp's share their compiled graph)
-AOT_EAGER = {"dp2-full", "cp2-ring", "moe-ep2", "bf16"}
+AOT_EAGER = {"dp2-full", "pp2-zb-h1", "cp2-ring", "moe-ep2", "bf16"}
 LAYOUTS = {
     "dp2": ({}, {"dp": 2, "microbatches": 2}, {}),
     "dp2-full": ({}, {"dp": 2, "microbatches": 2}, {"recompute": "full"}),
@@ -63,6 +65,8 @@ def _train_compiled(rank: int, world: int, runs: list[tuple[dict, str]], out: st
 
     results = []
     for raw, backend in runs:
+        torch._dynamo.reset()  # each layout traces its own blocks (inductor's cache kept)
+        t0 = time.perf_counter()
         cfg = from_dict(raw | {"train": {**raw["train"], "out": out}})
         with mock.patch.object(torch, "compile", partial(torch.compile, backend=backend)):
             trainer = trainer_for(cfg, rank)  # its blocks compiled with `backend`
@@ -74,6 +78,7 @@ def _train_compiled(rank: int, world: int, runs: list[tuple[dict, str]], out: st
                 "recompiles": [r["recompiles"] for r in rows],
                 "compile_s": [r["compile_s"] for r in rows],
                 "state": trainer.engine.full_state_dict(),
+                "seconds": time.perf_counter() - t0,
             }
         )
     torch._dynamo.reset()
