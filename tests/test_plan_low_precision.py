@@ -13,11 +13,14 @@ BASE = ["--model", "llama3-8b", "--gpus", "64", "--gpu", "h100", "--global-batch
 BASE += ["--seq-len", "8192"]
 
 
-def _predict(*flags: str) -> dict:
+def _args(*flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_plan_args(parser)
-    args = parser.parse_args([*BASE, *flags])
-    return run(args)["predictions"][0]
+    return parser.parse_args([*BASE, *flags])
+
+
+def _predict(*flags: str) -> dict:
+    return run(_args(*flags))["predictions"][0]
 
 
 def test_fp8_linears_run_at_twice_the_rate():
@@ -56,3 +59,53 @@ def test_the_residuals_are_in_the_planned_memory():
     fp32, fed, plain = (_predict(*f)["memory"]["model_state"] for f in flags)
     assert fed - fp32 == pytest.approx(4 * psi * (1 + 1 / 64), rel=1e-3)
     assert plain == fp32
+
+
+def _gather_facts(cfg):
+    from plan_helpers import planned
+    from tetrad.plan.cost import Planner
+    from tetrad.plan.hardware import cluster_preset
+
+    lay, m = planned(cfg)
+    return Planner(cluster_preset("h100")).rank_facts(lay, m, 0)
+
+
+def test_fp8_gather_bytes_are_what_the_runtime_counts():
+    """A block's FP8 gather priced at n·w bytes, w = max_r(f_r + e·o_r) rounded up to e:
+    on test_fp8_all_gather's model and unit layout, the bytes its runtime test counts
+    (`_unit_bytes`, which the counted all-gathers equal); Llama-3-8B at fsdp 8 at
+    docs/low_precision.md's 218,177,536 against bf16's 436,224,000; the scales one
+    all-reduce of 4 bytes per FP8 weight (7 a Llama block)."""
+    from test_fp8_all_gather import GATHER, _cfg, _unit_bytes
+    from tetrad.config import model_preset
+    from tetrad.plan.candidates import layout_config
+
+    cfg = _cfg(GATHER, fp8="tensorwise", dtype="bf16")
+    units, weights = _unit_bytes(cfg, 2)
+    fa = _gather_facts(cfg)
+    assert [(2 * fa.block, fa.fp8_block_bytes)] * len(units) == units
+    assert fa.fp8_weights == weights == 7 * cfg.model.layers
+    big = layout_config(model_preset("llama3-8b"), 64, 4096, "bf16", "tensorwise", fsdp=8,
+                        zero_stage=3, fp8_all_gather=True)  # fmt: skip
+    fa = _gather_facts(big)
+    assert (2 * fa.block, fa.fp8_block_bytes, fa.fp8_weights) == (436_224_000, 218_177_536, 224)
+
+
+def test_fp8_gathers_shorten_exposed_gathers():
+    """ZeRO-3 over 64 ranks with --fp8 tensorwise, its gathers exposed (DeepSpeed's
+    engine): with the FP8 all-gather they take less time, and the step as much less; the
+    search carries the flag to its ZeRO-3 candidates (without tp) and refuses it without
+    tensorwise FP8."""
+    flags = ("--fsdp", "64", "--zero-stage", "3", "--fp8", "tensorwise", "--engine", "deepspeed")
+    plain, gathered = _predict(*flags), _predict(*flags, "--fp8-all-gather")
+    assert gathered["layout"]["fp8_all_gather"] and not plain["layout"]["fp8_all_gather"]
+    saved = plain["breakdown"]["fsdp"] - gathered["breakdown"]["fsdp"]
+    assert saved > 0.1 * plain["breakdown"]["fsdp"]  # beside the gradients' reduce-scatters
+    assert plain["step_time_s"] - gathered["step_time_s"] == pytest.approx(saved)
+    search = ("--search", "--seq-len", "2048", "--tp", "1", "--pp", "1", "--cp", "1", "--top", "3")
+    found = run(_args("--fp8", "tensorwise", "--fp8-all-gather", *search))["predictions"]
+    assert found and all(
+        p["layout"]["fp8_all_gather"] == (p["layout"]["zero_stage"] == 3) for p in found
+    )
+    with pytest.raises(ValueError, match="--fp8-all-gather with --fp8 'rowwise'"):
+        run(_args("--fp8", "rowwise", "--fp8-all-gather", "--search"))

@@ -84,7 +84,7 @@ def describe(lay: Layout, recompute: str = "none") -> dict[str, Any]:
         "global_batch": lay.global_batch, "seq_len": lay.seq_len,
         "dtype": lay.dtype_name, "recompute": recompute, "world": lay.world,
         "fp8": lay.fp8, "reduce_dtype": lay.compress or dtype_name(lay.reduce_dtype),
-        "error_feedback": lay.error_feedback,
+        "error_feedback": lay.error_feedback, "fp8_all_gather": lay.fp8_all_gather,
     }  # fmt: skip
 
 
@@ -146,8 +146,12 @@ class _Model:
 
 @functools.lru_cache(maxsize=8192)
 def _candidate(model: _Model, base: Layout, parallel: tuple) -> Layout:
+    given = dict(parallel)
+    # the FP8 all-gather where the candidate gathers ZeRO-3 shards of whole weights
+    gathers = given.get("zero_stage") == 3 and given.get("fsdp", 1) > 1 and given.get("tp", 1) == 1
+    given["fp8_all_gather"] = base.fp8_all_gather and gathers
     cfg = layout_config(model.model, base.global_batch, base.seq_len, base.dtype_name,
-                        base.fp8, **_carried(base) | dict(parallel))  # fmt: skip
+                        base.fp8, **_carried(base) | given)  # fmt: skip
     cfg.train.loss_chunk = base.loss_chunk
     return Layout.build(cfg, cfg.parallel.world)
 

@@ -62,6 +62,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="the blocks' linears in FP8 (priced at the device's FP8 peak)",
     )
     p.add_argument(
+        "--fp8-all-gather",
+        action="store_true",
+        help="with --fp8 tensorwise and ZeRO-3: the blocks' gathers move the FP8 weights in "
+        "one byte a value (the search: where a layout gathers ZeRO-3 shards without tp)",
+    )
+    p.add_argument(
         "--no-error-feedback",
         action="store_true",
         help="with --reduce-dtype int8/fp8: no residuals kept (less memory)",
@@ -166,10 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cluster, calibration = calibrate(cluster, engine, runs, fit_links=not args.calibration)
     planner = Planner(cluster, engine, args.recompute)
     if args.search:
-        carried = _reduction(args)
-        base = layout_for(
-            model, args.global_batch, args.seq_len, args.dtype, None, args.fp8, **carried
-        )
+        base = _search_base(args, model)
         fixed = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
         preds = search(planner, base, model, args.gpus, Space(**fixed), top=args.top)
     else:
@@ -209,16 +212,32 @@ def fewest_that_fit(planner: Planner, args: argparse.Namespace, model: ModelConf
     return lay, "no microbatch count of this layout fits"
 
 
+def _search_base(args: argparse.Namespace, model: ModelConfig) -> Layout:
+    """The layout a search's candidates take their batch, dtypes and settings from; with
+    --fp8-all-gather each candidate gathers in FP8 where it can (ZeRO-3 over fsdp > 1,
+    tp 1: `candidates.candidate`), so the base, whose degrees are not searched, is not
+    held to that."""
+    carried = _reduction(args)
+    gather = carried.pop("fp8_all_gather")
+    if gather and args.fp8 != "tensorwise":
+        raise ValueError(f"--fp8-all-gather with --fp8 {args.fp8!r}: it gathers tensorwise FP8 "
+                         "weights (docs/low_precision.md)")  # fmt: skip
+    base = layout_for(model, args.global_batch, args.seq_len, args.dtype, None, args.fp8, **carried)
+    return dataclasses.replace(base, fp8_all_gather=gather)
+
+
 def _reduction(args: argparse.Namespace) -> dict[str, Any]:
     """The gradient reduction's flags, as layout settings (none given: the defaults)."""
     out: dict[str, Any] = {"error_feedback": not args.no_error_feedback}
+    out["fp8_all_gather"] = args.fp8_all_gather
     return out | ({"reduce_dtype": args.reduce_dtype} if args.reduce_dtype else {})
 
 
 def _layout_of(pred: Any, model: ModelConfig) -> Layout:
     """The Layout a prediction describes."""
     lay = pred.layout
-    given = {k: lay[k] for k in (*LAYOUT_FLAGS, "sp", "reduce_dtype", "error_feedback")}
+    given = {k: lay[k] for k in (*LAYOUT_FLAGS, "sp", "reduce_dtype", "error_feedback",
+                                 "fp8_all_gather")}  # fmt: skip
     return layout_for(model, lay["global_batch"], lay["seq_len"], lay["dtype"], lay["world"],
                       lay["fp8"], **given)  # fmt: skip
 

@@ -402,7 +402,9 @@ class Planner:
                 continue
             fa = facts[_rank_of_stage(lay, stage)]
             calls = _calls(fa.block, 1, self.engine.gather_bucket)
-            one = link.time("all_gather", lay.fsdp, fa.block * lay.element_bytes / calls)
+            # FP8 gathers: one byte a value of the FP8 weights (plan/fp8_gather.py)
+            nbytes = fa.fp8_block_bytes or fa.block * lay.element_bytes
+            one = link.time("all_gather", lay.fsdp, nbytes / calls)
             gather = layers * calls * one + self._expert_gathers(lay, fa, layers)
             hide = 1.0 if self.engine.gather_overlap else 0.0
             bwd = compute["B"][stage] + compute["W"][stage]
@@ -517,6 +519,8 @@ class Planner:
                 gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
             else:  # the root unit: gathered once per step, before the first forward
                 gather = link.time("all_gather", lay.fsdp, fa.psi_root * lay.element_bytes)
+                # and the FP8 weights' scales: one all-reduce (max) of an fp32 amax each
+                gather += link.time("all_reduce", lay.fsdp, 4 * fa.fp8_weights)
         shard = fa.psi_dense / lay.fsdp + fa.psi_experts / fa.expert_shards
         optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
         return {"dp": grad["dp"], "fsdp": gather + grad["fsdp"], "optimizer": optimizer}

@@ -37,6 +37,7 @@ from tetrad.parallel.pipeline.timeline import Timeline
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import block_kinds, held_stages, model_key
 from tetrad.plan.engines import Implementation
+from tetrad.plan.fp8_gather import block_gathers, fp8_weights
 from tetrad.plan.peak import Peak, PeakSettings, rank_peak
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
@@ -85,6 +86,10 @@ class RankFacts:
     # ranks those expert units are sharded over: |ep_data| under ZeRO, 1 when held whole
     expert_shards: int = 1
     moe_units: int = 0  # MoE blocks held (each one expert unit)
+    # under --fp8-all-gather: bytes one block unit's gather moves (n·w, the mean over the
+    # rank's blocks: plan/fp8_gather.py), and the FP8 weights whose scales it all-reduces
+    fp8_block_bytes: float = 0.0
+    fp8_weights: int = 0
 
     @property
     def psi(self) -> int:
@@ -125,11 +130,12 @@ class Footprint:
         self._facts: dict[tuple, RankFacts] = {}
         self._places: dict[tuple, RankFacts] = {}
         self._template: dict[tuple, tuple] = {}
+        self._fp8: dict[tuple, frozenset[str]] = {}  # a model's FP8 weights (fp8_weights)
 
     def share_caches(self, other: Footprint) -> None:
         """Use `other`'s caches of model facts (they depend on the model and layout only)."""
         self._facts, self._template = other._facts, other._template
-        self._places = other._places
+        self._places, self._fp8 = other._places, other._fp8
 
     # --- model state ------------------------------------------------------------------------
 
@@ -141,7 +147,7 @@ class Footprint:
         place = (model_key(m), tuple(split), pp_rank, lay.pp, lay.virtual_stages,
                  lay.schedule, lay.tp, self.shards(lay), lay.zero_stage, lay.dtype_name,
                  _ep_shape(lay), _expert_shards(lay, m, self.shards(lay)),
-                 _residual_shape(lay))  # fmt: skip
+                 _residual_shape(lay), lay.fp8_all_gather)  # fmt: skip
         if place not in self._places:
             self._places[place] = self._rank_facts(lay, m, split, pp_rank)
         return self._places[place]
@@ -153,7 +159,7 @@ class Footprint:
         shards = self.shards(lay)
         key = (model_key(m), lay.tp, shards, lay.zero_stage, lay.dtype_name, kinds, first,
                last, _ep_shape(lay), _expert_shards(lay, m, shards),
-               _residual_shape(lay))  # fmt: skip
+               _residual_shape(lay), lay.fp8_all_gather)  # fmt: skip
         if key not in self._facts:
             named, replicated = self._local_parameters(lay, m, kinds, first, last)
             numel = {n: math.prod(s) for n, s in named}
@@ -163,8 +169,19 @@ class Footprint:
             state = _state(lay, m, named, replicated, shards)
             held, root = sum(kinds), sum(numel.values()) - layers
             spread = _expert_shards(lay, m, shards) if experts else 1
-            self._facts[key] = RankFacts(layers, root, held, state, experts, spread, kinds[1])
+            gathers = self._fp8_gathers(lay, m, named, replicated, shards)
+            self._facts[key] = RankFacts(layers, root, held, state, experts, spread, kinds[1],
+                                         *gathers)  # fmt: skip
         return self._facts[key]
+
+    def _fp8_gathers(self, lay: Layout, m: ModelConfig, named, replicated, shards: int):
+        """(bytes of a block unit's FP8 gather, FP8 weights) under --fp8-all-gather."""
+        if not lay.fp8_all_gather:
+            return 0.0, 0
+        if model_key(m) not in self._fp8:
+            self._fp8[model_key(m)] = fp8_weights(m)
+        inside = self._fp8[model_key(m)]
+        return block_gathers(named, replicated, shards, m, inside, lay.element_bytes)
 
     def shards(self, lay: Layout) -> int:
         """Ranks the ZeRO state is sharded over: fsdp, or fsdp x cp for an engine whose
