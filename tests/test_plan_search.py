@@ -93,8 +93,9 @@ def _answer(preds):
 
 @pytest.mark.parametrize(
     "model,gpus,batch,seq,gpu",
-    [("llama3-8b", 16, 64, 4096, "h100"), ("small", 8, 32, 128, "cpu")],
-)
+    [("llama3-8b", 16, 64, 4096, "h100"), ("small", 8, 32, 128, "cpu"),
+     ("mixtral-8x7b", 16, 64, 4096, "h100")],  # an MoE: ep chosen, experts' ZeRO units
+)  # fmt: skip
 def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu):
     planner = Planner(cluster_preset(gpu))
     base = layout_config(model_preset(model), batch, seq)

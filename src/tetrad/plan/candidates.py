@@ -73,6 +73,16 @@ def ep_groups(lay: Layout) -> tuple[list[list[int]], list[list[int]]]:
     return _expert_groups(tuple(lay.degrees.items()), lay.ep)
 
 
+def first_ep_groups(lay: Layout) -> tuple[list[int], list[int]]:
+    """The first ep group and the first expert-data group of `lay` (global ranks; every
+    group is priced alike): `ep_groups`' first of each, found on the first pipeline stage
+    alone (pp is the outermost axis, so its ranks and groups are those of `lay` at pp 1),
+    which a search of many pp degrees asks once."""
+    stage = tuple((a, 1 if a == "pp" else d) for a, d in lay.degrees.items())
+    groups, data = _expert_groups(stage, lay.ep)
+    return groups[0], data[0]
+
+
 def describe(lay: Layout, recompute: str = "none") -> dict[str, Any]:
     """The layout fields of `lay` a prediction is about."""
     d = lay.degrees
@@ -144,7 +154,7 @@ class _Model:
         return isinstance(other, _Model) and self.key == other.key
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=1 << 16)  # a 256-GPU MoE search validates 20,000
 def _candidate(model: _Model, base: Layout, parallel: tuple) -> Layout:
     given = dict(parallel)
     # the FP8 all-gather where the candidate gathers ZeRO-3 shards of whole weights

@@ -60,14 +60,14 @@ from tetrad.plan.candidates import (
     cp_exchange_bytes,
     describe,
     ep_bytes_per_layer,
-    ep_groups,
+    first_ep_groups,
     held_stages,
     model_key,
 )
 from tetrad.plan.compute import ComputeModel
 from tetrad.plan.engines import TETRAD, Implementation
 from tetrad.plan.footprint import Footprint, Memory, RankFacts
-from tetrad.plan.hardware import Cluster, at_efficiency
+from tetrad.plan.hardware import Cluster, Link, at_efficiency
 from tetrad.plan.peak import stage_input_bytes
 
 OPTIMIZER_BYTES = 32  # AdamW per shard element: read grad, master, m, v; write master, m, v, param
@@ -132,6 +132,7 @@ class Planner:
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}
         self._orders: dict[tuple, Timeline] = {}
+        self._links: dict[tuple[int, int], Link] = {}  # `Cluster.link` by (stride, size)
 
     def on(self, cluster: Cluster) -> Planner:
         """A planner for `cluster` (the same engine and recompute) that shares this one's
@@ -141,6 +142,12 @@ class Planner:
         out._splits, out._schedules, out._orders = self._splits, self._schedules, self._orders
         out.footprint.share_caches(self.footprint)
         return out
+
+    def _link(self, stride: int, size: int) -> Link:
+        """`self.cluster.link(stride, size)`, built once: a search asks it a million times."""
+        if (stride, size) not in self._links:
+            self._links[stride, size] = self.cluster.link(stride, size)
+        return self._links[stride, size]
 
     def _schedule_key(self, lay: Layout) -> tuple:
         """What a schedule's action lists depend on: its name, pp, m, v and the engine's
@@ -309,7 +316,7 @@ class Planner:
         if lay.tp == 1:
             return {k: [0.0] * len(split) for k in "FBW"}
         nbytes = lay.microbatch_tokens * m.dim * lay.element_bytes
-        one = self.cluster.link(1, lay.tp).time("all_reduce", lay.tp, nbytes)
+        one = self._link(1, lay.tp).time("all_reduce", lay.tp, nbytes)
         one *= 1.0 - self.engine.tp_overlap
         f = [2 * n * one for n in split]
         bwd = list(f)
@@ -331,7 +338,7 @@ class Planner:
         if lay.cp == 1:
             return out
         nbytes = cp_exchange_bytes(lay, m) * lay.cp / (lay.cp - 1)  # the gathered buffer
-        link = self.cluster.link(lay.tp, lay.cp)
+        link = self._link(lay.tp, lay.cp)
         seconds = {"F": link.time("all_gather", lay.cp, nbytes),
                    "B": link.time("reduce_scatter", lay.cp, nbytes)}  # fmt: skip
         fwd = self._block(lay, m)
@@ -360,7 +367,7 @@ class Planner:
         if lay.ep == 1:
             return out
         eng = self.engine
-        group = list(range(lay.ep)) if eng.ep_inner else ep_groups(lay)[0][0]  # all alike
+        group = list(range(lay.ep)) if eng.ep_inner else first_ep_groups(lay)[0]  # all alike
         buffer = ep_bytes_per_layer(lay, m) / 4 * lay.ep / (lay.ep - 1)  # one call's copies
         leaving = _node_copies(m, self.cluster.gpus_per_node, group) if eng.ep_dedup else 1.0
         one = self.cluster.all_to_all(group, buffer * eng.routing_imbalance, leaving)
@@ -396,7 +403,7 @@ class Planner:
         out = {k: [0.0] * len(split) for k in "FBW"}
         if lay.fsdp == 1 or lay.zero_stage < 3:
             return out
-        link = self.cluster.link(lay.tp * lay.cp, lay.fsdp)
+        link = self._link(lay.tp * lay.cp, lay.fsdp)
         for stage, layers in enumerate(split):
             if layers == 0:
                 continue
@@ -417,7 +424,7 @@ class Planner:
         share), each over the expert-data group, where ZeRO shards the experts."""
         if not fa.expert_unit:
             return 0.0
-        group = ep_groups(lay)[1][0]
+        group = first_ep_groups(lay)[1]
         link = self.cluster.group_link(group)
         moe = layers * fa.moe_units / max(fa.layer_units, 1)
         return moe * link.time("all_gather", len(group), fa.expert_unit * lay.element_bytes)
@@ -464,16 +471,14 @@ class Planner:
         bucket = self.engine.reduce_bucket
         if lay.fsdp == 1:  # plain DP: the buckets in their reduce width; dp x cp contiguous
             n = _calls(psi, 1, bucket)
-            ar = n * self.cluster.link(lay.tp, reps).time(
-                "all_reduce", reps, psi * lay.reduce_bytes / n
-            )
+            ar = n * self._link(lay.tp, reps).time("all_reduce", reps, psi * lay.reduce_bytes / n)
             return {"dp": ar + experts, "fsdp": 0.0}
         n = _calls(psi, fa.layer_units + 1, bucket)  # one per unit, or per bucket
-        link = self.cluster.link(lay.tp * lay.cp, lay.fsdp)
+        link = self._link(lay.tp * lay.cp, lay.fsdp)
         rs = n * link.time("reduce_scatter", lay.fsdp, psi * lay.reduce_bytes / n)
         # the replica group dp x cp: cp ranks tp apart, dp ranks tp·cp·fsdp apart; priced
         # as one group over the span it covers
-        outer = self.cluster.link(lay.tp * (lay.fsdp if lay.dp > 1 else 1), reps)
+        outer = self._link(lay.tp * (lay.fsdp if lay.dp > 1 else 1), reps)
         hsdp = outer.time("all_reduce", reps, psi / lay.fsdp * 4)
         return {"dp": hsdp + experts, "fsdp": rs}
 
@@ -486,7 +491,7 @@ class Planner:
         `_zero3_gathers`)."""
         if not fa.psi_experts:
             return 0.0
-        group = ep_groups(lay)[1][0]
+        group = first_ep_groups(lay)[1]
         n, link = len(group), self.cluster.group_link(group)
         if fa.expert_shards == 1:
             return link.time("all_reduce", n, fa.psi_experts * lay.reduce_bytes)
@@ -512,7 +517,7 @@ class Planner:
             grad["fsdp"] = sum(self._grad_reduction(lay, fa).values()) / units
         gather = 0.0
         if lay.fsdp > 1:
-            link = self.cluster.link(lay.tp * lay.cp, lay.fsdp)
+            link = self._link(lay.tp * lay.cp, lay.fsdp)
             if lay.zero_stage < 3:  # the updated shards, dense and (sharded) experts
                 seconds = link.time("all_gather", lay.fsdp, fa.psi_dense * lay.element_bytes)
                 seconds += self._expert_gathers(lay, fa, fa.layer_units)

@@ -131,6 +131,11 @@ class Footprint:
         self._places: dict[tuple, RankFacts] = {}
         self._template: dict[tuple, tuple] = {}
         self._fp8: dict[tuple, frozenset[str]] = {}  # a model's FP8 weights (fp8_weights)
+        # a search asks the same activations of many degree sets (dp, fsdp, ep do not
+        # change them): a stage's bytes by what they read, peaks by timeline and bytes
+        self._stage_bytes: dict[tuple, list[float]] = {}
+        self._states: dict[tuple, ModelState] = {}  # a block's or root's state (`_composed_state`)
+        self._in_flight: dict[tuple, tuple[Timeline, float]] = {}
 
     def share_caches(self, other: Footprint) -> None:
         """Use `other`'s caches of model facts (they depend on the model and layout only)."""
@@ -166,13 +171,39 @@ class Footprint:
             blocks = spec_for(m).blocks + "."
             layers = sum(v for n, v in numel.items() if n.startswith(blocks))
             experts = sum(numel[n] for n in expert_names(replicated) if n in numel)
-            state = _state(lay, m, named, replicated, shards)
+            state = self._composed_state(lay, m, named, replicated, kinds, key[:5] + key[8:])
             held, root = sum(kinds), sum(numel.values()) - layers
             spread = _expert_shards(lay, m, shards) if experts else 1
             gathers = self._fp8_gathers(lay, m, named, replicated, shards)
             self._facts[key] = RankFacts(layers, root, held, state, experts, spread, kinds[1],
                                          *gathers)  # fmt: skip
         return self._facts[key]
+
+    def _composed_state(self, lay: Layout, m: ModelConfig, named, replicated,
+                        kinds: tuple[int, int], key: tuple) -> ModelState:  # fmt: skip
+        """`_state` of a rank's parameters (dense blocks first, then MoE blocks, then the
+        root, as `_local_parameters` lists them) as the sum of each block's and the
+        root's: ZeRO's units are the blocks and the root, each priced alone, and unsharded
+        state is per parameter, so each kind of block is priced once for every layout of
+        the same tp, shards, stage, dtype and ep (`key`). Whole where a compressed
+        reduction keeps residuals (its dp buckets span blocks)."""
+        shards = self.shards(lay)
+        if lay.compress and lay.error_feedback:
+            return _state(lay, m, named, replicated, shards)
+        spec, parts = spec_for(m), {}
+        for n, s in named:
+            parts.setdefault(spec.block_of(n), []).append((n, s))
+        root = parts.pop(None, [])
+        axes = tuple(replicated[n] for n, _ in root)
+        total = self._part_state(key + (tuple(root), axes), lay, m, root, replicated)
+        for k, part in enumerate(parts.values()):  # the rank's dense blocks come first
+            total = total + self._part_state(key + (k >= kinds[0],), lay, m, part, replicated)
+        return total
+
+    def _part_state(self, key: tuple, lay: Layout, m: ModelConfig, part, replicated):
+        if key not in self._states:
+            self._states[key] = _state(lay, m, part, replicated, self.shards(lay))
+        return self._states[key]
 
     def _fp8_gathers(self, lay: Layout, m: ModelConfig, named, replicated, shards: int):
         """(bytes of a block unit's FP8 gather, FP8 weights) under --fp8-all-gather."""
@@ -226,6 +257,13 @@ class Footprint:
         """Bytes one microbatch leaves on each global stage after its forward. Under
         context parallelism everything is per local token (s/cp of each sequence), and
         an all-gather core keeps the gathered keys and values of the whole sequence."""
+        key = (model_key(m), lay.dtype_name, lay.microbatch_size, lay.local_seq, lay.seq_len,
+               lay.tp, lay.sp, lay.cp, lay.cp_attention, lay.loss_chunk, tuple(split))  # fmt: skip
+        if key not in self._stage_bytes:
+            self._stage_bytes[key] = self._stage_activations(lay, m, split)
+        return list(self._stage_bytes[key])
+
+    def _stage_activations(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[float]:
         dt, shards, kernels = lay.dtype_name, self.engine.sp_saves_shards, self.engine.kernels
         b, s = lay.microbatch_size, lay.local_seq
         family = spec_for(m).activations
@@ -250,6 +288,13 @@ class Footprint:
         """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
         deferred linears, and on the last stage the head's unless a chunked loss computes
         its weight gradient in B."""
+        key = ("pending", model_key(m), lay.dtype_name, lay.microbatch_size, lay.local_seq,
+               lay.tp, lay.sp, lay.loss_chunk, tuple(split))  # fmt: skip
+        if key not in self._stage_bytes:
+            self._stage_bytes[key] = self._stage_pending_w(lay, m, split)
+        return list(self._stage_bytes[key])
+
+    def _stage_pending_w(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[float]:
         b, s = lay.microbatch_size, lay.local_seq
         family = spec_for(m).activations
         one = act.total_bytes(family.pending_w(m, lay.tp, lay.dtype_name), b, s, lay.tp, lay.sp)
@@ -269,7 +314,12 @@ class Footprint:
         sending = spec_for(m).activations.stage_output(m, lay.dtype_name)
         out = act.total_bytes(sending, lay.microbatch_size, lay.local_seq, lay.tp, lay.sp)
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
-        return act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent)
+        key = (id(timeline), pp_rank, tuple(per_stage), tuple(pending), tuple(sent))
+        held = self._in_flight.get(key)
+        if held is None or held[0] is not timeline:  # the timeline kept: its id stays its own
+            held = (timeline, act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent))
+            self._in_flight[key] = held
+        return held[1]
 
     def memory(
         self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts],
