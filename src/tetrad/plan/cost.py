@@ -524,8 +524,8 @@ class Planner:
                 gather = _exposed(seconds, units, fwd if eng.param_gather_overlap else 0.0)
             else:  # the root unit: gathered once per step, before the first forward
                 gather = link.time("all_gather", lay.fsdp, fa.psi_root * lay.element_bytes)
-                # and the FP8 weights' scales: one all-reduce (max) of an fp32 amax each
-                gather += link.time("all_reduce", lay.fsdp, 4 * fa.fp8_weights)
+                if fa.fp8_weights:  # their scales: one all-reduce (max) of an fp32 amax each
+                    gather += link.time("all_reduce", lay.fsdp, 4 * fa.fp8_weights)
         shard = fa.psi_dense / lay.fsdp + fa.psi_experts / fa.expert_shards
         optimizer = OPTIMIZER_BYTES * shard / self.cluster.device.hbm_Bps
         return {"dp": grad["dp"], "fsdp": gather + grad["fsdp"], "optimizer": optimizer}
