@@ -9,13 +9,13 @@ inductor's own pow/cos/sin, so they are an opaque op computed by ATen's kernels
 (`models/llama.rotary_at`). bf16 is held to its own rounding (`check_rounded`).
 
 One world of 2 ranks runs every layout, all ranks sharing one inductor cache directory, so
-a graph that two layouts (or two ranks) share compiles once. dp, ZeRO-3, tp + sp and pp
-1F1B compile with inductor; full recomputation, the layouts whose blocks break around
-eager parts (zero-bubble's deferred matmuls, cp's attention, the MoE dispatch) and bf16
-with `aot_eager`:
-dynamo and AOT autograd without inductor's kernels, so their graph breaks, guards and
-recompilations are dynamo's, and inductor's C++ compilation (most of this file's time, on
-2 cores about 10 s a graph) is paid for the layouts the issue names."""
+a graph that two layouts (or two ranks) share compiles once. dp, ZeRO-3 and pp 1F1B compile
+with inductor (one block graph, which they share: inductor compiles it once); full
+recomputation, tp + sp, the layouts whose blocks break around eager parts (tp's
+collectives, zero-bubble's deferred matmuls, cp's attention, the MoE dispatch) and bf16
+with `aot_eager`: dynamo and AOT autograd without inductor's kernels, so their graph
+breaks, guards and recompilations are dynamo's. Inductor's C++ compilation is most of this
+file's time (on 2 cores 10 to 25 s a graph, each of tp's pieces between collectives one)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,12 @@ pytestmark = pytest.mark.distributed
 MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 32, "shared_experts": 1}
 # name -> (model, parallel, train overrides): a block's input [2, 16, 32] where the layout
 # lets it be (dp's and pp's share their compiled graph)
-AOT_EAGER = {"dp2-full", "pp2-zb-h1", "cp2-ring", "moe-ep2", "bf16"}
+AOT_EAGER = {"dp2-full", "tp2-sp", "pp2-zb-h1", "cp2-ring", "moe-ep2", "bf16"}
+# graphs a layout's blocks compile to: a block's whole body is one graph, which every block
+# shares (full recomputation: its forward without grad and its rerun with it); ZeRO-3's
+# hooks stay outside it (one traced into the body gave each block a graph of its own, and
+# past dynamo's recompile limit of 8 blocks, eager ones)
+GRAPHS = {"dp2": 1, "dp2-full": 2, "fsdp2-zero3": 1, "pp2-1f1b": 1}
 LAYOUTS = {
     "dp2": ({}, {"dp": 2, "microbatches": 2}, {}),
     "dp2-full": ({}, {"dp": 2, "microbatches": 2}, {"recompute": "full"}),
@@ -66,6 +71,7 @@ def _train_compiled(rank: int, world: int, runs: list[tuple[dict, str]], out: st
     results = []
     for raw, backend in runs:
         torch._dynamo.reset()  # each layout traces its own blocks (inductor's cache kept)
+        counters.clear()
         t0 = time.perf_counter()
         cfg = from_dict(raw | {"train": {**raw["train"], "out": out}})
         with mock.patch.object(torch, "compile", partial(torch.compile, backend=backend)):
@@ -77,6 +83,7 @@ def _train_compiled(rank: int, world: int, runs: list[tuple[dict, str]], out: st
                 "grad_norms": [r["grad_norm"] for r in rows],
                 "recompiles": [r["recompiles"] for r in rows],
                 "compile_s": [r["compile_s"] for r in rows],
+                "graphs": counters["stats"]["unique_graphs"],
                 "state": trainer.engine.full_state_dict(),
                 "seconds": time.perf_counter() - t0,
             }
@@ -116,6 +123,7 @@ def test_compiled_layout_matches_eager_single_process(reference, jobs, name):
     assert_close_run(got, _single(reference, model, par, train))
     assert got["compile_s"][0] > 0  # compiled: the blocks' graphs were built in step 0
     assert got["recompiles"][1:] == [0] * (len(got["recompiles"]) - 1)
+    assert got["graphs"] == GRAPHS.get(name, got["graphs"])
 
 
 @pytest.mark.rounding

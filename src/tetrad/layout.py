@@ -85,6 +85,7 @@ class Layout:
     compress: str = ""  # "int8", "fp8": gradients reduced in that block format; "": not
     error_feedback: bool = True  # a compressed reduction carries what it dropped forward
     fp8_all_gather: bool = False  # ZeRO-3 gathers the FP8 linears' weights in FP8
+    compiled: bool = False  # the blocks' bodies under torch.compile (--compile)
 
     @property
     def reduce_bytes(self) -> float:
@@ -143,6 +144,7 @@ class Layout:
             compress=p.reduce_dtype if p.reduce_dtype in COMPRESSED else "",
             error_feedback=p.error_feedback,
             fp8_all_gather=p.fp8_all_gather,
+            compiled=cfg.train.compile,
         )
 
     @property

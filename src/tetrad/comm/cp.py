@@ -18,10 +18,11 @@ import torch
 
 from tetrad.comm import Comm, Work
 from tetrad.comm.tp import _GatherFromTP
+from tetrad.compiling import graph_break
 from tetrad.mesh import Group
 
 
-@torch.compiler.disable
+@graph_break
 def gather_from_cp(x: torch.Tensor, comm: Comm, group: Group, dim: int) -> torch.Tensor:
     """Concatenate every cp rank's `x` along `dim`, rank 0 first; the backward sums the
     gradient over the ranks and keeps this rank's part."""
@@ -29,7 +30,7 @@ def gather_from_cp(x: torch.Tensor, comm: Comm, group: Group, dim: int) -> torch
     return _GatherFromTP.apply(x, dim, comm, group) if group.size > 1 else x
 
 
-@torch.compiler.disable
+@graph_break
 def ring_pass(send: torch.Tensor, recv: torch.Tensor, comm: Comm, group: Group) -> list[Work]:
     """Post one ring step: `send` to the next cp rank, the previous rank's block into
     `recv` (same shape). Returns the works to wait for; both are posted at once so the

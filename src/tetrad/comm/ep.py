@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import Comm, Work
+from tetrad.compiling import graph_break
 from tetrad.mesh import Group
 
 
-@torch.compiler.disable
+@graph_break
 def exchange_counts(send: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     """send[i]: how many rows this rank sends to group rank i; returns recv[i], how many
     it receives from rank i (int64, on the device). The shapes of the next all-to-all."""
@@ -60,7 +61,7 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None, None, None
 
 
-@torch.compiler.disable
+@graph_break
 def all_to_all(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: Comm, group: Group
 ) -> torch.Tensor:
@@ -69,7 +70,7 @@ def all_to_all(
     return _AllToAll.apply(x, list(out_splits), list(in_splits), comm, group)
 
 
-@torch.compiler.disable
+@graph_break
 def all_to_all_start(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: Comm, group: Group
 ) -> tuple[torch.Tensor, _Sending]:
@@ -128,7 +129,7 @@ class _JoinOverTP(torch.autograd.Function):
         return grad[lo:hi].clone(), None, None, None
 
 
-@torch.compiler.disable
+@graph_break
 def share_of_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """This tp rank's share of rows that every tp rank holds alike. Backward gives the
     rows of the share their gradient and the others zeros: a partial gradient, for inside
@@ -136,7 +137,7 @@ def share_of_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ShareOfTP.apply(x, group)
 
 
-@torch.compiler.disable
+@graph_break
 def join_over_tp(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torch.Tensor:
     """Every tp rank's share joined into the `rows` rows (the inverse of `share_of_tp`).
     Backward keeps this rank's share of the gradient: downstream of a tp-replicated

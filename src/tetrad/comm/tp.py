@@ -15,7 +15,7 @@ the column-parallel matmuls) and `scatter_to_tp` replaces g (the row-parallel pa
 sums are reduced and split along the sequence at once). Every call goes through `Comm`
 with the group passed explicitly, so the bytes are counted.
 
-Under torch.compile (`--compile`) each is a graph break (`torch.compiler.disable`): it
+Under torch.compile (`--compile`) each is a graph break (`tetrad.compiling.graph_break`): it
 runs eagerly, counted as always, and the compiled block resumes after it.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import Comm
+from tetrad.compiling import graph_break
 from tetrad.mesh import Group
 
 
@@ -114,7 +115,7 @@ def once_in_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _OnceInTP.apply(x, group) if group.size > 1 else x
 
 
-@torch.compiler.disable
+@graph_break
 def copy_to_tp(
     x: torch.Tensor, comm: Comm, group: Group, reduce_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -123,26 +124,26 @@ def copy_to_tp(
     return _CopyToTP.apply(x, comm, group, reduce_dtype) if group.size > 1 else x
 
 
-@torch.compiler.disable
+@graph_break
 def reduce_from_tp(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     """g: leave the tp region by summing the partial results of every rank."""
     return _ReduceFromTP.apply(x, comm, group) if group.size > 1 else x
 
 
-@torch.compiler.disable
+@graph_break
 def gather_from_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> torch.Tensor:
     """All-gather along `dim` (the sequence, [b, s/tp, h] -> [b, s, h]); reduce-scatter back."""
     return _GatherFromTP.apply(x, dim, comm, group) if group.size > 1 else x
 
 
-@torch.compiler.disable
+@graph_break
 def reduce_scatter_along(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torch.Tensor:
     """Sum `x` over the group and keep this rank's slice along `dim` (no autograd: the
     split backward's W uses it to place a gathered weight's gradient)."""
     return _reduce_scatter(x, dim, comm, group) if group.size > 1 else x
 
 
-@torch.compiler.disable
+@graph_break
 def scatter_to_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter along `dim` (partial [b, s, h] -> summed [b, s/tp, h]); all-gather back."""
     return _ScatterToTP.apply(x, dim, comm, group) if group.size > 1 else x

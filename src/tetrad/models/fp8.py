@@ -40,6 +40,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tetrad.compiling import graph_break
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "rowwise")
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # an amax -> the max over the ranks sharing it
@@ -121,7 +123,7 @@ class _Float8Matmul(torch.autograd.Function):
 
 
 # Under --compile a split matmul is a graph break: its scales' all-reduces run eagerly
-_split_matmul = torch.compiler.disable(_Float8Matmul.apply)
+_split_matmul = graph_break(_Float8Matmul.apply)
 
 
 class Float8Matmul:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tetrad.compiling import graph_break, ready
 from tetrad.config import ModelConfig
 from tetrad.models.loss import cross_entropy_sum  # noqa: F401  (its historical home)
 from tetrad.models.recompute import recompute
@@ -124,7 +125,7 @@ class Attention(nn.Module):
         return self.wo(out)
 
 
-@torch.compiler.disable
+@graph_break
 def eager(fn: Callable, *args):
     """fn(*args), run eagerly when called from a compiled region (a graph break there): for
     the parts whose own autograd functions, collectives or host reads a graph cannot hold."""
@@ -204,6 +205,7 @@ class Block(nn.Module):
         gathers) and the recomputation region stay eager, and the region's rerun in
         backward runs the compiled body again. Blocks alike share one compiled graph (the
         parameters are its inputs), so compiling costs one graph per distinct block."""
+        ready()  # the graph breaks' disabled twins, before the first trace
         self.body = torch.compile(self.body, *args, **kwargs)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:

@@ -309,6 +309,7 @@ class ZeroShards:
         self.dp: Group | None = mesh["replica"] if axis == "fsdp" else None
         self.stage = job.zero_stage
         self.reshard_after_forward = job.reshard_after_forward
+        self.compiled = job.compiled
         self.reduce_dtype = job.reduce_dtype
         self.device = next(model.parameters()).device
         named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n not in exclude]
@@ -381,7 +382,9 @@ class ZeroShards:
                 block = model.get_submodule(u.layout.name)
                 block.register_forward_pre_hook(lambda *_, u=u: self._pre_forward(u, True))
                 block.register_forward_hook(lambda _, __, out, u=u: self._post_forward(u, out))
-                middle = _backward_middle(block)
+                # a compiled body's backward is one node: it has no middle to prefetch from,
+                # and a hook traced into it would give each block a graph of its own
+                middle = None if self.compiled else _backward_middle(block)
                 if middle is not None:
                     self.prefetch_midway.add(u.layout.name)
                     middle.register_forward_hook(lambda _, __, out, u=u: self._midway(u, out))

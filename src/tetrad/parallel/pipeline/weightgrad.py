@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tetrad.compiling import graph_break
 from tetrad.models.spec import ModelSpec
 from tetrad.parallel.pipeline.schedules import StageMb
 from tetrad.precision import widen
@@ -153,7 +154,7 @@ def split_matmul(
 
 # Under --compile a graph break: its backward files work into the store, a side effect
 # a compiled backward cannot keep, so the matmul and its B run eagerly, W as always
-_deferred_matmul = torch.compiler.disable(_DeferredMatmul.apply)
+_deferred_matmul = graph_break(_DeferredMatmul.apply)
 
 
 class _DeferredGroupedMatmul(torch.autograd.Function):
