@@ -402,3 +402,32 @@ def test_the_published_size():
     assert round(total / 1e9) == 671
     active = deepseek_spec.matmul_params(m) + m.vocab * m.dim  # and the embedding's row
     assert active == pytest.approx(37e9, rel=0.02)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+def test_the_planner_prices_the_latents_entering_the_region(sp):
+    """tp seconds per layer: the latents (w = 2112 of dim 7168) enter MLA's region, so its
+    f moves w a token (backward; under SP the gather and its reduce-scatter, and the down
+    projections' weight gradients summed), against 2 all-reduces of dim a way for a block
+    entered at its input: the docs/models.md table, as the planner prices it."""
+    from tetrad.plan.candidates import layout_config
+    from tetrad.plan.cost import Planner
+    from tetrad.plan.hardware import cluster_preset
+
+    m = dataclasses.replace(model_preset("deepseek-v3"), layers=4, dense_layers=1)
+    cfg = layout_config(m, 4, 4096, "bf16", tp=8, sp=sp)
+    lay, planner = Layout.build(cfg), Planner(cluster_preset("h100"))
+    got = planner._tp_times(lay, m)
+    nbytes = lay.microbatch_tokens * m.dim * lay.element_bytes
+    link = planner._link(1, 8)
+    one = link.time("all_reduce", 8, nbytes)
+    r = (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim) / m.dim
+    f, b = ((r + 3) / 2, (r + 3) / 2) if sp else (2.0, 1 + r)
+    if sp:
+        down = m.dim * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim)
+        summed = down + m.q_lora_rank + m.kv_lora_rank
+        b += link.time("all_reduce", 8, summed * lay.element_bytes) / one
+    head = {"F": 1 + sp, "B": 1}
+    for kind, per in (("F", f), ("B", b)):
+        assert got[kind][0] == pytest.approx((4 * per + head[kind]) * one, rel=1e-9)
+    assert b < 2  # narrower than the input's

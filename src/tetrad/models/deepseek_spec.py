@@ -211,6 +211,16 @@ MLA_PLAN = {
     "layers.*.attention.wo": "rowwise",
 }
 
+
+def attention_entry(m: ModelConfig) -> tuple[int, int]:
+    """The latents enter the tp region (docs/models.md): the q latent (or, without the
+    query bottleneck, the input), the kv latent and the shared rotary key; under SP the
+    down projections' and latent norms' weight gradients are summed over tp."""
+    q = m.q_lora_rank or m.dim
+    down = m.dim * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim)
+    return q + m.kv_lora_rank + m.qk_rope_dim, down + m.q_lora_rank + m.kv_lora_rank
+
+
 # the MoE family with latent attention: its router (sigmoid, bias, group-limited) and
 # experts are the MoE family's
 DEEPSEEK_V3 = dataclasses.replace(
@@ -227,4 +237,5 @@ DEEPSEEK_V3 = dataclasses.replace(
     # the core's last qk_rope_dim channels of each head rotate (cp: at global positions)
     rotary=Rotary(tables=rotary_at, apply=apply_rotary_tail),
     hf_names=HF_NAMES,  # without q_lora_rank: `hf_names`
+    attention_entry=attention_entry,
 )

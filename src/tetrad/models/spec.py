@@ -166,6 +166,10 @@ class ModelSpec:
     # "n") that is one expert's width: the planner prices them as grouped GEMMs, one matmul
     # an expert of that width (block_linears gives the k experts' sum on a tp rank)
     routed_linears: Mapping[str, str] = field(default_factory=dict)
+    # (cfg) -> (channels a token brings into the attention's tp region, elements of the
+    # weight gradients summed over tp under SP before it): the planner's tp bytes. None:
+    # the block's input (dim), nothing summed but the norms' gains
+    attention_entry: Callable[[ModelConfig], tuple[int, int]] | None = None
 
     @property
     def roots(self) -> tuple[str, ...]:

@@ -311,15 +311,25 @@ class Planner:
     def _tp_times(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """Exposed TP seconds per microbatch per stage: 2 all-reduces of b·s·h per layer
         forward and 2 backward; the vocab-parallel embedding 1 forward, the head 1 backward
-        (and 1 forward with SP, where it gathers the sequence)."""
+        (and 1 forward with SP, where it gathers the sequence). An attention whose region
+        starts on narrower tensors (`ModelSpec.attention_entry`, r of h) moves r·h there:
+        backward (its f) without SP, both ways with SP (the gather and its
+        reduce-scatter, each half an all-reduce), and under SP an all-reduce of the
+        weight gradients before the region."""
         split = self.split(lay, m)
         if lay.tp == 1:
             return {k: [0.0] * len(split) for k in "FBW"}
         nbytes = lay.microbatch_tokens * m.dim * lay.element_bytes
-        one = self._link(1, lay.tp).time("all_reduce", lay.tp, nbytes)
-        one *= 1.0 - self.engine.tp_overlap
-        f = [2 * n * one for n in split]
-        bwd = list(f)
+        link = self._link(1, lay.tp)
+        one = link.time("all_reduce", lay.tp, nbytes) * (1.0 - self.engine.tp_overlap)
+        entry = spec_for(m).attention_entry
+        width, summed = entry(m) if entry else (m.dim, 0)
+        r = width / m.dim
+        per_f, per_b = ((r + 3) / 2, (r + 3) / 2) if lay.sp else (2.0, 1 + r)
+        if lay.sp and summed:
+            per_b += link.time("all_reduce", lay.tp, summed * lay.element_bytes) / one
+        f = [per_f * n * one for n in split]
+        bwd = [per_b * n * one for n in split]
         f[0] += one
         bwd[-1] += one
         if lay.sp:
