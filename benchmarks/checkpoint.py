@@ -105,7 +105,7 @@ def dcp_round(state: dict[str, torch.Tensor], root: Path, r: int, group) -> dict
 
 def worker(rank: int, world: int, raw: dict, root: str, rounds: int) -> dict[str, Any]:
     cfg = from_dict(raw)
-    trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+    trainer = Trainer(cfg, Mesh.build(cfg.parallel, rank), torch.device("cpu"))
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.fit(stop=2)  # AdamW state exists
         owned, _ = trainer.engine.owned_slices(trainer.optimizer)

@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -71,7 +72,7 @@ def arguments(
 def tetrad_trainer(cfg: Config, rank: int, **degrees: int) -> tuple[Trainer, Step]:
     """tetrad's Trainer on this rank (axes not given have degree 1) and its step, after
     which the trainer's comm counters hold that step's collectives alone."""
-    mesh = Mesh.build({"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 1} | degrees, rank)
+    mesh = Mesh.build(replace(cfg.parallel, **degrees), rank)
     trainer = Trainer(cfg, mesh, torch.device("cpu"))
 
     def step() -> float:

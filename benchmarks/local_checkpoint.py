@@ -66,7 +66,7 @@ def cost_worker(rank: int, world: int, ks: list[int], steps: int, rounds: int, t
     trainers = {}
     for k in ks:
         cfg = default_job(world, k, f"{tmp}/k{k}")
-        trainers[k] = Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+        trainers[k] = Trainer(cfg, Mesh.build(cfg.parallel, rank), torch.device("cpu"))
         trainers[k].fit(stop=max(k, 1) + 2)  # warm-up, one generation written
     seconds: dict[int, list[float]] = {k: [] for k in ks}
     cpu: dict[int, list[float]] = {k: [] for k in ks}

@@ -80,7 +80,7 @@ class TetradSide:
 
     def __init__(self, cfg: Config, rank: int, world: int, ep: int, overlap: bool = True):
         cfg = replace(cfg, parallel=replace(cfg.parallel, ep=ep))
-        mesh = Mesh.build(cfg.parallel.degrees, rank, ep=ep)
+        mesh = Mesh.build(cfg.parallel, rank)
         self.trainer = Trainer(cfg, mesh, torch.device("cpu"))
         self.comm, self.blocked = self.trainer.comm, []
         if not overlap:

@@ -9,6 +9,8 @@
    measured here (reported as such); it fails under `--mfu-floor`; then the same run
    with `--compile`: its MFU, tokens/s over the eager run's, the seconds compiling and
    the recompilations after the first step (it fails on any, or on a non-finite loss);
+   and the same run with `--fp8 tensorwise`: its MFU (against the bf16 peak, as the bf16
+   run's) and tokens/s over the bf16 run's (it fails on a non-finite loss);
 3. that run's measured peak memory (the caching allocator's) against `tetrad plan`'s
    prediction for the same model, batch and device: it fails when they differ by more
    than `--memory-tol` (relative);
@@ -169,6 +171,8 @@ def plan_parts(
     parts.append(
         Part("train_bf16_100m_compiled", [*compiled, "--out", str(work / "compiled")], 300)
     )
+    fp8 = [*compiled[:-1], "--fp8", "tensorwise", "--out", str(work / "fp8")]
+    parts.append(Part("train_bf16_100m_fp8", fp8, 240))
     layout = [
         *common,
         *LAYOUT_MODEL,
@@ -283,22 +287,29 @@ def judge_bf16(r: dict[str, Any], steps: int, limits: dict[str, float]) -> dict[
     return {"ok": not failed, "failed": failed}
 
 
+def judge_variant(run: dict[str, Any], base: dict[str, Any], name: str) -> dict[str, Any]:
+    """A variant of the 125M bf16 run (`name`: "eager" for --compile, "bf16" for --fp8)
+    against it: both MFUs (against the same peak) and the ratio of their tokens/s;
+    failed on a non-finite loss."""
+    out = run | {f"{name}_mfu": base.get("mfu")}
+    if "tokens_per_s" in run and "tokens_per_s" in base:
+        out[f"speedup_over_{name}"] = run["tokens_per_s"] / base["tokens_per_s"]
+    failed = [] if run.get("finite") else ["a loss is not finite, or too few steps"]
+    return out | {"ok": not failed, "failed": failed}
+
+
 def judge_compiled(
     compiled: dict[str, Any], rows: list[dict[str, Any]], eager: dict[str, Any]
 ) -> dict[str, Any]:
-    """The compiled 125M run against the eager one: its MFU, the ratio of their tokens/s,
-    its compile seconds; failed on a non-finite loss or a recompilation after step 0."""
+    """The compiled 125M run against the eager one (`judge_variant`), its compile seconds;
+    also failed on a recompilation after step 0."""
     later = sum(row.get("recompiles", 0) for row in rows[1:])
-    out = compiled | {
+    out = judge_variant(compiled, eager, "eager") | {
         "compile_s": round(sum(row.get("compile_s", 0.0) for row in rows), 1),
         "recompiles_after_first_step": later,
-        "eager_mfu": eager.get("mfu"),
     }
-    if "tokens_per_s" in compiled and "tokens_per_s" in eager:
-        out["speedup_over_eager"] = compiled["tokens_per_s"] / eager["tokens_per_s"]
-    failed = [] if compiled.get("finite") else ["a loss is not finite, or too few steps"]
-    failed += [f"{later} recompilations after the first step"] if later else []
-    return out | {"ok": not failed, "failed": failed}
+    out["failed"] += [f"{later} recompilations after the first step"] if later else []
+    return out | {"ok": not out["failed"]}
 
 
 def summarize(
@@ -390,6 +401,10 @@ def run_part(part: Part) -> None:
     part.result["seconds"] = round(time.time() - t0, 1)
 
 
+def bf16_run(work: Path) -> dict[str, Any]:
+    return throughput(read_metrics(work / "bf16"))
+
+
 def evaluate(part: Part, work: Path, args: argparse.Namespace, gpu: str) -> None:
     """Read what a finished part wrote, and judge it."""
     r = part.result
@@ -401,7 +416,9 @@ def evaluate(part: Part, work: Path, args: argparse.Namespace, gpu: str) -> None
         r |= judge_bf16(r, args.steps, thresholds(args))
     elif part.name == "train_bf16_100m_compiled" and r["ok"]:
         rows = read_metrics(work / "compiled")
-        r |= judge_compiled(throughput(rows), rows, throughput(read_metrics(work / "bf16")))
+        r |= judge_compiled(throughput(rows), rows, bf16_run(work))
+    elif part.name == "train_bf16_100m_fp8" and r["ok"]:
+        r |= judge_variant(throughput(read_metrics(work / "fp8")), bf16_run(work), "bf16")
     elif part.name.startswith("layout_") and part.name != "layout_single" and r["ok"]:
         ref = [row["loss"] for row in read_metrics(work / "single")]
         got = [row["loss"] for row in read_metrics(work / part.name.removeprefix("layout_"))]

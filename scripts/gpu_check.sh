@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tetrad's GPU path in one run (under 13 minutes on one GPU): the CUDA-marked tests, a bf16
+# tetrad's GPU path in one run (under 17 minutes on one GPU): the CUDA-marked tests, a bf16
 # 125M Llama (tokens/s, MFU, peak memory against the planner), the same run with --compile
 # (MFU, speed over eager, compile seconds, recompilations), and with 2+ GPUs every
 # layout against the single GPU plus `tetrad bench comm`. One JSON summary: --out PATH.

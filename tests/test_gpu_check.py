@@ -60,7 +60,12 @@ def test_without_a_gpu_it_says_so(tmp_path):
 def test_parts_on_one_and_two_gpus(tmp_path):
     args = gc.parse_args(["--steps", "50"])
     one, skipped = gc.plan_parts(args, 1, tmp_path)
-    assert [p.name for p in one] == ["cuda_tests", "train_bf16_100m", "train_bf16_100m_compiled"]
+    assert [p.name for p in one] == [
+        "cuda_tests", "train_bf16_100m", "train_bf16_100m_compiled", "train_bf16_100m_fp8"
+    ]  # fmt: skip
+    fp8 = one[3].argv  # the eager run's command in FP8, in a directory of its own
+    assert fp8[: fp8.index("--out")] == [*one[1].argv[: one[1].argv.index("--out")],
+                                         "--fp8", "tensorwise"]  # fmt: skip
     compiled = one[2].argv  # the eager run's command, compiled, in a directory of its own
     assert compiled[: compiled.index("--out")] == [*one[1].argv[: one[1].argv.index("--out")],
                                                      "--compile"]  # fmt: skip
@@ -71,17 +76,20 @@ def test_parts_on_one_and_two_gpus(tmp_path):
     two, skipped = gc.plan_parts(gc.parse_args(["--skip-tests"]), 2, tmp_path)
     names = [p.name for p in two]
     layouts = ("dp", "fsdp", "tp", "pp-1f1b", "pp-zb-h1", "pp-interleaved", "cp-ring")
-    assert names == ["train_bf16_100m", "train_bf16_100m_compiled", "layout_single"] + [
-        f"layout_{n}" for n in layouts
-    ] + ["bench_comm"]
+    assert names == [
+        "train_bf16_100m",
+        "train_bf16_100m_compiled",
+        "train_bf16_100m_fp8",
+        "layout_single",
+    ] + [f"layout_{n}" for n in layouts] + ["bench_comm"]
     assert skipped[0] == "cuda_tests: --skip-tests" and "ep all-to-all" in skipped[1]
     assert "--peak-tflops" not in two[0].argv  # a declared peak: the trainer's own
     measured, _ = gc.plan_parts(args, 1, tmp_path, peak=512.34)
     bf16 = measured[1].argv
     assert bf16[bf16.index("--peak-tflops") + 1] == "512.3"
-    # every part has a timeout, so a hang is reported: on one GPU 13 minutes at most
-    assert sum(p.timeout_s for p in one) <= 13 * 60 and sum(p.timeout_s for p in two) <= 25 * 60
-    for p in two[3:-1]:  # every layout runs the same job on 2 ranks as the single GPU
+    # every part has a timeout, so a hang is reported: on one GPU 17 minutes at most
+    assert sum(p.timeout_s for p in one) <= 17 * 60 and sum(p.timeout_s for p in two) <= 29 * 60
+    for p in two[4:-1]:  # every layout runs the same job on 2 ranks as the single GPU
         assert p.argv[p.argv.index("--nproc") + 1] == "2"
         assert p.argv[p.argv.index("--global-batch") + 1] == "8"
 
@@ -137,6 +145,15 @@ def test_the_compiled_run_is_judged_on_recompiles():
     rows[20]["recompiles"] = 3
     bad = gc.judge_compiled(gc.throughput(rows), rows, eager)
     assert not bad["ok"] and "3 recompilations after the first step" in bad["failed"]
+
+
+def test_the_fp8_run_is_judged_against_bf16():
+    rows = [{"loss": 5.0, "tokens_per_s": 1500.0, "mfu": 0.3, "step_time_s": 0.1,
+             "peak_mem_bytes": 1} for _ in range(50)]  # fmt: skip
+    got = gc.judge_variant(gc.throughput(rows), {"tokens_per_s": 1000.0, "mfu": 0.2}, "bf16")
+    assert got["ok"] and got["speedup_over_bf16"] == 1.5 and got["bf16_mfu"] == 0.2
+    rows[30]["loss"] = float("nan")
+    assert not gc.judge_variant(gc.throughput(rows), {"mfu": 0.2}, "bf16")["ok"]
 
 
 def test_junit_counts(tmp_path):
