@@ -115,3 +115,13 @@ def test_layouts_fp8_cannot_follow_are_refused_by_name(parallel, named):
     cfg = tiny_config(parallel=parallel, train={"dtype": "bf16", "fp8": "tensorwise"})
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):
         Layout.build(cfg, cfg.parallel.world)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_redoes_the_same_fp8_matmuls(reference, recompute):
+    """Recomputing a block in backward redoes its FP8 matmuls with the same scales (each
+    taken from the values it scales, which the rerun reproduces): the run is the one
+    without recomputation, bit for bit."""
+    train = {"dtype": "fp32", "fp8": "tensorwise", "steps": 4}
+    base, got = reference(train=train), reference(train={**train, "recompute": recompute})
+    assert got["losses"] == base["losses"] and _distance(got, base) == 0

@@ -59,8 +59,9 @@ _ATTENTION = {  # the fused attention kernels of F.scaled_dot_product_attention
 
 
 def _kind(func) -> str | None:
-    """The kernel kinds a `Keep` names: "mm" (a linear's matmul) and "attention"."""
-    if func is torch.ops.aten.mm.default:
+    """The kernel kinds a `Keep` names: "mm" (a linear's matmul, in FP8 too under --fp8)
+    and "attention"."""
+    if func is torch.ops.aten.mm.default or func is torch.ops.aten._scaled_mm.default:
         return "mm"
     return "attention" if func in _ATTENTION else None
 
