@@ -81,36 +81,24 @@ def test_llama_layer_is_what_autograd_saves(dtype):
 def test_deepseek_layer_is_what_autograd_saves(dtype, q_lora_rank):
     """An MLA MoE block (deepseek-tiny's routing, latents of their own widths, values
     narrower than keys) against a live count of the tensors autograd saves (tp=1)."""
-    from tetrad.models.llama import cross_entropy_sum
     from tetrad.models.mla import DeepSeekV3
-    from tetrad.parallel.activation_meter import ActivationMeter
 
     m = dataclasses.replace(model_preset("deepseek-tiny"), dim=64, q_lora_rank=q_lora_rank)
-    b, s, measured = 2, 32, []
-    for layers in (2, 3):  # one dense layer, then MoE layers: the difference is one
-        torch.manual_seed(0)
-        model = DeepSeekV3(dataclasses.replace(m, layers=layers)).to(DTYPES[dtype])
-        meter = ActivationMeter()
-        meter.reset(model.parameters())
-        ids = torch.randint(0, m.vocab, (b, s))
-        with meter.saving():
-            loss = cross_entropy_sum(model(ids), ids)
-        measured.append(meter.live)
-        del loss
-    layer = spec_for(m).activations.layer(m, 1, dtype)
-    assert measured[1] - measured[0] == act.total_bytes(layer, b, s)
+    # one dense layer, then MoE layers: the difference of 3 and 2 layers is an MoE one
+    saved = _layer_saves(DeepSeekV3, m, dtype, 2, 32, layers=(2, 3))
+    assert saved == act.total_bytes(spec_for(m).activations.layer(m, 1, dtype), 2, 32)
 
 
-def _moe_layer_saves(m: ModelConfig, dtype: str, b: int, s: int) -> int:
-    """Bytes autograd keeps saved for one MoE layer of `m`: a model of two less one."""
+def _layer_saves(build, m: ModelConfig, dtype: str, b: int, s: int, layers=(1, 2)) -> int:
+    """Bytes autograd keeps saved for one layer of `build(m)`: a model of `layers[1]`
+    layers less one of `layers[0]`."""
     from tetrad.models.llama import cross_entropy_sum
-    from tetrad.models.moe import MoE
     from tetrad.parallel.activation_meter import ActivationMeter
 
     measured = []
-    for layers in (1, 2):
+    for n in layers:
         torch.manual_seed(0)
-        model = MoE(dataclasses.replace(m, layers=layers)).to(DTYPES[dtype])
+        model = build(dataclasses.replace(m, layers=n)).to(DTYPES[dtype])
         meter = ActivationMeter()
         meter.reset(model.parameters())
         ids = torch.randint(0, m.vocab, (b, s))
@@ -126,13 +114,15 @@ def test_moe_layer_is_what_autograd_saves(dtype):
     """An MoE block (moe-tiny's softmax router and shared expert) against a live count of
     the tensors autograd saves (tp=1); the auxiliary loss adds its per-sequence tensors,
     8·experts + 4 bytes a sequence, which the estimate leaves out (moe_spec.routing)."""
+    from tetrad.models.moe import MoE
+
     m = dataclasses.replace(model_preset("moe-tiny"), dim=64, balance="none")
     assert (m.router, m.shared_experts, m.dense_layers) == ("softmax", 1, 0)
     b, s = 2, 32
     layer = act.total_bytes(spec_for(m).activations.layer(m, 1, dtype), b, s)
-    assert _moe_layer_saves(m, dtype, b, s) == layer
+    assert _layer_saves(MoE, m, dtype, b, s) == layer
     aux = dataclasses.replace(m, balance="aux")
-    assert _moe_layer_saves(aux, dtype, b, s) == layer + b * (8 * m.experts + 4)
+    assert _layer_saves(MoE, aux, dtype, b, s) == layer + b * (8 * m.experts + 4)
 
 
 def test_microbatches_in_flight():
