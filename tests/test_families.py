@@ -21,14 +21,14 @@ import torch.nn.functional as F
 
 from harness import EXACT, Jobs, assert_close_run, tiny_config, train_worker, trainer_for
 from test_interop_hf import _import_and_train
+from test_plan_activations import _layer_saves
 from tetrad.cli import main as cli_main
-from tetrad.config import DTYPES, MODEL_PRESETS, model_preset
+from tetrad.config import MODEL_PRESETS, model_preset
 from tetrad.interop import hf
 from tetrad.layout import Layout
 from tetrad.models.init import build_model
-from tetrad.models.llama import Llama, cross_entropy_sum
+from tetrad.models.llama import Llama
 from tetrad.models.llama_spec import LLAMA
-from tetrad.parallel.activation_meter import ActivationMeter
 from tetrad.plan import activations as act
 
 transformers = pytest.importorskip("transformers")
@@ -246,14 +246,6 @@ def test_the_planner_counts_what_autograd_saves(dtype):
     m = dataclasses.replace(
         model_preset("qwen3-tiny"), dim=64, head_size=32, ffn_dim=96, qkv_bias=True
     )
-    b, s, live = 2, 32, []
-    for layers in (1, 2):
-        model = Llama(dataclasses.replace(m, layers=layers)).to(DTYPES[dtype])
-        meter = ActivationMeter()
-        meter.reset(model.parameters())
-        ids = torch.randint(0, m.vocab, (b, s))
-        with meter.saving():
-            loss = cross_entropy_sum(model(ids), ids)
-        live.append(meter.live)
-        del loss
-    assert live[1] - live[0] == act.total_bytes(LLAMA.activations.layer(m, 1, dtype), b, s)
+    b, s = 2, 32
+    saved = _layer_saves(Llama, m, dtype, b, s)
+    assert saved == act.total_bytes(LLAMA.activations.layer(m, 1, dtype), b, s)
