@@ -30,6 +30,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -238,15 +239,16 @@ class Comm:
     def _run(
         self, group: Group, op: str, nbytes: int, fn, async_op: bool, sent: float | None = None
     ) -> Work | None:
-        """Count a collective (see `_count`), number it in the ledger and run `fn(async_op)`."""
+        """Count a collective (see `_count`), number it in the ledger and run
+        `fn(async_op=...)` (a `torch.distributed` call, all of its other arguments bound)."""
         stats, call = self._count(group, op, nbytes, sent), self.ledger.issue(op, group, nbytes)
         if async_op:
-            work = Work(fn(True), stats, self.watchdog, call)
+            work = Work(fn(async_op=True), stats, self.watchdog, call)
             if self.trace is not None and work._handle is not None:
                 work.flight = _flight(work._handle, call)
                 self.trace.append(work.flight)
             return work
-        _blocking(lambda: fn(False), stats, self.watchdog, call)
+        _blocking(lambda: fn(async_op=False), stats, self.watchdog, call)
         return None
 
     def _collective(
@@ -262,7 +264,7 @@ class Comm:
     ) -> Work | None:
         """Every collective's one path: both tensors checked to be on the compute device; on
         one rank `inp` copied into `out` (no call); else counted as `nbytes` buffer bytes
-        (`sent`, see `_count`), numbered and run (`fn(async_op)`)."""
+        (`sent`, see `_count`), numbered and run (`fn(async_op=...)`)."""
         self.check_device(out, group, op)
         self.check_device(inp, group, op)
         if group.size == 1:
@@ -275,30 +277,21 @@ class Comm:
         self, t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"
     ) -> Work | None:
         """In place over `group`: the "sum" (gloo has no AVG: callers scale) or the "max"."""
-
-        def call(a: bool):
-            return dist.all_reduce(t, op=REDUCE_OPS[op], group=group.pg, async_op=a)
-
+        call = partial(dist.all_reduce, t, op=REDUCE_OPS[op], group=group.pg)
         return self._collective("all_reduce", group, t, t, _nbytes(t), call, async_op)
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
     ) -> Work | None:
         """Concatenate every rank's `inp` along dim 0 into `out` (size * inp)."""
-
-        def call(a: bool):
-            return dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=a)
-
+        call = partial(dist.all_gather_into_tensor, out, inp, group=group.pg)
         return self._collective("all_gather", group, out, inp, _nbytes(out), call, async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
     ) -> Work | None:
         """Sum `inp` over the group and keep this rank's dim-0 slice in `out`."""
-
-        def call(a: bool):
-            return dist.reduce_scatter_tensor(out, inp, group=group.pg, async_op=a)
-
+        call = partial(dist.reduce_scatter_tensor, out, inp, group=group.pg)
         return self._collective("reduce_scatter", group, out, inp, _nbytes(inp), call, async_op)
 
     def all_to_all(
@@ -316,22 +309,14 @@ class Comm:
         handed in, and as sent the bytes that leave this rank (its own rows stay); `op`
         names the record (the expert layer counts its token counts apart)."""
         kept = in_splits[group.rank] * math.prod(inp.shape[1:]) * inp.element_size()
-
-        def call(a: bool):
-            return dist.all_to_all_single(
-                out, inp, out_splits, in_splits, group=group.pg, async_op=a
-            )
-
+        call = partial(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group.pg)
         return self._collective(
             op, group, out, inp, _nbytes(inp), call, async_op, _nbytes(inp) - kept
         )
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group) -> None:
         """Broadcast from group-local index `src`."""
-
-        def call(a: bool):
-            return dist.broadcast(t, group.ranks[src], group=group.pg, async_op=a)
-
+        call = partial(dist.broadcast, t, group.ranks[src], group=group.pg)
         self._collective("broadcast", group, t, t, _nbytes(t), call)
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[Work]:
@@ -366,8 +351,7 @@ class Comm:
             return
         # NCCL: name the device, or torch guesses one per rank and may pick a shared GPU
         ids = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
-        barrier = lambda a: dist.barrier(group=group.pg, **ids)  # noqa: E731
-        self._run(group, "barrier", 0, barrier, False)
+        self._run(group, "barrier", 0, partial(dist.barrier, group=group.pg, **ids), False)
 
 
 def _flight(handle, call: Call) -> Flight:
