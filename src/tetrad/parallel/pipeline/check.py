@@ -97,8 +97,8 @@ def check_actions(
     _check_coverage(where, n_stages, microbatches, stage_to_rank)
     _check_causality(where, n_stages, microbatches, stage_to_rank)
     _check_progress(actions, rendezvous=False)
-    if in_order:
-        _check_channel_order(actions)
+    if in_order:  # an in-order transport matches each link's messages in send order
+        _match([[a for a in acts if not a.is_compute] for acts in actions])
     if rendezvous:
         _check_progress(actions, rendezvous=True)
 
@@ -207,47 +207,25 @@ def _ordered_pairs(
 
 def _check_progress(actions: list[list[Action]], *, rendezvous: bool) -> None:
     """Run every rank's list to the end, or report where each rank is stuck."""
-    pc = [0] * len(actions)
+    at = [0] * len(actions)  # each rank's position
     sent: set[ActionKey] = set()
 
-    def runs(a: Action) -> bool:
-        if a.kind.startswith("RECV"):
-            return wire(a) in sent
-        if a.kind.startswith("SEND") and rendezvous:
+    def step(a: Action, rank: int) -> bool:
+        if a.kind.startswith("RECV") and wire(a) not in sent:
+            return False
+        if a.kind.startswith("SEND"):
             # a blocking send completes only once the peer sits at the matching receive
-            at = actions[a.peer][pc[a.peer] : pc[a.peer] + 1]
-            return bool(at) and at[0].kind.startswith("RECV") and wire(at[0]) == wire(a)
+            peer = actions[a.peer][at[a.peer] : at[a.peer] + 1]
+            if rendezvous and not (
+                peer and peer[0].kind.startswith("RECV") and wire(peer[0]) == wire(a)
+            ):
+                return False
+            sent.add(wire(a))
+        at[rank] += 1
         return True
 
-    moved = True
-    while moved:
-        moved = False
-        for rank, acts in enumerate(actions):
-            while pc[rank] < len(acts) and runs(acts[pc[rank]]):
-                if acts[pc[rank]].kind.startswith("SEND"):
-                    sent.add(wire(acts[pc[rank]]))
-                pc[rank] += 1
-                moved = True
-    stuck = [
-        f"rank {r} at {acts[pc[r]]} (position {pc[r]})"
-        for r, acts in enumerate(actions)
-        if pc[r] < len(acts)
-    ]
-    if stuck:
-        mode = "blocking" if rendezvous else "non-blocking"
-        raise ValueError(f"deadlock with {mode} sends: " + "; ".join(stuck))
-
-
-def _check_channel_order(actions: list[list[Action]]) -> None:
-    """Per link, the order of sends must equal the order the receiver waits."""
-    sends, recvs = _links([[a for a in acts if not a.is_compute] for acts in actions])
-    for link, order in sends.items():
-        for i, ((_, s), (_, r)) in enumerate(zip(order, recvs.get(link, []))):
-            if wire(s) != wire(r):
-                raise ValueError(
-                    f"link {link[0]}->{link[1]}: message {i} is sent as {wire(s)} "
-                    f"but received as {wire(r)} (in-order transports would mismatch)"
-                )
+    mode = "blocking" if rendezvous else "non-blocking"
+    run_all(actions, step, f"deadlock with {mode} sends")
 
 
 def _links(transfers: list[list[Action]]) -> tuple[dict[Link, list], dict[Link, list]]:
@@ -286,7 +264,7 @@ def check_program(
         raise ValueError(f"expected {len(actions)} rank programs, got {len(programs)}")
     for rank, (acts, items) in enumerate(zip(actions, programs)):
         _check_items(rank, acts, items)
-    match = _match(programs)
+    match = _match([_posted(items) for items in programs])
     variants = [programs] if late is None else [programs, [as_run(p, late) for p in programs]]
     for progs in variants:
         if transport == "nccl":
@@ -337,9 +315,10 @@ def _check_item_order(rank: int, acts: list[Action], items: list[Item]) -> None:
             raise ValueError(f"rank {rank}: {near} runs before waiting for {a}")
 
 
-def _match(programs: list[list[Item]]) -> dict[Op, Op]:
-    """Pair the k-th send on each link with the k-th receive (in-order matching)."""
-    sends, recvs = _links([_posted(items) for items in programs])
+def _match(transfers: list[list[Action]]) -> dict[Op, Op]:
+    """Pair the k-th send on each link with the k-th receive (in-order matching), given
+    each rank's transfers in the order it posts them."""
+    sends, recvs = _links(transfers)
     match: dict[Op, Op] = {}
     for link in sends.keys() | recvs.keys():
         out, into = sends.get(link, []), recvs.get(link, [])
@@ -349,7 +328,7 @@ def _match(programs: list[list[Item]]) -> dict[Op, Op]:
             if wire(s) != wire(r):
                 raise ValueError(
                     f"link {link[0]}->{link[1]}: message {i} is sent as {s} but received as "
-                    f"{r} (an in-order transport would hand it to the wrong tensor)"
+                    f"{r} (in-order transports would hand it to the wrong tensor)"
                 )
             match[s_op], match[r_op] = r_op, s_op
     return match
