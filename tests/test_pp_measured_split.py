@@ -25,13 +25,15 @@ def _worker(rank: int, world: int, raw: dict) -> dict:
     from tetrad.comm import Comm
     from tetrad.mesh import Mesh
     from tetrad.parallel.pipeline import split_costs
+    from tetrad.train.checkpoint import run_record
     from tetrad.train.loop import Trainer
 
     cfg = from_dict(raw)
     out = train_worker(rank, world, raw)
     mesh = Mesh.build(cfg.parallel, rank)
     trainer = Trainer(cfg, mesh, torch.device("cpu"))
-    out["split"] = trainer.cfg.parallel.pp_split
+    out["split"] = ",".join(map(str, trainer.layout.split))  # the layout holds it
+    out["recorded"] = run_record(cfg, trainer.layout)["parallel"]["pp_split"]  # checkpoints'
     timed = split_costs._time_items
     split_costs._time_items = lambda *a: [c * (1 + rank) for c in timed(*a)]
     try:
@@ -54,6 +56,7 @@ def test_measured_split_is_agreed_and_matches_single_process(reference, jobs):
     ranks = jobs["pp2xdp2"]
     splits = {r["split"] for r in ranks}
     assert len(splits) == 1, f"ranks disagree on the split: {splits}"
+    assert all(r["recorded"] == r["split"] for r in ranks)  # what config.json records
     split = [int(x) for x in splits.pop().split(",")]
     assert len(split) == 2 and sum(split) == MODEL["layers"], split
     costs = [r["costs"] for r in ranks]

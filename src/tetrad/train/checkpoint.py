@@ -42,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
 from tetrad.config import DTYPES, Config, from_dict
+from tetrad.layout import Layout
 from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
 from tetrad.parallel.boxes import Box, box_numel, box_shape, intersect, relative
@@ -163,8 +164,8 @@ class Saver:
     point: the trainer calls it once the step's all-reduce says every rank's writer is
     done, before the next save, and at the end) commits it: manifest last, one rename."""
 
-    def __init__(self, asynchronous: bool):
-        self.asynchronous = asynchronous
+    def __init__(self, asynchronous: bool, layout: Layout | None = None):
+        self.asynchronous, self.layout = asynchronous, layout  # its split is recorded
         self.pending: PendingSave | None = None
 
     @property
@@ -182,7 +183,7 @@ class Saver:
             return path  # already committed: a resumed run that ends where it started
         tmp = prepare(path, engine)
         owned, adam_step = owned_state(engine, optimizer)  # copies
-        info = describe(step, adam_step, loader, cfg)
+        info = describe(step, adam_step, loader, cfg, self.layout)
         work = partial(write_shard, tmp, engine.mesh.rank, owned)
         self.pending = PendingSave(path, info, *in_background(work, "tetrad-checkpoint"))
         return path if self.asynchronous and not wait else self.finish(engine, cfg)
@@ -315,14 +316,24 @@ def placement(cfg: Config) -> dict[str, Any]:
     return {k: getattr(p, k) for k in layout} | {"world": p.world}
 
 
-def describe(step: int, adam_step: int, loader, cfg: Config) -> dict:
-    """The manifest's state sections: training, data position, RNG, placement."""
+def run_record(cfg: Config, layout: Layout | None = None) -> dict[str, Any]:
+    """`cfg` as a run records it (config.json, checkpoints): a measured split written as
+    the layer counts `layout` fixed (the layout alone holds them)."""
+    record = cfg.to_dict()
+    if cfg.parallel.pp_split == "measured" and layout is not None and layout.split is not None:
+        record["parallel"]["pp_split"] = ",".join(map(str, layout.split))
+    return record
+
+
+def describe(step: int, adam_step: int, loader, cfg: Config, layout: Layout | None = None) -> dict:
+    """The manifest's state sections: training (`run_record`), data position, RNG,
+    placement."""
     return {
         "training": {
             "step": step,
             "optimizer_step": adam_step,
             "next_lr": lr_at(step, cfg.train),  # the schedule is a function of the step
-            "config": cfg.to_dict(),
+            "config": run_record(cfg, layout),
         },
         "data": loader.state_dict(),
         "rng": {

@@ -71,7 +71,7 @@ from safetensors.torch import load as load_bytes
 
 from tetrad.comm import Comm
 from tetrad.config import Config
-from tetrad.layout import fixed_layout
+from tetrad.layout import Layout, fixed_layout
 from tetrad.mesh import Group
 from tetrad.parallel.boxes import Box
 from tetrad.train.checkpoint import (
@@ -83,6 +83,7 @@ from tetrad.train.checkpoint import (
     in_background,
     install,
     owned_state,
+    run_record,
     serialise,
     step_dirs,
 )
@@ -182,10 +183,11 @@ class LocalCheckpoints:
 
     Built by every rank (with `checkpoint.local_every` > 0) before its first step, on the
     training thread: the partner group it makes is a collective. `comm` lends only its
-    watchdog: nothing here is staged on its compute device."""
+    watchdog: nothing here is staged on its compute device. `layout`: the run's, whose
+    split (a measured one) the states record."""
 
-    def __init__(self, cfg: Config, engine, comm: Comm):
-        self.cfg, self.engine = cfg, engine
+    def __init__(self, cfg: Config, engine, comm: Comm, layout: Layout | None = None):
+        self.cfg, self.engine, self.layout = cfg, engine, layout
         self.every = cfg.checkpoint.local_every
         self.root = local_root(cfg)
         self.rank, self.world = engine.mesh.rank, engine.mesh.world
@@ -229,7 +231,8 @@ class LocalCheckpoints:
     def start(self, step: int, optimizer, loader) -> None:
         """Snapshot this rank's boxes (copies) and write them in the background."""
         owned, adam_step = owned_state(self.engine, optimizer)
-        info = describe(step, adam_step, loader, self.cfg) | {"local_world": self.local_world}
+        info = describe(step, adam_step, loader, self.cfg, self.layout)
+        info |= {"local_world": self.local_world}
         work = partial(self._write, step, owned, info)
         self.pending = Generation(step, *in_background(work, "tetrad-local-checkpoint"))
 
@@ -341,7 +344,8 @@ class LocalCheckpoints:
         """Load the newest generation that every rank's state is complete in, if newer than
         `newer_than` (every rank calls; the choice is agreed). Returns its step, or None,
         then saying why (rank 0) if any rank held a generation."""
-        mine, blobs = scan(self.root, self.local_rank, self.local_world, self.cfg, self.warn)
+        args = (self.local_rank, self.local_world, self.cfg, self.warn, self.layout)
+        mine, blobs = scan(self.root, *args)
         held = gather_json(self.engine, mine)
         step, providers = newest_complete(held)
         if step is None or step <= newer_than:
@@ -443,14 +447,15 @@ def check_sha(meta: dict, data: bytes) -> None:
         raise CorruptCheckpoint(f"sha256 {got} != {meta.get('sha256')} in its JSON")
 
 
-def check_meta(meta: dict, step: int, rank: int, cfg: Config) -> None:
-    """The blob is rank `rank`'s state after `step` steps of this run's model and layout."""
+def check_meta(meta: dict, step: int, rank: int, cfg: Config, layout: Layout | None = None) -> None:
+    """The blob is rank `rank`'s state after `step` steps of this run's model and layout
+    (`run_record`: with `layout`'s split)."""
     if meta.get("format") != FORMAT or meta.get("rank") != rank:
         raise CorruptCheckpoint(f"not rank {rank}'s {FORMAT} (format {meta.get('format')!r})")
     if meta["training"]["step"] != step:
         raise CorruptCheckpoint(f"holds step {meta['training']['step']}, not {step}")
     saved = meta["training"]["config"]
-    now = cfg.to_dict()
+    now = run_record(cfg, layout)
     if saved["model"] != now["model"] or (
         fixed_layout(saved["parallel"]) != fixed_layout(now["parallel"])
     ):
@@ -458,7 +463,7 @@ def check_meta(meta: dict, step: int, rank: int, cfg: Config) -> None:
 
 
 def scan(
-    root: Path, local_rank: int, local_world: int, cfg: Config, warn
+    root: Path, local_rank: int, local_world: int, cfg: Config, warn, layout: Layout | None = None
 ) -> tuple[list[dict], dict[tuple[int, int, int], bytes]]:
     """Which ranks' states of which generations a rank holds (the files under `root` that
     its local rank wrote, each verified: format, this run's model and fixed layout, world,
@@ -472,7 +477,7 @@ def scan(
         for stem, rank, world in _written_here(directory, local_rank, local_world):
             if (step, world, rank) in blobs:  # its own file and a copy: the same state
                 continue
-            blob = _verified(stem, step, rank, world, cfg, warn)
+            blob = _verified(stem, step, rank, world, cfg, warn, layout)
             if blob is not None:
                 blobs[(step, world, rank)] = blob
                 worlds.setdefault(world, []).append(rank)
@@ -503,14 +508,14 @@ def _written_here(directory: Path, local_rank: int, local_world: int) -> list[tu
     return [(stem, rank, world) for _, stem, rank, world in sorted(found, key=lambda f: f[:2])]
 
 
-def _verified(stem: Path, step: int, rank: int, world: int | None, cfg: Config, warn):
+def _verified(stem: Path, step: int, rank: int, world: int | None, cfg: Config, warn, layout):
     """The blob of `stem` (.json + .safetensors) if it is whole and this run's, of `world`;
     a present but bad one is skipped with a warning."""
     if not stem.with_suffix(".json").is_file():
         return None
     try:
         meta, blob = read_blob(stem)
-        check_meta(meta, step, rank, cfg)
+        check_meta(meta, step, rank, cfg, layout)
         if meta["placement"]["saved_from"]["world"] != world:  # rewritten while scanned
             raise CorruptCheckpoint(f"changed while read (its JSON named a world of {world})")
         return blob

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import signal
@@ -110,15 +109,6 @@ def hf_weights(cfg: Config):
     return hf.HFWeights(cfg.model.init_from_hf, cfg.model)
 
 
-def record_split(cfg: Config, layout: Layout) -> Config:
-    """`cfg` with a measured split written as the layer counts the layout fixed (what
-    checkpoints and config.json record)."""
-    if cfg.parallel.pp_split != "measured" or layout.split is None:
-        return cfg
-    split = ",".join(map(str, layout.split))
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_split=split))
-
-
 class Trainer:
     """Builds the engine, optimizer and loader for this rank, and runs steps."""
 
@@ -138,15 +128,15 @@ class Trainer:
         if self.comm.device != torch.device(device):
             raise ValueError(f"Comm is for {self.comm.device}, the trainer computes on {device}")
         self.stop = stop or StopRequest()  # installed on signals by `run`, not here
-        self.saver = checkpoint.Saver(cfg.checkpoint.async_save)
         # bad data or weights fail here, alike on every rank, before the first collective
         t, batch = cfg.train, mesh["batch"]  # ranks reading different sequences
         heldout = t.eval_batches * t.global_batch if t.eval_every else 0
         source = source_of(cfg, heldout)
         hf = hf_weights(cfg)
-        # --pp-split measured: timed and agreed here, the resolved split used from now on
+        # --pp-split measured: timed and agreed here; the layout holds the split from now
+        # on, and checkpoints record it from there (`checkpoint.run_record`)
         layout = self.layout = resolve_split(layout, cfg.model, t, self.comm, mesh["world"], device)
-        cfg = self.cfg = record_split(cfg, layout)
+        self.saver = checkpoint.Saver(cfg.checkpoint.async_save, layout)
         if t.compile:
             use_compile_cache(Path(t.out) / "compile_cache")
         self.compile_cost = CompileCost() if t.compile else None
@@ -167,7 +157,7 @@ class Trainer:
         self.step = 0
         # in-memory checkpoints with a partner copy (a collective: the partner group)
         local = cfg.checkpoint.local_every > 0
-        self.local = LocalCheckpoints(cfg, self.engine, self.comm) if local else None
+        self.local = LocalCheckpoints(cfg, self.engine, self.comm, layout) if local else None
         self.resumed: dict[str, Any] = {}  # how this run resumed: in its first metrics row
         self.flops_per_token = spec_for(cfg.model).flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = cfg.train.peak_tflops or peak_tflops(device, cfg.train.dtype)

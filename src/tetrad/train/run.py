@@ -14,6 +14,7 @@ from tetrad.comm import Comm
 from tetrad.comm.watchdog import Watchdog
 from tetrad.config import Config
 from tetrad.layout import Layout, elastic_config
+from tetrad.train.checkpoint import run_record
 from tetrad.train.loop import Trainer, init_distributed
 from tetrad.train.metrics import MetricsWriter, require_tensorboard
 from tetrad.train.stop import Preempted, StopRequest
@@ -66,7 +67,6 @@ def _train(
     cfg: Config, layout: Layout, mesh, device, comm: Comm, stop: StopRequest, timeline
 ) -> list[dict]:
     trainer = Trainer(cfg, mesh, device, comm, stop, layout)
-    cfg = trainer.cfg  # a measured split, fixed
     resumed = trainer.resume()  # None: a fresh start
     writer = None
     try:
@@ -74,7 +74,8 @@ def _train(
             out = Path(cfg.train.out)
             print(f"tetrad: writing the run to {out}/ (metrics.jsonl, checkpoints/)", flush=True)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            record = run_record(cfg, trainer.layout)  # a measured split: as fixed
+            (out / "config.json").write_text(json.dumps(record, indent=2))
             if resumed is not None:
                 replayed = keep_metrics_before(out / "metrics.jsonl", resumed)
                 trainer.resumed["replayed_steps"] = replayed
