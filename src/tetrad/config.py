@@ -654,10 +654,6 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
-    @property
-    def microbatch_size(self) -> int:
-        return self.train.global_batch // (self.parallel.data_ranks * self.parallel.microbatches)
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -31,12 +31,16 @@ from tetrad.config import (
     Config,
     ModelConfig,
     ParallelConfig,
+    _require,
     check_sections,
 )
+from tetrad.mesh import AXES  # the mesh's axes, outermost first
 from tetrad.precision import wide
 
 SPLIT_BACKWARD = ("zb-h1", "zb-v")  # backward split into B (inputs) and W (weights)
-AXES = ("pp", "dp", "fsdp", "cp", "tp")  # the mesh's axes, outermost first
+# what the Layout takes from the parallel section as it is
+AS_CONFIGURED = ("microbatches", "sp", "cp_attention", "zero_stage", "reshard_after_forward")
+AS_CONFIGURED += ("virtual_stages", "ep", "cp_kernel", "error_feedback", "fp8_all_gather")
 
 
 class Degrees(dict):
@@ -120,31 +124,22 @@ class Layout:
         )
         return cls(
             degrees=Degrees((axis, getattr(p, axis)) for axis in AXES),
-            microbatches=p.microbatches,
             microbatch_size=cfg.train.global_batch // (p.data_ranks * p.microbatches),
             seq_len=cfg.train.seq_len,
             local_seq=cfg.train.seq_len // p.cp,
-            sp=p.sp,
-            cp_attention=p.cp_attention,
-            zero_stage=p.zero_stage,
-            reshard_after_forward=p.reshard_after_forward,
             bucket_bytes=int(p.bucket_mb * 2**20),
             first_bucket_bytes=int(p.first_bucket_mb * 2**20),
             schedule=p.pp_schedule,
-            virtual_stages=p.virtual_stages,
             split=split,
             split_measured=p.pp_split == "measured",
             compute_dtype=DTYPES[cfg.train.dtype],
             reduce_dtype=_reduce_dtype(cfg),
             master_dtype=wide(DTYPES[cfg.train.dtype]),
-            ep=p.ep,
-            cp_kernel=p.cp_kernel,
             loss_chunk=cfg.train.loss_chunk,
             fp8=cfg.train.fp8,
             compress=p.reduce_dtype if p.reduce_dtype in COMPRESSED else "",
-            error_feedback=p.error_feedback,
-            fp8_all_gather=p.fp8_all_gather,
             compiled=cfg.train.compile,
+            **{name: getattr(p, name) for name in AS_CONFIGURED},
         )
 
     @property
@@ -297,11 +292,6 @@ def _product(degrees: dict[str, int]) -> str:
 
 
 # --- the rules, pure --------------------------------------------------------------------
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def check_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:

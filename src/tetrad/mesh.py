@@ -165,15 +165,10 @@ class Mesh:
     def plan(cls, degrees: dict[str, int], rank: int, ep: int = 1) -> Mesh:
         """The mesh with every group's membership but no process groups (pure)."""
         mesh = cls(dict(degrees), rank, ep=ep)
-        for name in GROUP_AXES:
-            for ranks in axis_groups(degrees, name):
-                if rank in ranks:
-                    mesh.groups[name] = Group(name, ranks, ranks.index(rank))
-        for name, groups in zip(("ep", "ep_data"), expert_groups(degrees, ep)):
-            ranks = next(g for g in groups if rank in g)
-            mesh.groups[name] = Group(name, ranks, ranks.index(rank))
-        ends = next((g for g in pp_end_groups(degrees) if rank in g), [rank])
-        mesh.groups["pp_ends"] = Group("pp_ends", ends, ends.index(rank))
+        ends = [("pp_ends", g) for g in pp_end_groups(degrees)] or [("pp_ends", [rank])]
+        for name, ranks in named_groups(degrees, ep) + ends:
+            if rank in ranks:
+                mesh.groups[name] = Group(name, ranks, ranks.index(rank))
         return mesh
 
     @classmethod
@@ -188,10 +183,7 @@ class Mesh:
         mesh = cls.plan(degrees, rank, ep)
         world = mesh.world
         made: dict[tuple[int, ...], Any] = {}  # groups of equal members share one handle
-        named = [(n, g) for n in GROUP_AXES for g in axis_groups(degrees, n)]
-        ep_groups, edp_groups = expert_groups(degrees, ep)  # mostly groups made above
-        named += [("ep", g) for g in ep_groups] + [("ep_data", g) for g in edp_groups]
-        for name, ranks in named:
+        for name, ranks in named_groups(degrees, ep):
             # new_group is collective over the world: every rank creates every group,
             # in the same order, so the reuse below happens alike on every rank.
             if len(ranks) == 1:
@@ -206,6 +198,14 @@ class Mesh:
             if rank in ranks:
                 mesh.groups["pp_ends"].pg = pg
         return mesh
+
+
+def named_groups(degrees: dict[str, int], ep: int) -> list[tuple[str, list[int]]]:
+    """(name, ranks) of every group but "pp_ends", in the order `Mesh.build` makes them:
+    each of `GROUP_AXES`, then the expert groups (mostly groups made before)."""
+    named = [(n, g) for n in GROUP_AXES for g in axis_groups(degrees, n)]
+    ep_groups, edp_groups = expert_groups(degrees, ep)
+    return named + [("ep", g) for g in ep_groups] + [("ep_data", g) for g in edp_groups]
 
 
 def _new_group(ranks: list[int], timeout: Any):
