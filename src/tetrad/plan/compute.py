@@ -18,6 +18,10 @@ The backward of an elementwise op moves about twice the forward's bytes (it read
 saved input and the output gradient, writes the input gradient); flash attention's
 backward runs 2.5x the forward's FLOPs (five matmuls to two).
 
+Under FP8 (--fp8) the block's linears run at `FP8_GEMM_SHARE` of the device's FP8 peak x
+efficiency, and every FP8 linear's input (forward) and output gradient (backward) is cast
+to FP8 first: `fp8_cast_bytes` of HBM traffic an element (docs/plan.md, "Low precision").
+
 A mixture of experts' routed experts run as grouped GEMMs, one matmul per expert over the
 token copies routed to it: each at the rate of its own shape (the expert's width, not the
 k experts' sum) and of its tokens, `M / (M + GROUPED_HALF_TOKENS)` for M copies an
@@ -63,6 +67,17 @@ GROUPED_HALF_TOKENS = 1024.0
 # router trained with its balancing loss: a stated fit on the Megatron-MoE model zoo's
 # forced-balance against dropless Qwen3-235B rows (docs/plan.md)
 ROUTING_IMBALANCE = 1.2
+# FP8 GEMMs reach this share of what bf16 GEMMs reach of their own peak (a stated fit on the
+# published FP8/bf16 step-time ratios of NeMo's Llama 3.1 8B and 70B recipes on H100,
+# tests/data/megatron_bridge_fp8.csv; docs/plan.md, "Low precision")
+FP8_GEMM_SHARE = 0.82
+
+
+def fp8_cast_bytes(c: int) -> int:
+    """HBM bytes an element of a tensor in dtype bytes `c` costs to reach an FP8 GEMM: the
+    amax read (dynamic scaling: this step's scale), the cast's read, and two one-byte
+    writes (row-wise for this GEMM, transposed for the weight gradient's)."""
+    return 2 * c + 2
 
 
 @dataclass(frozen=True)
@@ -86,10 +101,12 @@ class Parts:
     gemm: float
     attention: float
     elementwise: float
+    cast: float = 0.0  # FP8 casts of this pass (--fp8)
+    cast_back: float = 0.0  # a forward's: the FP8 casts its backward will make
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.elementwise
+        return self.gemm + self.attention + self.elementwise + self.cast
 
 
 def gemm_factor(width: float) -> float:
@@ -104,7 +121,7 @@ class ComputeModel:
         self.device, self.kernels, self.sized = device, kernels, sized
 
     def _gemm_rate(self, k: float, n: float, dtype: str) -> float:
-        rate = self.device.flops_per_s(dtype)
+        rate = self.device.flops_per_s(dtype) * (FP8_GEMM_SHARE if dtype == "fp8" else 1.0)
         return rate * gemm_factor(k) * gemm_factor(n) if self.sized else rate
 
     def _attention_rate(self, dtype: str) -> float:
@@ -138,7 +155,35 @@ class ComputeModel:
         else:
             width = m.heads * m.head_dim  # the query width (Qwen3 sets it apart from dim)
             attention = seqs * 2 * s * s * width / t / cp / self._attention_rate(dtype)
-        return Parts(gemm, attention, nbytes / self.device.hbm_Bps)
+        casts = self.fp8_casts(m, t, sp, dtype) if g == "fp8" else (0.0, 0.0)
+        cast, back = (tokens * e / self.device.hbm_Bps for e in casts)
+        return Parts(gemm, attention, nbytes / self.device.hbm_Bps, cast, back)
+
+    def fp8_casts(self, m: ModelConfig, t: int, sp: bool, dtype: str) -> tuple[float, float]:
+        """HBM bytes a token's FP8 casts move in one block on one rank, (forward, backward):
+        every linear's input forward and output gradient backward, `fp8_cast_bytes` an
+        element. A routed expert's side other than its width carries top_k/t copies of
+        a token. Fused kernels (Transformer Engine's fused QKV and gate/up linears) cast an
+        input the column-wise linears of one module share once; eager ones (torchao's
+        Float8Linear) once a linear. Under SP a rank casts its own sequence shard of what
+        is gathered (the column-wise linears' input, the row-wise ones' output gradient)
+        and gathers it in FP8, 1/t of it."""
+        spec, each = spec_for(m), fp8_cast_bytes(DTYPE_BYTES[dtype])
+        copies = m.top_k / t if m.moe else 1.0
+        fwd = bwd = 0.0
+        shared = set()  # modules whose shared input is cast already
+        for name, (k, n) in spec.block_linears(m, t).items():
+            side = spec.routed_linears.get(name)
+            k, n = (k * copies, n) if side == "n" else (k, n * copies) if side else (k, n)
+            module = name.rpartition(".")[0]
+            column = side == "n" or spec.tp_plan.get(f"layers.*.{name}") in ("colwise", "kv")
+            gathered = 1 / t if sp and not side else 1.0  # the experts' copies are the rank's
+            if not (self.kernels.fused and column and module in shared):
+                fwd += k * each * (gathered if column else 1.0)
+            if column:
+                shared.add(module)
+            bwd += n * each * (1.0 if column else gathered)
+        return fwd, bwd
 
     def selective_redo(self, m: ModelConfig, t: int, tokens: int, dtype: str, fwd: Parts) -> float:
         """Seconds tetrad's selective recomputation redoes in one block's backward
@@ -184,7 +229,8 @@ class ComputeModel:
         passes twice over, 2x its forward."""
         unfused = self.kernels.attention == "unfused"
         attention = BACKWARD_ELEMENTWISE if unfused else BACKWARD_ATTENTION
-        return Parts(fwd.gemm, attention * fwd.attention, BACKWARD_ELEMENTWISE * fwd.elementwise)
+        return Parts(fwd.gemm, attention * fwd.attention, BACKWARD_ELEMENTWISE * fwd.elementwise,
+                     fwd.cast_back)  # fmt: skip
 
     def head(self, m: ModelConfig, t: int, tokens: int, dtype: str) -> Parts:
         """The head matmul and the loss's forward on one rank (no attention)."""
