@@ -38,14 +38,19 @@ ROUTERS = ("softmax", "sigmoid")
 BALANCE = ("aux", "bias", "none")
 
 
-def cli(
-    help: str, flag: str = "", choices: tuple[Any, ...] = (), metavar: str | None = None
-) -> dict[str, Any]:
-    """Field metadata that makes the field an option of `tetrad train` (cli.py builds the
-    parser from it): its help; its flag, where not the field's name (a bool field's flag sets
-    the opposite of its default: `--no-progress` for `progress = True`); its choices or
-    metavar. Every option is also settable in a --config TOML file."""
-    return {"cli": {"help": help, "flag": flag, "choices": choices, "metavar": metavar}}
+def option(
+    default: Any,
+    help: str,
+    flag: str = "",
+    choices: tuple[Any, ...] = (),
+    metavar: str | None = None,
+) -> Any:
+    """A field with its `default` that is also an option of `tetrad train` (cli.py builds
+    the parser from its "cli" metadata): its help; its flag, where not the field's name (a
+    bool field's flag sets the opposite of its default: `--no-progress` for `progress =
+    True`); its choices or metavar. Every option is also settable in a --config TOML file."""
+    cli = {"help": help, "flag": flag, "choices": choices, "metavar": metavar}
+    return field(default=default, metadata={"cli": cli})
 
 
 @dataclass
@@ -55,85 +60,63 @@ class ModelConfig:
 
     name: str = "small"
     family: str = "llama"
-    layers: int = field(default=4, metadata=cli("transformer blocks"))
-    dim: int = field(default=128, metadata=cli("model width (the residual stream's size)"))
-    heads: int = field(default=4, metadata=cli("attention heads"))
-    kv_heads: int = field(default=2, metadata=cli("key/value heads (grouped-query attention)"))
-    vocab: int = field(
-        default=256,
-        metadata=cli(
-            "vocabulary size (default: with a tokenizer or a token file, its vocabulary padded "
-            "to a multiple of 128*tp; else 256)"
-        ),
+    layers: int = option(4, "transformer blocks")
+    dim: int = option(128, "model width (the residual stream's size)")
+    heads: int = option(4, "attention heads")
+    kv_heads: int = option(2, "key/value heads (grouped-query attention)")
+    vocab: int = option(
+        256,
+        "vocabulary size (default: with a tokenizer or a token file, its vocabulary padded "
+        "to a multiple of 128*tp; else 256)",
     )
     ffn_dim: int = 0
     max_seq_len: int = 4096
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    tie_embeddings: bool = field(
-        default=False, metadata=cli("share the token embedding's weights with the output head")
-    )
+    tie_embeddings: bool = option(False, "share the token embedding's weights with the output head")
     init_std: float = 0.02
-    init_from_hf: str = field(
-        default="",
-        metadata=cli(
-            "start from a local Hugging Face Llama directory (config.json + safetensors): "
-            "the model's shape and weights; shape flags that contradict config.json are errors",
-            metavar="DIR",
-        ),
+    init_from_hf: str = option(
+        "",
+        "start from a local Hugging Face Llama directory (config.json + safetensors): "
+        "the model's shape and weights; shape flags that contradict config.json are errors",
+        metavar="DIR",
     )
     head_size: int = 0  # channels per attention head; 0: dim // heads (Qwen3 sets its own)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys before rotary (Qwen3)
-    qkv_bias: bool = field(
-        default=False, metadata=cli("biases on the query, key and value projections (Qwen2)")
-    )
-    sliding_window: int = field(
-        default=0,
-        metadata=cli(
-            "attend to the last N positions only (Mistral); 0: none. A window shorter than "
-            "--seq-len is refused (docs/models.md)",
-            metavar="N",
-        ),
+    qkv_bias: bool = option(False, "biases on the query, key and value projections (Qwen2)")
+    sliding_window: int = option(
+        0,
+        "attend to the last N positions only (Mistral); 0: none. A window shorter than "
+        "--seq-len is refused (docs/models.md)",
+        metavar="N",
     )
     # mixture of experts (family "moe"; docs/moe.md): from layer `dense_layers` on, the
     # feed-forward is a router over `experts` SwiGLU experts of `moe_ffn_dim`, each token
     # sent to `top_k` of them, plus `shared_experts` every token uses
-    experts: int = field(
-        default=0,
-        metadata=cli(
-            "routed experts per MoE layer (docs/moe.md); > 0 on a dense model makes it a "
-            "mixture of experts, 0 makes an MoE preset dense"
-        ),
+    experts: int = option(
+        0,
+        "routed experts per MoE layer (docs/moe.md); > 0 on a dense model makes it a "
+        "mixture of experts, 0 makes an MoE preset dense",
     )
-    top_k: int = field(default=2, metadata=cli("experts each token is sent to"))
-    moe_ffn_dim: int = field(  # 0: hidden_dim
-        default=0, metadata=cli("one expert's SwiGLU inner size (default: the dense ffn size)")
+    top_k: int = option(2, "experts each token is sent to")
+    moe_ffn_dim: int = option(  # 0: hidden_dim
+        0, "one expert's SwiGLU inner size (default: the dense ffn size)"
     )
-    shared_experts: int = field(
-        default=0, metadata=cli("experts every token runs through, beside its top-k")
+    shared_experts: int = option(0, "experts every token runs through, beside its top-k")
+    dense_layers: int = option(0, "the first N layers keep a dense feed-forward")
+    router: str = option(
+        "softmax",
+        "softmax: top-k of the softmax, renormalised (Mixtral, Qwen3); sigmoid: sigmoid "
+        "scores, top-k normalised (DeepSeek-V3)",
+        choices=ROUTERS,
     )
-    dense_layers: int = field(
-        default=0, metadata=cli("the first N layers keep a dense feed-forward")
+    balance: str = option(
+        "aux",
+        "load balance: aux (sequence-wise auxiliary loss), bias (DeepSeek-V3's loss-free "
+        "per-expert bias) or none",
+        choices=BALANCE,
     )
-    router: str = field(
-        default="softmax",
-        metadata=cli(
-            "softmax: top-k of the softmax, renormalised (Mixtral, Qwen3); sigmoid: sigmoid "
-            "scores, top-k normalised (DeepSeek-V3)",
-            choices=ROUTERS,
-        ),
-    )
-    balance: str = field(
-        default="aux",
-        metadata=cli(
-            "load balance: aux (sequence-wise auxiliary loss), bias (DeepSeek-V3's loss-free "
-            "per-expert bias) or none",
-            choices=BALANCE,
-        ),
-    )
-    aux_loss_coef: float = field(
-        default=0.01, metadata=cli("the auxiliary loss's coefficient (default 0.01)")
-    )
+    aux_loss_coef: float = option(0.01, "the auxiliary loss's coefficient (default 0.01)")
     bias_rate: float = 0.001  # the loss-free bias's step per training step
     capacity_factor: float = 0.0  # 0: dropless (every token reaches its top_k experts)
     # DeepSeek-V3's routing (docs/models.md): experts in n_group groups, each token's top_k
@@ -287,134 +270,99 @@ class ParallelConfig:
     """Degrees of the five axes and how each axis behaves."""
 
     # dp and fsdp (layout.ELASTIC_AXES) also take "auto" on the command line
-    dp: int = field(
-        default=1,
-        metadata=cli(
-            "data-parallel degree; auto (with --nnodes MIN:MAX): the world over the other "
-            "degrees at each (re)start, so that losing a node shrinks the job "
-            "(docs/checkpoint.md)"
-        ),
+    dp: int = option(
+        1,
+        "data-parallel degree; auto (with --nnodes MIN:MAX): the world over the other "
+        "degrees at each (re)start, so that losing a node shrinks the job "
+        "(docs/checkpoint.md)",
     )
-    fsdp: int = field(
-        default=1,
-        metadata=cli("sharded data-parallel degree (ZeRO, --zero-stage); auto: as --dp auto"),
+    fsdp: int = option(1, "sharded data-parallel degree (ZeRO, --zero-stage); auto: as --dp auto")
+    tp: int = option(1, "tensor-parallel degree (docs/tp.md)")
+    pp: int = option(1, "pipeline-parallel degree (docs/pp.md)")
+    cp: int = option(  # context parallelism: each sequence split over cp ranks
+        1,
+        "context parallelism: split every sequence over N ranks (2N load-balanced chunks; "
+        "seq-len must be divisible by 2N), attention exchanging keys and values "
+        "(docs/cp.md)",
+        metavar="N",
     )
-    tp: int = field(default=1, metadata=cli("tensor-parallel degree (docs/tp.md)"))
-    pp: int = field(default=1, metadata=cli("pipeline-parallel degree (docs/pp.md)"))
-    cp: int = field(  # context parallelism: each sequence split over cp ranks
-        default=1,
-        metadata=cli(
-            "context parallelism: split every sequence over N ranks (2N load-balanced chunks; "
-            "seq-len must be divisible by 2N), attention exchanging keys and values "
-            "(docs/cp.md)",
-            metavar="N",
-        ),
+    cp_attention: str = option(
+        "allgather",
+        "how attention crosses the cp ranks: allgather (default: keys and values "
+        "all-gathered) or ring (kv blocks passed around, online softmax)",
+        choices=CP_ATTENTION,
     )
-    cp_attention: str = field(
-        default="allgather",
-        metadata=cli(
-            "how attention crosses the cp ranks: allgather (default: keys and values "
-            "all-gathered) or ring (kv blocks passed around, online softmax)",
-            choices=CP_ATTENTION,
-        ),
-    )
-    cp_kernel: str = field(
-        default="fused",
-        metadata=cli(
-            "how a cp core attends one block: fused (default: torch's flash or "
-            "memory-efficient kernel for the device and dtype, tiled; plain matmuls where "
-            "there is none) or unfused (plain fp32 matmuls holding a whole block of scores)",
-            choices=CP_KERNELS,
-        ),
+    cp_kernel: str = option(
+        "fused",
+        "how a cp core attends one block: fused (default: torch's flash or "
+        "memory-efficient kernel for the device and dtype, tiled; plain matmuls where "
+        "there is none) or unfused (plain fp32 matmuls holding a whole block of scores)",
+        choices=CP_KERNELS,
     )
     # expert parallelism: experts sharded over ep ranks borrowed from the data (and tensor)
     # ranks; not a mesh axis of its own, so it does not enlarge the world
-    ep: int = field(
-        default=1,
-        metadata=cli(
-            "expert parallelism (MoE models): shard each layer's experts over N ranks taken "
-            "from the data ranks (and the tensor ranks where there are too few); tokens reach "
-            "their experts by all-to-all (docs/moe.md). The world size is unchanged",
-            metavar="N",
-        ),
+    ep: int = option(
+        1,
+        "expert parallelism (MoE models): shard each layer's experts over N ranks taken "
+        "from the data ranks (and the tensor ranks where there are too few); tokens reach "
+        "their experts by all-to-all (docs/moe.md). The world size is unchanged",
+        metavar="N",
     )
-    zero_stage: int = field(
-        default=3,
-        metadata=cli(
-            "what fsdp shards: 1 optimizer state, 2 also gradients, 3 also parameters "
-            "(default 3; docs/fsdp.md)",
-            choices=(1, 2, 3),
-        ),
+    zero_stage: int = option(
+        3,
+        "what fsdp shards: 1 optimizer state, 2 also gradients, 3 also parameters "
+        "(default 3; docs/fsdp.md)",
+        choices=(1, 2, 3),
     )
-    sp: bool = field(default=False, metadata=cli("sequence parallelism (tp>1)"))
-    pp_schedule: str = field(
-        default="1f1b",
-        metadata=cli("pipeline schedule (default 1f1b; docs/pp.md)", choices=SCHEDULES),
+    sp: bool = option(False, "sequence parallelism (tp>1)")
+    pp_schedule: str = option(
+        "1f1b", "pipeline schedule (default 1f1b; docs/pp.md)", choices=SCHEDULES
     )
-    microbatches: int = field(
-        default=1, metadata=cli("microbatches each data rank's share of a step is split into")
+    microbatches: int = option(1, "microbatches each data rank's share of a step is split into")
+    virtual_stages: int = option(1, "pipeline stages per rank (interleaved-1f1b: >= 2; zb-v: 2)")
+    pp_split: str = option(
+        "",
+        "layers per pipeline stage: balanced on analytic FLOPs (default), 'measured' "
+        "(balanced on the embedding, layer and head costs timed in a short warm-up, agreed "
+        "by every rank), or counts such as 5,3",
     )
-    virtual_stages: int = field(
-        default=1,
-        metadata=cli("pipeline stages per rank (interleaved-1f1b: >= 2; zb-v: 2)"),
-    )
-    pp_split: str = field(
-        default="",
-        metadata=cli(
-            "layers per pipeline stage: balanced on analytic FLOPs (default), 'measured' "
-            "(balanced on the embedding, layer and head costs timed in a short warm-up, agreed "
-            "by every rank), or counts such as 5,3"
-        ),
-    )
-    bucket_mb: float = field(
-        default=25.0, metadata=cli("data parallelism's gradient buckets, MiB (default 25)")
-    )
+    bucket_mb: float = option(25.0, "data parallelism's gradient buckets, MiB (default 25)")
     # the first (earliest-ready) DP bucket; 0: 1 MiB on a GPU, bucket_mb on CPU
-    first_bucket_mb: float = field(
-        default=0.0,
-        metadata=cli(
-            "the first gradient bucket, the first to be reduced during backward (default: 1 "
-            "on a GPU; on CPU, where the reduction takes the cores backward uses, --bucket-mb, "
-            "which makes one bucket of a small model; docs/dp.md)"
-        ),
+    first_bucket_mb: float = option(
+        0.0,
+        "the first gradient bucket, the first to be reduced during backward (default: 1 "
+        "on a GPU; on CPU, where the reduction takes the cores backward uses, --bucket-mb, "
+        "which makes one bucket of a small model; docs/dp.md)",
     )
     reshard_after_forward: bool = True
-    reduce_dtype: str = field(
-        default="fp32",
-        metadata=cli(
-            "what gradients cross ranks in: fp32, bf16, or int8/fp8 blocks of 256 values "
-            "with a scale each, quantized once per hop and summed in fp32 (dp and ZeRO; "
-            "docs/low_precision.md)",
-            choices=("fp32", "bf16", *COMPRESSED),
-        ),
+    reduce_dtype: str = option(
+        "fp32",
+        "what gradients cross ranks in: fp32, bf16, or int8/fp8 blocks of 256 values "
+        "with a scale each, quantized once per hop and summed in fp32 (dp and ZeRO; "
+        "docs/low_precision.md)",
+        choices=("fp32", "bf16", *COMPRESSED),
     )
-    error_feedback: bool = field(
-        default=True,
-        metadata=cli(
-            "with --reduce-dtype int8/fp8: do not carry what quantization dropped into the "
-            "next step (the ablation; error feedback is on by default)",
-            flag="no-error-feedback",
-        ),
+    error_feedback: bool = option(
+        True,
+        "with --reduce-dtype int8/fp8: do not carry what quantization dropped into the "
+        "next step (the ablation; error feedback is on by default)",
+        flag="no-error-feedback",
     )
-    fp8_all_gather: bool = field(
-        default=False,
-        metadata=cli(
-            "with --fp8 tensorwise and ZeRO-3: all-gather the FP8 linears' weights in FP8 "
-            "(one byte a value; each weight's scale max-reduced over fsdp once a step), "
-            "which the linears use as gathered (docs/low_precision.md)"
-        ),
+    fp8_all_gather: bool = option(
+        False,
+        "with --fp8 tensorwise and ZeRO-3: all-gather the FP8 linears' weights in FP8 "
+        "(one byte a value; each weight's scale max-reduced over fsdp once a step), "
+        "which the linears use as gathered (docs/low_precision.md)",
     )
     # elastic shrink (docs/checkpoint.md): "dp" or "fsdp" (--dp auto / --fsdp auto) takes
     # the world over the other degrees' product at each (re)start; `microbatches` is the
     # count at `elastic_max_world` ranks, whose microbatch size every smaller world keeps
     elastic: str = ""
-    elastic_max_world: int = field(
-        default=0,
-        metadata=cli(
-            "with --dp/--fsdp auto: the world whose microbatch size every smaller world keeps, "
-            "accumulating more microbatches (default: the launcher's nnodes MAX x nproc)",
-            metavar="N",
-        ),
+    elastic_max_world: int = option(
+        0,
+        "with --dp/--fsdp auto: the world whose microbatch size every smaller world keeps, "
+        "accumulating more microbatches (default: the launcher's nnodes MAX x nproc)",
+        metavar="N",
     )
 
     @property
@@ -436,138 +384,103 @@ class ParallelConfig:
 class TrainConfig:
     """Optimisation and run control."""
 
-    steps: int = field(default=200, metadata=cli("optimizer steps"))
-    global_batch: int = field(
-        default=16, metadata=cli("sequences per optimizer step, over all data ranks")
-    )
-    seq_len: int = field(default=128, metadata=cli("tokens per sequence"))
-    lr: float = field(
-        default=3e-3, metadata=cli("peak learning rate (linear warm-up, then cosine decay)")
-    )
+    steps: int = option(200, "optimizer steps")
+    global_batch: int = option(16, "sequences per optimizer step, over all data ranks")
+    seq_len: int = option(128, "tokens per sequence")
+    lr: float = option(3e-3, "peak learning rate (linear warm-up, then cosine decay)")
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    seed: int = field(default=0, metadata=cli("the initial weights' and the data's seed"))
-    dtype: str = field(
-        default="fp32",
-        metadata=cli(
-            "compute dtype (default fp32); fp64 verifies: model, optimizer, reductions and"
-            " collectives in float64, layouts equal to the single process to 1e-10",
-            choices=tuple(DTYPES),
-        ),
+    seed: int = option(0, "the initial weights' and the data's seed")
+    dtype: str = option(
+        "fp32",
+        "compute dtype (default fp32); fp64 verifies: model, optimizer, reductions and"
+        " collectives in float64, layouts equal to the single process to 1e-10",
+        choices=tuple(DTYPES),
     )
-    fp8: str = field(
-        default="",
-        metadata=cli(
-            "the blocks' linear layers' matmuls in FP8 with dynamic scales, one per tensor "
-            "or one per row, returning --dtype (bf16; fp32 to verify; docs/low_precision.md)",
-            choices=("tensorwise", "rowwise"),
-        ),
+    fp8: str = option(
+        "",
+        "the blocks' linear layers' matmuls in FP8 with dynamic scales, one per tensor "
+        "or one per row, returning --dtype (bf16; fp32 to verify; docs/low_precision.md)",
+        choices=("tensorwise", "rowwise"),
     )
-    recompute: str = field(
-        default="none",
-        metadata=cli(
-            "activation recomputation (default none): selective keeps k/v, attention's output, "
-            "wo's and w1's outputs and redoes the rest of each block in backward, full redoes "
-            "whole blocks from their inputs",
-            choices=RECOMPUTE,
-        ),
+    recompute: str = option(
+        "none",
+        "activation recomputation (default none): selective keeps k/v, attention's output, "
+        "wo's and w1's outputs and redoes the rest of each block in backward, full redoes "
+        "whole blocks from their inputs",
+        choices=RECOMPUTE,
     )
-    loss_chunk: int = field(  # tokens per chunk of the fused head + loss (0: full logits)
-        default=1024,
-        metadata=cli(
-            "apply the head and the loss this many tokens at a time, never holding full logits "
-            "(default 1024; 0: full logits)",
-            metavar="TOKENS",
-        ),
+    loss_chunk: int = option(  # tokens per chunk of the fused head + loss (0: full logits)
+        1024,
+        "apply the head and the loss this many tokens at a time, never holding full logits "
+        "(default 1024; 0: full logits)",
+        metavar="TOKENS",
     )
-    compile: bool = field(
-        default=False,
-        metadata=cli(
-            "compile each transformer block with torch.compile (inductor), its artifacts "
-            "cached under $TORCHINDUCTOR_CACHE_DIR or OUT/compile_cache (docs/compile.md)"
-        ),
+    compile: bool = option(
+        False,
+        "compile each transformer block with torch.compile (inductor), its artifacts "
+        "cached under $TORCHINDUCTOR_CACHE_DIR or OUT/compile_cache (docs/compile.md)",
     )
     # steps between counts of the saved activations (0: the first step only): the meter's
     # saved-tensor hooks cost about 3 us per saved tensor, a few % of a small step
-    meter_every: int = field(
-        default=0,
-        metadata=cli(
-            "count the activations autograd saves (metrics' peak_activation_bytes) on the "
-            "first step and every N steps after (default 0: the first step only; the shapes "
-            "are the same every step, and the count's hooks cost a few percent of a small step)",
-            metavar="N",
-        ),
+    meter_every: int = option(
+        0,
+        "count the activations autograd saves (metrics' peak_activation_bytes) on the "
+        "first step and every N steps after (default 0: the first step only; the shapes "
+        "are the same every step, and the count's hooks cost a few percent of a small step)",
+        metavar="N",
     )
-    out: str = field(
-        default="runs/default",
-        metadata=cli("the run's directory: metrics, logs, checkpoints (default runs/default)"),
+    out: str = option(
+        "runs/default", "the run's directory: metrics, logs, checkpoints (default runs/default)"
     )
-    progress: bool = field(default=True, metadata=cli("no progress display", flag="no-progress"))
-    device: str = field(
-        default="auto",
-        metadata=cli(
-            "auto (default: CUDA if available, else CPU), cpu or cuda",
-            choices=("auto", "cpu", "cuda"),
-        ),
+    progress: bool = option(True, "no progress display", flag="no-progress")
+    device: str = option(
+        "auto",
+        "auto (default: CUDA if available, else CPU), cpu or cuda",
+        choices=("auto", "cpu", "cuda"),
     )
-    peak_tflops: float = field(  # 0: look it up from the device (CPU: a nominal figure)
-        default=0.0,
-        metadata=cli(
-            "declared dense peak of one device in TFLOP/s, for MFU (default: the table in "
-            "devices.py; needed for a GPU not in it)"
-        ),
+    peak_tflops: float = option(  # 0: look it up from the device (CPU: a nominal figure)
+        0.0,
+        "declared dense peak of one device in TFLOP/s, for MFU (default: the table in "
+        "devices.py; needed for a GPU not in it)",
     )
-    timeout: float = field(
-        default=600.0,
-        metadata=cli(
-            "seconds a collective may block before the job ends naming it, and a signalled "
-            "rank may take to save and exit (default 600)",
-            metavar="S",
-        ),
+    timeout: float = option(
+        600.0,
+        "seconds a collective may block before the job ends naming it, and a signalled "
+        "rank may take to save and exit (default 600)",
+        metavar="S",
     )
-    eval_every: int = field(  # 0: none
-        default=0,
-        metadata=cli("every K steps (and at the end) log eval_loss on a held-out split"),
+    eval_every: int = option(  # 0: none
+        0, "every K steps (and at the end) log eval_loss on a held-out split"
     )
-    eval_batches: int = field(
-        default=4, metadata=cli("global batches in the held-out split (default 4)")
-    )
-    tensorboard: bool = field(
-        default=False,
-        metadata=cli(
-            "also write TensorBoard event files to OUT/tensorboard (needs tetrad[tensorboard])"
-        ),
+    eval_batches: int = option(4, "global batches in the held-out split (default 4)")
+    tensorboard: bool = option(
+        False, "also write TensorBoard event files to OUT/tensorboard (needs tetrad[tensorboard])"
     )
     # stragglers (train/straggler.py): every N steps each rank's compute time is compared
     # with the median of its peers'; a rank above `threshold` times it in `windows`
     # windows in a row is named (0: never measured)
-    straggler_every: int = field(
-        default=20,
-        metadata=cli(
-            "every N steps compare each rank's compute time (its own, without collective "
-            "waits) with the median of its pipeline stage's ranks (default 20; 0: off; "
-            "docs/straggler.md)",
-            metavar="N",
-        ),
+    straggler_every: int = option(
+        20,
+        "every N steps compare each rank's compute time (its own, without collective "
+        "waits) with the median of its pipeline stage's ranks (default 20; 0: off; "
+        "docs/straggler.md)",
+        metavar="N",
     )
-    straggler_threshold: float = field(
-        default=1.2,
-        metadata=cli(
-            "a rank slower than X times that median is slow in that window (default 1.2)",
-            metavar="X",
-        ),
+    straggler_threshold: float = option(
+        1.2,
+        "a rank slower than X times that median is slow in that window (default 1.2)",
+        metavar="X",
     )
-    straggler_windows: int = field(
-        default=3,
-        metadata=cli(
-            "a rank slow in W windows in a row is named in one warning line and in "
-            "metrics.jsonl (straggler_rank, straggler_score) (default 3)",
-            metavar="W",
-        ),
+    straggler_windows: int = option(
+        3,
+        "a rank slow in W windows in a row is named in one warning line and in "
+        "metrics.jsonl (straggler_rank, straggler_score) (default 3)",
+        metavar="W",
     )
 
 
@@ -575,17 +488,14 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from: `synthetic`, `stdlib` (the embedded corpus) or a path."""
 
-    source: str = field(
-        default="stdlib",
-        metadata=cli(
-            "synthetic, stdlib (default), a text file or folder, or a prepared .u16/.u32 file",
-            flag="data",
-        ),
+    source: str = option(
+        "stdlib",
+        "synthetic, stdlib (default), a text file or folder, or a prepared .u16/.u32 file",
+        flag="data",
     )
     max_bytes: int = 16 * 2**20
-    tokenizer: str = field(  # a tokenizer.json (Hugging Face tokenizers); "": bytes
-        default="",
-        metadata=cli("a local tokenizer.json for text data (default: bytes, vocabulary 256)"),
+    tokenizer: str = option(  # a tokenizer.json (Hugging Face tokenizers); "": bytes
+        "", "a local tokenizer.json for text data (default: bytes, vocabulary 256)"
     )
 
 
@@ -593,54 +503,42 @@ class DataConfig:
 class CheckpointConfig:
     """Checkpoint cadence and resume."""
 
-    every: int = field(
-        default=0,
-        metadata=cli(
-            "save a checkpoint under OUT/checkpoints every N steps (default 0: none but the "
-            "final one)",
-            flag="checkpoint-every",
-        ),
+    every: int = option(
+        0,
+        "save a checkpoint under OUT/checkpoints every N steps (default 0: none but the final one)",
+        flag="checkpoint-every",
     )
-    resume: bool = field(
-        default=False,
-        metadata=cli("continue from the newest checkpoint under OUT/checkpoints, in any layout"),
+    resume: bool = option(
+        False, "continue from the newest checkpoint under OUT/checkpoints, in any layout"
     )
     keep: int = 2
-    async_save: bool = field(  # write in a background thread while training goes on
-        default=False,
-        metadata=cli(
-            "write checkpoints in a background thread while training continues (the state is "
-            "copied first; at most one save in flight; committed once every rank has written)",
-            flag="async-checkpoint",
-        ),
+    async_save: bool = option(  # write in a background thread while training goes on
+        False,
+        "write checkpoints in a background thread while training continues (the state is "
+        "copied first; at most one save in flight; committed once every rank has written)",
+        flag="async-checkpoint",
     )
-    final: bool = field(  # save the last step's state (a run leaves a model to sample from)
-        default=True,
-        metadata=cli(
-            "keep no checkpoint of the last step (by default OUT/checkpoints holds it, for "
-            "tetrad generate, export and --resume)",
-            flag="no-final-checkpoint",
-        ),
+    final: bool = option(  # save the last step's state (a run leaves a model to sample from)
+        True,
+        "keep no checkpoint of the last step (by default OUT/checkpoints holds it, for "
+        "tetrad generate, export and --resume)",
+        flag="no-final-checkpoint",
     )
     # in-memory checkpoints with a partner copy (train/local_checkpoint.py): every K steps,
     # 0 = off; in local_dir ("" = /dev/shm/tetrad-<hash of train.out>, one per node)
-    local_every: int = field(
-        default=0,
-        metadata=cli(
-            "every K steps keep each rank's state in node-local memory, with a copy on a "
-            "partner rank (the same local rank of the next node; on one node, the next rank); "
-            "a restart resumes from it first, losing at most K steps (docs/checkpoint.md; "
-            "default 0: off)",
-            flag="local-checkpoint-every",
-            metavar="K",
-        ),
+    local_every: int = option(
+        0,
+        "every K steps keep each rank's state in node-local memory, with a copy on a "
+        "partner rank (the same local rank of the next node; on one node, the next rank); "
+        "a restart resumes from it first, losing at most K steps (docs/checkpoint.md; "
+        "default 0: off)",
+        flag="local-checkpoint-every",
+        metavar="K",
     )
-    local_dir: str = field(
-        default="",
-        metadata=cli(
-            "where in-memory checkpoints live, per node (default /dev/shm/tetrad-<hash of --out>)",
-            metavar="DIR",
-        ),
+    local_dir: str = option(
+        "",
+        "where in-memory checkpoints live, per node (default /dev/shm/tetrad-<hash of --out>)",
+        metavar="DIR",
     )
 
 
