@@ -9,7 +9,9 @@ the next step number.
 from __future__ import annotations
 
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -190,44 +192,32 @@ class Synthetic:
         return inputs, targets
 
 
+@dataclass
 class Loader:
     """This data rank's microbatches of each step: whole sequences, or (context
     parallelism) this cp rank's two chunks of each, tokens and targets alike."""
 
-    def __init__(
-        self,
-        source,
-        global_batch: int,
-        seq_len: int,
-        data_rank: int,
-        data_ranks: int,
-        microbatches: int,
-        cp_rank: int = 0,
-        cp: int = 1,
-    ):
-        self.source, self.seq_len = source, seq_len
-        self.global_batch, self.data_rank, self.data_ranks = global_batch, data_rank, data_ranks
-        self.microbatches = microbatches
-        self.cp_rank, self.cp = cp_rank, cp
-        self.step = 0
+    source: Any
+    global_batch: int
+    seq_len: int
+    data_rank: int
+    data_ranks: int
+    microbatches: int
+    cp_rank: int = 0
+    cp: int = 1
+    step: int = 0  # the next step's number: the loader's whole state
 
     def batch(self, step: int) -> list[Microbatch]:
         """Microbatches of `step` for this data rank."""
         per_rank = self.global_batch // self.data_ranks
         first = self.data_rank * per_rank
         seqs = [self.source.sequence(step, first + i, self.seq_len) for i in range(per_rank)]
+        # [b, S] -> this cp rank's [b, S/cp] (its token count is then its own share)
+        inputs, targets = (
+            split_sequence(torch.stack(x), self.cp, self.cp_rank) for x in zip(*seqs)
+        )
         b = per_rank // self.microbatches
-        return [
-            Microbatch(
-                self._share(torch.stack([s[0] for s in seqs[j : j + b]])),
-                self._share(torch.stack([s[1] for s in seqs[j : j + b]])),
-            )
-            for j in range(0, per_rank, b)
-        ]
-
-    def _share(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, S] -> this cp rank's [b, S/cp] (its token count is then its own share)."""
-        return split_sequence(x, self.cp, self.cp_rank)
+        return [Microbatch(i, t) for i, t in zip(inputs.split(b), targets.split(b))]
 
     def next(self) -> list[Microbatch]:
         out = self.batch(self.step)
