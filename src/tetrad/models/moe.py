@@ -26,6 +26,7 @@ Load balance (`ModelConfig.balance`):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -176,29 +177,42 @@ class Experts(nn.Module):
         return grouped_linear(x, weight, counts)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The reference forward: one SwiGLU per group (tests and benchmarks/moe_grouped_mm
-        compare the grouped forward with it)."""
-        outs = []
-        lo = 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            h = x[lo : lo + n]
-            gate, up = F.linear(h, self.w1[e]), F.linear(h, self.w3[e])
-            outs.append(F.linear(F.silu(gate) * up, self.w2[e]))
-            lo += n
-        return torch.cat(outs) if outs else x.new_zeros(x.shape)
+        """The reference forward: one SwiGLU per group, a loop (tests,
+        benchmarks/moe_grouped_mm and scripts/gpu_check_moe.py compare the grouped matmul
+        with it)."""
+        gate, up = loop_linear(x, self.w1, counts), loop_linear(x, self.w3, counts)
+        return loop_linear(F.silu(gate) * up, self.w2, counts)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [N, in] grouped by expert (`counts[e]` rows for expert e, in order), weight [n,
-    out, in] -> [N, out], each group times its expert's weight transposed. On CPU one
-    grouped matmul (`torch._grouped_mm`, fp32 throughout, measured fastest here; it equals
-    the loop to fp32 round-off, docs/moe.md); elsewhere, or where its kernel cannot take
-    the shapes, a loop over the groups."""
-    if _grouped_mm_fits(x, weight):
-        offs = counts.cumsum(0).to(torch.int32)  # each group's end
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+    out, in] -> [N, out], each group times its expert's weight transposed: one grouped
+    matmul (`torch._grouped_mm`) where `loop_reason` finds none, else `loop_linear`, a loop
+    over the groups; on CUDA the loop is announced once per reason (docs/moe.md)."""
+    if x.shape[0] == 0:  # no token: nothing to multiply (and no kernel launched)
+        return x.new_zeros((0, weight.shape[1]))
+    cuda = x.device.type == "cuda"
+    capability = torch.cuda.get_device_capability(x.device) if cuda else None
+    aligned = not cuda or all(t.data_ptr() % 16 == 0 for t in (x, weight))
+    widths = tuple(weight.shape[1:])
+    why = loop_reason(x.device.type, capability, x.dtype, weight.dtype, widths, aligned)
+    if why is None:
+        return grouped_mm(x, weight, counts)
+    if cuda:  # on CPU only float64 loops, by design
+        _say_loop(why)
+    return loop_linear(x, weight, counts)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear` as one `torch._grouped_mm` (the call CUDA and CPU run alike; its
+    autograd backward makes two more: dx = grad · weight, dW = gradᵀ · x per group)."""
+    offs = counts.cumsum(0).to(torch.int32)  # each group's end: the last is N
+    return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+
+
+def loop_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear` as a loop over the groups: one F.linear each, sliced by host
+    integers (`counts.tolist()`: a host sync on a GPU)."""
     outs, lo = [], 0
     for e, n in enumerate(counts.tolist()):
         if n:
@@ -207,14 +221,51 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
 
 
-def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the grouped matmul kernel takes these on this device: CPU (where it was
-    measured), rows whose bytes are a multiple of 16 (the kernel's stride rule), tokens."""
-    if x.device.type != "cpu" or not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
-        return False
-    if x.dtype == torch.float64:  # the kernel takes no float64: fp64 verifies with the loop
-        return False
-    return all(n * x.element_size() % 16 == 0 for n in weight.shape[1:])
+def loop_reason(
+    device: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    widths: tuple[int, ...],
+    aligned: bool = True,
+) -> str | None:
+    """Why `grouped_linear` loops over the groups for operands like these, or None where it
+    takes torch's grouped matmul (pure). CUDA: bf16 on compute capability 9.x, torch's
+    CUTLASS kernel (elsewhere torch runs a host-synchronising loop of its own, and 10.x's
+    kernel has given empty groups nonzero weight gradients). CPU: any dtype but float64
+    (measured fastest there; there is no float64 kernel: fp64 verifies with the loop).
+    Both: rows (`widths`: the weight's out and in) of a multiple of 16 bytes and, on CUDA,
+    operands at 16-byte addresses (`aligned`), as torch's kernel checks them."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if dtype != weight_dtype:
+        return f"tokens in {dtype}, weights in {weight_dtype}"
+    if device == "cuda":
+        if dtype != torch.bfloat16:
+            return f"{dtype}: torch's grouped kernel on CUDA takes bf16"
+        major, minor = capability or (0, 0)
+        if major != 9:
+            why = (
+                "torch's kernel there gives empty groups nonzero weight gradients (pytorch#172439)"
+                if major == 10
+                else "torch's grouped kernel is built for 9.x and 10.x"
+            )
+            return f"compute capability {major}.{minor}: {why}"
+    elif device != "cpu":
+        return f"device {device}: the grouped kernel is used on cpu and cuda only"
+    elif dtype == torch.float64:
+        return "float64: the grouped kernel has none"
+    if any(w * dtype.itemsize % 16 for w in widths):
+        return f"rows of {'/'.join(map(str, widths))} {dtype} elements: not multiples of 16 bytes"
+    if not aligned:
+        return "an operand not at a 16-byte address (a view into a flat buffer)"
+    return None
+
+
+@functools.cache
+def _say_loop(why: str) -> None:
+    """Tell, once per process and reason, that a CUDA run's experts loop over the groups."""
+    print(f"tetrad: MoE experts on cuda: a loop over the experts ({why})", flush=True)
 
 
 class _ContiguousGrad(torch.autograd.Function):
