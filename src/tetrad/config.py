@@ -556,21 +556,13 @@ class Config:
         return dataclasses.asdict(self)
 
 
-_SECTION_TYPES = {
-    "model": ModelConfig,
-    "parallel": ParallelConfig,
-    "train": TrainConfig,
-    "data": DataConfig,
-    "checkpoint": CheckpointConfig,
-}
-
-
 def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
     """Overlay a nested dict (as read from TOML) on `base`; unknown keys are errors."""
     cfg = dataclasses.replace(base) if base else Config()
+    sections = sorted(f.name for f in fields(cfg))
     for section, values in raw.items():
-        if section not in _SECTION_TYPES:
-            raise ValueError(f"unknown config section [{section}]; known: {sorted(_SECTION_TYPES)}")
+        if section not in sections:
+            raise ValueError(f"unknown config section [{section}]; known: {sections}")
         if not isinstance(values, dict):
             raise ValueError(f"config section [{section}] must be a table, got {values!r}")
         setattr(cfg, section, _overlay(getattr(cfg, section), values, section))
