@@ -10,7 +10,11 @@
    with `--compile`: its MFU, tokens/s over the eager run's, the seconds compiling and
    the recompilations after the first step (it fails on any, or on a non-finite loss);
    and the same run with `--fp8 tensorwise`: its MFU (against the bf16 peak, as the bf16
-   run's) and tokens/s over the bf16 run's (it fails on a non-finite loss);
+   run's) and tokens/s over the bf16 run's (it fails on a non-finite loss); then one MoE
+   layer's experts in bf16 (scripts/gpu_check_moe.py): the path tetrad takes (torch's
+   grouped matmul on sm90, else the loop and why) against the loop over experts, forward
+   and backward, their max differences and times (it fails outside its fp64 bound, on an
+   empty expert's nonzero gradient, or on a loop on sm90);
 3. that run's measured peak memory (the caching allocator's) against `tetrad plan`'s
    prediction for the same model, batch and device: it fails when they differ by more
    than `--memory-tol` (relative);
@@ -173,6 +177,8 @@ def plan_parts(
     )
     fp8 = [*compiled[:-1], "--fp8", "tensorwise", "--out", str(work / "fp8")]
     parts.append(Part("train_bf16_100m_fp8", fp8, 240))
+    moe = [py, str(ROOT / "scripts/gpu_check_moe.py"), "--json", str(work / "moe.json")]
+    parts.append(Part("moe_grouped_mm", moe, 60))
     layout = [
         *common,
         *LAYOUT_MODEL,
@@ -419,6 +425,8 @@ def evaluate(part: Part, work: Path, args: argparse.Namespace, gpu: str) -> None
         r |= judge_compiled(throughput(rows), rows, bf16_run(work))
     elif part.name == "train_bf16_100m_fp8" and r["ok"]:
         r |= judge_variant(throughput(read_metrics(work / "fp8")), bf16_run(work), "bf16")
+    elif part.name == "moe_grouped_mm" and (work / "moe.json").exists():
+        r |= json.loads((work / "moe.json").read_text()) | {"ok": r["ok"]}  # ok: exit status 0
     elif part.name.startswith("layout_") and part.name != "layout_single" and r["ok"]:
         ref = [row["loss"] for row in read_metrics(work / "single")]
         got = [row["loss"] for row in read_metrics(work / part.name.removeprefix("layout_"))]

@@ -61,8 +61,11 @@ def test_parts_on_one_and_two_gpus(tmp_path):
     args = gc.parse_args(["--steps", "50"])
     one, skipped = gc.plan_parts(args, 1, tmp_path)
     assert [p.name for p in one] == [
-        "cuda_tests", "train_bf16_100m", "train_bf16_100m_compiled", "train_bf16_100m_fp8"
+        "cuda_tests", "train_bf16_100m", "train_bf16_100m_compiled", "train_bf16_100m_fp8",
+        "moe_grouped_mm",
     ]  # fmt: skip
+    assert one[4].argv[1:] == [str(ROOT / "scripts/gpu_check_moe.py"), "--json",
+                               str(tmp_path / "moe.json")]  # fmt: skip
     fp8 = one[3].argv  # the eager run's command in FP8, in a directory of its own
     assert fp8[: fp8.index("--out")] == [*one[1].argv[: one[1].argv.index("--out")],
                                          "--fp8", "tensorwise"]  # fmt: skip
@@ -80,6 +83,7 @@ def test_parts_on_one_and_two_gpus(tmp_path):
         "train_bf16_100m",
         "train_bf16_100m_compiled",
         "train_bf16_100m_fp8",
+        "moe_grouped_mm",
         "layout_single",
     ] + [f"layout_{n}" for n in layouts] + ["bench_comm"]
     assert skipped[0] == "cuda_tests: --skip-tests" and "ep all-to-all" in skipped[1]
@@ -87,9 +91,9 @@ def test_parts_on_one_and_two_gpus(tmp_path):
     measured, _ = gc.plan_parts(args, 1, tmp_path, peak=512.34)
     bf16 = measured[1].argv
     assert bf16[bf16.index("--peak-tflops") + 1] == "512.3"
-    # every part has a timeout, so a hang is reported: on one GPU 17 minutes at most
-    assert sum(p.timeout_s for p in one) <= 17 * 60 and sum(p.timeout_s for p in two) <= 29 * 60
-    for p in two[4:-1]:  # every layout runs the same job on 2 ranks as the single GPU
+    # every part has a timeout, so a hang is reported: on one GPU 18 minutes at most
+    assert sum(p.timeout_s for p in one) <= 18 * 60 and sum(p.timeout_s for p in two) <= 29 * 60
+    for p in two[5:-1]:  # every layout runs the same job on 2 ranks as the single GPU
         assert p.argv[p.argv.index("--nproc") + 1] == "2"
         assert p.argv[p.argv.index("--global-batch") + 1] == "8"
 
@@ -154,6 +158,33 @@ def test_the_fp8_run_is_judged_against_bf16():
     assert got["ok"] and got["speedup_over_bf16"] == 1.5 and got["bf16_mfu"] == 0.2
     rows[30]["loss"] = float("nan")
     assert not gc.judge_variant(gc.throughput(rows), {"mfu": 0.2}, "bf16")["ok"]
+
+
+def test_the_moe_part_runs_both_ways_and_judges(tmp_path, capsys):
+    """scripts/gpu_check_moe.py on CPU, tiny: the path is the grouped kernel, equal to the
+    loop within its bound, the empty expert's gradients zero, times of both; the JSON it
+    writes is the part's result. A bound it cannot meet fails it."""
+    path = ROOT / "scripts/gpu_check_moe.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_moe", path)
+    gm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gm)
+    tiny = ["--device", "cpu", "--experts", "4", "--tokens", "32", "--dim", "32", "--ffn", "48"]
+    out = tmp_path / "moe.json"
+    assert gm.main([*tiny, "--rounds", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["ok"] and r["path"] == "grouped_mm" and r["loop_reason"] is None
+    assert r["group_sizes"][-1] == 0 and r["empty_expert_grad_max"] == 0
+    assert set(r["max_abs_diff_vs_loop"]) == {"out", "dx", "dw1", "dw3", "dw2"}
+    assert r["fwd_bwd_ms"]["path"] > 0 and r["fwd_bwd_ms"]["loop"] > 0
+    part = gc.Part("moe_grouped_mm", [], 60, {"ok": True})
+    gc.evaluate(part, tmp_path, gc.parse_args([]), "cpu")
+    assert part.result["path"] == "grouped_mm" and part.result["ok"]
+    assert gm.main([*tiny, "--top-k", "4"]) == 2  # the last expert must stay empty
+    capsys.readouterr()
+    experts, x, counts, grad = gm.problem(gm.parse_args(tiny))
+    got = gm.forward_backward(experts, x, counts, grad, gm.grouped_linear)
+    wrong = [got[0] + 1, *got[1:]]
+    assert "out:" in gm.judge(wrong, got, [t.double() for t in got], x.dtype)["failed"][0]
 
 
 def test_junit_counts(tmp_path):

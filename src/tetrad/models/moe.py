@@ -191,16 +191,21 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     over the groups; on CUDA the loop is announced once per reason (docs/moe.md)."""
     if x.shape[0] == 0:  # no token: nothing to multiply (and no kernel launched)
         return x.new_zeros((0, weight.shape[1]))
+    why = loop_reason_of(x, weight)
+    if why is None:
+        return grouped_mm(x, weight, counts)
+    if x.device.type == "cuda":  # on CPU only float64 loops, by design
+        _say_loop(why)
+    return loop_linear(x, weight, counts)
+
+
+def loop_reason_of(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """`loop_reason` for these operands of `grouped_linear`, on their device."""
     cuda = x.device.type == "cuda"
     capability = torch.cuda.get_device_capability(x.device) if cuda else None
     aligned = not cuda or all(t.data_ptr() % 16 == 0 for t in (x, weight))
     widths = tuple(weight.shape[1:])
-    why = loop_reason(x.device.type, capability, x.dtype, weight.dtype, widths, aligned)
-    if why is None:
-        return grouped_mm(x, weight, counts)
-    if cuda:  # on CPU only float64 loops, by design
-        _say_loop(why)
-    return loop_linear(x, weight, counts)
+    return loop_reason(x.device.type, capability, x.dtype, weight.dtype, widths, aligned)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
