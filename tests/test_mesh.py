@@ -122,6 +122,15 @@ def test_plan_groups_agree_across_ranks():
             assert (r in b.ranks) == (a.ranks == b.ranks)
 
 
+def test_every_rank_has_its_pipeline_ends_group():
+    """The first and last stages' ranks share one (the tied embedding's); every other rank
+    gets a group of itself, so a middle stage can ask for it too."""
+    d = deg(pp=4, dp=1, fsdp=1, tp=2)
+    ends = {r: Mesh.plan(d, r)["pp_ends"].ranks for r in range(8)}
+    assert ends == {0: [0, 6], 6: [0, 6], 1: [1, 7], 7: [1, 7]} | {r: [r] for r in range(2, 6)}
+    assert Mesh.plan(deg(pp=1, dp=2, fsdp=1, tp=1), 1)["pp_ends"].ranks == [1]
+
+
 def test_bad_degrees_and_ranks():
     with pytest.raises(ValueError, match="rank 4 outside world of size 4"):
         coords(4, deg(dp=4))

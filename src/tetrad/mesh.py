@@ -165,8 +165,8 @@ class Mesh:
     def plan(cls, degrees: dict[str, int], rank: int, ep: int = 1) -> Mesh:
         """The mesh with every group's membership but no process groups (pure)."""
         mesh = cls(dict(degrees), rank, ep=ep)
-        ends = [("pp_ends", g) for g in pp_end_groups(degrees)] or [("pp_ends", [rank])]
-        for name, ranks in named_groups(degrees, ep) + ends:
+        ends = next((g for g in pp_end_groups(degrees) if rank in g), [rank])  # [rank]: none
+        for name, ranks in named_groups(degrees, ep) + [("pp_ends", ends)]:
             if rank in ranks:
                 mesh.groups[name] = Group(name, ranks, ranks.index(rank))
         return mesh
