@@ -177,9 +177,8 @@ class Experts(nn.Module):
         return grouped_linear(x, weight, counts)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The reference forward: one SwiGLU per group, a loop (tests,
-        benchmarks/moe_grouped_mm and scripts/gpu_check_moe.py compare the grouped matmul
-        with it)."""
+        """The reference forward: one SwiGLU per group, a loop (tests and
+        benchmarks/moe_grouped_mm compare the grouped forward with it)."""
         gate, up = loop_linear(x, self.w1, counts), loop_linear(x, self.w3, counts)
         return loop_linear(F.silu(gate) * up, self.w2, counts)
 
