@@ -197,6 +197,16 @@ def _qwen3_moe_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     }
 
 
+DEEPSEEK_INTS = {  # ModelConfig field -> its integer in a DeepSeek-V3 config.json, both ways
+    "experts": "n_routed_experts", "top_k": "num_experts_per_tok",
+    "moe_ffn_dim": "moe_intermediate_size", "shared_experts": "n_shared_experts",
+    "dense_layers": "first_k_dense_replace", "n_group": "n_group",
+    "topk_group": "topk_group", "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_dim": "qk_nope_head_dim", "qk_rope_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
+}  # fmt: skip
+
+
 def _deepseek_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     """The fields of a DeepSeek-V3 config.json: latent attention (no grouped-query heads,
     no head size of its own) and its MoE (sigmoid router, loss-free bias, expert groups).
@@ -210,16 +220,8 @@ def _deepseek_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if raw.get(key, want) != want:
             raise ValueError(f"{file}: {key}={raw[key]!r} is not supported (only {want!r})")
-    ints = {
-        "experts": "n_routed_experts", "top_k": "num_experts_per_tok",
-        "moe_ffn_dim": "moe_intermediate_size", "shared_experts": "n_shared_experts",
-        "dense_layers": "first_k_dense_replace", "n_group": "n_group",
-        "topk_group": "topk_group", "kv_lora_rank": "kv_lora_rank",
-        "qk_nope_dim": "qk_nope_head_dim", "qk_rope_dim": "qk_rope_head_dim",
-        "v_head_dim": "v_head_dim",
-    }  # fmt: skip
     heads = int(raw["num_attention_heads"])
-    return {field: _int(raw, key, file) for field, key in ints.items()} | {
+    return {field: _int(raw, key, file) for field, key in DEEPSEEK_INTS.items()} | {
         "family": "deepseek_v3", "kv_heads": heads, "head_size": 0,
         "q_lora_rank": int(raw.get("q_lora_rank") or 0),
         "routed_scaling": float(raw.get("routed_scaling_factor", 1.0)),
@@ -254,19 +256,13 @@ HF_KEYS = {  # ModelConfig field -> its key in config.json, for error messages
     "qk_norm": "model_type",
     "qkv_bias": "model_type",
     "sliding_window": "sliding_window",
-    "shared_experts": "n_shared_experts",
     "router": "model_type",
     "balance": "model_type",
-    "n_group": "n_group",
-    "topk_group": "topk_group",
     "routed_scaling": "routed_scaling_factor",
     "norm_topk_prob": "norm_topk_prob",
     "q_lora_rank": "q_lora_rank",
-    "kv_lora_rank": "kv_lora_rank",
-    "qk_nope_dim": "qk_nope_head_dim",
-    "qk_rope_dim": "qk_rope_head_dim",
-    "v_head_dim": "v_head_dim",
 }
+HF_KEYS |= {f: k for f, k in DEEPSEEK_INTS.items() if f not in HF_KEYS}  # DeepSeek-V3's own
 
 
 def model_config(directory: str | Path, given: dict[str, Any] | None = None) -> ModelConfig:
@@ -553,15 +549,10 @@ def _deepseek_config(model: ModelConfig, dense: dict[str, Any]) -> dict[str, Any
     interleaved; no multi-token prediction layer)."""
     check_exportable(model)
     m = model
-    return dense | {
+    return dense | {key: getattr(m, f) for f, key in DEEPSEEK_INTS.items()} | {
         "num_key_value_heads": m.heads, "head_dim": m.qk_rope_dim,
-        "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
-        "qk_nope_head_dim": m.qk_nope_dim, "qk_rope_head_dim": m.qk_rope_dim,
-        "qk_head_dim": m.qk_nope_dim + m.qk_rope_dim, "v_head_dim": m.v_head_dim,
-        "rope_interleave": True, "n_routed_experts": m.experts,
-        "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_dim,
-        "n_shared_experts": m.shared_experts, "first_k_dense_replace": m.dense_layers,
-        "n_group": m.n_group, "topk_group": m.topk_group,
+        "q_lora_rank": m.q_lora_rank or None, "qk_head_dim": m.qk_nope_dim + m.qk_rope_dim,
+        "rope_interleave": True, "moe_intermediate_size": m.expert_dim,
         "routed_scaling_factor": m.routed_scaling, "norm_topk_prob": m.norm_topk_prob,
         "num_nextn_predict_layers": 0,
     }  # fmt: skip
