@@ -309,34 +309,17 @@ class GradBuckets(LocalGrads):
 class TiedGrads:
     """Another `GradSync` whose gradients of the optimizer tensor `tied` (a name) are then
     summed over `group`: a parameter two ranks hold (the embedding tied across the first
-    and last pipeline stages), each with the gradient of its own uses."""
+    and last pipeline stages), each with the gradient of its own uses. Everything but
+    `finish` is the inner sync's (its `final` too: the sum over `group` waits for
+    `finish`)."""
 
     def __init__(self, inner: LocalGrads, tied: str, group: Group, comm: Comm):
         self.inner, self.group, self.comm = inner, group, comm
         self.tied = dict(inner.params())[tied]  # the parameter, or its fp32 master
 
-    def reduce_in_backward(self, on: bool) -> None:
-        self.inner.reduce_in_backward(on)
-
-    def final(self, names: Collection[str]):
-        """The inner sync's (the sum over `group` waits for `finish`)."""
-        return self.inner.final(names)
-
-    def params(self) -> list[tuple[str, nn.Parameter]]:
-        return self.inner.params()
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
     def finish(self) -> None:
         self.inner.finish()
         self.comm.all_reduce(self.tied.grad, self.group)
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def after_step(self) -> None:
-        self.inner.after_step()
-
-    def residuals(self) -> dict[str, Residual]:
-        return self.inner.residuals()
-
-    def held(self) -> Held:
-        return self.inner.held()
