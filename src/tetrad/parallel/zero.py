@@ -43,10 +43,12 @@ linears' weights are gathered in FP8 with scales max-reduced once a step
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -98,11 +100,7 @@ class UnitSlots:
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:
-        out, at = [], 0
-        for shape in self.shapes:
-            out.append(at)
-            at += math.prod(shape)
-        return tuple(out)
+        return tuple(accumulate((math.prod(s) for s in self.shapes[:-1]), initial=0))
 
     @property
     def numel(self) -> int:
@@ -123,7 +121,7 @@ class UnitSlots:
         for key, start, stop in self._segments():
             a, b = max(start, lo), min(stop, hi)
             if a < b:
-                owner = self.names[self._param_at(a)]
+                owner = self.names[bisect_right(self.offsets, a) - 1]  # the parameter at a
                 out.append(ShardView(f"zero:{self.name}:{owner}", key, a - lo, b - lo))
         return out
 
@@ -136,12 +134,6 @@ class UnitSlots:
             else:
                 segs.append((key, off, end))
         return segs
-
-    def _param_at(self, flat_index: int) -> int:
-        i = 0
-        while i + 1 < len(self.offsets) and self.offsets[i + 1] <= flat_index:
-            i += 1
-        return i
 
 
 def unit_of(name: str, spec: ModelSpec) -> str:
@@ -172,15 +164,8 @@ def plan_units(
         keyed = [(class_key(n, replicated[n], axis), n, s) for n, s in members]
         # decaying classes first, then by replication; stable, so model order within a class
         keyed.sort(key=lambda t: (not t[0][0], t[0][1]))
-        out.append(
-            UnitSlots(
-                unit,
-                tuple(n for _, n, _ in keyed),
-                tuple(s for _, _, s in keyed),
-                tuple(k for k, _, _ in keyed),
-                world,
-            )
-        )
+        keys, names, shapes = zip(*keyed)
+        out.append(UnitSlots(unit, names, shapes, keys, world))
     return out
 
 
