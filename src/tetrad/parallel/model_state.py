@@ -207,28 +207,20 @@ def zero_formula_bytes(
 # --- measurement --------------------------------------------------------------------------
 
 
-class _Storages:
-    """Adds up distinct storages (views of one buffer count once)."""
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-
-    def __call__(self, *tensors: torch.Tensor | None) -> int:
-        total = 0
-        for t in tensors:
-            if t is None:
-                continue
-            s = t.untyped_storage()
-            if s.nbytes() == 0 or s.data_ptr() in self.seen:
-                continue
-            self.seen.add(s.data_ptr())
-            total += s.nbytes()
-        return total
-
-
 def measured_model_state(engine, optimizer: torch.optim.Optimizer) -> ModelState:
     """The bytes of the live tensors behind `engine`'s model state and `optimizer`'s."""
-    size = _Storages()
+    seen: set[int] = set()
+
+    def size(*tensors: torch.Tensor | None) -> int:
+        """Bytes of the storages behind `tensors` not counted yet (views of one buffer, or
+        a buffer already counted in another category, count once; freed ones not at all)."""
+        storages = [t.untyped_storage() for t in tensors if t is not None]
+        new = {
+            s.data_ptr(): s.nbytes() for s in storages if s.nbytes() and s.data_ptr() not in seen
+        }
+        seen.update(new)
+        return sum(new.values())
+
     state = [
         t
         for _, p in engine.named_parameters()
