@@ -126,20 +126,28 @@ def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tenso
 
 
 class _DeferredMatmul(torch.autograd.Function):
+    """`F.linear(x, weight)`, or a family's `grouped(x, weight, counts)` (experts), whose
+    backward returns the input gradient and files the weight's for W."""
+
     @staticmethod
-    def forward(ctx, x, weight, store, sink):
-        ctx.save_for_backward(x)
+    def forward(ctx, x, weight, store, sink, counts=None, grouped=None):
+        ctx.save_for_backward(x, counts)
         # the weight itself, not a saved tensor: under saved-tensor hooks (activation
         # meters, checkpointing) autograd unpacks an alias, and W accumulates by identity
-        ctx.weight, ctx.store = weight, store
+        ctx.weight, ctx.store, ctx.grouped = weight, store, grouped
         ctx.sink = sink or (lambda g: accumulate(weight, g))
-        return F.linear(x, weight)
+        return F.linear(x, weight) if grouped is None else grouped(x, weight, counts)
 
     @staticmethod
     def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        ctx.store.defer(ctx.sink, x, grad)
-        return grad @ ctx.weight, None, None, None
+        x, counts = ctx.saved_tensors
+        if ctx.grouped is None:
+            ctx.store.defer(ctx.sink, x, grad)
+            return grad @ ctx.weight, None, None, None, None, None
+        grad = grad.contiguous()
+        ctx.store.defer(ctx.sink, x, grad, counts)
+        dx = ctx.grouped(grad, ctx.weight.transpose(-2, -1), counts)
+        return dx, None, None, None, None, None
 
 
 def split_matmul(
@@ -155,24 +163,6 @@ def split_matmul(
 # Under --compile a graph break: its backward files work into the store, a side effect
 # a compiled backward cannot keep, so the matmul and its B run eagerly, W as always
 _deferred_matmul = graph_break(_DeferredMatmul.apply)
-
-
-class _DeferredGroupedMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, counts, store, grouped_linear):
-        ctx.save_for_backward(x, counts)
-        ctx.weight, ctx.store = weight, store  # the weight itself: see above
-        ctx.sink = lambda g: accumulate(weight, g)
-        ctx.grouped_linear = grouped_linear
-        return grouped_linear(x, weight, counts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, counts = ctx.saved_tensors
-        grad = grad.contiguous()
-        ctx.store.defer(ctx.sink, x, grad, counts)
-        dx = ctx.grouped_linear(grad, ctx.weight.transpose(-2, -1), counts)
-        return dx, None, None, None, None
 
 
 def defer_router(router: nn.Module, store: WeightGradStore) -> None:
@@ -200,7 +190,7 @@ def defer_experts(
     def matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return grouped_linear(x, weight, counts)
-        return _DeferredGroupedMatmul.apply(x, weight, counts, store, grouped_linear)
+        return _DeferredMatmul.apply(x, weight, store, None, counts, grouped_linear)
 
     experts.use_matmul(matmul)
 
