@@ -66,19 +66,6 @@ def test_balance_uniform_and_tie_break():
     assert balance([0, 1, 1, 1, 1, 1, 1, 10], 3) == [3, 3, 0]
 
 
-def test_balance_memory_cap():
-    costs = [1, 1, 1, 1, 1, 1]
-    memory = [5, 1, 1, 1, 1, 1]
-    assert balance(costs, 2) == [2, 2]
-    # stage 0 may not hold more than the embedding and one layer
-    split = balance(costs, 2, memory=memory, memory_cap=6)
-    assert split == [1, 3]
-    with pytest.raises(ValueError, match="memory cap"):
-        balance(costs, 2, memory=memory, memory_cap=4.5)
-    with pytest.raises(ValueError, match="memory_cap"):
-        balance(costs, 2, memory=memory)
-
-
 def test_balance_rejects_bad_input():
     with pytest.raises(ValueError, match="into 5"):
         balance([1, 1, 1], 5)

@@ -26,31 +26,22 @@ def even_split(n_layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
-def balance(
-    costs: Sequence[float],
-    stages: int,
-    memory: Sequence[float] | None = None,
-    memory_cap: float | None = None,
-) -> list[int]:
+def balance(costs: Sequence[float], stages: int) -> list[int]:
     """Layers per stage minimising the costliest stage, exactly.
 
     costs: one per item, [embedding, layer_0, ..., layer_{L-1}, head+loss]; stages are
     contiguous, so the embedding lands on the first stage and the head on the last.
-    memory, memory_cap: optional per-item memory and a cap no stage may exceed.
     Among the splits with the least maximum, the one with the least sum of squared stage
     costs is returned, so stages below the bottleneck are balanced too.
     """
     n = len(costs)
     if n < 2 or stages < 1 or stages > n:
         raise ValueError(f"cannot balance {n} items (embedding, layers, head) into {stages}")
-    if (memory is None) != (memory_cap is None) or (memory is not None and len(memory) != n):
-        raise ValueError("memory needs one entry per cost item and a memory_cap")
     if any(c < 0 for c in costs):
         raise ValueError(f"costs must be non-negative, got {list(costs)}")
     seg = _sums(costs)
-    fits = _fits(memory, memory_cap)
-    limit = _least_max(seg, n, stages, fits)
-    layers = _least_squares(seg, n, stages, limit, fits)
+    limit = _least_max(seg, n, stages)
+    layers = _least_squares(seg, n, stages, limit)
     layers[0] -= 1  # the embedding
     layers[-1] -= 1  # head + loss
     return layers
@@ -76,35 +67,27 @@ def _sums(costs: Sequence[float]) -> Callable[[int, int], float]:
     return lambda i, j: prefix[j] - prefix[i]
 
 
-def _fits(memory: Sequence[float] | None, cap: float | None) -> Callable[[int, int], bool]:
-    if memory is None or cap is None:
-        return lambda i, j: True
-    prefix = list(accumulate(memory, initial=0.0))
-    return lambda i, j: prefix[j] - prefix[i] <= cap
-
-
-def _least_max(seg: Callable, n: int, stages: int, fits: Callable) -> float:
-    """Binary search over every segment sum: the least feasible bottleneck."""
+def _least_max(seg: Callable, n: int, stages: int) -> float:
+    """Binary search over every segment sum: the least feasible bottleneck (the largest,
+    the whole model as one segment, always is)."""
     candidates = sorted({seg(i, j) for i in range(n) for j in range(i + 1, n + 1)})
     lo, hi = 0, len(candidates) - 1
-    if not _feasible(seg, n, stages, candidates[hi], fits):
-        raise ValueError(f"no split into {stages} stages keeps every stage under the memory cap")
     while lo < hi:
         mid = (lo + hi) // 2
-        if _feasible(seg, n, stages, candidates[mid], fits):
+        if _feasible(seg, n, stages, candidates[mid]):
             hi = mid
         else:
             lo = mid + 1
     return candidates[lo]
 
 
-def _feasible(seg: Callable, n: int, stages: int, limit: float, fits: Callable) -> bool:
+def _feasible(seg: Callable, n: int, stages: int, limit: float) -> bool:
     """Greedy: fewest contiguous segments under `limit`. Needing at most `stages` is
     enough, since a segment can always be cut further (costs are non-negative)."""
     count, start = 0, 0
     while start < n:
         end = start
-        while end < n and seg(start, end + 1) <= limit and fits(start, end + 1):
+        while end < n and seg(start, end + 1) <= limit:
             end += 1
         if end == start:
             return False  # one item alone is over the limit
@@ -112,7 +95,7 @@ def _feasible(seg: Callable, n: int, stages: int, limit: float, fits: Callable) 
     return count <= stages
 
 
-def _least_squares(seg: Callable, n: int, stages: int, limit: float, fits: Callable) -> list[int]:
+def _least_squares(seg: Callable, n: int, stages: int, limit: float) -> list[int]:
     """DP over (stages used, items covered): least sum of squares with every stage under
     `limit`; returns items per stage."""
     inf = float("inf")
@@ -123,7 +106,7 @@ def _least_squares(seg: Callable, n: int, stages: int, limit: float, fits: Calla
         for j in range(k, n + 1):
             for i in range(k - 1, j):
                 c = seg(i, j)
-                if c <= limit and fits(i, j) and best[k - 1][i] + c * c < best[k][j]:
+                if c <= limit and best[k - 1][i] + c * c < best[k][j]:
                     best[k][j], cut[k][j] = best[k - 1][i] + c * c, i
     counts, j = [], n
     for k in range(stages, 0, -1):
