@@ -279,39 +279,35 @@ def _check_items(rank: int, acts: list[Action], items: list[Item]) -> None:
     receive before the compute that needs it."""
     if computes(items) != compute_only(acts):
         raise ValueError(f"rank {rank}: the program's computes differ from the schedule's")
-    posted: set[ActionKey] = set()
-    waited: set[ActionKey] = set()
-    for item in items:
-        for a in () if isinstance(item, Action) else item.ops:
+    # where each compute runs, and each transfer is posted and waited for
+    ran: dict[ActionKey, int] = {}
+    posted: dict[ActionKey, int] = {}
+    waited: dict[ActionKey, int] = {}
+    for i, item in enumerate(items):
+        for a in (item,) if isinstance(item, Action) else item.ops:
             key = (a.kind, a.stage, a.microbatch)
-            if isinstance(item, Post):
+            if isinstance(item, Action):
+                ran.setdefault(key, i)
+            elif isinstance(item, Post):
                 if key in posted:
                     raise ValueError(f"rank {rank}: {a} posted twice")
-                posted.add(key)
+                posted[key] = i
             elif key not in posted or key in waited:
                 raise ValueError(f"rank {rank}: {a} waited before posted, or twice")
             else:
-                waited.add(key)
+                waited[key] = i
     transfers = {(a.kind, a.stage, a.microbatch) for a in acts if not a.is_compute}
-    if posted != transfers or waited != transfers:
+    if posted.keys() != transfers or waited.keys() != transfers:
         raise ValueError(f"rank {rank}: transfers posted or waited differ from the schedule's")
-    _check_item_order(rank, acts, items)
-
-
-def _check_item_order(rank: int, acts: list[Action], items: list[Item]) -> None:
-    pos = {}
-    for i, item in enumerate(items):
-        for a in item.ops if isinstance(item, Post | Wait) else (item,):
-            pos.setdefault((type(item).__name__, a.kind, a.stage, a.microbatch), i)
     for j, a in enumerate(acts):
         if a.is_compute:
             continue
         near = acts[j - 1] if a.kind.startswith("SEND") else acts[j + 1]
-        compute = pos[("Action", near.kind, near.stage, near.microbatch)]
+        compute = ran[(near.kind, near.stage, near.microbatch)]
         key = (a.kind, a.stage, a.microbatch)
-        if a.kind.startswith("SEND") and pos[("Post", *key)] < compute:
+        if a.kind.startswith("SEND") and posted[key] < compute:
             raise ValueError(f"rank {rank}: {a} posted before {near} makes its tensor")
-        if a.kind.startswith("RECV") and pos[("Wait", *key)] > compute:
+        if a.kind.startswith("RECV") and waited[key] > compute:
             raise ValueError(f"rank {rank}: {near} runs before waiting for {a}")
 
 
