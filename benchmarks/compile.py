@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -88,7 +89,8 @@ def _ddp_compiled(cfg: Config, rank: int, world: int) -> DDPRunner:
 
 def eager_against_transformers(cfg: Config, rounds: int) -> dict:
     """fwd + bwd (the summed token loss) of tetrad's eager Llama and transformers' on the
-    same weights and tokens, alternating rounds; the medians and their ratio."""
+    same weights and tokens, alternating rounds; the medians and their ratios, by wall time
+    and by this thread's CPU time (what the other jobs of a shared machine disturb least)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m = cfg.model
@@ -103,24 +105,34 @@ def eager_against_transformers(cfg: Config, rounds: int) -> dict:
     tokens = harness.peer_loader(cfg).next()[0]
     x, y = tokens.inputs, tokens.targets
 
-    def ours_step() -> float:
-        t0 = time.perf_counter()
-        harness.cross_entropy_sum(ours(x), y).backward()
-        return time.perf_counter() - t0
+    def timed(step: Callable[[], torch.Tensor]) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:  # (wall, this thread's CPU) seconds
+            t0, c0 = time.perf_counter(), time.thread_time()
+            step().backward()
+            return time.perf_counter() - t0, time.thread_time() - c0
 
-    def theirs_step() -> float:
-        t0 = time.perf_counter()
-        harness.cross_entropy_sum(theirs(input_ids=x).logits, y).backward()
-        return time.perf_counter() - t0
+        return run
 
-    ours_step(), theirs_step()  # warm-up
-    times = harness.alternate({"tetrad": ours_step, "transformers": theirs_step}, rounds)
-    ratios = [b / a for a, b in zip(times["tetrad"], times["transformers"])]
-    return {
-        "tetrad_eager_fwd_bwd_s": round(statistics.median(times["tetrad"]), 4),
-        "transformers_fwd_bwd_s": round(statistics.median(times["transformers"]), 4),
-        **harness.ratio_fields("speed_tetrad_over_transformers", ratios),
+    sides = {
+        "tetrad": timed(lambda: harness.cross_entropy_sum(ours(x), y)),
+        "transformers": timed(lambda: harness.cross_entropy_sum(theirs(input_ids=x).logits, y)),
     }
+    for run in sides.values():  # warm-up
+        run()
+    times = harness.alternate(sides, rounds)
+    wall = {k: [w for w, _ in v] for k, v in times.items()}
+    cpu = {k: [c for _, c in v] for k, v in times.items()}
+    return {
+        "tetrad_eager_fwd_bwd_s": round(statistics.median(wall["tetrad"]), 4),
+        "transformers_fwd_bwd_s": round(statistics.median(wall["transformers"]), 4),
+        **harness.ratio_fields("speed_tetrad_over_transformers", _ratios(wall)),
+        **harness.ratio_fields("cpu_speed_tetrad_over_transformers", _ratios(cpu), "cpu_ratio"),
+    }
+
+
+def _ratios(seconds: dict[str, list[float]]) -> list[float]:
+    """Each round's speed of tetrad over transformers: their seconds over tetrad's."""
+    return [b / a for a, b in zip(seconds["tetrad"], seconds["transformers"])]
 
 
 def main() -> None:

@@ -8,11 +8,14 @@ does not own set to None (`first`/`last` say whether it embeds tokens and comput
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tetrad.compiling import graph_break, ready
 from tetrad.config import ModelConfig
@@ -62,8 +65,18 @@ class RMSNorm(nn.Module):
 
 
 def rotary(seq_len: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """cos/sin tables of positions 0..s-1, [s, head_dim/2, 2] in float32."""
-    return rotary_at(torch.arange(seq_len, device=device), head_dim, theta)
+    """cos/sin tables of positions 0..s-1, [s, head_dim/2, 2] in float32: made once per
+    (s, head_dim, theta, device) and shared, read-only, by every layer and step (a compiled
+    block computes its own, inside its graph)."""
+    if torch.compiler.is_compiling():
+        return rotary_at(torch.arange(seq_len, device=device), head_dim, theta)
+    return _rotary_cached(seq_len, head_dim, theta, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _rotary_cached(seq_len: int, head_dim: int, theta: float, device: torch.device):
+    with torch.inference_mode(False):  # made under inference mode, autograd could not save it
+        return rotary_at(torch.arange(seq_len, device=device), head_dim, theta)
 
 
 @torch.library.custom_op("tetrad::rotary_at", mutates_args=())
@@ -85,12 +98,20 @@ def _(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x [b, s, heads, head_dim] by position."""
+    """Rotate pairs of channels of x [b, s, heads, head_dim] by position.
+
+    Eagerly one complex multiplication (a pair is a complex number, its rotation e^{iθ}):
+    one kernel each way, where the real arithmetic takes six forward and more backward.
+    A compiled block keeps the real arithmetic, which inductor fuses (complex operators
+    it leaves to ATen, one by one)."""
     xr = widen(x).unflatten(-1, (-1, 2))  # [b, s, h, d/2, 2]
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
-    out = torch.stack(
-        (xr[..., 0] * cos - xr[..., 1] * sin, xr[..., 0] * sin + xr[..., 1] * cos), dim=-1
-    )
+    if torch.compiler.is_compiling():
+        cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+        x0, x1 = xr[..., 0], xr[..., 1]
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    else:
+        turn = torch.view_as_complex(rope)[None, :, None]  # [1, s, 1, d/2]
+        out = torch.view_as_real(torch.view_as_complex(xr.contiguous()) * turn)
     return out.flatten(-2).type_as(x)
 
 
@@ -138,7 +159,7 @@ def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 class CausalCore(nn.Module):
-    """Rotary, repeated kv heads and causal softmax(qkᵀ)v: [b, s, heads·hd] each way.
+    """Rotary and causal softmax(qkᵀ)v over grouped kv heads: [b, s, heads·hd] each way.
 
     Local heads are read from the inputs' widths (tensor parallelism shrinks them)."""
 
@@ -154,12 +175,36 @@ class CausalCore(nn.Module):
         rope = rotary(s, self.head_dim, self.theta, q.device)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         rep = q.shape[2] // k.shape[2]
-        if rep > 1:
+        gqa = rep > 1 and _reads_kv_heads(q.device.type, q.dtype)
+        if rep > 1 and not gqa:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
         )
         return out.transpose(1, 2).reshape(b, s, -1)
+
+
+# (device type, dtype) -> whether torch's flash kernel there takes grouped kv heads
+_READS_KV_HEADS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@torch.compiler.assume_constant_result  # a compiled block takes the answer, not the probe
+def _reads_kv_heads(device: str, dtype: torch.dtype) -> bool:
+    """Whether torch's flash kernel on this device type takes grouped kv heads as they
+    are (`enable_gqa`: neither forward nor the tensors kept for backward repeat them).
+    Asked of torch itself, once: on CUDA only the 16-bit kernel does (fp32 takes the
+    memory-efficient one, which would give way to the unfused math kernel, the whole
+    [b, h, s, s] softmax kept); on CPU from torch 2.9 on (the 2.6 floor falls back too)."""
+    if (device, dtype) not in _READS_KV_HEADS:
+        q = torch.zeros(1, 2, 1, 8, device=device, dtype=dtype)
+        try:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # why the kernel declined: the answer says it
+                F.scaled_dot_product_attention(q, q[:, :1], q[:, :1], enable_gqa=True)
+            _READS_KV_HEADS[device, dtype] = True
+        except RuntimeError:  # "No available kernel"
+            _READS_KV_HEADS[device, dtype] = False
+    return _READS_KV_HEADS[device, dtype]
 
 
 class FeedForward(nn.Module):
