@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from tetrad.parallel.boxes import Box, box_numel, flat_boxes, shift
+from tetrad.parallel.boxes import Box, box_numel, box_shape, flat_boxes, shift
 from tetrad.parallel.state_adapter import (
     MOMENTS,
     Moments,
@@ -103,15 +103,14 @@ class ZeroAdapter(PlainAdapter):
         for sh in self.sharded:
             sh.drain()
             for u in sh.units:
-                moments = {k: optimizer_shard(u, optimizer, k) for k in MOMENTS}
+                flats = {"": u.master} | {
+                    f"{k}/": optimizer_shard(u, optimizer, k) for k in MOMENTS
+                }
                 for name, at, box in self.shard_boxes(u):
-                    if not self._writes(name, replicated, sh.axis):
-                        continue
-                    n, shape = box_numel(box), tuple(b - a for a, b in box)
-                    out.append((name, box, snapshot(u.master[at : at + n].view(shape))))
-                    for k in MOMENTS:
-                        piece = moments[k][at : at + n].view(shape)
-                        out.append((f"{k}/{name}", box, snapshot(piece)))
+                    if self._writes(name, replicated, sh.axis):
+                        n, shape = box_numel(box), box_shape(box)
+                        out += [(f"{key}{name}", box, snapshot(flat[at : at + n].view(shape)))
+                                for key, flat in flats.items()]  # fmt: skip
         steps = [int(optimizer.state[p].get("step", 0)) for p in optimizer.state]
         if self.whole:  # reads moments through `local_optimizer_state`, which gathers the
             out += super().owned_slices(optimizer, replicated)[0]  # units too, on every rank
@@ -128,16 +127,15 @@ class ZeroAdapter(PlainAdapter):
         super().load_owned(read, step, optimizer)
 
     def _load_unit(self, u: FlatUnit, read: Reader, step: int, optimizer) -> None:
-        master = torch.zeros(u.layout.shard, dtype=u.master.dtype)
-        moments = {k: torch.zeros(u.layout.shard, dtype=u.master.dtype) for k in MOMENTS}
+        # the master shard (key "") and the moments' ("exp_avg/", ...), padding left 0
+        keys = ("", *(f"{k}/" for k in MOMENTS))
+        flats = {key: torch.zeros(u.layout.shard, dtype=u.master.dtype) for key in keys}
         for name, at, box in self.shard_boxes(u):
-            n = box_numel(box)
-            master[at : at + n] = read(name, box).reshape(-1)
-            for k in MOMENTS:
-                moments[k][at : at + n] = read(f"{k}/{name}", box).reshape(-1)
-        u.master.copy_(master)
+            for key, flat in flats.items():
+                flat[at : at + box_numel(box)] = read(f"{key}{name}", box).reshape(-1)
+        u.master.copy_(flats[""])
         for (_, p), v in zip(u.params, u.views):
-            set_adam_state(optimizer, p, step, *(moments[k][v.start : v.stop] for k in MOMENTS))
+            set_adam_state(optimizer, p, step, *(flats[k][v.start : v.stop] for k in keys[1:]))
 
     def after_load(self) -> None:
         """Stages 1-2 keep full compute weights: gather them from the loaded shards."""
