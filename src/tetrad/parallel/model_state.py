@@ -22,7 +22,6 @@ total is the paper's 16Ψ/N.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -125,30 +124,15 @@ def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelSta
     """Exact model-state bytes of global `rank` of model `m` under `layout` (pure)."""
     named, replicated = local_parameters(layout, m, rank)
     mesh = Mesh.plan(layout.degrees, rank, layout.ep)
-    shards = (layout.degrees["fsdp"], mesh["ep_data"].size)
-    return groups_state(
-        layout, spec_for(m), named, replicated, *shards, lambda g: mesh[g.axis].rank
-    )
-
-
-def groups_state(
-    layout: Layout,
-    spec: ModelSpec,
-    named: list[tuple[str, tuple[int, ...]]],
-    replicated: dict[str, tuple[str, ...]],
-    shards: int,
-    expert_shards: int,
-    shard_rank: Callable[[ParamGroup], int] = lambda g: 0,
-) -> ModelState:
-    """Model state of local parameters `named` (name, shape), summed over their parameter
-    groups (`param_groups`: ZeRO over `shards` ranks, the experts over `expert_shards`):
-    each group's on shard `shard_rank(group)` of its shards, and the compressed
-    reductions' residuals."""
     groups = param_groups(
-        [n for n, _ in named], expert_names(replicated), layout.zero_stage, shards, expert_shards
+        [n for n, _ in named],
+        expert_names(replicated),
+        layout.zero_stage,
+        layout.degrees["fsdp"],
+        mesh["ep_data"].size,
     )
-    dtype = layout.compute_dtype
-    states = (group_bytes(g, named, replicated, shard_rank(g), spec, dtype) for g in groups)
+    spec, dtype = spec_for(m), layout.compute_dtype
+    states = (group_bytes(g, named, replicated, mesh[g.axis].rank, spec, dtype) for g in groups)
     residuals = sum(residual_bytes(g, named, replicated, layout, spec) for g in groups)
     return sum(states, ModelState(0, residuals, 0))
 
