@@ -408,7 +408,7 @@ def _splits(world: int, rank: int, rounds: int) -> dict[str, Any]:
     out["splits"] = _timed_rounds(splits, rounds)
     out["split_costs"] = {name: r.timeline[0].meta["costs"] for name, r in splits.items()}
     t = splits["measured"].trainer
-    out["measured_split"] = t.cfg.parallel.pp_split
+    out["measured_split"] = ",".join(map(str, t.layout.split))
     # the warm-up's timings once more, to report them (in layers: the median layer's cost)
     mcfg = splits["measured"].cfg
     costs = measure_item_costs(
