@@ -14,7 +14,7 @@ from tetrad.models import moe_spec
 from tetrad.models.llama import rotary_at
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.mla import apply_rotary_tail, keep_mla, meta_deepseek, param_shape
-from tetrad.models.moe_spec import MOE, MoEActivations, active_ffn, moe_layer_count
+from tetrad.models.moe_spec import MOE, MoEActivations, active_ffn
 from tetrad.models.plans import MOE_PLAN
 from tetrad.models.spec import Rotary, Saved
 
@@ -34,11 +34,9 @@ def _score_width(m: ModelConfig) -> int:
 
 
 def matmul_params(m: ModelConfig) -> int:
-    """Parameters one token's matmuls use: MLA, the dense SwiGLUs, the router and the
-    active experts of each MoE layer, and the head."""
-    dense = m.dense_layers * 3 * m.dim * m.hidden_dim
-    routed = moe_layer_count(m) * (3 * m.dim * active_ffn(m) + m.dim * m.experts)
-    return m.layers * attention_params(m) + dense + routed + m.vocab * m.dim
+    """Parameters one token's matmuls use: MLA, the feed-forwards (`moe_spec.ffn_params`)
+    and the head."""
+    return m.layers * attention_params(m) + moe_spec.ffn_params(m) + m.vocab * m.dim
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:

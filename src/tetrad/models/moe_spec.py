@@ -11,6 +11,7 @@ import dataclasses
 
 from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import llama_activations
+from tetrad.models.flops import block_linears as llama_block_linears
 from tetrad.models.flops import llama_layer_costs
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import LLAMA, QK_NORM_NAMES, QK_NORM_PLAN
@@ -36,18 +37,18 @@ def active_ffn(m: ModelConfig) -> int:
     return (m.top_k + m.shared_experts) * m.expert_dim
 
 
-def moe_layer_count(m: ModelConfig) -> int:
-    return m.layers - m.dense_layers
+def ffn_params(m: ModelConfig) -> int:
+    """Parameters of one token's feed-forward matmuls over all layers: the dense SwiGLUs,
+    and the router and the active experts of each MoE layer."""
+    routed = (m.layers - m.dense_layers) * (3 * m.dim * active_ffn(m) + m.dim * m.experts)
+    return m.dense_layers * 3 * m.dim * m.hidden_dim + routed
 
 
 def matmul_params(m: ModelConfig) -> int:
-    """Parameters one token's matmuls use: attention, the dense SwiGLUs, the router and
-    the active experts of each MoE layer, and the head."""
-    d, hd = m.dim, m.head_dim
-    attn = d * hd * (2 * m.heads + 2 * m.kv_heads)
-    dense = m.dense_layers * 3 * d * m.hidden_dim
-    routed = moe_layer_count(m) * (3 * d * active_ffn(m) + d * m.experts)
-    return m.layers * attn + dense + routed + m.vocab * d
+    """Parameters one token's matmuls use: attention, the feed-forwards (`ffn_params`) and
+    the head."""
+    attn = m.dim * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
+    return m.layers * attn + ffn_params(m) + m.vocab * m.dim
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -71,15 +72,12 @@ def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
     matmuls as one of width k·expert_dim/t (experts are not split by tp, but each tp rank
     runs them for 1/t of the tokens, parallel/expert.py), the shared ones split like a
     dense SwiGLU."""
-    h, hd = m.dim, m.head_dim
-    kv = max(m.kv_heads // t, 1) * hd
+    h = m.dim
     routed = m.top_k * m.expert_dim // t
     shared = m.shared_experts * m.expert_dim // t
-    out = {
-        "attention.wq": (h, m.heads * hd // t),
-        "attention.wk": (h, kv),
-        "attention.wv": (h, kv),
-        "attention.wo": (m.heads * hd // t, h),
+    dense = llama_block_linears(m, t)
+    out = {k: v for k, v in dense.items() if k.startswith("attention.")}
+    out |= {
         "feed_forward.router": (h, m.experts),
         "feed_forward.experts.w1": (h, routed),
         "feed_forward.experts.w3": (h, routed),
@@ -153,28 +151,16 @@ class MoEActivations:
             return items
         return items + routing(m, DTYPE_BYTES[dtype])
 
-    def attention_scores(self, m: ModelConfig, seq_len: int) -> list[Saved]:
-        return llama_activations.attention_scores(m, seq_len)
-
-    def cp_gathered_kv(self, m: ModelConfig, t: int, dtype: str, cp: int, seq_len: int,
-                       gqa_native: bool = False) -> list[Saved]:  # fmt: skip
-        return llama_activations.cp_gathered_kv(m, t, dtype, cp, seq_len, gqa_native)
-
-    def head(self, m: ModelConfig, t: int, dtype: str, sp_shards: bool = False,
-             chunked: bool = False) -> list[Saved]:  # fmt: skip
-        return llama_activations.head(m, t, dtype, sp_shards, chunked)
-
-    def embedding(self, t: int, dtype: str) -> list[Saved]:
-        return llama_activations.embedding(t, dtype)
-
     def pending_w(self, m: ModelConfig, t: int, dtype: str) -> list[Saved]:
         return llama_activations.pending_w(self._dense(m), t, dtype)
 
-    def pending_w_head(self, m: ModelConfig, t: int, dtype: str) -> list[Saved]:
-        return llama_activations.pending_w_head(m, t, dtype)
-
-    def stage_output(self, m: ModelConfig, dtype: str) -> list[Saved]:
-        return llama_activations.stage_output(m, dtype)
+    # the rest as the dense family's
+    attention_scores = staticmethod(llama_activations.attention_scores)
+    cp_gathered_kv = staticmethod(llama_activations.cp_gathered_kv)
+    head = staticmethod(llama_activations.head)
+    embedding = staticmethod(llama_activations.embedding)
+    pending_w_head = staticmethod(llama_activations.pending_w_head)
+    stage_output = staticmethod(llama_activations.stage_output)
 
 
 # tetrad parameter -> Hugging Face name, as a MixtralForCausalLM checkpoint stores it
