@@ -78,14 +78,12 @@ class PlainAdapter:
         """AdamW moments by kind and local name (zeros before the first step, which AdamW
         treats alike), and the step count."""
         moments: Moments = {k: {} for k in MOMENTS}
-        step = 0
         for name, _ in self.model.named_parameters():
             p = self.optimized[name]
             state = optimizer.state.get(p, {})
             for k in MOMENTS:
                 moments[k][name] = state[k] if k in state else torch.zeros_like(p)
-            step = max(step, int(state.get("step", 0)))
-        return moments, step
+        return moments, adam_step(optimizer)
 
     @torch.no_grad()
     def load_local(
@@ -111,11 +109,13 @@ class PlainAdapter:
         shape = tuple(full_shape(name, self.model_cfg))
         return index_box(self.slicer(name) if self.slicer else None, shape)
 
-    def writes(self, name: str, replicated: dict[str, tuple[str, ...]]) -> bool:
+    def writes(self, name: str, replicated: dict[str, tuple[str, ...]], axis: str = "fsdp") -> bool:
         """Whether this rank is the one writer of its copy of `name`: coordinate 0 on every
-        axis the value is replicated over (the same rule that counts it once in the norm)."""
+        axis the value is replicated over (the same rule that counts it once in the norm)
+        but fsdp and `axis`, which ZeRO's shards split (ep_data for expert weights): every
+        rank of those writes its own piece."""
         coord = self.mesh.place
-        return all(coord[a] == 0 for a in replicated[name] if a != "fsdp")
+        return all(coord[a] == 0 for a in replicated[name] if a not in ("fsdp", axis))
 
     def owned_slices(
         self, optimizer: torch.optim.Optimizer, replicated: dict[str, tuple[str, ...]]
@@ -232,6 +232,11 @@ def snapshot(t: torch.Tensor) -> torch.Tensor:
     cannot change."""
     t = t.detach()
     return t.to("cpu", wide(t.dtype), copy=True).contiguous()
+
+
+def adam_step(optimizer: torch.optim.Optimizer) -> int:
+    """The AdamW step count, which every tensor shares (the trainer steps all together)."""
+    return max((int(state.get("step", 0)) for state in optimizer.state.values()), default=0)
 
 
 def set_adam_state(

@@ -21,6 +21,7 @@ from tetrad.parallel.state_adapter import (
     Owned,
     PlainAdapter,
     Reader,
+    adam_step,
     set_adam_state,
     snapshot,
 )
@@ -68,20 +69,13 @@ class ZeroAdapter(PlainAdapter):
         for sh in self.sharded:
             for k in MOMENTS:
                 moments[k] |= gather_units(sh, lambda u, k=k: optimizer_shard(u, optimizer, k))
-        whole, _ = super().local_optimizer_state(optimizer)
-        steps = [int(optimizer.state[p].get("step", 0)) for p in optimizer.state]
-        return {k: moments[k] | whole[k] for k in MOMENTS}, max(steps, default=0)
+        whole, step = super().local_optimizer_state(optimizer)
+        return {k: moments[k] | whole[k] for k in MOMENTS}, step
 
     def load_local(self, params, moments, step: int, optimizer) -> None:
         for sh in self.sharded:
             load_units(sh, params, moments, step, optimizer)
         super().load_local(params, moments, step, optimizer)
-
-    def _writes(self, name: str, replicated: dict[str, tuple[str, ...]], axis: str) -> bool:
-        """As `PlainAdapter.writes`, the shards' own `axis` (fsdp, or ep_data for expert
-        weights) not a copy: every rank of it writes its own piece."""
-        coord = self.mesh.place
-        return all(coord[a] == 0 for a in replicated[name] if a not in ("fsdp", axis))
 
     # --- sharded checkpoints: each rank's own piece of each unit, as boxes ----------------
     def shard_boxes(self, u: FlatUnit) -> list[tuple[str, int, Box]]:
@@ -107,14 +101,13 @@ class ZeroAdapter(PlainAdapter):
                     f"{k}/": optimizer_shard(u, optimizer, k) for k in MOMENTS
                 }
                 for name, at, box in self.shard_boxes(u):
-                    if self._writes(name, replicated, sh.axis):
+                    if self.writes(name, replicated, sh.axis):
                         n, shape = box_numel(box), box_shape(box)
                         out += [(f"{key}{name}", box, snapshot(flat[at : at + n].view(shape)))
                                 for key, flat in flats.items()]  # fmt: skip
-        steps = [int(optimizer.state[p].get("step", 0)) for p in optimizer.state]
         if self.whole:  # reads moments through `local_optimizer_state`, which gathers the
             out += super().owned_slices(optimizer, replicated)[0]  # units too, on every rank
-        return out, max(steps, default=0)
+        return out, adam_step(optimizer)
 
     @torch.no_grad()
     def load_owned(self, read: Reader, step: int, optimizer) -> None:
