@@ -35,6 +35,7 @@ from torch import nn
 
 from tetrad.config import ModelConfig
 from tetrad.models.llama import KEEP_SELECTIVE, Block, Llama, eager
+from tetrad.models.llama import set_recompute as set_dense_recompute
 from tetrad.models.spec import Keep
 from tetrad.precision import wide, widen
 
@@ -156,25 +157,20 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n, ffn, dim))
         self.w3 = nn.Parameter(torch.empty(n, ffn, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, ffn))
-        self._matmul: GroupedMatmul | None = None
+        # one of the weights applied to its groups: `grouped_linear`, or what `use_matmul`
+        # installed
+        self.matmul: GroupedMatmul = grouped_linear
 
     def use_matmul(self, matmul: GroupedMatmul) -> None:
         """Apply each weight with `matmul` (what `matmul` computes): how parallel code
         changes when its weight gradient is computed (zero-bubble's W), not what it is."""
-        self._matmul = matmul
+        self.matmul = matmul
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] grouped by expert, counts [n] -> [N, dim]."""
         gate, up = self.matmul(x, self.w1, counts), self.matmul(x, self.w3, counts)
         out = self.matmul(F.silu(gate) * up, self.w2, counts)
         return _ContiguousGrad.apply(out)
-
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One of the experts' weights applied to its groups (`grouped_linear`, or what
-        `use_matmul` installed)."""
-        if self._matmul is not None:
-            return self._matmul(x, weight, counts)
-        return grouped_linear(x, weight, counts)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The reference forward: one SwiGLU per group, a loop (tests and
@@ -450,9 +446,7 @@ def moe_layers(model: nn.Module) -> dict[int, MoEFeedForward]:
 def set_recompute(model: nn.Module, mode: str) -> None:
     """Recomputation for every block (see llama.set_recompute); the MoE feed-forwards are
     told, so that a rerun does not count their routing twice."""
-    for block in model.modules():
-        if isinstance(block, Block):
-            block.recompute = mode
+    set_dense_recompute(model, mode)
     for ffn in moe_layers(model).values():
         ffn.recomputed = mode != "none"
 
