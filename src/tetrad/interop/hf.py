@@ -511,7 +511,7 @@ def check_routing_bias(state: dict[str, torch.Tensor], model: ModelConfig) -> No
 
 def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """A `config.json` that transformers' class of this model's type (`ARCHITECTURES`)
-    reads as this model."""
+    reads as this model (one `check_exportable` accepts: `save` checks first)."""
     kind = model_type(model)
     dense = {
         "architectures": [ARCHITECTURES[kind]],
@@ -547,7 +547,6 @@ def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 def _deepseek_config(model: ModelConfig, dense: dict[str, Any]) -> dict[str, Any]:
     """The DeepSeek-V3 config.json of a deepseek_v3 model (rotary over the rope channels,
     interleaved; no multi-token prediction layer)."""
-    check_exportable(model)
     m = model
     return dense | {key: getattr(m, f) for f, key in DEEPSEEK_INTS.items()} | {
         "num_key_value_heads": m.heads, "head_dim": m.qk_rope_dim,
@@ -602,7 +601,6 @@ def _moe_refusals(model: ModelConfig) -> dict[str, tuple[bool, str]]:
 
 def _moe_config(model: ModelConfig, dense: dict[str, Any]) -> dict[str, Any]:
     """The Mixtral or Qwen3-MoE config.json of an MoE model (`hf_architecture`)."""
-    check_exportable(model)
     routing = {"num_experts_per_tok": model.top_k, "output_router_logits": False}
     routing |= {"router_aux_loss_coef": model.aux_loss_coef}
     if hf_architecture(model) == "mixtral":
