@@ -38,6 +38,7 @@ A kv head shared by tp ranks (kv_heads < tp) gets partial gradients: refused wit
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -257,14 +258,9 @@ class SequenceParallelLogits(Deferrable):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, tp = self.router.weight, self.tp
         if self.store is not None:
-            return split_matmul(widen(x), widen(weight), self.store, self._sink(weight))
+            return split_matmul(widen(x), widen(weight), self.store, _summed_sink(weight, tp))
         weight = copy_to_tp(weight, tp.comm, tp.group, tp.reduce_dtype)
         return F.linear(widen(x), widen(weight))  # [T/t, E]
-
-    def _sink(self, weight: torch.Tensor):
-        """W's destination: this rank's partial gradient, summed over tp, into the weight
-        used in this forward."""
-        return _summed_sink(weight, self.tp)
 
 
 class SequenceParallelLinear(Float8Split):
@@ -307,13 +303,6 @@ def _enters_inside(module: nn.Module) -> bool:
     return callable(getattr(module, "use_entry", None))
 
 
-def sequence_parallel_router(router: nn.Module, tp: TP) -> nn.Module:
-    """`router` (an MoE layer's) routing this rank's own tokens: its logits'
-    weight gradient summed over tp (`SequenceParallelLogits`)."""
-    router.use_logits(SequenceParallelLogits(router, tp))
-    return router
-
-
 def token_region(module: nn.Module, tp: TP) -> None:
     """Under SP, make `module` (an MoE layer's shared expert, fed this rank's flat tokens
     [T/t, h]) a tp region of its own: the tokens are all-gathered in (viewed as one
@@ -322,11 +311,6 @@ def token_region(module: nn.Module, tp: TP) -> None:
     (torch's forward hooks: the module's own way in and out)."""
     module.register_forward_pre_hook(lambda _, args: (tp.enter(args[0].unsqueeze(0)),))
     module.register_forward_hook(lambda _, args, out: out.squeeze(0))  # [T/t, h]
-
-
-def _takes_dispatch(module: nn.Module) -> bool:
-    """Whether `module` is an MoE layer (it takes an expert dispatcher)."""
-    return callable(getattr(module, "use_dispatch", None))
 
 
 # --- the loss -----------------------------------------------------------------------------
@@ -345,12 +329,10 @@ class _VocabParallelCE(torch.autograd.Function):
         local = local.clamp(0, max(z.shape[1] - 1, 0))
         picked = z.gather(1, local[:, None])[:, 0] if z.shape[1] else z.new_zeros(t.shape)
         # per rank: log-sum-exp of its logits, and the target logit if it owns the target
-        stats = torch.stack((torch.logsumexp(z, dim=1), torch.where(mine, picked, 0.0)))
-        every = stats.new_empty((group.size * 2, stats.shape[1]))
-        comm.all_gather(every, stats, group)
-        every = every.view(group.size, 2, -1)  # [t, 2, N]
-        lse = torch.logsumexp(every[:, 0], dim=0)  # log-sum-exp over the whole vocabulary
-        per_token = torch.where(valid, lse - every[:, 1].sum(0), 0.0)
+        lse, target = _combine(
+            torch.logsumexp(z, dim=1), torch.where(mine, picked, 0.0), comm, group
+        )
+        per_token = torch.where(valid, lse - target, 0.0)
         ctx.save_for_backward(z, lse, local, mine, valid)
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
         return per_token.sum()
@@ -363,6 +345,17 @@ class _VocabParallelCE(torch.autograd.Function):
         rows = mine.nonzero()[:, 0]
         dz[rows, local[rows]] -= 1.0
         return (dz * grad).view(ctx.shape).to(ctx.dtype), None, None, None, None
+
+
+def _combine(lse: torch.Tensor, picked: torch.Tensor, comm: Comm, group: Group):
+    """The log-sum-exp over the whole vocabulary and the target logit, per token [N], from
+    every rank's log-sum-exp and target logit (0 where another rank owns the target): one
+    all-gather."""
+    stats = torch.stack((lse, picked))  # [2, N]
+    every = stats.new_empty((group.size * 2, stats.shape[1]))
+    comm.all_gather(every, stats, group)
+    every = every.view(group.size, 2, -1)  # [t, 2, N]
+    return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)
 
 
 class VocabParallelCrossEntropy:
@@ -390,15 +383,8 @@ class VocabParallelLinearCrossEntropy:
         if not self.tied:  # what VocabParallelHead does first (a tied head's input
             h = self.tp.enter(h)  # entered the region at the final norm)
         weight = self.model.head_weight()  # [V_r, d]
-        return linear_cross_entropy(h, weight, targets, self.chunk, self.start, self._combine)
-
-    def _combine(self, lse: torch.Tensor, picked: torch.Tensor):
-        """Global log-sum-exp and target logit per token from every rank's (one all-gather)."""
-        stats = torch.stack((lse, picked))  # [2, N]
-        every = stats.new_empty((self.tp.group.size * 2, stats.shape[1]))
-        self.tp.comm.all_gather(every, stats, self.tp.group)
-        every = every.view(self.tp.group.size, 2, -1)
-        return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)
+        combine = functools.partial(_combine, comm=self.tp.comm, group=self.tp.group)
+        return linear_cross_entropy(h, weight, targets, self.chunk, self.start, combine)
 
 
 # --- applying a plan --------------------------------------------------------------------
@@ -439,7 +425,8 @@ def _tp_module(module: nn.Module, style: str, tp: TP, m: ModelConfig, in_region:
     same module, rewired in place, for a norm or router under SP). `in_region`: inside a
     region, where the column-wise linears leave each rank its own heads."""
     if style == "once" and tp.sp:  # the MoE layer's tokens stay split: see the plan
-        return sequence_parallel_router(module, tp), None
+        module.use_logits(SequenceParallelLogits(module, tp))  # this rank's tokens routed
+        return module, None
     if style in ("region", "replicated", "once", "tokens"):
         return module, None
     if style == "sequence" and isinstance(module, nn.Linear):  # before a region (MLA's)
@@ -524,7 +511,7 @@ def _enter_region(module: nn.Module, style: str, tp: TP) -> None:
     stay split over tp; the router's weight gradient is summed instead), and its shared
     expert is a region of its own. A region that names its own entry (`use_entry`: latent
     attention) is entered there, its replicated modules before it (`sequence`) outside."""
-    moe_tokens_split = tp.sp and _takes_dispatch(module)
+    moe_tokens_split = tp.sp and callable(getattr(module, "use_dispatch", None))
     if style == "region" and _enters_inside(module):
         module.use_entry(tp.enter)  # the narrow latents enter, not the full-width input
     elif style == "region" and not moe_tokens_split:
