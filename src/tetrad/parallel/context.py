@@ -38,6 +38,7 @@ bytes each moves per layer, which tests/test_cp.py checks against `Comm`'s count
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,6 @@ from torch import nn
 
 from tetrad.comm import Comm
 from tetrad.comm.cp import gather_from_cp, ring_pass
-from tetrad.config import CP_ATTENTION
 from tetrad.mesh import Group, Mesh
 from tetrad.models.plans import matches
 from tetrad.models.spec import ModelSpec, Rotary
@@ -87,50 +87,35 @@ class HeadDims:
         return HeadDims(hd, getattr(core, "rope_dim", hd), getattr(core, "v_head_dim", hd))
 
 
-class _CPCore(nn.Module):
-    """What both cores share: the cp group, the rotary of this rank's global positions (the
-    family's, `rotary`), and the block kernel's kind (parallel.cp_kernel: fused or unfused)."""
+class CPCore(nn.Module):
+    """A context-parallel attention core (`attention`: "allgather" or "ring", see the module
+    doc), rotating with the family's `rotary` at this rank's global positions, each block
+    through the kernel of kind `kernel` (parallel.cp_kernel: fused or unfused)."""
 
     def __init__(
-        self, dims: HeadDims, theta: float, rotary: Rotary, comm: Comm, group: Group, kernel: str
-    ):
+        self, attention: str, dims: HeadDims, theta: float, rotary: Rotary, comm: Comm,
+        group: Group, kernel: str,
+    ):  # fmt: skip
         super().__init__()
-        self.dims, self.theta, self.comm, self.group = dims, theta, comm, group
-        self.head_dim = dims.head_dim
+        self.ring, self.dims, self.theta, self.comm = attention == "ring", dims, theta, comm
+        self.group, self.head_dim = group, dims.head_dim
         self.rotary, self.kernel = rotary, kernel
 
-    def positions(self, local: int, device) -> torch.Tensor:
-        return chunk_positions(local * self.group.size, self.group.size, self.group.rank, device)
-
-    def rotated(self, q, k, v):
-        """[b, s/cp, heads·hd] (v: heads·v_hd) -> q [b, s/cp, h, hd], k [b, s/cp, kvh, hd],
-        v [b, s/cp, kvh, v_hd], rotary applied at the global positions; and those positions."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[b, s/cp, heads·hd] (v: heads·v_hd) -> [b, s/cp, heads·v_hd]."""
         b, s = q.shape[:2]
         q, k = (t.view(b, s, -1, self.head_dim) for t in (q, k))
-        v = v.view(b, s, -1, self.dims.v_head_dim)
-        pos = self.positions(s, q.device)
+        v = v.view(b, s, -1, self.dims.v_head_dim)  # [b, s/cp, kvh, v_hd]
+        n, rank = self.group.size, self.group.rank
+        pos = chunk_positions(s * n, n, rank, q.device)  # this rank's, global
         rope = self.rotary.tables(pos, self.dims.rope_dim, self.theta)
-        return self.rotary.apply(q, rope), self.rotary.apply(k, rope), v, pos
-
-
-class AllGatherCore(_CPCore):
-    """Local queries against every rank's keys and values, all-gathered (kv heads only)."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, s = q.shape[:2]
-        q, k, v, _ = self.rotated(q, k, v)
-        kv = gather_from_cp(torch.cat((k, v), -1), self.comm, self.group, dim=1)  # [b,S,kvh,·]
-        attend = _GatheredAttention.apply
-        return attend(q, kv, self.group.rank, self.kernel).reshape(b, s, -1)
-
-
-class RingCore(_CPCore):
-    """Ring attention: kv blocks around the cp ranks, online softmax (see the module doc)."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, s = q.shape[:2]
-        q, k, v, _ = self.rotated(q, k, v)
-        return _RingAttention.apply(q, k, v, self.comm, self.group, self.kernel).reshape(b, s, -1)
+        q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
+        if self.ring:
+            out = _RingAttention.apply(q, k, v, self.comm, self.group, self.kernel)
+        else:  # every rank's keys and values, all-gathered (kv heads only): [b, S, kvh, ·]
+            kv = gather_from_cp(torch.cat((k, v), -1), self.comm, self.group, dim=1)
+            out = _GatheredAttention.apply(q, kv, rank, self.kernel)
+        return out.reshape(b, s, -1)
 
 
 # --- blockwise attention: what both cores compute, one kv block (one rank's) at a time -----
@@ -148,11 +133,12 @@ def _block(rank: int, src: int, c: int):
     return slice(c, 2 * c), slice(0, 2 * c), False
 
 
-def _heads(kv: torch.Tensor, rep: int, k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _heads(kv: torch.Tensor, rep: int, k_dim: int, cols: slice) -> tuple[torch.Tensor, ...]:
     """One rank's block [b, s, kvh, k_dim + v_dim] (k and v side by side: v may be narrower,
-    latent attention's) -> k, v [b, H, s, ·], repeated to the query heads (only for the
-    kernel: what travels and what is saved stays unrepeated)."""
-    k, v = kv.transpose(1, 2).split([k_dim, kv.shape[-1] - k_dim], dim=-1)  # [b, kvh, s, ·]
+    latent attention's) -> k, v [b, H, s, ·] of the positions `cols`, repeated to the query
+    heads (only for the kernel: what travels and what is saved stays unrepeated)."""
+    kv = kv.transpose(1, 2)[:, :, cols]  # [b, kvh, m, ·]
+    k, v = kv.split([k_dim, kv.shape[-1] - k_dim], dim=-1)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return k.contiguous(), v.contiguous()
@@ -177,9 +163,8 @@ class _Online:
     def add(self, kv: torch.Tensor, where: tuple[int, int, int]) -> None:
         """Merge the block of rank `src`'s keys and values; `where` = (rank, src, chunk)."""
         rows, cols, diag = _block(*where)
-        k, v = _heads(kv, self.rep, self.q.shape[-1])
+        k, v = _heads(kv, self.rep, self.q.shape[-1], cols)
         q = self.q[:, :, rows].contiguous()
-        k, v = k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
         block_out, block_lse = self.kernel.forward(q, k, v, diag, self.scale)
         lse = self.lse[..., rows]
         merged = torch.logaddexp(lse, block_lse)
@@ -208,8 +193,7 @@ class _Grads:
         """Add one block's dq; return its (dk | dv) [b, s, kvh, k_dim + v_dim] in fp32."""
         rows, cols, diag = _block(*where)
         k_dim = self.q.shape[-1]
-        k, v = _heads(kv, self.rep, k_dim)
-        k, v = k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
+        k, v = _heads(kv, self.rep, k_dim, cols)
         dout, q, out, lse = (t[:, :, rows].contiguous() for t in self._mine)
         dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, diag, self.scale)
         self.dq[:, :, rows] += widen(dq)
@@ -230,12 +214,11 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv, rank: int, kind: str):
-        s, n = q.shape[1], kv.shape[1] // q.shape[1]
         v_dim = kv.shape[-1] - q.shape[-1]
         ctx.kernel = pick_kernel(kind, q, v_dim)
         run = _Online(q, kv.shape[2], v_dim, ctx.kernel)
-        for src in range(n):
-            run.add(kv[:, src * s : (src + 1) * s], (rank, src, s // 2))
+        for src, block in enumerate(kv.split(q.shape[1], dim=1)):  # rank src's
+            run.add(block, (rank, src, q.shape[1] // 2))
         ctx.rank = rank
         ctx.save_for_backward(q, kv, run.out, run.lse)
         return run.result(q.dtype)
@@ -243,14 +226,26 @@ class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, kv, out, lse = ctx.saved_tensors
-        s, n = q.shape[1], kv.shape[1] // q.shape[1]
+        s = q.shape[1]
         grads = _Grads(q, grad, out, lse, kv.shape[2], ctx.kernel)
-        dkv = torch.empty(kv.shape, dtype=wide(kv.dtype), device=kv.device)
-        for src in range(n):
-            dkv[:, src * s : (src + 1) * s] = grads.block(
-                kv[:, src * s : (src + 1) * s], (ctx.rank, src, s // 2)
-            )
+        blocks = enumerate(kv.split(s, dim=1))
+        dkv = torch.cat([grads.block(kv_j, (ctx.rank, j, s // 2)) for j, kv_j in blocks], dim=1)
         return grads.result(q.dtype), dkv.to(kv.dtype), None, None
+
+
+def _around(kv: torch.Tensor, comm: Comm, group: Group) -> Iterator[torch.Tensor]:
+    """The kv blocks in the order the ring brings them, this rank's own first: each next
+    one's transfer is posted before the one in hand is yielded, and waited for when the
+    caller asks for it (so what the caller launches meanwhile goes first)."""
+    for i in range(group.size):
+        works, nxt = [], None
+        if i < group.size - 1:
+            nxt = torch.empty_like(kv)
+            works = ring_pass(kv, nxt, comm, group)
+        yield kv
+        for w in works:
+            w.wait()
+        kv = nxt
 
 
 class _RingAttention(torch.autograd.Function):
@@ -265,15 +260,8 @@ class _RingAttention(torch.autograd.Function):
         ctx.kernel = pick_kernel(kind, q, v.shape[-1])
         run = _Online(q, k.shape[2], v.shape[-1], ctx.kernel)
         kv = torch.cat((k, v), -1).contiguous()  # [b, s, kvh, hd + v_hd]: what travels
-        for i in range(n):
-            works, nxt = [], None
-            if i < n - 1:
-                nxt = torch.empty_like(kv)
-                works = ring_pass(kv, nxt, comm, group)
-            run.add(kv, (r, (r - i) % n, c))
-            for w in works:
-                w.wait()
-            kv = nxt
+        for i, block in enumerate(_around(kv, comm, group)):
+            run.add(block, (r, (r - i) % n, c))
         ctx.comm, ctx.group = comm, group
         ctx.save_for_backward(q, k, v, run.out, run.lse)
         return run.result(q.dtype)
@@ -287,28 +275,19 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.cat((k, v), -1).contiguous()
         dkv = torch.zeros(kv.shape, dtype=wide(k.dtype), device=q.device)  # travels
         incoming: list = []  # the dkv of the block now in hand, still arriving
-        for i in range(n):
-            works, nxt = [], None
-            if i < n - 1:
-                nxt = torch.empty_like(kv)
-                works = ring_pass(kv, nxt, comm, group)
-            local = grads.block(kv, (r, (r - i) % n, c))
+        for i, block in enumerate(_around(kv, comm, group)):
+            local = grads.block(block, (r, (r - i) % n, c))
             for w in incoming:
                 w.wait()
             dkv = dkv + local  # the sum of every rank that used this block so far
             arriving = torch.empty_like(dkv)
             incoming = ring_pass(dkv, arriving, comm, group)  # on to the block's next user
-            for w in works:
-                w.wait()
-            kv, dkv = nxt, arriving
+            dkv = arriving
         for w in incoming:  # after n hops: this rank's own block's dk, dv, summed
             w.wait()
         dq = grads.result(q.dtype)
         dk, dv = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-CORES = dict(zip(CP_ATTENTION, (AllGatherCore, RingCore)))
 
 
 def apply_cp(
@@ -323,8 +302,7 @@ def apply_cp(
     their `theta` and widths, `HeadDims.of`) for the cp core `attention` (allgather or
     ring), rotating with the spec's rotary and attending block by block with the `kernel`
     kind (fused or unfused): no parameters, nothing to shard or materialise."""
-    kind = CORES[attention]
     cores = [(n, m) for n, m in model.named_modules() if matches(spec.attention_core, n)]
     for name, core in cores:
-        new = kind(HeadDims.of(core), core.theta, spec.rotary, comm, mesh["cp"], kernel)
-        model.set_submodule(name, new)
+        args = (HeadDims.of(core), core.theta, spec.rotary, comm, mesh["cp"], kernel)
+        model.set_submodule(name, CPCore(attention, *args))
