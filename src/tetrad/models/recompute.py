@@ -74,19 +74,19 @@ class _Tape(TorchDispatchMode):
 
     def __init__(self, policy: Keep, root: nn.Module, trees: list, replay: list | None = None):
         super().__init__()
-        self.trees, self.replay = trees, replay
+        self.trees, self.replay = trees, None if replay is None else iter(replay)
+        self.given = iter(trees)  # the rerun's: what forward recorded, in its order
         self.modules = policy.modules()  # path -> (kernel kind, "keep" or "drop")
         self.root = root
         self.tensors: list[torch.Tensor] = []
         self.running: list[str] = []  # the policy modules in their forward, innermost last
         self.seen: dict[str, int] = {}  # kernels of its kind each module has run
         self.hooks: list = []
-        self.next_tree = self.next_tensor = 0
 
     def __enter__(self):
         found = [(path, _module(self.root, path)) for path in self.modules]  # all, or none
         for path, module in found:
-            enter = module.register_forward_pre_hook(lambda *_, p=path: self._enter(p))
+            enter = module.register_forward_pre_hook(lambda *_, p=path: self.running.append(p))
             self.hooks += [enter, module.register_forward_hook(lambda *_: self._leave())]
         return super().__enter__()
 
@@ -98,9 +98,6 @@ class _Tape(TorchDispatchMode):
             self._check_drops()
         return out
 
-    def _enter(self, path: str) -> None:
-        self.running.append(path)
-
     def _leave(self) -> None:
         self.running.pop()
 
@@ -111,11 +108,9 @@ class _Tape(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if chosen is not None and chosen[1] == "keep":
             leaves, spec = tree_flatten(out)
-            tensors = [isinstance(x, torch.Tensor) for x in leaves]
             self.tensors += [x for x in leaves if isinstance(x, torch.Tensor)]
-            self.trees.append(
-                (chosen[0], spec, [None if t else x for t, x in zip(tensors, leaves)])
-            )
+            kept = [None if isinstance(x, torch.Tensor) else x for x in leaves]  # None: a tensor
+            self.trees.append((chosen[0], spec, kept))
         elif chosen is not None:
             self.trees.append((chosen[0], out.shape, out.dtype, out.device))
         return out
@@ -149,21 +144,17 @@ class _Tape(TorchDispatchMode):
                 )
 
     def _give_back(self, path: str, choice: str):
-        entry = self.trees[self.next_tree]
-        self.next_tree += 1
+        entry = next(self.given)
         if entry[0] != path:
             raise RuntimeError(f"recomputation diverged: {path!r} ran where {entry[0]!r} did")
         if choice == "drop":
             _, shape, dtype, device = entry
             return torch.empty(shape, dtype=dtype, device=device)
         _, spec, leaves = entry
-        out = []
-        for x in leaves:
-            if x is None:  # a fresh alias: autograd gives the kernel's output its own history
-                x = self.replay[self.next_tensor].detach()
-                self.next_tensor += 1
-            out.append(x)
-        return tree_unflatten(out, spec)
+        # each tensor a fresh alias: autograd gives the kernel's output its own history
+        return tree_unflatten(
+            [next(self.replay).detach() if x is None else x for x in leaves], spec
+        )
 
 
 def _module(root: nn.Module, path: str) -> nn.Module:
