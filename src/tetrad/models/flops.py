@@ -72,12 +72,11 @@ def block_linears(cfg: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
     """(K, N) of each linear of a block on one tp rank, by module path, in forward order."""
     h, f, hd = cfg.dim, cfg.hidden_dim, cfg.head_dim
     q, kv = cfg.heads * hd // t, max(cfg.kv_heads // t, 1) * hd
-    return {
-        "attention.wq": (h, q),
-        "attention.wk": (h, kv),
-        "attention.wv": (h, kv),
-        "attention.wo": (q, h),
-        "feed_forward.w1": (h, f // t),
-        "feed_forward.w3": (h, f // t),
-        "feed_forward.w2": (f // t, h),
-    }
+    attention = {"attention.wq": (h, q), "attention.wk": (h, kv), "attention.wv": (h, kv)}
+    return {**attention, "attention.wo": (q, h), **swiglu_linears("feed_forward", h, f // t)}
+
+
+def swiglu_linears(path: str, dim: int, inner: int) -> dict[str, tuple[int, int]]:
+    """(K, N) of the SwiGLU at `path` (model width `dim`, `inner` wide on one tp rank):
+    the gate and up projections (w1, w3), then the down one (w2)."""
+    return {f"{path}.w1": (dim, inner), f"{path}.w3": (dim, inner), f"{path}.w2": (inner, dim)}

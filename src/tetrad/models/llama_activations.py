@@ -13,9 +13,12 @@ from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models.spec import Saved, check_recompute
 
 
-def _local_heads(m: ModelConfig, t: int) -> tuple[int, int]:
-    """(query heads, kv heads) one tp rank computes; kv_heads < tp leaves one kv head each."""
-    return m.heads // t, max(m.kv_heads // t, 1)
+def _local_heads(m: ModelConfig, t: int, gqa_native: bool = False) -> tuple[int, int, int]:
+    """(query heads, kv heads) one tp rank computes (kv_heads < tp leaves one kv head
+    each), and the width of its k (or v) as attention holds it: repeated to the query
+    heads, unless the kernel reads kv heads natively (`gqa_native`)."""
+    heads, kv = m.heads // t, max(m.kv_heads // t, 1)
+    return heads, kv, (heads if heads > kv and not gqa_native else kv) * m.head_dim
 
 
 def layer(
@@ -39,12 +42,11 @@ def layer(
     c, h, f, hd = DTYPE_BYTES[dtype], m.dim, m.hidden_dim, m.head_dim
     if recompute == "full":  # a checkpointed block keeps its input
         return [Saved("block input", c * h, "seq")]
-    heads, kv = _local_heads(m, t)
+    heads, kv, kv_width = _local_heads(m, t, gqa_native)  # kv_width: (repeated) k, v
     if recompute == "op":
         return _op_policy(m, t, c, heads)
     if recompute == "selective":
         return _selective(m, c, heads, kv)
-    kv_width = heads * hd if heads > kv and not gqa_native else kv * hd  # (repeated) k, v
     norm = c * h + 4 if fused else (4 + c) * h + 4  # (fp32 copy,) normalised, fp32 rsqrt
     linear_in = "seq" if sp_shards else "rank"
     items = [
@@ -52,8 +54,6 @@ def layer(
         Saved("qkv input", c * h, linear_in),
         Saved("ffn norm", norm, "seq"),
         Saved("w1/w3 input", c * h, linear_in),
-    ]
-    items += [
         Saved("rotary cos/sin", per_position=4 * hd, split="rank"),
         Saved("sdpa q, out", 2 * c * m.heads * hd, "tp"),
         Saved("attention k, v", 2 * c * kv_width, "rank"),
@@ -83,9 +83,7 @@ def cp_gathered_kv(m: ModelConfig, t: int, dtype: str, cp: int, seq_len: int,
     token: the other cp - 1 shards' keys and values (repeated to the query heads unless
     the kernel reads kv heads natively), which attention saves for its backward; and per
     local position the boolean causal mask against all `seq_len` global positions."""
-    c, hd = DTYPE_BYTES[dtype], m.head_dim
-    heads, kv = _local_heads(m, t)
-    width = heads * hd if heads > kv and not gqa_native else kv * hd
+    c, width = DTYPE_BYTES[dtype], _local_heads(m, t, gqa_native)[2]
     return [
         Saved("other shards' k, v", 2 * c * width * (cp - 1), "rank"),
         Saved("mask by global position", per_position=seq_len, split="rank"),

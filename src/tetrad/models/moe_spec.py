@@ -12,7 +12,7 @@ import dataclasses
 from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import llama_activations
 from tetrad.models.flops import block_linears as llama_block_linears
-from tetrad.models.flops import llama_layer_costs
+from tetrad.models.flops import llama_layer_costs, swiglu_linears
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import LLAMA, QK_NORM_NAMES, QK_NORM_PLAN
 from tetrad.models.moe import (
@@ -77,19 +77,9 @@ def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
     shared = m.shared_experts * m.expert_dim // t
     dense = llama_block_linears(m, t)
     out = {k: v for k, v in dense.items() if k.startswith("attention.")}
-    out |= {
-        "feed_forward.router": (h, m.experts),
-        "feed_forward.experts.w1": (h, routed),
-        "feed_forward.experts.w3": (h, routed),
-        "feed_forward.experts.w2": (routed, h),
-    }
-    if shared:
-        out |= {
-            "feed_forward.shared.w1": (h, shared),
-            "feed_forward.shared.w3": (h, shared),
-            "feed_forward.shared.w2": (shared, h),
-        }
-    return out
+    out |= {"feed_forward.router": (h, m.experts)}
+    out |= swiglu_linears("feed_forward.experts", h, routed)
+    return out | (swiglu_linears("feed_forward.shared", h, shared) if shared else {})
 
 
 # the routed experts' linears in `block_linears` and their side of one expert's width: w1

@@ -97,12 +97,8 @@ def check_plan(plan: dict[str, str]) -> None:
 def assign(names: list[str], plan: dict[str, str]) -> dict[str, str]:
     """Style of every named module the plan covers, in the order given."""
     check_plan(plan)
-    out = {}
-    for name in names:
-        style = style_of(name, plan)
-        if style is not None:
-            out[name] = style
-    return out
+    styles = {name: style_of(name, plan) for name in names}
+    return {name: style for name, style in styles.items() if style is not None}
 
 
 def decays(name: str) -> bool:
