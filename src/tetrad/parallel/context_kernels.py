@@ -43,12 +43,19 @@ from tetrad.precision import widen
 class BlockKernel:
     """A block's forward (q, k, v, causal, scale) -> (out, lse) and its backward
     (dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv), given the merged out and lse;
-    `ops`: the aten ops it calls (it is used only where this torch has them all)."""
+    `op`: the torch op it calls, `_scaled_dot_product_{op}`, with its backward (none: the
+    unfused kernel)."""
 
     name: str
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    ops: tuple[str, ...] = ()
+    op: str = ""
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The aten ops it calls (it is used only where this torch has them all)."""
+        fwd = f"_scaled_dot_product_{self.op}"
+        return (fwd, fwd + "_backward") if self.op else ()
 
 
 # --- unfused: plain fp32 matmuls, any device (the reference) ---------------------------------
@@ -172,24 +179,18 @@ KERNELS = {
         BlockKernel(
             "cpu-flash",
             *_one_head_size(_cpu_flash_forward, _cpu_flash_backward),
-            (
-                "_scaled_dot_product_flash_attention_for_cpu",
-                "_scaled_dot_product_flash_attention_for_cpu_backward",
-            ),
+            "flash_attention_for_cpu",
         ),
         BlockKernel(
             "cuda-flash",
             *_one_head_size(_cuda_flash_forward, _cuda_flash_backward),
-            ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+            "flash_attention",
         ),
         BlockKernel(
             "cuda-efficient",
             _cuda_efficient_forward,
             _cuda_efficient_backward,
-            (
-                "_scaled_dot_product_efficient_attention",
-                "_scaled_dot_product_efficient_attention_backward",
-            ),
+            "efficient_attention",
         ),
     )
 }
