@@ -17,7 +17,9 @@ with `aot_eager`: dynamo and AOT autograd without inductor's kernels, so their g
 breaks, guards and recompilations are dynamo's. Inductor's C++ compilation is most of this
 file's time (on 2 cores 10 to 25 s a graph, each of tp's pieces between collectives one).
 The runs whose bounds rest on rounding (bf16, FP8) are test_compile_rounding.py's, so the
-pass on SSE4.2 kernels reruns them alone."""
+pass on SSE4.2 kernels reruns them alone. The head with the chunked loss (on by default)
+compiles whole, once, where tp does not split the vocabulary: in the aot_eager layouts
+(dp with full recomputation runs it in 4 chunks); the inductor ones run full logits."""
 
 from __future__ import annotations
 
@@ -42,17 +44,24 @@ MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 32, "shared_exp
 # name -> (model, parallel, train overrides): a block's input [2, 16, 32] where the layout
 # lets it be (dp's and pp's share their compiled graph)
 AOT_EAGER = {"dp2-full", "tp2-sp", "pp2-zb-h1", "cp2-ring", "moe-ep2"}
-# graphs a layout's blocks compile to: a block's whole body is one graph, which every block
-# shares (full recomputation: its forward without grad and its rerun with it); ZeRO-3's
-# hooks stay outside it (one traced into the body gave each block a graph of its own, and
-# past dynamo's recompile limit of 8 blocks, eager ones)
-GRAPHS = {"dp2": 1, "dp2-full": 2, "fsdp2-zero3": 1, "pp2-1f1b": 1}
+# graphs rank 0 compiles: a block's whole body is one graph, which every block shares (full
+# recomputation: its forward without grad and its rerun with it); ZeRO-3's hooks stay
+# outside it (one traced into the body gave each block a graph of its own, and past
+# dynamo's recompile limit of 8 blocks, eager ones). The head with the chunked loss
+# (`loss_chunk`, 1024 tokens by default: 8 in dp2-full) is one graph more on the rank that
+# holds it (a pipeline's last: rank 1), unless tp splits the vocabulary (then eager). The
+# inductor layouts run full logits (`FULL`): the loss's graph would cost them about 25 s
+# more of C++ compilation; the aot_eager layouts check what dynamo and AOT autograd make
+# of it (breaks, guards, recompilations)
+GRAPHS = {"dp2": 1, "dp2-full": 3, "fsdp2-zero3": 1, "pp2-1f1b": 1}
+LOSS_RANK = {"pp2-1f1b": 1, "pp2-zb-h1": 1}
+FULL = {"loss_chunk": 0}
 LAYOUTS = {
-    "dp2": ({}, {"dp": 2, "microbatches": 2}, {}),
-    "dp2-full": ({}, {"dp": 2, "microbatches": 2}, {"recompute": "full"}),
-    "fsdp2-zero3": ({}, {"fsdp": 2, "zero_stage": 3, "microbatches": 2}, {}),
+    "dp2": ({}, {"dp": 2, "microbatches": 2}, FULL),
+    "dp2-full": ({}, {"dp": 2, "microbatches": 2}, {"recompute": "full", "loss_chunk": 8}),
+    "fsdp2-zero3": ({}, {"fsdp": 2, "zero_stage": 3, "microbatches": 2}, FULL),
     "tp2-sp": ({}, {"tp": 2, "sp": True}, {}),
-    "pp2-1f1b": ({}, {"pp": 2, "microbatches": 4, "pp_schedule": "1f1b"}, {}),
+    "pp2-1f1b": ({}, {"pp": 2, "microbatches": 4, "pp_schedule": "1f1b"}, FULL),
     "pp2-zb-h1": ({}, {"pp": 2, "microbatches": 4, "pp_schedule": "zb-h1"}, {}),
     "cp2-ring": ({}, {"cp": 2, "cp_attention": "ring"}, {}),
     "moe-ep2": (MOE, {"dp": 2, "ep": 2}, {}),
@@ -69,7 +78,10 @@ def _train_compiled(
     """Each (config, backend) trained with its blocks compiled, its metrics rows kept;
     then (`restart`) the first one again after dynamo forgets every compiled frame: a
     restart, reading the compiled graphs back from OUT/compile_cache (every config's `out`)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
+
+    from tetrad.models.loss import linear_cross_entropy
 
     _warm_cache(rank, runs, out)
     results = []
@@ -88,6 +100,8 @@ def _train_compiled(
                 "recompiles": [r["recompiles"] for r in rows],
                 "compile_s": [r["compile_s"] for r in rows],
                 "graphs": counters["stats"]["unique_graphs"],
+                # the chunked loss's compiled entries (0: eager; 1: compiled, once)
+                "loss_compiled": len(_debug_get_cache_entry_list(linear_cross_entropy.__code__)),
                 "state": trainer.engine.full_state_dict(),
                 "seconds": time.perf_counter() - t0,
             }
@@ -149,6 +163,9 @@ def test_compiled_layout_matches_eager_single_process(reference, jobs, name):
     assert got["compile_s"][0] > 0  # compiled: the blocks' graphs were built in step 0
     assert got["recompiles"][1:] == [0] * (len(got["recompiles"]) - 1)
     assert got["graphs"] == GRAPHS.get(name, got["graphs"])
+    loss = jobs["compiled"][LOSS_RANK.get(name, 0)][list(LAYOUTS).index(name)]
+    chunked = train.get("loss_chunk") != 0 and "tp" not in par  # else eager: tp's collectives
+    assert loss["loss_compiled"] == chunked  # compiled, once: no recompilation
 
 
 def test_restart_reads_compiled_blocks_from_the_cache(jobs):

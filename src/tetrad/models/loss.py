@@ -82,7 +82,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # minus one at each owned target: a scatter, not an index (no host sync)
                 dz.scatter_add_(1, local[lo:hi, None], -mine[lo:hi, None].to(dz.dtype))
                 dz = dz.mul_(grad).to(x.dtype)
-                torch.mm(dz, weight, out=grad_x[lo:hi])
+                grad_x[lo:hi] = dz @ weight
                 grad_w += widen(dz.t() @ x[lo:hi])
         return grad_x.view_as(h), grad_w.to(weight.dtype), None, None, None, None
 
@@ -109,7 +109,14 @@ class ChunkedCrossEntropy:
 
     def __init__(self, model, chunk: int):
         self.model, self.chunk = model, chunk
+        self.loss = linear_cross_entropy
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # read at each call: ZeRO re-points the attribute at every pass
-        return linear_cross_entropy(h, self.model.head_weight(), targets, self.chunk)
+        return self.loss(h, self.model.head_weight(), targets, self.chunk)
+
+    def compile(self, *args, **kwargs) -> None:
+        """torch.compile (`args`, `kwargs` its own) of the head and loss, the autograd
+        function's forward and backward whole (`fullgraph`: a break would leave it eager
+        unnoticed). The weight is an input, read eagerly at each call (ZeRO's view)."""
+        self.loss = torch.compile(linear_cross_entropy, *args, fullgraph=True, **kwargs)

@@ -67,10 +67,12 @@ def parallelize(
         tokens = max_over(comm, mesh["cp"]) if layout.cp > 1 else None  # split over cp
         use_fp8(model, spec.blocks, layout.fp8, tokens)
     spec.set_recompute(model, train.recompute)
-    if train.compile:  # each block's body; its hooks, collectives and the loss stay eager
+    if train.compile:  # each block's body (its hooks and collectives stay eager)
         for block in model.get_submodule(spec.blocks).values():
             block.compile(dynamic=False)
     loss_fn = _loss_fn(model, train.loss_chunk, tp)
+    if train.compile and isinstance(loss_fn, ChunkedCrossEntropy):  # the head fused with
+        loss_fn.compile(dynamic=False)  # the loss; tp's vocabulary-parallel one stays eager
     replicated = local.replicated
     runner: Runner = MicrobatchLoop(model, loss_fn, meter_every=train.meter_every)
     if local.chunks is not None:
