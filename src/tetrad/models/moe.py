@@ -26,6 +26,7 @@ Load balance (`ModelConfig.balance`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.config import ModelConfig
-from tetrad.models.llama import KEEP_SELECTIVE, Block, Llama, eager
+from tetrad.models.llama import KEEP_SELECTIVE, Block, FeedForward, Llama, eager
 from tetrad.models.llama import set_recompute as set_dense_recompute
 from tetrad.models.spec import Keep
 from tetrad.precision import wide, widen
@@ -307,19 +308,6 @@ class LocalDispatch:
         return out if shared is None else out + shared(x)
 
 
-class SwiGLU(nn.Module):
-    """The shared experts: one SwiGLU of inner size shared_experts · expert_dim."""
-
-    def __init__(self, dim: int, inner: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, inner, bias=False)
-        self.w3 = nn.Linear(dim, inner, bias=False)
-        self.w2 = nn.Linear(inner, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class _WithAuxGrad(torch.autograd.Function):
     """Passes `out` through; in backward, also gives `aux` (a scalar already scaled as
     the loss counts it) the gradient 1, as if it had been added to the loss."""
@@ -340,8 +328,9 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.router = Router(cfg)
         self.experts = Experts(cfg.experts, cfg.dim, cfg.expert_dim)
+        # the shared experts: one SwiGLU (Llama's) of inner size shared_experts · expert_dim
         inner = cfg.shared_experts * cfg.expert_dim
-        self.shared: SwiGLU | None = SwiGLU(cfg.dim, inner) if inner else None
+        self.shared = FeedForward(dataclasses.replace(cfg, ffn_dim=inner)) if inner else None
         self.dispatch: Callable = LocalDispatch()
         self.balance, self.aux_coef = cfg.balance, cfg.aux_loss_coef
         # 1 / sequences in the global batch: the token loss's mean over the global batch,

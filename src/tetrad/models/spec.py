@@ -65,9 +65,8 @@ class Keep:
 
     def modules(self) -> dict[str, tuple[str, str]]:
         """Module path -> (kernel kind, "keep" or "drop")."""
-        out = {name: (kind, "keep") for name, kind in self.keep.items()}
-        out.update({name: (kind, "drop") for name, kind in self.drop.items()})
-        return out
+        keep = {name: (kind, "keep") for name, kind in self.keep.items()}
+        return keep | {name: (kind, "drop") for name, kind in self.drop.items()}
 
 
 class ActivationFormulas(Protocol):

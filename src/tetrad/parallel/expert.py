@@ -78,10 +78,8 @@ class AllToAllDispatch:
         tokens, k = ids.shape
         layer_input, early = x, []
         if self.tp is not None:  # each tp rank sends its share of the (identical) tokens
-            x, ids = (
-                share_of_tp(x, self.tp),
-                ids[slice(*tp_share(tokens, self.tp.size, self.tp.rank))],
-            )
+            x = share_of_tp(x, self.tp)
+            ids = ids[slice(*tp_share(tokens, self.tp.size, self.tp.rank))]
         meanwhile = lambda: early.append(self._run_shared(shared, layer_input))  # noqa: E731
         copies = self._through_experts(x, ids.reshape(-1), k, experts, meanwhile)  # [t*k, d]
         if self.tp is not None:
