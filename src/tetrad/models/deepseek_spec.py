@@ -20,12 +20,9 @@ from tetrad.models.spec import Rotary, Saved
 
 
 def attention_params(m: ModelConfig) -> int:
-    """Weights of one MLA layer's matmuls."""
-    d, h, r = m.dim, m.heads, m.q_lora_rank
-    qk = m.qk_nope_dim + m.qk_rope_dim
-    q = r * d + r * h * qk if r else d * h * qk
-    kv = d * (m.kv_lora_rank + m.qk_rope_dim) + m.kv_lora_rank * h * (m.qk_nope_dim + m.v_head_dim)
-    return q + kv + h * m.v_head_dim * d
+    """Weights of one MLA layer's matmuls: its linears' K·N (`block_linears`, one tp rank)."""
+    linears = block_linears(m, 1).items()
+    return sum(k * n for name, (k, n) in linears if name.startswith("attention."))
 
 
 def _score_width(m: ModelConfig) -> int:
