@@ -36,6 +36,7 @@ block, never two: ZeRO takes a unit's gradient accumulation as the end of its ba
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -72,7 +73,7 @@ class _Tape(TorchDispatchMode):
     those back, in the same order, instead of running the kernels. Which module is
     running comes from hooks on the policy's modules, set for the tape's lifetime."""
 
-    def __init__(self, policy: Keep, root: nn.Module, trees: list, replay: list | None = None):
+    def __init__(self, policy: Keep, root: nn.Module, trees: list, replay: tuple | None = None):
         super().__init__()
         self.trees, self.replay = trees, None if replay is None else iter(replay)
         self.given = iter(trees)  # the rerun's: what forward recorded, in its order
@@ -168,18 +169,19 @@ def _module(root: nn.Module, path: str) -> nn.Module:
         ) from None
 
 
+def _taped(policy: Keep | None, root: nn.Module, trees: list, replay: tuple | None = None):
+    """The tape of a selective policy (`_Tape`), or no tape at all (full recomputation)."""
+    return contextlib.nullcontext() if policy is None else _Tape(policy, root, trees, replay)
+
+
 class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, policy, root, *inputs):
         ctx.fn, ctx.policy, ctx.trees, ctx.inputs = fn, policy, [], len(inputs)
         ctx.root = root
-        with torch.no_grad():
-            if policy is None:
-                ctx.save_for_backward(*inputs)
-                return fn(*inputs)
-            with _Tape(policy, root, ctx.trees) as tape:
-                out = fn(*inputs)
-        ctx.save_for_backward(*inputs, *tape.tensors)
+        with torch.no_grad(), _taped(policy, root, ctx.trees) as tape:
+            out = fn(*inputs)
+        ctx.save_for_backward(*inputs, *(tape.tensors if tape else ()))
         return out
 
     @staticmethod
@@ -187,12 +189,8 @@ class _Recompute(torch.autograd.Function):
         saved = ctx.saved_tensors
         n = ctx.inputs
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in saved[:n]]
-        with torch.enable_grad():
-            if ctx.policy is None:
-                out = ctx.fn(*inputs)
-            else:
-                with _Tape(ctx.policy, ctx.root, ctx.trees, list(saved[n:])):
-                    out = ctx.fn(*inputs)
+        with torch.enable_grad(), _taped(ctx.policy, ctx.root, ctx.trees, saved[n:]):
+            out = ctx.fn(*inputs)
         _release(out, inputs)
         torch.autograd.backward(out, grad)
         return (None, None, None, *(x.grad if x.requires_grad else None for x in inputs))
