@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 from tetrad.config import Config, ModelConfig
@@ -31,12 +32,12 @@ def _held_stages(pp_rank: int, pp: int, v: int, schedule: str) -> tuple[int, ...
 def block_kinds(m: ModelConfig, split: list[int], stages: list[int]) -> tuple[int, int]:
     """(dense, MoE) blocks a rank holding global `stages` has: an MoE model's first
     `dense_layers` blocks are dense (Llama's SwiGLU); a dense model's are all dense."""
-    starts = [sum(split[:s]) for s in range(len(split))]
-    held = [i for s in stages for i in range(starts[s], starts[s] + split[s])]
+    starts = list(itertools.accumulate(split, initial=0))
+    held = sum(split[s] for s in stages)
     if not m.moe:
-        return len(held), 0
-    dense = sum(1 for i in held if i < m.dense_layers)
-    return dense, len(held) - dense
+        return held, 0
+    dense = sum(max(0, min(starts[s + 1], m.dense_layers) - starts[s]) for s in stages)
+    return dense, held - dense
 
 
 def model_key(model: ModelConfig) -> tuple:
@@ -78,9 +79,30 @@ def first_ep_groups(lay: Layout) -> tuple[list[int], list[int]]:
     group is priced alike): `ep_groups`' first of each, found on the first pipeline stage
     alone (pp is the outermost axis, so its ranks and groups are those of `lay` at pp 1),
     which a search of many pp degrees asks once."""
-    stage = tuple((a, 1 if a == "pp" else d) for a, d in lay.degrees.items())
-    groups, data = _expert_groups(stage, lay.ep)
-    return groups[0], data[0]
+    d = lay.degrees
+    return _first_ep_groups(d["dp"], d["fsdp"], d["cp"], d["tp"], lay.ep)
+
+
+@functools.cache
+def _first_ep_groups(dp: int, fsdp: int, cp: int, tp: int, ep: int) -> tuple[list, list]:
+    """`mesh.expert_groups`' first ep group and first expert-data group of one stage, by
+    its rank arithmetic without listing every group (listing them was 10 ms a degree set,
+    2,000 of them in a 256-GPU search; tests/test_plan_speed.py holds the two equal). A
+    rank is ((dp·fsdp + fsdp)·cp + cp)·tp + tp by coordinate; its data index b (fsdp
+    fastest, then dp, then cp) puts it in ep group b // width, with its tp rank unless the
+    group spans tp. Every group's first rank is its smallest: the first expert-data
+    group is those, ascending."""
+    spans = ep > 1 and (dp * fsdp * cp) % ep != 0
+    width = ep // tp if spans else ep
+
+    def base(b: int) -> int:  # the rank at data index b, tp rank 0
+        f, rest = b % fsdp, b // fsdp
+        return ((rest % dp * fsdp + f) * cp + rest // dp) * tp
+
+    lowest = [min(base(b) for b in range(q, q + width)) for q in range(0, dp * fsdp * cp, width)]
+    if spans:
+        return sorted(base(b) + t for b in range(width) for t in range(tp)), sorted(lowest)
+    return sorted(base(b) for b in range(width)), sorted(q + t for q in lowest for t in range(tp))
 
 
 def describe(lay: Layout, recompute: str = "none") -> dict[str, Any]:

@@ -132,7 +132,14 @@ class Planner:
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}
         self._orders: dict[tuple, Timeline] = {}
-        self._links: dict[tuple[int, int], Link] = {}  # `Cluster.link` by (stride, size)
+        self._links: dict[tuple, Link] = {}  # `Cluster.link`, `Cluster.group_link`
+        # what a search asks of many layouts, each keyed by the fields it reads: a layout's
+        # facts, per-microbatch times, a rank's gradient reduction, a step's
+        # simulated makespan and busy times
+        self._facts_of: dict[tuple, list[RankFacts]] = {}
+        self._times: dict[tuple, dict[str, list[float]]] = {}
+        self._reductions: dict[tuple, dict[str, float]] = {}
+        self._simulated: dict[tuple, tuple[float, list[float], float]] = {}
 
     def on(self, cluster: Cluster) -> Planner:
         """A planner for `cluster` (the same engine and recompute) that shares this one's
@@ -148,6 +155,16 @@ class Planner:
         if (stride, size) not in self._links:
             self._links[stride, size] = self.cluster.link(stride, size)
         return self._links[stride, size]
+
+    def _group_link(self, ranks: list[int]) -> Link:
+        """`self.cluster.group_link(ranks)`, cached by what it reads of the group: whether
+        its ends share a node, its first stride and its size."""
+        node = self.cluster.gpus_per_node
+        stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+        key = (ranks[0] // node == ranks[-1] // node, stride, len(ranks))
+        if key not in self._links:
+            self._links[key] = self.cluster.group_link(ranks)
+        return self._links[key]
 
     def _schedule_key(self, lay: Layout) -> tuple:
         """What a schedule's action lists depend on: its name, pp, m, v and the engine's
@@ -186,6 +203,14 @@ class Planner:
             self._splits[key] = (uniform and _uniform_split(lay, m)) or layer_split(lay, m)
         return self._splits[key]
 
+    def facts(self, lay: Layout, m: ModelConfig) -> list[RankFacts]:
+        """`rank_facts` of every pp rank of `lay` (cached by the layout: a search asks for
+        a candidate's several times, for its floors, its memory and its step)."""
+        key = (model_key(m), lay)
+        if key not in self._facts_of:
+            self._facts_of[key] = self.footprint.pipeline_facts(lay, m, self.split(lay, m))
+        return self._facts_of[key]
+
     def predict(
         self, lay: Layout, m: ModelConfig, detail: bool = True, memory: Memory | None = None
     ) -> Prediction:
@@ -195,15 +220,13 @@ class Planner:
         the pipeline's idle time into bubble and p2p: the search's fast path. `memory`:
         `self.memory(lay, m)` where the caller has it already.
         """
-        facts = [self.rank_facts(lay, m, r) for r in range(lay.pp)]
+        facts = self.facts(lay, m)
         times = self.stage_times(lay, m, facts)
-        actions = self.schedule(lay)
-        timeline = simulate(actions, times.costs(self.p2p_time(lay, m)), lay.schedule)
-        free = simulate(actions, times.costs(0.0), lay.schedule) if detail else timeline
+        makespan, busy, bubble = self._simulate(lay, times.costs(self.p2p_time(lay, m)))
+        free = self._simulate(lay, times.costs(0.0))[0] if detail else makespan
         tails = [self.after_schedule(lay, r, facts[r], times) for r in range(lay.pp)]
-        busy = [timeline.busy(r) for r in range(lay.pp)]
         busiest = max(range(lay.pp), key=lambda r: busy[r])
-        pipe = {"makespan": timeline.makespan, "free": free.makespan, "busy": busy[busiest]}
+        pipe = {"makespan": makespan, "free": free, "busy": busy[busiest]}
         breakdown = self._breakdown(lay, times, busiest, pipe, tails)
         step = sum(breakdown.values())
         tokens = lay.global_batch * lay.seq_len
@@ -215,28 +238,56 @@ class Planner:
             tokens_per_s=tokens / step,
             tflops_per_gpu=flops / step / lay.world / 1e12,
             mfu=flops / step / lay.world / peak,
-            bubble_fraction=timeline.bubble_fraction,
+            bubble_fraction=bubble,
             memory=memory or self.memory(lay, m, facts),
             breakdown=breakdown,
         )
 
+    def _simulate(self, lay: Layout, costs: Costs) -> tuple[float, list[float], float]:
+        """(makespan, each rank's busy time, bubble fraction) of the schedule simulated on
+        `costs`, as `Timeline` reads them off (cached by the schedule and the costs: the
+        search's answer is predicted again in detail, and each property of a timeline
+        walks all its events)."""
+        key = (self._schedule_key(lay), tuple(costs.f), tuple(costs.b), tuple(costs.w), costs.comm)
+        if key not in self._simulated:
+            timeline = simulate(self.schedule(lay), costs, lay.schedule)
+            events = [e for rank in timeline.ranks for e in rank]
+            makespan = max((e.end for e in events), default=0.0) - timeline.start
+            busy = [timeline.busy(r) for r in range(lay.pp)]
+            bubble = 1.0 - sum(busy) / (lay.pp * makespan) if makespan else 0.0
+            self._simulated[key] = (makespan, busy, bubble)
+        return self._simulated[key]
+
     def memory(self, lay: Layout, m: ModelConfig, facts: list[RankFacts] | None = None) -> Memory:
         """The fullest rank's memory (what `predict` reports), without timing the step."""
-        facts = facts or [self.rank_facts(lay, m, r) for r in range(lay.pp)]
+        facts = facts or self.facts(lay, m)
         return self.footprint.memory(lay, m, self.split(lay, m), facts, self.order(lay))
 
     def step_floor(self, lay: Layout, m: ModelConfig) -> float:
         """A lower bound of `predict(lay, m).step_time_s` without simulating the schedule: no
         rank finishes before its own work is done (the makespan is at least any rank's
         busy time), and the step adds the longest tail after the schedule."""
-        facts = [self.rank_facts(lay, m, r) for r in range(lay.pp)]
+        return self.step_floors(lay, m)[0]
+
+    def step_floors(self, lay: Layout, m: ModelConfig) -> tuple[float, float]:
+        """(`step_floor`, a higher lower bound that adds each rank's warm-up). No compute
+        of pp rank r can start before microbatch 0's forward has run through the stages
+        ahead of r's first (every schedule places stage r first on rank r; a forward
+        waits for the previous stage's, and a backward for its own forward), so the
+        makespan is at least that sum of forwards plus r's busy time. The warm-up falls
+        as the count grows (the forwards shrink): the second floor may fall with it, and
+        only the first grows with the count (`search` ends a walk on the first alone)."""
+        facts = self.facts(lay, m)
         times = self.stage_times(lay, m, facts)
-        busy = tail = 0.0
+        forwards = [times.total("F", s) for s in range(len(times.compute["F"]))]
+        busy = started = tail = 0.0
         for r in range(lay.pp):
-            work = sum(times.total(k, s) for k in "FBW" for s in held_stages(lay, r))
-            busy = max(busy, lay.microbatches * work)
+            stages = held_stages(lay, r)
+            work = lay.microbatches * sum(times.total(k, s) for k in "FBW" for s in stages)
+            busy = max(busy, work)
+            started = max(started, sum(forwards[: stages[0]]) + work)
             tail = max(tail, sum(self.after_schedule(lay, r, facts[r], times).values()))
-        return busy + tail
+        return busy + tail, started + tail
 
     def rank_activations(self, lay: Layout, m: ModelConfig, pp_rank: int) -> float:
         """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory)."""
@@ -248,7 +299,9 @@ class Planner:
         lo, hi = self.cluster.spread
         eff = self.cluster.device.efficiency
         low, high = (  # the faster end first
-            self.on(at_efficiency(self.cluster, eff * r)).predict(lay, m, False).step_time_s
+            self.on(at_efficiency(self.cluster, eff * r))
+            .predict(lay, m, False, pred.memory)
+            .step_time_s  # the memory is the device's, whatever its speed
             for r in (hi, lo)
         )
         tokens = lay.global_batch * lay.seq_len
@@ -262,23 +315,35 @@ class Planner:
 
     def memory_floor(self, lay: Layout, m: ModelConfig) -> float:
         """A lower bound of the layout's memory per device, without simulating it."""
-        facts = [self.rank_facts(lay, m, r) for r in range(lay.pp)]
-        return self.footprint.floor(lay, m, self.split(lay, m), facts)
+        return self.footprint.floor(lay, m, self.split(lay, m), self.facts(lay, m))
 
     # --- compute and per-microbatch communication -----------------------------------------
 
     def stage_times(self, lay: Layout, m: ModelConfig, facts: list[RankFacts]) -> StageTimes:
         """Seconds per microbatch, per global stage: compute, exposed TP, exposed ZeRO-3."""
-        compute = self._stage_seconds(lay, m)
-        tp = self._tp_times(lay, m)
+        compute = self._per_microbatch(self._stage_seconds, lay, m)
+        tp = self._per_microbatch(self._tp_times, lay, m)
         fsdp = self._zero3_gathers(lay, m, facts, compute)
         if self.engine.reduce_every_microbatch:
             for s, seconds in enumerate(self._per_micro_reduction(lay, m, facts, compute)):
                 fsdp["B"][s] += seconds
-        cp, ep = self._cp_times(lay, m), self._ep_times(lay, m)
+        cp = self._per_microbatch(self._cp_times, lay, m)
+        ep = self._per_microbatch(self._ep_times, lay, m, lay.dp, lay.fsdp)
         if lay.schedule in SPLIT_BACKWARD and not self.engine.defers_w(lay):
             compute = _fold_w(compute)
         return StageTimes(compute, tp, fsdp, cp, ep)
+
+    def _per_microbatch(self, times, lay: Layout, m: ModelConfig, *more) -> dict[str, list[float]]:
+        """`times(lay, m)`, one of the per-microbatch tables (not to be changed in place),
+        cached by what they read: the model, the stage split, the microbatch's shape and
+        the tp, cp and ep degrees (and `more`: the expert groups' dp and fsdp). Candidates
+        that differ in the rest (dp and fsdp, ZeRO stage, schedule) share them."""
+        key = (times.__name__, model_key(m), tuple(self.split(lay, m)), lay.tp, lay.sp, lay.cp,
+               lay.ep, lay.microbatch_size, lay.local_seq, lay.seq_len, lay.compute_dtype,
+               lay.fp8, lay.loss_chunk, lay.cp_attention, *more)  # fmt: skip
+        if key not in self._times:
+            self._times[key] = times(lay, m)
+        return self._times[key]
 
     def _stage_seconds(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
@@ -435,7 +500,7 @@ class Planner:
         if not fa.expert_unit:
             return 0.0
         group = first_ep_groups(lay)[1]
-        link = self.cluster.group_link(group)
+        link = self._group_link(group)
         moe = layers * fa.moe_units / max(fa.layer_units, 1)
         return moe * link.time("all_gather", len(group), fa.expert_unit * lay.element_bytes)
 
@@ -472,7 +537,15 @@ class Planner:
     def _grad_reduction(self, lay: Layout, fa: RankFacts) -> dict[str, float]:
         """Seconds of one rank's gradient reduction over the data axes, unhidden, by
         axis: "fsdp" the reduce-scatter over the shard group, "dp" the all-reduce over
-        the replicas (plain DP's whole gradients, or HSDP's shard)."""
+        the replicas (plain DP's whole gradients, or HSDP's shard). Cached by what it
+        reads (not to be changed in place): it does not depend on the microbatch count."""
+        key = (tuple(lay.degrees.values()), lay.ep, lay.reduce_bytes, fa.psi_dense,
+               fa.layer_units, fa.psi_experts, fa.expert_shards)  # fmt: skip
+        if key not in self._reductions:
+            self._reductions[key] = self._reduction(lay, fa)
+        return self._reductions[key]
+
+    def _reduction(self, lay: Layout, fa: RankFacts) -> dict[str, float]:
         reps = lay.dp * lay.cp  # the replicas: cp ranks hold different tokens, the same weights
         experts = self._expert_grad_reduction(lay, fa)
         psi = fa.psi_dense
@@ -502,7 +575,7 @@ class Planner:
         if not fa.psi_experts:
             return 0.0
         group = first_ep_groups(lay)[1]
-        n, link = len(group), self.cluster.group_link(group)
+        n, link = len(group), self._group_link(group)
         if fa.expert_shards == 1:
             return link.time("all_reduce", n, fa.psi_experts * lay.reduce_bytes)
         return link.time("reduce_scatter", n, fa.psi_experts * lay.reduce_bytes)

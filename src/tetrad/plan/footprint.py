@@ -128,12 +128,12 @@ class Footprint:
     def __init__(self, device: Device, recompute: str, engine: Implementation):
         self.device, self.recompute, self.engine = device, recompute, engine
         self._facts: dict[tuple, RankFacts] = {}
-        self._places: dict[tuple, RankFacts] = {}
+        self._places: dict[tuple, dict[int, RankFacts]] = {}
         self._template: dict[tuple, tuple] = {}
         self._fp8: dict[tuple, frozenset[str]] = {}  # a model's FP8 weights (fp8_weights)
         # a search asks the same activations of many degree sets (dp, fsdp, ep do not
         # change them): a stage's bytes by what they read, peaks by timeline and bytes
-        self._stage_bytes: dict[tuple, list[float]] = {}
+        self._stage_bytes: dict[tuple, list[float] | tuple] = {}
         self._states: dict[tuple, ModelState] = {}  # a block's or root's state (`_composed_state`)
         self._in_flight: dict[tuple, tuple[Timeline, float]] = {}
 
@@ -149,22 +149,40 @@ class Footprint:
         axes; fsdp rank 0 holds the most elements). Looked up first by what the rank's
         place is made of (a search asks a few hundred places tens of thousands of times),
         then by what its blocks are (places with the same blocks share their facts)."""
-        place = (model_key(m), tuple(split), pp_rank, lay.pp, lay.virtual_stages,
-                 lay.schedule, lay.tp, self.shards(lay), lay.zero_stage, lay.dtype_name,
-                 _ep_shape(lay), _expert_shards(lay, m, self.shards(lay)),
-                 _residual_shape(lay), lay.fp8_all_gather)  # fmt: skip
-        if place not in self._places:
-            self._places[place] = self._rank_facts(lay, m, split, pp_rank)
-        return self._places[place]
+        known = self._place(lay, m, split)
+        if pp_rank not in known:
+            known[pp_rank] = self._rank_facts(lay, m, split, pp_rank)
+        return known[pp_rank]
+
+    def pipeline_facts(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[RankFacts]:
+        """`rank_facts` of every pp rank, their place looked up once: the layouts of a
+        search's family (they differ in the microbatch count alone) share it."""
+        known = self._place(lay, m, split)
+        for r in range(lay.pp):
+            if r not in known:
+                known[r] = self._rank_facts(lay, m, split, r)
+        return [known[r] for r in range(lay.pp)]
+
+    def _place(self, lay: Layout, m: ModelConfig, split: list[int]) -> dict[int, RankFacts]:
+        """The facts known of the pp ranks of `lay`'s pipeline, by rank: what a rank's place
+        is made of but for the rank."""
+        shards = self.shards(lay)
+        place = (model_key(m), tuple(split), lay.pp, lay.virtual_stages, lay.schedule, lay.tp,
+                 shards, lay.zero_stage, lay.compute_dtype, _ep_shape(lay),
+                 _expert_shards(lay, m, shards), _residual_shape(lay),
+                 lay.fp8_all_gather)  # fmt: skip
+        return self._places.setdefault(place, {})
 
     def _rank_facts(self, lay: Layout, m: ModelConfig, split: list[int], pp_rank: int) -> RankFacts:
         stages = held_stages(lay, pp_rank)
         kinds = block_kinds(m, split, stages)
         first, last = 0 in stages, len(split) - 1 in stages
         shards = self.shards(lay)
-        key = (model_key(m), lay.tp, shards, lay.zero_stage, lay.dtype_name, kinds, first,
+        key = (model_key(m), lay.tp, shards, lay.zero_stage, lay.compute_dtype, kinds, first,
                last, _ep_shape(lay), _expert_shards(lay, m, shards),
                _residual_shape(lay), lay.fp8_all_gather)  # fmt: skip
+        if key not in self._facts and not (lay.fp8_all_gather or _whole_state(lay)):
+            self._facts[key] = self._facts_by_kind(lay, m, kinds, first, last, key[:5] + key[8:])
         if key not in self._facts:
             named, replicated = self._local_parameters(lay, m, kinds, first, last)
             numel = {n: math.prod(s) for n, s in named}
@@ -179,6 +197,29 @@ class Footprint:
                                          *gathers)  # fmt: skip
         return self._facts[key]
 
+    def _facts_by_kind(self, lay: Layout, m: ModelConfig, kinds: tuple[int, int], first: bool,
+                       last: bool, key: tuple) -> RankFacts:  # fmt: skip
+        """`RankFacts` of a rank holding `kinds` blocks, from one block of each kind and
+        the root (what `_local_parameters` and `_composed_state` list and sum, without
+        listing every block: a search builds thousands). Counts are summed per kind and
+        the state in `_composed_state`'s order, so both are the same to the byte."""
+        root, blocks, replicated = self._pieces(lay, m, first, last)
+        experts = expert_names(replicated)
+
+        def count(named, only=None) -> int:
+            return sum(math.prod(s) for n, s in named if only is None or n in only)
+
+        held = [(kinds[0], blocks[0][1], False), (kinds[1], blocks[-1][1], True)]
+        layers = sum(n * count(block) for n, block, _ in held)
+        psi_experts = count(root, experts) + sum(n * count(block, experts) for n, block, _ in held)
+        axes = tuple(replicated[n] for n, _ in root)
+        state = self._part_state(key + (tuple(root), axes), lay, m, root, replicated)
+        for n, block, moe in held:
+            for _ in range(n):  # dense blocks first, as `_composed_state` adds them
+                state = state + self._part_state(key + (moe,), lay, m, block, replicated)
+        spread = _expert_shards(lay, m, self.shards(lay)) if psi_experts else 1
+        return RankFacts(layers, count(root), sum(kinds), state, psi_experts, spread, kinds[1])
+
     def _composed_state(self, lay: Layout, m: ModelConfig, named, replicated,
                         kinds: tuple[int, int], key: tuple) -> ModelState:  # fmt: skip
         """`_state` of a rank's parameters (dense blocks first, then MoE blocks, then the
@@ -188,7 +229,7 @@ class Footprint:
         the same tp, shards, stage, dtype and ep (`key`). Whole where a compressed
         reduction keeps residuals (its dp buckets span blocks)."""
         shards = self.shards(lay)
-        if lay.compress and lay.error_feedback:
+        if _whole_state(lay):
             return _state(lay, m, named, replicated, shards)
         spec, parts = spec_for(m), {}
         for n, s in named:
@@ -228,6 +269,23 @@ class Footprint:
         block of each kind: building the whole stack on the meta device for every layout
         would make a search slow. Under ep the template's data ranks are one ep group's,
         so its experts are the slice a rank holds (spanning tp where the layout's does)."""
+        root, blocks, replicated = self._pieces(lay, m, first, last)
+        spec = spec_for(m)
+        embedding = [(n, s) for n, s in root if n.startswith(spec.embedding + ".")]
+        out, reps = list(embedding), {}
+        for k, kind in enumerate([0] * kinds[0] + [-1] * kinds[1]):  # dense blocks first
+            prefix, block = blocks[kind]
+            for n, s in block:
+                out.append((spec.block_prefix(k) + n[len(prefix) :], s))
+                reps[out[-1][0]] = replicated[n]
+        out += [(n, s) for n, s in root if (n, s) not in embedding]
+        reps |= {n: replicated[n] for n, _ in out if n not in reps}
+        return out, reps
+
+    def _pieces(self, lay: Layout, m: ModelConfig, first: bool, last: bool):
+        """(the root parameters the rank keeps, embedding first; each kind of block's
+        (prefix, parameters) in the template, dense first; the template's replicated
+        axes by name): what `_local_parameters` assembles a rank from."""
         template_layers = min(m.layers, m.dense_layers + 1) if m.moe else 1
         key = (model_key(m), lay.tp, _ep_shape(lay))
         if key not in self._template:
@@ -236,20 +294,12 @@ class Footprint:
         named, replicated = self._template[key]
         spec = spec_for(m)
         templates = [spec.block_prefix(i) for i in range(template_layers)]
-        block = [[(n[len(pre) :], s) for n, s in named if n.startswith(pre)] for pre in templates]
-        root = [(n, s) for n, s in named if spec.block_of(n) is None]
+        blocks = [(pre, [(n, s) for n, s in named if n.startswith(pre)]) for pre in templates]
         # the root parameters the stage keeps, as `pipeline.stage.prune` leaves them
         keep = spec.stage_parameters([n for n, _ in named], [], first, last)
-        out = [(n, s) for n, s in root if n.startswith(spec.embedding + ".") and n in keep]
-        reps = {}
-        kind_of = [0] * kinds[0] + [len(templates) - 1] * kinds[1]  # dense blocks first
-        for k, kind in enumerate(kind_of):
-            for rest, s in block[kind]:
-                out.append((spec.block_prefix(k) + rest, s))
-                reps[out[-1][0]] = replicated[templates[kind] + rest]
-        out += [(n, s) for n, s in root if not n.startswith(spec.embedding + ".") and n in keep]
-        reps |= {n: replicated[n] for n, _ in out if n not in reps}
-        return out, reps
+        root = [(n, s) for n, s in named if spec.block_of(n) is None and n in keep]
+        embedding = [(n, s) for n, s in root if n.startswith(spec.embedding + ".")]
+        return embedding + [p for p in root if p not in embedding], blocks, replicated
 
     # --- activations and the total ----------------------------------------------------------
 
@@ -309,12 +359,29 @@ class Footprint:
     ) -> float:
         """Peak activation bytes of pp rank `pp_rank` over the (simulated) step: its
         microbatches in flight, and each stage's output until its send is done."""
+        return self._in_flight_bytes(timeline, pp_rank, self._stage_bytes_held(lay, m, split))
+
+    def _stage_bytes_held(self, lay: Layout, m: ModelConfig, split: list[int]) -> tuple:
+        """(activations, pending W inputs, output being sent) of a microbatch per stage
+        (cached by what they read: a search's layouts of other dp degrees share them)."""
+        key = ("held", model_key(m), lay.compute_dtype, lay.microbatch_size, lay.local_seq,
+               lay.seq_len, lay.tp, lay.sp, lay.cp, lay.cp_attention, lay.loss_chunk,
+               tuple(split), self.engine.defers_w(lay))  # fmt: skip
+        if key not in self._stage_bytes:
+            self._stage_bytes[key] = self._stage_bytes_of(lay, m, split)
+        return self._stage_bytes[key]
+
+    def _stage_bytes_of(self, lay: Layout, m: ModelConfig, split: list[int]) -> tuple:
         per_stage = self.stage_activations(lay, m, split)
         pending = self.stage_pending_w(lay, m, split) if self.engine.defers_w(lay) else []
         sending = spec_for(m).activations.stage_output(m, lay.dtype_name)
         out = act.total_bytes(sending, lay.microbatch_size, lay.local_seq, lay.tp, lay.sp)
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
-        key = (id(timeline), pp_rank, tuple(per_stage), tuple(pending), tuple(sent))
+        return tuple(per_stage), tuple(pending), tuple(sent)
+
+    def _in_flight_bytes(self, timeline: Timeline, pp_rank: int, held_bytes: tuple) -> float:
+        per_stage, pending, sent = held_bytes
+        key = (id(timeline), pp_rank, per_stage, pending, sent)
         held = self._in_flight.get(key)
         if held is None or held[0] is not timeline:  # the timeline kept: its id stays its own
             held = (timeline, act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent))
@@ -326,10 +393,11 @@ class Footprint:
         timeline: Timeline,
     ) -> Memory:  # fmt: skip
         """The fullest pp rank's memory: model state + activations in flight + overhead."""
+        held_bytes, peaks = self._stage_bytes_held(lay, m, split), _RankPeaks(self, lay, m)
         ranks = []
         for r in range(lay.pp):
-            acts = self.rank_activations(lay, m, split, timeline, r)
-            peak = self.peak(lay, m, r, facts[r], acts)
+            acts = self._in_flight_bytes(timeline, r, held_bytes)
+            peak = peaks.of(r, facts[r], acts)
             ranks.append(Memory(float(facts[r].state.total), acts, self._overhead(peak, acts),
                                 self.device.hbm_bytes, peak))  # fmt: skip
         return max(ranks, key=lambda mem: mem.total)
@@ -337,11 +405,11 @@ class Footprint:
     def floor(self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts]) -> float:
         """A lower bound of `memory(...).total` without a timeline: every rank holds at
         least one microbatch of its largest stage's activations."""
-        per_stage = self.stage_activations(lay, m, split)
+        per_stage, peaks = self.stage_activations(lay, m, split), _RankPeaks(self, lay, m)
         out = 0.0
         for r in range(lay.pp):
             acts = max(per_stage[s] for s in held_stages(lay, r))
-            peak = self.peak(lay, m, r, facts[r], acts)
+            peak = peaks.of(r, facts[r], acts)
             out = max(out, facts[r].state.total + acts + self._overhead(peak, acts))
         return out
 
@@ -408,6 +476,29 @@ class Footprint:
             if eng.max_live_params and eng.reduce_bucket and not whole:
                 grads = max(min(units, 2 * eng.reduce_bucket), _largest_linear(lay, m))
         return c * gathered, c * grads
+
+
+class _RankPeaks:
+    """`Footprint.peak` of one layout's pp ranks, each computed once: a rank's peak reads
+    its place only through whether it holds the first and the last stage (`rank_peak`),
+    so the middle ranks of a pipeline with the same facts and activations share one."""
+
+    def __init__(self, footprint: Footprint, lay: Layout, m: ModelConfig):
+        self.footprint, self.lay, self.m, self.seen = footprint, lay, m, {}
+        self.last = lay.pp * lay.virtual_stages - 1
+
+    def of(self, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
+        stages = held_stages(self.lay, pp_rank)
+        key = (id(fa), 0 in stages, self.last in stages, acts)  # fa lives as long as self
+        if key not in self.seen:
+            self.seen[key] = self.footprint.peak(self.lay, self.m, pp_rank, fa, acts)
+        return self.seen[key]
+
+
+def _whole_state(lay: Layout) -> bool:
+    """Whether a rank's state is priced whole, not block by block: a compressed
+    reduction's residuals (its dp buckets span blocks)."""
+    return bool(lay.compress and lay.error_feedback)
 
 
 def _no_sync(eng: Implementation, lay: Layout) -> bool:

@@ -182,7 +182,11 @@ class _Ranking:
         """Whether `lay`'s step floor (`Planner.step_floor`) is within the threshold: a
         count whose floor is not cannot enter the answer, nor can the later counts of its
         family (`_walk_family`)."""
-        return planner.step_floor(lay, m) * (1 - 1e-9) <= self.threshold
+        return self.within(planner.step_floor(lay, m))
+
+    def within(self, floor: float) -> bool:
+        """Whether a layout whose step is at least `floor` could enter the answer."""
+        return floor * (1 - 1e-9) <= self.threshold
 
     def best(self) -> list[Layout]:
         return [f[-1] for f in sorted(self.found, key=lambda f: f[:4])[: max(self.top, 0)]]
@@ -198,22 +202,42 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
     does not fall as the count grows (every per-microbatch term is a fixed cost plus
     one that shrinks with the microbatch, and the hidden windows shrink with it:
     `tests/test_plan_search.py` checks it), so no later count can enter the answer
-    either, and the answer is the unpruned walk's."""
+    either. A count whose higher floor (with the pipeline's warm-up: `step_floors`) is
+    slower cannot enter the answer itself, but may fall below a later count that can
+    and so end the walk before it: it waits, unpriced, until such a count comes, and is
+    walked then, in its place (at the walk's end it is not needed: what it would add is
+    slower than the threshold, which only falls). The answer is the unpruned walk's."""
     capacity = planner.cluster.device.hbm_bytes
-    last = math.inf
+    last, waiting = math.inf, []
     for k, cand in valid(base, m, family):
-        if prune and not ranking.admits(planner, cand, m):
-            break
-        if planner.memory_floor(cand, m) > capacity:
-            continue
-        memory = planner.memory(cand, m)
-        if not memory.fits:
-            continue
-        pred = planner.predict(cand, m, detail=False, memory=memory)
-        if pred.step_time_s >= last:
-            break
-        last = pred.step_time_s
-        ranking.add(pred.step_time_s, memory.total, index, k, cand)
+        if prune:
+            floor, started = planner.step_floors(cand, m)
+            if not ranking.within(floor):
+                break
+            if not ranking.within(started):
+                waiting.append((k, cand))
+                continue
+        for j, lay in waiting + [(k, cand)]:
+            step = _fitting_step(planner, lay, m, capacity)
+            if step is None:
+                continue
+            if step[0] >= last:
+                return
+            last = step[0]
+            ranking.add(step[0], step[1], index, j, lay)
+        waiting = []
+
+
+def _fitting_step(planner: Planner, lay: Layout, m: ModelConfig,
+                  capacity: float) -> tuple[float, float] | None:  # fmt: skip
+    """(step time, memory) of `lay`, or None where it does not fit (its memory floor
+    alone overflows, or its memory)."""
+    if planner.memory_floor(lay, m) > capacity:
+        return None
+    memory = planner.memory(lay, m)
+    if not memory.fits:
+        return None
+    return planner.predict(lay, m, detail=False, memory=memory).step_time_s, memory.total
 
 
 def _buildable(planner: Planner, m: ModelConfig, lay: Layout | None) -> bool:
@@ -224,8 +248,7 @@ def _buildable(planner: Planner, m: ModelConfig, lay: Layout | None) -> bool:
     if lay is None:
         return False
     try:
-        for r in range(lay.pp):
-            planner.rank_facts(lay, m, r)
+        planner.facts(lay, m)
     except ValueError:
         return False
     return True
@@ -233,7 +256,7 @@ def _buildable(planner: Planner, m: ModelConfig, lay: Layout | None) -> bool:
 
 def _state_fits(planner: Planner, lay: Layout, m: ModelConfig) -> bool:
     """Whether every pp rank's model state alone fits (it does not depend on the count)."""
-    states = [planner.rank_facts(lay, m, r).state.total for r in range(lay.pp)]
+    states = [fa.state.total for fa in planner.facts(lay, m)]
     return max(states) < planner.cluster.device.hbm_bytes
 
 
