@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.config import ModelConfig
-from tetrad.models.llama import Block, Llama, RMSNorm, apply_rotary, rotary
+from tetrad.models.llama import KEEP_SELECTIVE, Block, Llama, RMSNorm, apply_rotary, rotary
 from tetrad.models.moe import MoEFeedForward, keep_selective
 from tetrad.models.moe import param_shape as moe_shape
 from tetrad.models.spec import Keep
@@ -137,9 +137,7 @@ def keep_mla(cfg: ModelConfig, moe: bool) -> Keep:
     """Selective recomputation's policy: the attention core and the output projection are
     kept; of the feed-forward, what the MoE block keeps (dense: the gate's matmul)."""
     attention = {"attention.core": "attention", "attention.wo": "mm"}
-    if not moe:
-        return Keep(keep={**attention, "feed_forward.w1": "mm"}, drop={"feed_forward.w2": "mm"})
-    ffn = keep_selective(cfg)
+    ffn = keep_selective(cfg) if moe else KEEP_SELECTIVE
     rest = {k: v for k, v in ffn.keep.items() if not k.startswith("attention.")}
     return Keep(keep={**attention, **rest}, drop=ffn.drop)
 

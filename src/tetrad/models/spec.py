@@ -18,6 +18,7 @@ and calls only through the seams documented here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -229,9 +230,6 @@ class ModelSpec:
 
 def module_at(model: nn.Module, path: str) -> nn.Module | None:
     """The module at dotted `path`, or None where an attribute on the way is None."""
-    out: nn.Module | None = model
-    for part in path.split("."):
-        out = getattr(out, part, None)
-        if out is None:
-            return None
-    return out
+    return functools.reduce(
+        lambda module, part: getattr(module, part, None), path.split("."), model
+    )
