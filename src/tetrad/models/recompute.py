@@ -46,8 +46,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tetrad.models.spec import Keep
 
-_ATTENTION = {  # the fused attention kernels of F.scaled_dot_product_attention
-    getattr(torch.ops.aten, name).default
+# the kernel kinds a `Keep` names: "mm" (a linear's matmul, in FP8 too under --fp8) and
+# "attention" (the fused kernels of F.scaled_dot_product_attention)
+_KINDS = {torch.ops.aten.mm.default: "mm", torch.ops.aten._scaled_mm.default: "mm"} | {
+    getattr(torch.ops.aten, name).default: "attention"
     for name in (
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention",
@@ -57,14 +59,6 @@ _ATTENTION = {  # the fused attention kernels of F.scaled_dot_product_attention
     )
     if hasattr(torch.ops.aten, name)
 }
-
-
-def _kind(func) -> str | None:
-    """The kernel kinds a `Keep` names: "mm" (a linear's matmul, in FP8 too under --fp8)
-    and "attention"."""
-    if func is torch.ops.aten.mm.default or func is torch.ops.aten._scaled_mm.default:
-        return "mm"
-    return "attention" if func in _ATTENTION else None
 
 
 class _Tape(TorchDispatchMode):
@@ -118,7 +112,7 @@ class _Tape(TorchDispatchMode):
 
     def _choice(self, func) -> tuple[str, str] | None:
         """(module, "keep" or "drop") when this kernel is the one the policy names."""
-        kind = _kind(func)
+        kind = _KINDS.get(func)
         if kind is None or not self.running:
             return None
         path = self.running[-1]
