@@ -73,7 +73,9 @@ class ActivationMeter:
         """Start a new peak; `params`' storages are never counted, nor their views' (ZeRO's
         flat buffers, which modules see only through views, even across a free and
         re-gather)."""
-        self.skip = {_storage_id(p) for p in params}
+        # a storage's identity: unlike its data pointer, it survives a resize (ZeRO-3 frees
+        # and re-gathers a buffer in place)
+        self.skip = {p.untyped_storage()._cdata for p in params}
         self.peak = self.live
 
     def saving(self) -> contextlib.AbstractContextManager:
@@ -141,12 +143,6 @@ def alone(t: torch.Tensor) -> bool:
     may still be held (autograd saving it as is, or its gradient accumulator): not seen
     here, those keep its version counter, which reuse bumps (`autograd.graph.increment_version`)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= _ALONE
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    """The storage's identity: unlike its data pointer, it survives a resize (ZeRO-3 frees
-    and re-gathers a buffer in place)."""
-    return t.untyped_storage()._cdata
 
 
 def held_as_is(t: torch.Tensor) -> bool:
