@@ -491,8 +491,7 @@ def apply_tp(
         module = model.get_submodule(name)
         new, kind = _tp_module(module, style, tp, m, name.startswith(regions))
         if new is not module:
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+            model.set_submodule(name, new)
         if kind is not None:
             kinds[name + ".weight"] = kind
         if kind == "rows" and new.bias is not None:  # a column split splits its bias
