@@ -214,11 +214,8 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 def loop_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """`grouped_linear` as a loop over the groups: one F.linear each, sliced by host
     integers (`counts.tolist()`: a host sync on a GPU)."""
-    outs, lo = [], 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            outs.append(F.linear(x[lo : lo + n], weight[e]))
-            lo += n
+    groups = enumerate(x.split(counts.tolist()))
+    outs = [F.linear(group, weight[e]) for e, group in groups if group.shape[0]]
     return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
 
 
