@@ -191,12 +191,8 @@ class ModelSpec:
     def stage_roots(self, embeds: bool, heads: bool, tied: bool) -> tuple[str, ...]:
         """Root modules a pipeline stage holds: the embedding on the first stage (and on
         the last when the head reuses it), the final norm and the head on the last."""
-        out = []
-        if embeds or (heads and tied):
-            out.append(self.embedding)
-        if heads:
-            out += [self.final_norm, self.head]
-        return tuple(out)
+        first = (self.embedding,) if embeds or (heads and tied) else ()
+        return first + ((self.final_norm, self.head) if heads else ())
 
     def stage_parameters(
         self, names: Sequence[str], layers: Sequence[str], embeds: bool, heads: bool
