@@ -35,6 +35,7 @@ the expert-data group is the single-process gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -76,17 +77,16 @@ class AllToAllDispatch:
         shared: nn.Module | None = None,
     ) -> torch.Tensor:
         tokens, k = ids.shape
-        layer_input, early = x, []
+        meanwhile = functools.partial(self._run_shared, shared, x)  # on the layer's input
         if self.tp is not None:  # each tp rank sends its share of the (identical) tokens
             x = share_of_tp(x, self.tp)
             ids = ids[slice(*tp_share(tokens, self.tp.size, self.tp.rank))]
-        meanwhile = lambda: early.append(self._run_shared(shared, layer_input))  # noqa: E731
-        copies = self._through_experts(x, ids.reshape(-1), k, experts, meanwhile)  # [t*k, d]
+        copies, early = self._through_experts(x, ids.reshape(-1), k, experts, meanwhile)
         if self.tp is not None:
             copies = join_over_tp(copies.view(-1, k, x.shape[-1]), tokens, self.comm, self.tp)
         copies = copies.view(tokens, k, -1)  # [T, k, dim], unweighted
         out = (copies * weights.unsqueeze(-1).to(copies.dtype)).sum(1)
-        return out if shared is None else out + early[0]
+        return out if early is None else out + early
 
     def _run_shared(self, shared: nn.Module | None, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert on the layer's input, while the tokens travel."""
@@ -101,9 +101,10 @@ class AllToAllDispatch:
 
     def _through_experts(
         self, x: torch.Tensor, flat_ids: torch.Tensor, k: int, experts: nn.Module, meanwhile
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each copy (token t, slot j: row t*k+j) through its expert, on whichever rank
-        holds it; the outputs in copy order. `meanwhile()` runs while the copies travel."""
+        holds it: the outputs in copy order [t*k, d]; and what `meanwhile()`, run while the
+        copies travel, returned."""
         size, local = self.ep.size, self.n // self.ep.size
         order = torch.argsort(flat_ids, stable=True)  # copies sorted by expert
         # counted by a scatter: CUDA's bincount reads the largest id on the host first
@@ -113,7 +114,7 @@ class AllToAllDispatch:
         send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()  # the host sync
         arrived, travel = all_to_all_start(x[order // k], recv_rows, send_rows, self.comm, self.ep)
         self._note("dispatch launched")
-        meanwhile()
+        early = meanwhile()
         travel.wait()  # only now may `arrived` be read
         self._note("dispatch waited")
         # arrived: by source rank, then by expert; the experts want them by expert
@@ -124,7 +125,7 @@ class AllToAllDispatch:
         if not out.requires_grad:  # no rows arrived: still in the graph, so this rank
             out = out + arrived.sum() * 0  # joins the backward all-to-alls like its peers
         back = all_to_all(out[torch.argsort(regroup)], send_rows, recv_rows, self.comm, self.ep)
-        return back[torch.argsort(order)]
+        return back[torch.argsort(order)], early
 
 
 @dataclass
