@@ -96,18 +96,36 @@ def _answer(preds):
     [("llama3-8b", 16, 64, 4096, "h100"), ("small", 8, 32, 128, "cpu"),
      ("mixtral-8x7b", 16, 64, 4096, "h100")],  # an MoE: ep chosen, experts' ZeRO units
 )  # fmt: skip
-def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu):
-    planner = Planner(cluster_preset(gpu))
+def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu, monkeypatch):
+    """The same answer from a planner of its own (no cache shared with the reference),
+    having priced (`Planner.predict`) under half the layouts the unpruned walk prices."""
+    priced = _count_predictions(monkeypatch)
     base = layout_config(model_preset(model), batch, seq)
-    full = search(planner, *planned(base), gpus, top=6, prune=False)
+    full = search(Planner(cluster_preset(gpu)), *planned(base), gpus, top=6, prune=False)
     assert len(full) == 6
+    unpruned, priced[0] = priced[0], 0
+    planner = Planner(cluster_preset(gpu))
     assert _answer(search(planner, *planned(base), gpus, top=6)) == _answer(full)
+    assert 2 * priced[0] < unpruned, (priced[0], unpruned)
     assert search(planner, *planned(base), gpus, top=0) == []
+
+
+def _count_predictions(monkeypatch) -> list[int]:
+    """A one-element list that counts `Planner.predict` calls from now on."""
+    calls, predict = [0], Planner.predict
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return predict(self, *args, **kwargs)
+
+    monkeypatch.setattr(Planner, "predict", counted)
+    return calls
 
 
 def test_step_floor_bounds_the_step_and_grows_with_the_count():
     """What pruning relies on: `step_floor` is at most the predicted step, and within a
-    family (everything but the microbatch count fixed) it never falls as the count grows."""
+    family (everything but the microbatch count fixed) it never falls as the count grows;
+    the floor with the pipeline's warm-up (`step_floors`) lies between the two."""
     from tetrad.plan.search import families, valid
 
     planner = Planner(cluster_preset("h100"))
@@ -116,9 +134,10 @@ def test_step_floor_bounds_the_step_and_grows_with_the_count():
     for family in families(base, m, 16, 8, Space()):
         floors = []
         for _, cand in valid(base, m, family):
-            floor = planner.step_floor(cand, m)
+            floor, started = planner.step_floors(cand, m)
+            assert floor == planner.step_floor(cand, m) and floor <= started
             if checked % 7 == 0:  # a sample: predicting every layout is the slow path
-                assert floor <= planner.predict(cand, m, detail=False).step_time_s * (1 + 1e-9)
+                assert started <= planner.predict(cand, m, detail=False).step_time_s * (1 + 1e-9)
             floors.append(floor)
             checked += 1
         assert floors == sorted(floors), family[0]

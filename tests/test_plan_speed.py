@@ -1,19 +1,33 @@
 """What keeps a planner search fast without changing its answer: the caches answer as the
-uncached functions do, and building the meta model imports no compiler. (The answer
-itself: `test_plan_search.py::test_pruned_search_gives_the_unpruned_answer`.)"""
+uncached functions do, building the meta model imports no compiler, and an MoE search
+takes the CPU time and the pricings it does. (The answer itself:
+`test_plan_search.py::test_pruned_search_gives_the_unpruned_answer`.)"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tetrad.config import model_preset
-from tetrad.layout import Layout
+from tetrad.layout import Layout, ep_fits
+from tetrad.mesh import expert_groups
 from tetrad.parallel.pipeline.schedules import rank_stages
-from tetrad.plan.candidates import candidate, held_stages, layout_config, layout_for
+from tetrad.plan.candidates import (
+    candidate,
+    first_ep_groups,
+    held_stages,
+    layout_config,
+    layout_for,
+)
+from tetrad.plan.cost import Planner
+from tetrad.plan.hardware import cluster_preset
+from tetrad.plan.search import search
 
 
 def test_layout_is_hashable_and_equal_by_value():
@@ -66,3 +80,42 @@ def test_meta_model_imports_no_compiler():
         "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_first_ep_groups_are_the_mesh_groups():
+    """`first_ep_groups` finds by arithmetic the first ep group and the first expert-data
+    group that `mesh.expert_groups` lists (within a node's tp, and spanning tp groups)."""
+    m, checked = model_preset("qwen3-30b-a3b"), 0
+    for dp, fsdp, cp, tp in itertools.product((1, 2, 3), (1, 2, 4), (1, 2), (1, 2, 4)):
+        data = dp * fsdp * cp
+        for ep in (e for e in (2, 4, 8, 16, 32) if ep_fits(e, data, tp)):
+            deg = {"pp": 2, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+            lay = dataclasses.replace(layout_for(m, 8 * data, 4096), degrees=deg, ep=ep)
+            groups, data_groups = expert_groups(deg, ep)
+            assert first_ep_groups(lay) == (groups[0], data_groups[0]), (deg, ep)
+            checked += lay.ep_spans_tp
+    assert checked > 5  # the groups that take whole tp groups among them
+
+
+def test_moe_search_is_fast():
+    """Mixtral 8x7B on 64 H100s (global batch 256 x 4096): about 1.5 s of CPU here after
+    the planner's caches and the warm-up floor; the bound leaves room for a loaded
+    2-core CI machine. CPU time of this process (`time.process_time`), not wall time,
+    so other jobs' load does not count, and a deterministic count besides: the layouts
+    fully priced (`Planner.predict`), 46 now, 93 without the warm-up floor, 1,772
+    unpruned."""
+    planner, priced = Planner(cluster_preset("h100")), [0]
+    predict = planner.predict
+
+    def counted(*args, **kwargs):
+        priced[0] += 1
+        return predict(*args, **kwargs)
+
+    planner.predict = counted  # type: ignore[method-assign]
+    lay, m = layout_for(model_preset("mixtral-8x7b"), 256, 4096), model_preset("mixtral-8x7b")
+    start = time.process_time()
+    best = search(planner, lay, m, 64, top=6)
+    seconds = time.process_time() - start
+    assert best and best[0].layout["ep"] > 1
+    assert priced[0] <= 6 + 60, priced[0]  # the walk's, and the answer's again
+    assert seconds < 15, seconds

@@ -38,7 +38,7 @@ from tetrad.plan import activations as act
 from tetrad.plan.candidates import block_kinds, held_stages, model_key
 from tetrad.plan.engines import Implementation
 from tetrad.plan.fp8_gather import block_gathers, fp8_weights
-from tetrad.plan.peak import Peak, PeakSettings, rank_peak
+from tetrad.plan.peak import Peak, PeakSettings, busiest_moment, rank_peak, with_optimizer_step
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
 # allocated and freed within a step. A stated share, not fitted per row (torchtitan's eager
@@ -422,11 +422,13 @@ class Footprint:
 
     def peak(self, lay: Layout, m: ModelConfig, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
-        settings = PeakSettings(
+        return rank_peak(lay, m, pp_rank, acts, self._peak_settings(lay, m, fa))
+
+    def _peak_settings(self, lay: Layout, m: ModelConfig, fa: RankFacts) -> PeakSettings:
+        return PeakSettings(
             self.engine, self.recompute, *self._zero_buffers(lay, m, fa),
             _late_grads(lay, fa, self.shards(lay)), self._accumulated_grads(lay, fa),
         )  # fmt: skip
-        return rank_peak(lay, m, pp_rank, acts, settings)
 
     def _accumulated_grads(self, lay: Layout, fa: RankFacts) -> float:
         """Bytes of ZeRO-2/3's whole unsharded gradients accumulated over microbatches (of
@@ -479,9 +481,10 @@ class Footprint:
 
 
 class _RankPeaks:
-    """`Footprint.peak` of one layout's pp ranks, each computed once: a rank's peak reads
-    its place only through whether it holds the first and the last stage (`rank_peak`),
-    so the middle ranks of a pipeline with the same facts and activations share one."""
+    """`Footprint.peak` of one layout's pp ranks: a rank's moments in the forward and
+    backward read its place only through whether it holds the first and the last stage
+    (`peak.busiest_moment`), and only the optimizer step's reads its activations, so the
+    ranks of a pipeline with the same facts share the rest."""
 
     def __init__(self, footprint: Footprint, lay: Layout, m: ModelConfig):
         self.footprint, self.lay, self.m, self.seen = footprint, lay, m, {}
@@ -489,10 +492,11 @@ class _RankPeaks:
 
     def of(self, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         stages = held_stages(self.lay, pp_rank)
-        key = (id(fa), 0 in stages, self.last in stages, acts)  # fa lives as long as self
+        key = (id(fa), 0 in stages, self.last in stages)  # fa lives as long as self
         if key not in self.seen:
-            self.seen[key] = self.footprint.peak(self.lay, self.m, pp_rank, fa, acts)
-        return self.seen[key]
+            settings = self.footprint._peak_settings(self.lay, self.m, fa)
+            self.seen[key] = busiest_moment(self.lay, self.m, pp_rank, settings)
+        return with_optimizer_step(self.seen[key], acts)
 
 
 def _whole_state(lay: Layout) -> bool:

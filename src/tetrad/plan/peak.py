@@ -87,6 +87,20 @@ class PeakSettings:
 
 def rank_peak(lay: Layout, m: ModelConfig, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
     """The largest of the rank's candidate moments (module docstring)."""
+    return with_optimizer_step(busiest_moment(lay, m, pp_rank, s), acts)
+
+
+def with_optimizer_step(moment: Peak, acts: float) -> Peak:
+    """The larger of `moment` (`busiest_moment`) and the optimizer step's, whose
+    transients are the `acts` bytes of activations freed by then: the only moment that
+    reads the activations, so a pipeline's ranks share the others."""
+    step = Peak("optimizer step", _nonzero([("activations (freed by then)", -acts)]))
+    return max([moment, step], key=lambda pk: pk.transient + pk.reserved_bytes)
+
+
+def busiest_moment(lay: Layout, m: ModelConfig, pp_rank: int, s: PeakSettings) -> Peak:
+    """The largest of the rank's moments in the forward and backward (the first of
+    equals, as `rank_peak` takes them)."""
     stages = held_stages(lay, pp_rank)
     last = lay.pp * lay.virtual_stages - 1 in stages
     shared = _shared_terms(lay, m, 0 in stages, s)
@@ -102,7 +116,6 @@ def rank_peak(lay: Layout, m: ModelConfig, pp_rank: int, acts: float, s: PeakSet
             hole = [("freed logits' space", eager_loss_hole(lay, m))]
         moments.append(("loss forward", [("loss chunk, forward", fwd)] + shared, []))
         moments.append(("loss backward", [("loss chunk, backward", bwd)] + shared, hole))
-    moments.append(("optimizer step", [("activations (freed by then)", -acts)], []))
     peaks = [Peak(name, _nonzero(terms), _nonzero(reserved)) for name, terms, reserved in moments]
     return max(peaks, key=lambda pk: pk.transient + pk.reserved_bytes)
 

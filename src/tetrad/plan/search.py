@@ -164,9 +164,14 @@ class _Ranking:
     def __init__(self, top: int):
         self.top = top
         self.found: list[tuple[float, float, int, int, Layout]] = []
+        self.fastest: list[float] = []  # the `top` best times, negated: a max-heap
 
     def add(self, t: float, mem: float, family: int, count: int, cand: Layout) -> None:
         self.found.append((t, mem, family, count, cand))
+        if len(self.fastest) < self.top:
+            heapq.heappush(self.fastest, -t)
+        elif self.top > 0 and t < -self.fastest[0]:
+            heapq.heapreplace(self.fastest, -t)
 
     @property
     def threshold(self) -> float:
@@ -174,9 +179,9 @@ class _Ranking:
         slower than it cannot be in the answer, whatever comes later."""
         if self.top <= 0:
             return -math.inf  # nothing is asked for: nothing needs simulating
-        if len(self.found) < self.top:
+        if len(self.fastest) < self.top:
             return math.inf
-        return heapq.nsmallest(self.top, (f[0] for f in self.found))[-1]
+        return -self.fastest[0]
 
     def admits(self, planner: Planner, lay: Layout, m: ModelConfig) -> bool:
         """Whether `lay`'s step floor (`Planner.step_floor`) is within the threshold: a
@@ -193,9 +198,9 @@ class _Ranking:
 
 
 def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate],
-                 index: int, ranking: _Ranking, prune: bool) -> None:  # fmt: skip
+                 index: int, ranking: _Ranking, prune: bool) -> bool:  # fmt: skip
     """Add the family's counts that fit to `ranking`, walked upward until the time stops
-    improving.
+    improving; whether any count it priced fits.
 
     With `prune`, the walk ends at the first count whose `Planner.step_floor` (a lower
     bound of its step, unsimulated) is slower than the ranking's threshold: the floor
@@ -208,7 +213,7 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
     walked then, in its place (at the walk's end it is not needed: what it would add is
     slower than the threshold, which only falls). The answer is the unpruned walk's."""
     capacity = planner.cluster.device.hbm_bytes
-    last, waiting = math.inf, []
+    last, waiting, fits = math.inf, [], False
     for k, cand in valid(base, m, family):
         if prune:
             floor, started = planner.step_floors(cand, m)
@@ -222,10 +227,11 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
             if step is None:
                 continue
             if step[0] >= last:
-                return
-            last = step[0]
+                return True
+            last, fits = step[0], True
             ranking.add(step[0], step[1], index, j, lay)
         waiting = []
+    return fits
 
 
 def _fitting_step(planner: Planner, lay: Layout, m: ModelConfig,
@@ -295,6 +301,8 @@ def search(
                 fitted[key] = _fits_somewhere(planner, base, m, at_cp1.get(key, []))
             if fitted[key]:
                 continue  # those ranks as data parallelism fit, and are faster (no exchange)
-        if _state_fits(planner, first, m):  # else its state alone overflows, whatever the count
-            _walk_family(planner, base, m, family, index, ranking, prune)
+        if not _state_fits(planner, first, m):
+            continue  # its state alone overflows, whatever the count
+        if _walk_family(planner, base, m, family, index, ranking, prune) and first.cp == 1:
+            fitted[key] = True  # a cp = 1 layout of (tp, pp) fits: no need to look for one
     return [planner.predict(cand, m) for cand in ranking.best()]
