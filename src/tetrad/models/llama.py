@@ -8,7 +8,6 @@ does not own set to None (`first`/`last` say whether it embeds tokens and comput
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -63,18 +62,8 @@ class RMSNorm(nn.Module):
 
 
 def rotary(seq_len: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """cos/sin tables of positions 0..s-1, [s, head_dim/2, 2] in float32: made once per
-    (s, head_dim, theta, device) and shared, read-only, by every layer and step (a compiled
-    block computes its own, inside its graph)."""
-    if torch.compiler.is_compiling():
-        return rotary_at(torch.arange(seq_len, device=device), head_dim, theta)
-    return _rotary_cached(seq_len, head_dim, theta, device)
-
-
-@functools.lru_cache(maxsize=8)
-def _rotary_cached(seq_len: int, head_dim: int, theta: float, device: torch.device):
-    with torch.inference_mode(False):  # made under inference mode, autograd could not save it
-        return rotary_at(torch.arange(seq_len, device=device), head_dim, theta)
+    """cos/sin tables of positions 0..s-1, [s, head_dim/2, 2] in float32."""
+    return rotary_at(torch.arange(seq_len, device=device), head_dim, theta)
 
 
 @torch.library.custom_op("tetrad::rotary_at", mutates_args=())
@@ -164,13 +153,26 @@ class CausalCore(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
+        self._tables: torch.Tensor | None = None  # see `tables`
+
+    def tables(self, s: int, device: torch.device) -> torch.Tensor:
+        """Rotary's tables of positions 0..s-1, made once per (s, device) and kept: every
+        step's are the same. Each layer keeps its own, as its backward keeps them (the
+        planner's count); a compiled block makes them inside its graph."""
+        if torch.compiler.is_compiling():
+            return rotary(s, self.head_dim, self.theta, device)
+        if self._tables is None or self._tables.shape[0] != s or self._tables.device != device:
+            # made in inference mode, backward could not save them: made outside it
+            with torch.inference_mode(False):
+                self._tables = rotary(s, self.head_dim, self.theta, device)
+        return self._tables
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.head_dim)  # [b, s, local heads, hd]
         k = k.view(b, s, -1, self.head_dim)  # [b, s, local kv heads, hd]
         v = v.view(b, s, -1, self.head_dim)
-        rope = rotary(s, self.head_dim, self.theta, q.device)
+        rope = self.tables(s, q.device)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         rep = q.shape[2] // k.shape[2]
         # repeated, not sdpa's enable_gqa: on SSE4.2 kernels that moves the fp32 single
