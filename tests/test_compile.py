@@ -68,8 +68,15 @@ LAYOUTS = {
 }
 
 
+# 8 steps unless a layout says: past the first step, which compiles, 7 more (of 1 to 4
+# microbatches each) with no recompilation
+STEPS = 8
+
+
 def _config(model: dict, par: dict, train: dict, compiled: bool = True):
-    return tiny_config(model=model, parallel=par, train={**train, "compile": compiled})
+    return tiny_config(
+        model=model, parallel=par, train={"steps": STEPS, **train, "compile": compiled}
+    )
 
 
 def _train_compiled(
@@ -151,7 +158,9 @@ def _got(jobs, index: int) -> dict:
 
 def _single(reference, model: dict, par: dict, train: dict) -> dict:
     return reference(
-        model=model, parallel={"microbatches": par.get("microbatches", 1)}, train=train
+        model=model,
+        parallel={"microbatches": par.get("microbatches", 1)},
+        train={"steps": STEPS, **train},
     )
 
 

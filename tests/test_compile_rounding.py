@@ -13,7 +13,7 @@ from test_fp8 import _distance
 
 pytestmark = [pytest.mark.distributed, pytest.mark.rounding]
 
-BF16 = ({}, {"dp": 2, "microbatches": 2}, {"dtype": "bf16"})
+BF16 = ({}, {"dp": 2, "microbatches": 2}, {"dtype": "bf16", "steps": 20})  # as check_rounded's k
 # FP8 matmuls inside a compiled block: the FP8 single process's, 3 steps in fp32 (over more,
 # FP8's re-rounding compounds last-bit differences: test_fp8_tp.py)
 FP8 = ({}, {"dp": 2, "microbatches": 2}, {"dtype": "fp32", "fp8": "tensorwise", "steps": 3})
@@ -31,7 +31,8 @@ def _no_recompiles(got: dict) -> bool:
 def test_compiled_bf16_within_its_own_rounding(reference, jobs):
     model, par, train = BF16
     got = jobs["compiled"][0][0]
-    check_rounded(got, _single(reference, model, par, train), _single(reference, model, par, {}))
+    high = _single(reference, model, par, {"steps": train["steps"]})  # fp64
+    check_rounded(got, _single(reference, model, par, train), high)
     assert _no_recompiles(got)
 
 

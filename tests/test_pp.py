@@ -9,7 +9,9 @@ from harness import Jobs, assert_close_run, tiny_config
 pytestmark = pytest.mark.distributed
 
 MODEL = {"layers": 4}
-TRAIN = {"global_batch": 24}
+# 8 steps: a schedule that moves, sums or applies a gradient wrongly is off from the first
+# step on, and 8 AdamW steps carry the optimizer state through its warm-up and after
+TRAIN = {"global_batch": 24, "steps": 8}
 
 
 def _cases(pp: int) -> list[tuple[str, int, int]]:

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.distributed
 MODEL = {"layers": 4}
 TIED = {**MODEL, "tie_embeddings": True}
 KV1 = {**MODEL, "kv_heads": 1}  # kv_heads < tp: the gathered kv projection
-TRAIN = {"global_batch": 24}
+# 8 steps: a schedule that moves, sums or applies a gradient wrongly is off from the first
+# step on, and 8 AdamW steps carry the optimizer state through its warm-up and after
+TRAIN = {"global_batch": 24, "steps": 8}
 
 
 def _cfg(schedule: str, model=MODEL, **par):
