@@ -119,6 +119,33 @@ def test_grouped_matmul_is_the_loop_within_rounding_on_cpu(dtype):
 
 
 @needs_kernel
+@pytest.mark.rounding
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_zero_bubbles_weight_gradient_is_the_loops_within_rounding(dtype):
+    """W's expert weight gradient by itself (`grouped_weight_grad`, zero-bubble's deferred
+    work): one grouped call, within the bound of the fp64 loop, empty groups exactly zero;
+    the call, replayed in bf16 on the meta device at its shapes and strides, passes torch's
+    meta kernel (the CUDA kernel's checks: the call an sm90 run makes)."""
+    counts, n, dim, out = torch.tensor(COUNTS), sum(COUNTS), 32, 48
+    x, g = _draw((n, dim), dtype, "cpu", 0), _draw((n, out), dtype, "cpu", 2)
+    with GroupedCalls() as seen:
+        dw = moe.grouped_weight_grad(x, g, counts)
+    x64, g64 = x.double(), g.double()
+    ref = moe.grouped_weight_grad(x64, g64, counts)  # float64: the loop
+    assert dw.shape == ref.shape == (len(COUNTS), out, dim)
+    assert _within(dw, ref, _weight_absprod(g64, x64, counts), n) <= 1
+    assert not dw[[e for e, c in enumerate(COUNTS) if c == 0]].any()
+    (call,) = seen.calls
+    a, b, offs = (
+        torch.empty_strided(
+            shape, stride, dtype=BF16 if kind.is_floating_point else kind, device="meta"
+        )
+        for shape, stride, kind in call
+    )
+    assert torch._grouped_mm(a, b, offs=offs).shape == (len(COUNTS), out, dim)
+
+
+@needs_kernel
 def test_no_token_launches_nothing():
     x, w = torch.zeros(0, 16), torch.zeros(4, 32, 16)
     with GroupedCalls() as seen:

@@ -195,6 +195,29 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     return loop_linear(x, weight, counts)
 
 
+def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The gradient [n, out, in] of `grouped_linear`'s weight, by itself (zero-bubble's W):
+    per group e, `grad_eᵀ x_e` (zeros for an empty group). One grouped matmul where
+    `loop_reason` finds none for these widths (the call autograd's backward of
+    `grouped_mm` makes), else a loop, announced on CUDA as `grouped_linear`'s is."""
+    out, width = grad.shape[1], x.shape[1]
+    if x.shape[0] > 0:
+        cuda = x.device.type == "cuda"
+        capability = torch.cuda.get_device_capability(x.device) if cuda else None
+        aligned = not cuda or all(t.data_ptr() % 16 == 0 for t in (x, grad))
+        why = loop_reason(x.device.type, capability, x.dtype, grad.dtype, (out, width), aligned)
+        if why is None:
+            return torch._grouped_mm(grad.t(), x, offs=counts.cumsum(0).to(torch.int32))
+        if cuda:
+            _say_loop(why)
+    grads = zip(grad.split(counts.tolist()), x.split(counts.tolist()))
+    return (
+        torch.stack([g.t() @ rows for g, rows in grads])
+        if len(counts)
+        else x.new_zeros((0, out, width))
+    )
+
+
 def loop_reason_of(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """`loop_reason` for these operands of `grouped_linear`, on their device."""
     cuda = x.device.type == "cuda"

@@ -114,7 +114,8 @@ class MoEParts:
     change how the weight meets the tokens, not what the router computes) and `logits_fn`
     (what it installed). `experts`: the routed experts' class, with stacked weights and
     `use_matmul(fn)`, fn computing `grouped_linear(x, weight, counts)` (an expert weight
-    [n, out, in] over the token groups of `counts`). `layers(model)`: a model's MoE
+    [n, out, in] over the token groups of `counts`); `grouped_weight_grad(x, grad, counts)`,
+    that weight's gradient [n, out, in] by itself (zero-bubble's W). `layers(model)`: a model's MoE
     feed-forwards by block index (a pipeline stage holds some); each has `stats` (its
     step's statistics, [experts + stat_extra] float64, or None), `reset_stats()` and
     `router.update_bias(load, rate)`.
@@ -124,6 +125,7 @@ class MoEParts:
     router: type[nn.Module]
     experts: type[nn.Module]
     grouped_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    grouped_weight_grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     layers: Callable[[nn.Module], dict[int, nn.Module]]
     set_aux_scale: Callable[[nn.Module, int], None]
     stat_extra: int  # statistics of a layer after the per-expert loads

@@ -34,13 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.compiling import graph_break
-from tetrad.models.spec import ModelSpec
+from tetrad.models.spec import ModelSpec, MoEParts
 from tetrad.parallel.pipeline.schedules import StageMb
 from tetrad.precision import widen
 
 Sink = Callable[[torch.Tensor], None]  # takes one weight gradient and accumulates it
 # a family's grouped linear (`MoEParts.grouped_linear`): x [N, in] grouped by `counts`,
-# weight [n, out, in] -> [N, out]
+# weight [n, out, in] -> [N, out]; and its weight's gradient by itself
+# (`MoEParts.grouped_weight_grad`): x [N, in], grad [N, out], counts -> [n, out, in]
 GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -65,12 +66,14 @@ def accumulate(weight: torch.Tensor, g: torch.Tensor) -> None:
 
 class Filed(NamedTuple):
     """One weight gradient W owes: where it goes, the layer's input and output gradient,
-    and, for a grouped matmul (experts), the rows of each group (None: a plain linear)."""
+    and, for a grouped matmul (experts), the rows of each group and the family's
+    `grouped_weight_grad` (None: a plain linear)."""
 
     sink: Sink
     x: torch.Tensor
     grad: torch.Tensor
     counts: torch.Tensor | None = None
+    weight_grad: GroupedLinear | None = None
 
 
 class WeightGradStore:
@@ -91,50 +94,33 @@ class WeightGradStore:
         finally:
             self.key = None
 
-    def defer(
-        self, sink: Sink, x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> None:
+    def defer(self, filed: Filed) -> None:
         if self.key is None:
             raise RuntimeError("a deferred linear ran backward outside a B action")
-        self.pending[self.key].append(Filed(sink, x, grad, counts))
+        self.pending[self.key].append(filed)
 
     def flush(self, key: StageMb) -> None:
         """Run W for (stage, microbatch): accumulate every filed weight gradient."""
-        for sink, x, grad, counts in self.pending.pop(key, []):
+        for sink, x, grad, counts, weight_grad in self.pending.pop(key, []):
             g2, x2 = grad.flatten(0, -2), x.flatten(0, -2)
-            if counts is None:
+            if weight_grad is None:
                 sink(g2.t() @ x2)  # [out, in]
             else:
-                sink(grouped_weight_grad(x2, g2, counts))  # [n, out, in]
+                sink(weight_grad(x2, g2, counts))  # [n, out, in]
             self.flops += 2 * g2.shape[0] * g2.shape[1] * x2.shape[1]
 
 
-def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The gradient [n, out, in] of a grouped linear's weight: per group e, `grad_e^T
-    x_e` (zeros for an empty group). One grouped matmul where the kernel takes the shapes
-    (what autograd's backward of the forward's kernel computes), else a loop."""
-    kernel = x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and x.shape[0] > 0
-    aligned = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], grad.shape[1]))
-    if kernel and aligned and x.dtype != torch.float64:  # no float64 kernel (fp64 verification)
-        return torch._grouped_mm(grad.t(), x, offs=counts.cumsum(0).to(torch.int32))
-    out = x.new_zeros((counts.shape[0], grad.shape[1], x.shape[1]))
-    lo = 0
-    for e, rows in enumerate(counts.tolist()):
-        out[e] = grad[lo : lo + rows].t() @ x[lo : lo + rows]
-        lo += rows
-    return out
-
-
 class _DeferredMatmul(torch.autograd.Function):
-    """`F.linear(x, weight)`, or a family's `grouped(x, weight, counts)` (experts), whose
-    backward returns the input gradient and files the weight's for W."""
+    """`F.linear(x, weight)`, or a family's `grouped(x, weight, counts)` (experts, whose
+    weight gradient `weight_grad` computes), whose backward returns the input gradient and
+    files the weight's for W."""
 
     @staticmethod
-    def forward(ctx, x, weight, store, sink, counts=None, grouped=None):
+    def forward(ctx, x, weight, store, sink, counts=None, grouped=None, weight_grad=None):
         ctx.save_for_backward(x, counts)
         # the weight itself, not a saved tensor: under saved-tensor hooks (activation
         # meters, checkpointing) autograd unpacks an alias, and W accumulates by identity
-        ctx.weight, ctx.store, ctx.grouped = weight, store, grouped
+        ctx.weight, ctx.store, ctx.grouped, ctx.weight_grad = weight, store, grouped, weight_grad
         ctx.sink = sink or (lambda g: accumulate(weight, g))
         return F.linear(x, weight) if grouped is None else grouped(x, weight, counts)
 
@@ -142,12 +128,12 @@ class _DeferredMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         x, counts = ctx.saved_tensors
         if ctx.grouped is None:
-            ctx.store.defer(ctx.sink, x, grad)
-            return grad @ ctx.weight, None, None, None, None, None
+            ctx.store.defer(Filed(ctx.sink, x, grad))
+            return grad @ ctx.weight, None, None, None, None, None, None
         grad = grad.contiguous()
-        ctx.store.defer(ctx.sink, x, grad, counts)
+        ctx.store.defer(Filed(ctx.sink, x, grad, counts, ctx.weight_grad))
         dx = ctx.grouped(grad, ctx.weight.transpose(-2, -1), counts)
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None, None, None
 
 
 def split_matmul(
@@ -180,17 +166,16 @@ def defer_router(router: nn.Module, store: WeightGradStore) -> None:
     router.use_logits(logits)
 
 
-def defer_experts(
-    experts: nn.Module, store: WeightGradStore, grouped_linear: GroupedLinear
-) -> None:
-    """Each expert weight's grouped matmul (`grouped_linear`, what the experts' `matmul`
-    computes: an expert weight [n, out, in] over its token groups) with its gradient
-    waiting for W."""
+def defer_experts(experts: nn.Module, store: WeightGradStore, moe: MoEParts) -> None:
+    """Each expert weight's grouped matmul (`moe.grouped_linear`, what the experts'
+    `matmul` computes: an expert weight [n, out, in] over its token groups) with its
+    gradient (`moe.grouped_weight_grad`) waiting for W."""
+    grouped, weight_grad = moe.grouped_linear, moe.grouped_weight_grad
 
     def matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return grouped_linear(x, weight, counts)
-        return _DeferredMatmul.apply(x, weight, store, None, counts, grouped_linear)
+            return grouped(x, weight, counts)
+        return _DeferredMatmul.apply(x, weight, store, None, counts, grouped, weight_grad)
 
     experts.use_matmul(matmul)
 
@@ -241,7 +226,7 @@ def defer_weight_grads(model: nn.Module, store: WeightGradStore, spec: ModelSpec
             elif moe is not None and isinstance(child, moe.router):
                 defer_router(child, store)
             elif moe is not None and isinstance(child, moe.experts):
-                defer_experts(child, store, moe.grouped_linear)
+                defer_experts(child, store, moe)
                 deferred += [f"{path}.{w}" for w, _ in child.named_parameters()]
                 continue
             else:
