@@ -34,7 +34,7 @@ from tetrad.config import (
     _require,
     check_sections,
 )
-from tetrad.mesh import AXES  # the mesh's axes, outermost first
+from tetrad.mesh import AXES, ep_spans_tp  # AXES: the mesh's axes, outermost first
 from tetrad.precision import wide
 
 SPLIT_BACKWARD = ("zb-h1", "zb-v")  # backward split into B (inputs) and W (weights)
@@ -195,7 +195,7 @@ class Layout:
     def ep_spans_tp(self) -> bool:
         """Whether an ep group takes whole tp groups (the data ranks alone are too few:
         `mesh.expert_groups`)."""
-        return self.ep > 1 and self.data % self.ep != 0
+        return ep_spans_tp(self.data, self.ep)
 
     @property
     def expert_data(self) -> int:

@@ -84,6 +84,12 @@ def axis_groups(degrees: dict[str, int], group: str) -> list[list[int]]:
     return list(buckets.values())
 
 
+def ep_spans_tp(data: int, ep: int) -> bool:
+    """Whether an ep group takes whole tp groups: the `data` ranks of a stage (dp·fsdp·cp)
+    are too few to hold its ep ranks alone (`expert_groups`)."""
+    return ep > 1 and data % ep != 0
+
+
 def expert_groups(degrees: dict[str, int], ep: int) -> tuple[list[list[int]], list[list[int]]]:
     """The ep groups (ranks that together hold every expert, the i-th member the i-th
     slice) and the expert-data groups (ranks of a stage holding the same slice: their
@@ -98,7 +104,7 @@ def expert_groups(degrees: dict[str, int], ep: int) -> tuple[list[list[int]], li
     longer replicated over tp. `Layout.check_ep` has checked `ep`."""
     tp = degrees["tp"]
     data = degrees["dp"] * degrees["fsdp"] * degrees["cp"]
-    spans_tp = ep > 1 and data % ep != 0
+    spans_tp = ep_spans_tp(data, ep)
     width = ep // tp if spans_tp else ep  # data ranks per ep group
     ep_of: dict[tuple[int, ...], list[int]] = {}
     for r in range(prod(degrees.values())):

@@ -14,7 +14,7 @@ from typing import Any
 
 from tetrad.config import Config, ModelConfig
 from tetrad.layout import Layout, dtype_name
-from tetrad.mesh import expert_groups
+from tetrad.mesh import ep_spans_tp, expert_groups
 from tetrad.parallel.pipeline.schedules import rank_stages
 
 
@@ -92,7 +92,7 @@ def _first_ep_groups(dp: int, fsdp: int, cp: int, tp: int, ep: int) -> tuple[lis
     fastest, then dp, then cp) puts it in ep group b // width, with its tp rank unless the
     group spans tp. Every group's first rank is its smallest: the first expert-data
     group is those, ascending."""
-    spans = ep > 1 and (dp * fsdp * cp) % ep != 0
+    spans = ep_spans_tp(dp * fsdp * cp, ep)
     width = ep // tp if spans else ep
 
     def base(b: int) -> int:  # the rank at data index b, tp rank 0
