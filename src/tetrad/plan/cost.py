@@ -37,6 +37,7 @@ against.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -132,6 +133,7 @@ class Planner:
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, list] = {}
         self._orders: dict[tuple, Timeline] = {}
+        self._cool_downs: dict[tuple, list[tuple[tuple[str, ...], bool, tuple]]] = {}
         self._links: dict[tuple, Link] = {}  # `Cluster.link`, `Cluster.group_link`
         # what a search asks of many layouts, each keyed by the fields it reads: a layout's
         # facts, per-microbatch times, a rank's gradient reduction, a step's
@@ -147,6 +149,7 @@ class Planner:
         speed, and rebuilding them is most of a small model's prediction."""
         out = Planner(cluster, self.engine, self.recompute)
         out._splits, out._schedules, out._orders = self._splits, self._schedules, self._orders
+        out._cool_downs = self._cool_downs
         out.footprint.share_caches(self.footprint)
         return out
 
@@ -270,24 +273,59 @@ class Planner:
         return self.step_floors(lay, m)[0]
 
     def step_floors(self, lay: Layout, m: ModelConfig) -> tuple[float, float]:
-        """(`step_floor`, a higher lower bound that adds each rank's warm-up). No compute
-        of pp rank r can start before microbatch 0's forward has run through the stages
-        ahead of r's first (every schedule places stage r first on rank r; a forward
-        waits for the previous stage's, and a backward for its own forward), so the
-        makespan is at least that sum of forwards plus r's busy time. The warm-up falls
-        as the count grows (the forwards shrink): the second floor may fall with it, and
-        only the first grows with the count (`search` ends a walk on the first alone)."""
+        """(`step_floor`, a higher lower bound that adds each rank's warm-up and
+        cool-down). No compute of pp rank r can start before microbatch 0's forward has
+        run through the stages ahead of r's first (every schedule places stage r first on
+        rank r; a forward waits for the previous stage's, and a backward for its own
+        forward). Nor can the step end before r's last backward (of stage s, microbatch
+        j) has gone back through stages s-1, ..., 0 (each backward waits for the next
+        stage's, sent when it ends) and, where W is split off, stage 0's W of j has run:
+        the makespan is at least the warm-up, r's work up to that backward in its order,
+        and that chain (`_cool_down_of`). What r runs after it (a split schedule's
+        deferred Ws) may overlap the chain, so it is taken off the chain, not added.
+        Transfers and host time only delay the simulated step. The warm-up falls as the
+        count grows (the forwards shrink): the second floor may fall with it, and only
+        the first grows with the count (`search` ends a walk on the first alone)."""
         facts = self.facts(lay, m)
         times = self.stage_times(lay, m, facts)
-        forwards = [times.total("F", s) for s in range(len(times.compute["F"]))]
+        n = len(times.compute["F"])
+        forwards = [times.total("F", s) for s in range(n)]
+        back = {"B": [times.total("B", s) for s in range(n)]}
+        back["BW"] = [b + times.total("W", s) for s, b in enumerate(back["B"])]
         busy = started = tail = 0.0
-        for r in range(lay.pp):
+        for r, (kinds, w0, after) in enumerate(self._cool_down_of(lay)):
             stages = held_stages(lay, r)
             work = lay.microbatches * sum(times.total(k, s) for k in "FBW" for s in stages)
+            chain = sum(back[k][s] for s, k in enumerate(kinds)) + w0 * times.total("W", 0)
+            after_work = sum(c * times.total(k, s) for k, s, c in after)
             busy = max(busy, work)
-            started = max(started, sum(forwards[: stages[0]]) + work)
+            cool = max(0.0, chain - after_work)
+            started = max(started, sum(forwards[: stages[0]]) + work + cool)
             tail = max(tail, sum(self.after_schedule(lay, r, facts[r], times).values()))
         return busy + tail, started + tail
+
+    def _cool_down_of(self, lay: Layout) -> list[tuple[tuple[str, ...], bool, tuple]]:
+        """Per pp rank, read off the schedule's order (built once per schedule key): the
+        kinds ("BW" whole, "B" with W split off) of the backwards of stages 0, ..., s-1
+        for the microbatch j of its last backward (of stage s), whether stage 0 runs a W
+        of j after them, and the (kind, stage, count) of the computes the rank runs
+        after that backward."""
+        key = self._schedule_key(lay)
+        if key not in self._cool_downs:
+            ranks = self.order(lay).ranks
+            events = [e for rank in ranks for e in rank]
+            backward = {(e.stage, e.microbatch): e.kind for e in events if e.kind in ("B", "BW")}
+            weights = {(e.stage, e.microbatch) for e in events if e.kind == "W"}
+            ends = []
+            for rank in ranks:
+                i = max(k for k, e in enumerate(rank) if e.kind in ("B", "BW"))
+                last, j = rank[i].stage, rank[i].microbatch
+                after = collections.Counter((e.kind, e.stage) for e in rank[i + 1 :])
+                kinds = tuple(backward[s, j] for s in range(last))
+                counts = tuple((k, s, c) for (k, s), c in after.items())
+                ends.append((kinds, (0, j) in weights, counts))
+            self._cool_downs[key] = ends
+        return self._cool_downs[key]
 
     def rank_activations(self, lay: Layout, m: ModelConfig, pp_rank: int) -> float:
         """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory)."""
