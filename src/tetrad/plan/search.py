@@ -207,11 +207,12 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
     does not fall as the count grows (every per-microbatch term is a fixed cost plus
     one that shrinks with the microbatch, and the hidden windows shrink with it:
     `tests/test_plan_search.py` checks it), so no later count can enter the answer
-    either. A count whose higher floor (with the pipeline's warm-up: `step_floors`) is
-    slower cannot enter the answer itself, but may fall below a later count that can
-    and so end the walk before it: it waits, unpriced, until such a count comes, and is
-    walked then, in its place (at the walk's end it is not needed: what it would add is
-    slower than the threshold, which only falls). The answer is the unpruned walk's."""
+    either. A count whose higher floor (with the pipeline's warm-up and cool-down:
+    `step_floors`) is slower cannot enter the answer itself, but may fall below a later
+    count that can and so end the walk before it: it waits, unpriced, until such a count
+    comes, and is walked then, in its place (at the walk's end it is not needed: what it
+    would add is slower than the threshold, which only falls). The answer is the unpruned
+    walk's."""
     capacity = planner.cluster.device.hbm_bytes
     last, waiting, fits = math.inf, [], False
     for k, cand in valid(base, m, family):
