@@ -1,6 +1,6 @@
 """Zero-bubble schedules with mixture-of-experts layers: the router's and the routed
 experts' weight gradients wait for W like the dense layers' (B computes only input
-gradients), and the runs still reproduce the single process (fp32, 20 steps, relative
+gradients), and the runs still reproduce the single process (fp64, 8 steps, relative
 1e-5; docs/moe.md, "Exactness")."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _routed(name: str) -> bool:
 
 
 def _zb_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """Train 20 steps, noting which routed weights' gradients each B and each W action
+    """Train 8 steps, noting which routed weights' gradients each B and each W action
     changed; return what `assert_close_run` compares."""
     from tetrad.config import from_dict
 
