@@ -201,29 +201,25 @@ def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tenso
     `loop_reason` finds none for these widths (the call autograd's backward of
     `grouped_mm` makes), else a loop, announced on CUDA as `grouped_linear`'s is."""
     out, width = grad.shape[1], x.shape[1]
-    if x.shape[0] > 0:
-        cuda = x.device.type == "cuda"
-        capability = torch.cuda.get_device_capability(x.device) if cuda else None
-        aligned = not cuda or all(t.data_ptr() % 16 == 0 for t in (x, grad))
-        why = loop_reason(x.device.type, capability, x.dtype, grad.dtype, (out, width), aligned)
-        if why is None:
-            return torch._grouped_mm(grad.t(), x, offs=counts.cumsum(0).to(torch.int32))
-        if cuda:
-            _say_loop(why)
-    grads = zip(grad.split(counts.tolist()), x.split(counts.tolist()))
-    return (
-        torch.stack([g.t() @ rows for g, rows in grads])
-        if len(counts)
-        else x.new_zeros((0, out, width))
-    )
+    why = loop_reason_of(x, grad, (out, width)) if x.shape[0] else "no token"
+    if why is None:
+        return torch._grouped_mm(grad.t(), x, offs=counts.cumsum(0).to(torch.int32))
+    if x.shape[0] and x.device.type == "cuda":  # on CPU only float64 loops, by design
+        _say_loop(why)
+    rows = counts.tolist()
+    grads = [g.t() @ xs for g, xs in zip(grad.split(rows), x.split(rows), strict=True)]
+    return torch.stack(grads) if grads else x.new_zeros((0, out, width))
 
 
-def loop_reason_of(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """`loop_reason` for these operands of `grouped_linear`, on their device."""
+def loop_reason_of(
+    x: torch.Tensor, weight: torch.Tensor, widths: tuple[int, ...] | None = None
+) -> str | None:
+    """`loop_reason` for these operands of `grouped_linear` (or, given the `widths` of its
+    weight, of `grouped_weight_grad`: x and the output gradient), on their device."""
     cuda = x.device.type == "cuda"
     capability = torch.cuda.get_device_capability(x.device) if cuda else None
     aligned = not cuda or all(t.data_ptr() % 16 == 0 for t in (x, weight))
-    widths = tuple(weight.shape[1:])
+    widths = tuple(weight.shape[1:]) if widths is None else widths
     return loop_reason(x.device.type, capability, x.dtype, weight.dtype, widths, aligned)
 
 
