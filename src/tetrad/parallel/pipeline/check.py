@@ -73,7 +73,7 @@ from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, compu
 from tetrad.parallel.pipeline.simulate import run_all
 
 Link = tuple[int, int]  # (sending rank, receiving rank)
-Op = tuple[int, int]  # (rank, index of the transfer in that rank's issue order)
+Op = tuple[int, Action]  # (rank, a transfer it issues)
 
 
 def check_actions(
@@ -90,12 +90,15 @@ def check_actions(
     if len(actions) != pp:
         raise ValueError(f"expected {pp} rank lists, got {len(actions)}")
     n_stages = pp * virtual_stages
+    where: dict[ActionKey, tuple[int, int]] = {}  # (rank, position) of every action
     for rank, rank_actions in enumerate(actions):
-        for a in rank_actions:
+        for i, a in enumerate(rank_actions):
             _check_placement(a, rank, n_stages, microbatches, stage_to_rank)
-    where = _index(actions)
-    _check_coverage(where, n_stages, microbatches, stage_to_rank)
-    _check_causality(where, n_stages, microbatches, stage_to_rank)
+            key = (a.kind, a.stage, a.microbatch)  # placed: unique across ranks
+            if key in where:
+                raise ValueError(f"rank {rank}: duplicate {a} at positions {where[key][1]} and {i}")
+            where[key] = (rank, i)
+    _check_coverage_and_order(where, n_stages, microbatches, stage_to_rank)
     _check_progress(actions, rendezvous=False)
     if in_order:  # an in-order transport matches each link's messages in send order
         _match([[a for a in acts if not a.is_compute] for acts in actions])
@@ -114,95 +117,68 @@ def _check_placement(
         if place(a.stage) != rank:
             raise ValueError(f"rank {rank}: {a} belongs on rank {place(a.stage)}")
         return
-    ends = _transfer_ends(a, n_stages, place)
-    if ends is None:
+    producer = a.stage - 1 if a.kind.endswith("_F") else a.stage + 1
+    if not 0 <= producer < n_stages:
         raise ValueError(f"rank {rank}: {a} crosses no stage boundary")
+    sender, receiver = place(producer), place(a.stage)
+    ends = (sender, receiver) if a.kind.startswith("SEND") else (receiver, sender)
     if ends != (rank, a.peer):
         raise ValueError(f"rank {rank}: {a} must run on rank {ends[0]} with peer {ends[1]}")
     if ends[0] == ends[1]:
         raise ValueError(f"rank {rank}: {a} sends to its own rank")
 
 
-def _transfer_ends(a: Action, n: int, place: Callable[[int], int]) -> tuple[int, int] | None:
-    """(rank that runs it, peer) for a transfer, or None if the edge does not exist."""
-    s = a.stage
-    producer = s - 1 if a.kind.endswith("_F") else s + 1
-    if not 0 <= producer < n:
-        return None
-    if a.kind.startswith("SEND"):
-        return place(producer), place(s)
-    return place(s), place(producer)
-
-
-def _index(actions: list[list[Action]]) -> dict[ActionKey, tuple[int, int]]:
-    """(rank, position) of every action; placement makes keys unique across ranks."""
-    where: dict[ActionKey, tuple[int, int]] = {}
-    for rank, rank_actions in enumerate(actions):
-        for i, a in enumerate(rank_actions):
-            key = (a.kind, a.stage, a.microbatch)
-            if key in where:
-                raise ValueError(f"rank {rank}: duplicate {a} at positions {where[key][1]} and {i}")
-            where[key] = (rank, i)
-    return where
-
-
-def _check_coverage(
+def _check_coverage_and_order(
     where: dict[ActionKey, tuple[int, int]], n_stages: int, m: int, place: Callable[[int], int]
 ) -> None:
-    grid = product(range(n_stages), range(m))
-    expected = set().union(*(_expected_keys(s, mb, n_stages, place, where) for s, mb in grid))
+    """Coverage (2), then causality (3): every (earlier, later) pair, both on one rank,
+    must appear in that order."""
+    expected, pairs = _rules(where, n_stages, m, place)
     if missing := expected - where.keys():
         raise ValueError(f"missing actions: {_fmt(missing)}")
     if extra := where.keys() - expected:
         raise ValueError(f"unexpected actions: {_fmt(extra)}")
+    for first, then in pairs:
+        if where[first] > where[then]:
+            raise ValueError(
+                f"rank {where[then][0]}: {_fmt([then])} (position {where[then][1]}) runs "
+                f"before {_fmt([first])} (position {where[first][1]})"
+            )
 
 
-def _expected_keys(
-    s: int, mb: int, n: int, place: Callable[[int], int], seen: dict
-) -> set[ActionKey]:
-    keys: set[ActionKey] = {("F", s, mb)}
-    split = ("B", s, mb) in seen or ("W", s, mb) in seen
-    if split and ("BW", s, mb) in seen:
-        raise ValueError(f"stage {s} mb {mb} has both BW and a split B/W")
-    keys |= {("B", s, mb), ("W", s, mb)} if split else {("BW", s, mb)}
-    if s > 0 and place(s - 1) != place(s):
-        keys |= {("SEND_F", s, mb), ("RECV_F", s, mb)}
-    if s < n - 1 and place(s + 1) != place(s):
-        keys |= {("SEND_B", s, mb), ("RECV_B", s, mb)}
-    return keys
+def _rules(
+    where: dict, n: int, m: int, place: Callable[[int], int]
+) -> tuple[set[ActionKey], list[tuple[ActionKey, ActionKey]]]:
+    """The actions a sound schedule holds, and the pairs of them that one rank must run
+    in that order: per (stage, microbatch), and per boundary between stages s-1 and s."""
 
-
-def _check_causality(
-    where: dict[ActionKey, tuple[int, int]], n_stages: int, m: int, place: Callable[[int], int]
-) -> None:
-    """Every (earlier, later) pair, both on one rank, must appear in that order."""
-    for s, mb in product(range(n_stages), range(m)):
-        for first, then in _ordered_pairs(s, mb, n_stages, place, where):
-            if where[first] > where[then]:
-                raise ValueError(
-                    f"rank {where[then][0]}: {_fmt([then])} (position {where[then][1]}) runs "
-                    f"before {_fmt([first])} (position {where[first][1]})"
-                )
-
-
-def _ordered_pairs(
-    s: int, mb: int, n: int, place: Callable[[int], int], where: dict
-) -> list[tuple[ActionKey, ActionKey]]:
-    def bwd(stage: int) -> ActionKey:
+    def bwd(stage: int, mb: int) -> ActionKey:
         return ("BW", stage, mb) if ("BW", stage, mb) in where else ("B", stage, mb)
 
-    pairs = [(("F", s, mb), bwd(s))]
-    if bwd(s)[0] == "B":
-        pairs.append((bwd(s), ("W", s, mb)))
-    if s > 0 and place(s - 1) != place(s):
-        pairs += [(("RECV_F", s, mb), ("F", s, mb)), (bwd(s), ("SEND_B", s - 1, mb))]
-    elif s > 0:
-        pairs.append((("F", s - 1, mb), ("F", s, mb)))
-    if s < n - 1 and place(s + 1) != place(s):
-        pairs += [(("F", s, mb), ("SEND_F", s + 1, mb)), (("RECV_B", s, mb), bwd(s))]
-    elif s < n - 1:
-        pairs.append((bwd(s + 1), bwd(s)))
-    return pairs
+    keys: set[ActionKey] = set()
+    pairs: list[tuple[ActionKey, ActionKey]] = []
+    for s, mb in product(range(n), range(m)):
+        f, b, w = ("F", s, mb), bwd(s, mb), ("W", s, mb)
+        split = ("B", s, mb) in where or w in where
+        if split and ("BW", s, mb) in where:
+            raise ValueError(f"stage {s} mb {mb} has both BW and a split B/W")
+        keys |= {f, ("B", s, mb), w} if split else {f, ("BW", s, mb)}
+        pairs += [(f, b), (b, w)] if split else [(f, b)]
+        if s == 0:
+            continue
+        if place(s - 1) != place(s):  # a transfer each way across the boundary
+            send_f, recv_f = ("SEND_F", s, mb), ("RECV_F", s, mb)
+            send_b, recv_b = ("SEND_B", s - 1, mb), ("RECV_B", s - 1, mb)
+            keys |= {send_f, recv_f, send_b, recv_b}
+            pairs += [
+                (("F", s - 1, mb), send_f),
+                (recv_f, f),
+                (b, send_b),
+                (recv_b, bwd(s - 1, mb)),
+            ]
+        else:  # neighbours on one rank: F(s) after F(s-1), B(s-1) after B(s)
+            pairs += [(("F", s - 1, mb), f), (b, bwd(s - 1, mb))]
+    return keys, pairs
 
 
 def _check_progress(actions: list[list[Action]], *, rendezvous: bool) -> None:
@@ -226,19 +202,6 @@ def _check_progress(actions: list[list[Action]], *, rendezvous: bool) -> None:
 
     mode = "blocking" if rendezvous else "non-blocking"
     run_all(actions, step, f"deadlock with {mode} sends")
-
-
-def _links(transfers: list[list[Action]]) -> tuple[dict[Link, list], dict[Link, list]]:
-    """Per link, its sends and its receives in issue order, each with its `Op`."""
-    sends: dict[Link, list[tuple[Op, Action]]] = {}
-    recvs: dict[Link, list[tuple[Op, Action]]] = {}
-    for rank, ops in enumerate(transfers):
-        for n, a in enumerate(ops):
-            if a.kind.startswith("SEND"):
-                sends.setdefault((rank, a.peer), []).append(((rank, n), a))
-            else:
-                recvs.setdefault((a.peer, rank), []).append(((rank, n), a))
-    return sends, recvs
 
 
 # --- the programs the runtime issues ------------------------------------------------------
@@ -280,76 +243,78 @@ def _check_items(rank: int, acts: list[Action], items: list[Item]) -> None:
     if computes(items) != compute_only(acts):
         raise ValueError(f"rank {rank}: the program's computes differ from the schedule's")
     # where each compute runs, and each transfer is posted and waited for
-    ran: dict[ActionKey, int] = {}
-    posted: dict[ActionKey, int] = {}
-    waited: dict[ActionKey, int] = {}
+    ran: dict[Action, int] = {}
+    posted: dict[Action, int] = {}
+    waited: dict[Action, int] = {}
     for i, item in enumerate(items):
         for a in (item,) if isinstance(item, Action) else item.ops:
-            key = (a.kind, a.stage, a.microbatch)
             if isinstance(item, Action):
-                ran.setdefault(key, i)
+                ran.setdefault(a, i)
             elif isinstance(item, Post):
-                if key in posted:
+                if a in posted:
                     raise ValueError(f"rank {rank}: {a} posted twice")
-                posted[key] = i
-            elif key not in posted or key in waited:
+                posted[a] = i
+            elif a not in posted or a in waited:
                 raise ValueError(f"rank {rank}: {a} waited before posted, or twice")
             else:
-                waited[key] = i
-    transfers = {(a.kind, a.stage, a.microbatch) for a in acts if not a.is_compute}
+                waited[a] = i
+    transfers = {a for a in acts if not a.is_compute}
     if posted.keys() != transfers or waited.keys() != transfers:
         raise ValueError(f"rank {rank}: transfers posted or waited differ from the schedule's")
     for j, a in enumerate(acts):
         if a.is_compute:
             continue
         near = acts[j - 1] if a.kind.startswith("SEND") else acts[j + 1]
-        compute = ran[(near.kind, near.stage, near.microbatch)]
-        key = (a.kind, a.stage, a.microbatch)
-        if a.kind.startswith("SEND") and posted[key] < compute:
+        if a.kind.startswith("SEND") and posted[a] < ran[near]:
             raise ValueError(f"rank {rank}: {a} posted before {near} makes its tensor")
-        if a.kind.startswith("RECV") and waited[key] > compute:
+        if a.kind.startswith("RECV") and waited[a] > ran[near]:
             raise ValueError(f"rank {rank}: {near} runs before waiting for {a}")
 
 
 def _match(transfers: list[list[Action]]) -> dict[Op, Op]:
     """Pair the k-th send on each link with the k-th receive (in-order matching), given
     each rank's transfers in the order it posts them."""
-    sends, recvs = _links(transfers)
+    links: dict[Link, tuple[list[Op], list[Op]]] = {}  # per link: its sends, its receives
+    for rank, ops in enumerate(transfers):
+        for a in ops:
+            send = a.kind.startswith("SEND")
+            link = (rank, a.peer) if send else (a.peer, rank)
+            links.setdefault(link, ([], []))[not send].append((rank, a))
     match: dict[Op, Op] = {}
-    for link in sends.keys() | recvs.keys():
-        out, into = sends.get(link, []), recvs.get(link, [])
+    for (src, dst), (out, into) in links.items():
         if len(out) != len(into):
-            raise ValueError(f"link {link[0]}->{link[1]}: {len(out)} sends, {len(into)} receives")
-        for i, ((s_op, s), (r_op, r)) in enumerate(zip(out, into)):
-            if wire(s) != wire(r):
+            raise ValueError(f"link {src}->{dst}: {len(out)} sends, {len(into)} receives")
+        for i, (s, r) in enumerate(zip(out, into)):
+            if wire(s[1]) != wire(r[1]):
                 raise ValueError(
-                    f"link {link[0]}->{link[1]}: message {i} is sent as {s} but received as "
-                    f"{r} (in-order transports would hand it to the wrong tensor)"
+                    f"link {src}->{dst}: message {i} is sent as {s[1]} but received as "
+                    f"{r[1]} (in-order transports would hand it to the wrong tensor)"
                 )
-            match[s_op], match[r_op] = r_op, s_op
+            match[s], match[r] = r, s
     return match
 
 
-def _batches(items: list[Item | Collective]) -> tuple[list[range], list[int], list[int]]:
-    """Per batch: the indices of its p2p ops and the computes issued before it; per
-    compute: the last batch waited for before it (-1: none). A collective is a batch of no
-    p2p op (it starts when the stream reaches it; its peers, in step, start it too)."""
-    ops: list[range] = []
+def _batches(
+    items: list[Item | Collective],
+) -> tuple[list[tuple[Action, ...]], list[int], list[int]]:
+    """Per batch: its p2p ops and the computes issued before it; per compute: the last
+    batch waited for before it (-1: none). A collective is a batch of no p2p op (it
+    starts when the stream reaches it; its peers, in step, start it too)."""
+    ops: list[tuple[Action, ...]] = []
     before, need = [], []
-    batch_of: dict[ActionKey, int] = {}
+    batch_of: dict[Action, int] = {}
     last = -1
     for item in items:
         if isinstance(item, Wait):
-            last = max([last] + [batch_of[(a.kind, a.stage, a.microbatch)] for a in item.ops])
+            last = max([last] + [batch_of[a] for a in item.ops])
         elif isinstance(item, Action):
             need.append(last)
         else:  # a batch: a Post, or a Collective (no p2p op)
-            posted = item.ops if isinstance(item, Post) else ()
             if isinstance(item, Collective) and item.needed:
                 last = len(ops)
-            batch_of |= {(a.kind, a.stage, a.microbatch): len(ops) for a in posted}
-            n = ops[-1].stop if ops else 0
-            ops.append(range(n, n + len(posted)))
+            posted = item.ops if isinstance(item, Post) else ()
+            batch_of |= dict.fromkeys(posted, len(ops))
+            ops.append(posted)
             before.append(len(need))
     return ops, before, need
 
@@ -357,7 +322,7 @@ def _batches(items: list[Item | Collective]) -> tuple[list[range], list[int], li
 def _nccl_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
     """Run the streams (see the module docstring) to the end, or report where they stop."""
     shape = [_batches(items) for items in programs]
-    batch_of = [{i: b for b, ops in enumerate(batches) for i in ops} for batches, _, _ in shape]
+    batch_of = [{a: b for b, ops in enumerate(batches) for a in ops} for batches, _, _ in shape]
     head = [0] * len(programs)  # per rank: the batch its stream runs now
     done = [0] * len(programs)  # per rank: computes run
 
@@ -365,8 +330,8 @@ def _nccl_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
         return b < head[rank] or (b == head[rank] and done[rank] >= shape[rank][1][b])
 
     def peers_started(r: int) -> bool:
-        peers = [match[(r, i)] for i in shape[r][0][head[r]]]
-        return all(started(p, batch_of[p][i]) for p, i in peers)
+        peers = [match[(r, a)] for a in shape[r][0][head[r]]]
+        return all(started(p, batch_of[p][a]) for p, a in peers)
 
     moved = True
     while moved:
@@ -392,12 +357,11 @@ def _nccl_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
 def _gloo_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
     """Run every rank's host thread to the end, or report where each one blocks."""
     posted: set[Op] = set()
-    index = [_op_index(items) for items in programs]
 
     def step(item: Item, r: int) -> bool:
         if isinstance(item, Action):
             return True
-        ops = {(r, index[r][(a.kind, a.stage, a.microbatch)]) for a in item.ops}
+        ops = {(r, a) for a in item.ops}
         if isinstance(item, Post):
             posted.update(ops)
         return isinstance(item, Post) or all(match[op] in posted for op in ops)
@@ -406,12 +370,8 @@ def _gloo_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
 
 
 def _posted(items: list[Item]) -> list[Action]:
-    """A rank's transfers in the order it posts them: an `Op` indexes this list."""
+    """A rank's transfers in the order it posts them."""
     return [a for item in items if isinstance(item, Post) for a in item.ops]
-
-
-def _op_index(items: list[Item]) -> dict[ActionKey, int]:
-    return {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(_posted(items))}
 
 
 def _fmt(keys: object) -> str:
