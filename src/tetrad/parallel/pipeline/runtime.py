@@ -50,7 +50,7 @@ from tetrad.models.batch import Microbatch
 from tetrad.models.spec import ModelSpec
 from tetrad.parallel.activation_meter import ActivationMeter, alone, held_as_is
 from tetrad.parallel.pipeline.edge import backward_from, backward_takes_edges
-from tetrad.parallel.pipeline.p2p import Item, Post, Wait, Wire, program
+from tetrad.parallel.pipeline.p2p import Post, Wait, Wire, program
 from tetrad.parallel.pipeline.schedules import (
     Action,
     StageMb,
@@ -117,33 +117,51 @@ class PipelineStep(RunResult):
 
 
 class PipelineRuntime:
-    """Runs one rank's program against its chunks of the model (the engine's `Runner`)."""
+    """Runs one rank's program against its chunks of the model (the engine's `Runner`).
+
+    Built from the rank's schedule (`build_pipeline`, the same class): with W actions its
+    model's weight gradients are deferred (`defer_weight_grads`). `dim`: the model's
+    hidden size (what crosses a stage boundary per token); `spec`: its family's, which
+    names the parameters each stage's backward completes."""
 
     def __init__(
         self,
-        model,
-        chunks: list[Chunk],
-        items: list[Item],
+        model: nn.Module,
+        layout: Layout,
         mesh: Mesh,
         comm: Comm,
-        act_shape: tuple[int, ...],
-        loss_fn,
-        store: WeightGradStore | None,
-        dtype: torch.dtype,
-        finals: dict[tuple[str, int, int], frozenset[str]],
+        chunks: list[Chunk],
+        loss_fn: LossFn,
+        dim: int,
         meter_every: int,
+        spec: ModelSpec,
     ):
+        actions = build_schedule(
+            layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages
+        )
+        mine = actions[mesh["pp"].rank]
+        self.store = WeightGradStore() if any(a.kind == "W" for a in mine) else None
+        if self.store is not None:
+            defer_weight_grads(model, self.store, spec)
+        backward_takes_edges()  # probed here, once: not a first call inside the schedule loop
+        if comm.device.type == "cuda":
+            # NCCL creates a communicator on its first use, with every member; torch requires
+            # that batched p2p not be that first use unless every rank joins the same batch
+            comm.barrier(mesh["pp"])
+        self.items = program(actions, early=EARLY[comm.device.type])[mesh["pp"].rank]
         self.model, self.mesh, self.comm, self.loss_fn = model, mesh, comm, loss_fn
         self.chunks = {c.stage: c for c in chunks}
-        self.items, self.act_shape, self.store = items, act_shape, store
+        # this rank's share of a microbatch, in the compute dtype (given: built before the
+        # data axis casts the parameters to it)
+        self.act_shape = (layout.microbatch_size, layout.act_seq, dim)
+        self.dtype = layout.compute_dtype
         self.meter, self.meter_every = ActivationMeter(), meter_every
         self.holds_loss = any(c.last for c in chunks)
-        # the compute dtype, given: built before the data axis casts the parameters to it
-        self.dtype = dtype
         self.device = next(model.parameters()).device
         self.clock = Clock(self.device)
         # (kind, stage, microbatch) -> the parameters whose gradients that action completes
-        self.finals = finals
+        names = [n for n, _ in model.named_parameters()]
+        self.finals = final_actions(mine, chunks, names, spec)
         self.pool: list[torch.Tensor] = []  # free receive buffers, reused across microbatches
         self.allocated = 0  # receive buffers ever allocated (the pool's size, at most)
 
@@ -354,44 +372,7 @@ class PipelineRuntime:
             self.store.flush(key)
 
 
-def build_pipeline(
-    model: nn.Module,
-    layout: Layout,
-    mesh: Mesh,
-    comm: Comm,
-    chunks: list[Chunk],
-    loss_fn: LossFn,
-    dim: int,
-    meter_every: int,
-    spec: ModelSpec,
-) -> PipelineRuntime:
-    """This rank's pipeline: its schedule's steps, and the split backward if it has W.
-    `dim`: the model's hidden size (what crosses a stage boundary per token); `spec`: its
-    family's, which names the parameters each stage's backward completes."""
-    actions = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-    mine = actions[mesh["pp"].rank]
-    store = WeightGradStore() if any(a.kind == "W" for a in mine) else None
-    if store is not None:
-        defer_weight_grads(model, store, spec)
-    names = [n for n, _ in model.named_parameters()]
-    backward_takes_edges()  # probed here, once: not a first call inside the schedule loop
-    if comm.device.type == "cuda":
-        # NCCL creates a communicator on its first use, with every member; torch requires
-        # that batched p2p not be that first use unless every rank joins the same batch
-        comm.barrier(mesh["pp"])
-    return PipelineRuntime(
-        model,
-        chunks,
-        program(actions, early=EARLY[comm.device.type])[mesh["pp"].rank],
-        mesh,
-        comm,
-        (layout.microbatch_size, layout.act_seq, dim),  # this rank's share of a microbatch
-        loss_fn,
-        store,
-        layout.compute_dtype,
-        final_actions(mine, chunks, names, spec),
-        meter_every,
-    )
+build_pipeline = PipelineRuntime  # this rank's pipeline: its program, its split backward
 
 
 def final_actions(
