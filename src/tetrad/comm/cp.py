@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import Comm, Work
-from tetrad.comm.tp import _GatherFromTP
+from tetrad.comm.tp import gather_from_tp
 from tetrad.compiling import graph_break
 from tetrad.mesh import Group
 
@@ -27,7 +27,7 @@ def gather_from_cp(x: torch.Tensor, comm: Comm, group: Group, dim: int) -> torch
     """Concatenate every cp rank's `x` along `dim`, rank 0 first; the backward sums the
     gradient over the ranks and keeps this rank's part."""
     # SP's gather is the same operator (all-gather; backward, a reduce-scatter of the sum)
-    return _GatherFromTP.apply(x, dim, comm, group) if group.size > 1 else x
+    return gather_from_tp(x, comm, group, dim)
 
 
 @graph_break

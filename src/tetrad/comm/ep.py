@@ -9,9 +9,12 @@ rank that sent it). Both go through `Comm`, counted and under its watchdog.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from tetrad.comm import Comm, Work
+from tetrad.comm.tp import Conjugate
 from tetrad.compiling import graph_break
 from tetrad.mesh import Group
 
@@ -40,10 +43,12 @@ class _Sending:
         self.sent = None
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, comm, group, started=None):
-        ctx.splits, ctx.comm, ctx.group = (out_splits, in_splits), comm, group
+def _all_to_all(x, out_splits, in_splits, comm: Comm, group: Group, started=None):
+    """`x`'s rows exchanged (launched only when `started` is a list, which gets the
+    `_Sending`); backward, synchronously, the reverse exchange."""
+    out_splits, in_splits = list(out_splits), list(in_splits)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         sent = x.contiguous()
         work = comm.all_to_all(
@@ -53,12 +58,12 @@ class _AllToAll(torch.autograd.Function):
             started.append(_Sending(work, sent))
         return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
+    def backward(grad: torch.Tensor) -> torch.Tensor:
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group)
-        return back, None, None, None, None, None
+        comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, group)
+        return back
+
+    return Conjugate.apply(x, forward, backward)
 
 
 @graph_break
@@ -67,7 +72,7 @@ def all_to_all(
 ) -> torch.Tensor:
     """Rows of `x` split by `in_splits` to each rank of `group`; what arrives, by
     `out_splits`, concatenated in rank order. Backward sends the gradients back."""
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), comm, group)
+    return _all_to_all(x, out_splits, in_splits, comm, group)
 
 
 @graph_break
@@ -78,7 +83,7 @@ def all_to_all_start(
     returned work's `wait()`), and that work, which holds the sent rows until then.
     Backward is the same synchronous reverse."""
     started: list[_Sending] = []
-    out = _AllToAll.apply(x, list(out_splits), list(in_splits), comm, group, started)
+    out = _all_to_all(x, out_splits, in_splits, comm, group, started)
     return out, started[0]
 
 
@@ -102,39 +107,20 @@ def _gather_shares(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torc
     return torch.cat([out[r * width : r * width + hi - lo] for r, (lo, hi) in enumerate(shares)])
 
 
-class _ShareOfTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.rows, ctx.group = x.shape[0], group
-        lo, hi = tp_share(x.shape[0], group.size, group.rank)
-        return x[lo:hi].clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        lo, hi = tp_share(ctx.rows, ctx.group.size, ctx.group.rank)
-        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
-        out[lo:hi] = grad
-        return out, None
-
-
-class _JoinOverTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, rows, comm, group):
-        ctx.group = group
-        return _gather_shares(x.contiguous(), rows, comm, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        lo, hi = tp_share(grad.shape[0], ctx.group.size, ctx.group.rank)
-        return grad[lo:hi].clone(), None, None, None
-
-
 @graph_break
 def share_of_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """This tp rank's share of rows that every tp rank holds alike. Backward gives the
     rows of the share their gradient and the others zeros: a partial gradient, for inside
     a tp region, whose backward sums the tp ranks' partial gradients (no communication)."""
-    return _ShareOfTP.apply(x, group)
+    rows = x.shape[0]
+    lo, hi = tp_share(rows, group.size, group.rank)
+
+    def spread(grad: torch.Tensor) -> torch.Tensor:
+        out = grad.new_zeros((rows, *grad.shape[1:]))
+        out[lo:hi] = grad
+        return out
+
+    return Conjugate.apply(x, lambda t: t[lo:hi].clone(), spread)
 
 
 @graph_break
@@ -142,4 +128,6 @@ def join_over_tp(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torch.
     """Every tp rank's share joined into the `rows` rows (the inverse of `share_of_tp`).
     Backward keeps this rank's share of the gradient: downstream of a tp-replicated
     activation every tp rank holds the same gradient, so nothing is summed."""
-    return _JoinOverTP.apply(x, rows, comm, group)
+    lo, hi = tp_share(rows, group.size, group.rank)
+    join = partial(_gather_shares, rows=rows, comm=comm, group=group)
+    return Conjugate.apply(x, join, lambda grad: grad[lo:hi].clone())

@@ -21,20 +21,44 @@ runs eagerly, counted as always, and the compiled block resumes after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
 from tetrad.comm import Comm
 from tetrad.compiling import graph_break
 from tetrad.mesh import Group
 
+Op = Callable[[torch.Tensor], torch.Tensor]
 
-def _all_reduce(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+
+class Conjugate(torch.autograd.Function):
+    """`fwd(x)` forward and `bwd(grad)` backward: an operation and its transpose, each
+    given whole (a closure over its group and arguments). Every function here is one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fwd: Op, bwd: Op) -> torch.Tensor:
+        ctx.bwd = bwd
+        return fwd(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.bwd(grad), None, None
+
+
+def same(x: torch.Tensor) -> torch.Tensor:
+    """The identity, as a new tensor object (an autograd function's output is its own)."""
+    return x.view_as(x)
+
+
+def _all_reduce(comm: Comm, group: Group, x: torch.Tensor) -> torch.Tensor:
     out = x.contiguous().clone()
     comm.all_reduce(out, group)
     return out
 
 
-def _all_gather(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torch.Tensor:
+def _all_gather(comm: Comm, group: Group, dim: int, x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (the comm layer gathers along dim 0)."""
     first = x.movedim(dim, 0).contiguous()  # [x_dim, ...]
     out = first.new_empty((first.shape[0] * group.size, *first.shape[1:]))
@@ -43,7 +67,7 @@ def _all_gather(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torch.Te
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torch.Tensor:
+def _reduce_scatter(comm: Comm, group: Group, dim: int, x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the group and keep this rank's 1/size slice along `dim`."""
     if x.shape[dim] % group.size:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {group.size}")
@@ -53,66 +77,13 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torc
     return out.movedim(0, dim).contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, group, reduce_dtype):
-        ctx.comm, ctx.group, ctx.reduce_dtype = comm, group, reduce_dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dtype = ctx.reduce_dtype or grad.dtype
-        return _all_reduce(grad.to(dtype), ctx.comm, ctx.group).to(grad.dtype), None, None, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, group):
-        return _all_reduce(x, comm, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, comm, group):
-        ctx.dim, ctx.comm, ctx.group = dim, comm, group
-        return _all_gather(x, dim, comm, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.comm, ctx.group), None, None, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, comm, group):
-        ctx.dim, ctx.comm, ctx.group = dim, comm, group
-        return _reduce_scatter(x, dim, comm, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.comm, ctx.group), None, None, None
-
-
-class _OnceInTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.keep = group.rank == 0
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad if ctx.keep else torch.zeros_like(grad)), None
-
-
 def once_in_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """A replicated computation inside a tp region: every tp rank has the same input
     gradient from it, so only tp rank 0 passes it on and the region's sum counts it once
     (exactly: the others add zeros). No communication."""
-    return _OnceInTP.apply(x, group) if group.size > 1 else x
+    if group.size == 1:
+        return x
+    return Conjugate.apply(x, same, same if group.rank == 0 else torch.zeros_like)
 
 
 @graph_break
@@ -121,29 +92,41 @@ def copy_to_tp(
 ) -> torch.Tensor:
     """f: enter the tp region with a replicated input; its gradients are summed over tp,
     in `reduce_dtype` if given (a weight's gradient, summed as the data axis sums it)."""
-    return _CopyToTP.apply(x, comm, group, reduce_dtype) if group.size > 1 else x
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(comm, group, grad.to(reduce_dtype or grad.dtype)).to(grad.dtype)
+
+    return Conjugate.apply(x, same, summed) if group.size > 1 else x
 
 
 @graph_break
 def reduce_from_tp(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     """g: leave the tp region by summing the partial results of every rank."""
-    return _ReduceFromTP.apply(x, comm, group) if group.size > 1 else x
+    return Conjugate.apply(x, partial(_all_reduce, comm, group), same) if group.size > 1 else x
 
 
 @graph_break
 def gather_from_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> torch.Tensor:
     """All-gather along `dim` (the sequence, [b, s/tp, h] -> [b, s, h]); reduce-scatter back."""
-    return _GatherFromTP.apply(x, dim, comm, group) if group.size > 1 else x
+    if group.size == 1:
+        return x
+    return Conjugate.apply(
+        x, partial(_all_gather, comm, group, dim), partial(_reduce_scatter, comm, group, dim)
+    )
 
 
 @graph_break
 def reduce_scatter_along(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torch.Tensor:
     """Sum `x` over the group and keep this rank's slice along `dim` (no autograd: the
     split backward's W uses it to place a gathered weight's gradient)."""
-    return _reduce_scatter(x, dim, comm, group) if group.size > 1 else x
+    return _reduce_scatter(comm, group, dim, x) if group.size > 1 else x
 
 
 @graph_break
 def scatter_to_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter along `dim` (partial [b, s, h] -> summed [b, s/tp, h]); all-gather back."""
-    return _ScatterToTP.apply(x, dim, comm, group) if group.size > 1 else x
+    if group.size == 1:
+        return x
+    return Conjugate.apply(
+        x, partial(_reduce_scatter, comm, group, dim), partial(_all_gather, comm, group, dim)
+    )
