@@ -13,7 +13,8 @@ benchmarks/pp.py alike.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -79,15 +80,13 @@ def estimate_costs(tl: Timeline, n_stages: int, actions: list[list[Action]] | No
     producer's end to the consumer's start (transfer plus the runtime's bookkeeping).
     Overhead samples: see `estimate_overhead`.
     """
-    times: dict[tuple[str, int], list[float]] = {}
+    times: dict[tuple[str, int], list[float]] = defaultdict(list)
     for events in tl.ranks:
         for e in events:
-            if e.kind == "BW":
-                times.setdefault(("B", e.stage), []).append(e.duration / 2)
-                times.setdefault(("W", e.stage), []).append(e.duration / 2)
-            else:
-                times.setdefault((e.kind, e.stage), []).append(e.duration)
-    f, b, w = ([_median(times.get((k, s), [])) for s in range(n_stages)] for k in "FBW")
+            kinds = ("B", "W") if e.kind == "BW" else (e.kind,)
+            for kind in kinds:
+                times[kind, e.stage].append(e.duration / len(kinds))
+    f, b, w = ([_median(times[k, s]) for s in range(n_stages)] for k in "FBW")
     comm = _median(transfer_gaps(tl))
     overhead, p2p = estimate_overhead(tl, actions, comm) if actions else (0.0, 0.0)
     return Costs(f, b, w, comm, overhead, p2p)
@@ -108,15 +107,11 @@ def estimate_overhead(
     then a weighted least-squares line through those (slope clamped at 0, then intercept
     too).
     """
-    where = {(e.kind, e.stage, e.microbatch): (r, e) for r, ev in enumerate(tl.ranks) for e in ev}
+    counts = [_transfers_before_computes(acts) for acts in actions]
     samples: dict[int, list[float]] = {}
-    for r, events in enumerate(tl.ranks):
-        counts = _transfers_before_computes(actions[r])
-        for k in range(1, min(len(events), len(counts))):
-            prev, e = events[k - 1], events[k]
-            src = _producer(e, where)
-            if src is None or src[0] == r or src[1].end + comm <= prev.end:
-                samples.setdefault(counts[k], []).append(max(e.start - prev.end, 0.0))
+    for r, k, prev_end, e, src in _computes(tl):
+        if 0 < k < len(counts[r]) and (src is None or src.end + comm <= prev_end):
+            samples.setdefault(counts[r][k], []).append(max(e.start - prev_end, 0.0))
     if not samples:
         return 0.0, 0.0
     return _fit_line([(n, center(g), len(g)) for n, g in samples.items()])
@@ -146,27 +141,26 @@ def _fit_line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
 
 def transfer_gaps(tl: Timeline) -> list[float]:
     """Producer-end to consumer-start gaps where the consumer was waiting for that tensor."""
-    where = {(e.kind, e.stage, e.microbatch): (r, e) for r, ev in enumerate(tl.ranks) for e in ev}
-    gaps = []
+    return [
+        max(e.start - src.end, 0.0) for *_, idle, e, src in _computes(tl) if src and src.end >= idle
+    ]
+
+
+def _computes(tl: Timeline) -> Iterator[tuple[int, int, float, Event, Event | None]]:
+    """Per rank r and its k-th compute e: (r, k, the end of the compute before it (0: none),
+    e, the compute on another rank that made e's input (None: made here, or no input))."""
+    made = {  # each F's and B's (BW's) output, keyed as on the wire: (F or B, its stage, mb)
+        (e.kind[0], e.stage + (1 if e.kind == "F" else -1), e.microbatch): (r, e)
+        for r, ev in enumerate(tl.ranks)
+        for e in ev
+        if e.kind != "W"
+    }
     for r, events in enumerate(tl.ranks):
-        idle_since = 0.0
-        for e in events:
-            src = _producer(e, where)
-            if src is not None and src[0] != r and src[1].end >= idle_since:
-                gaps.append(max(e.start - src[1].end, 0.0))
-            idle_since = e.end
-    return gaps
-
-
-def _producer(e: Event, where: dict) -> tuple[int, Event] | None:
-    """The (rank, event) whose output `e` consumes from another stage, if any."""
-    if e.kind == "F":
-        return where.get(("F", e.stage - 1, e.microbatch))
-    if e.kind in ("B", "BW"):
-        return where.get(("B", e.stage + 1, e.microbatch)) or where.get(
-            ("BW", e.stage + 1, e.microbatch)
-        )
-    return None
+        prev_end = 0.0
+        for k, e in enumerate(events):
+            src = made.get((e.kind[0], e.stage, e.microbatch))  # none for a W
+            yield r, k, prev_end, e, src[1] if src is not None and src[0] != r else None
+            prev_end = e.end
 
 
 def _median(values: list[float]) -> float:

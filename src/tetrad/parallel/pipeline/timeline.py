@@ -72,10 +72,7 @@ class Timeline:
     @property
     def bubble_fraction(self) -> float:
         """1 - busy compute time / (pp x makespan): the share of the step idle."""
-        if self.makespan == 0:
-            return 0.0
-        busy = sum(self.busy(r) for r in range(self.pp))
-        return 1.0 - busy / (self.pp * self.makespan)
+        return self.bubble_time / self.makespan if self.makespan else 0.0
 
     @property
     def bubble_time(self) -> float:
