@@ -59,7 +59,6 @@ def config_options() -> dict[str, tuple[str, Field]]:
 
 
 TRAIN_OPTIONS = config_options()
-DEGREES = ("dp", "fsdp", "tp", "pp", "cp")
 
 
 def option_kwargs(section: str, f: Field) -> dict[str, Any]:
@@ -68,20 +67,12 @@ def option_kwargs(section: str, f: Field) -> dict[str, Any]:
     meta = f.metadata["cli"]
     kw: dict[str, Any] = {"help": meta["help"], "default": None}
     if isinstance(f.default, bool):  # the flag sets the opposite of the default
-        return kw | {"action": "store_true"}
+        return kw | {"action": "store_const", "const": not f.default}
     elastic = section == "parallel" and f.name in ELASTIC_AXES
     kw["type"] = degree if elastic else type(f.default)
     kw["metavar"] = "N|auto" if elastic else meta["metavar"]
     kw["choices"] = meta["choices"] or None
     return kw
-
-
-def option_value(args: argparse.Namespace, dest: str, f: Field) -> Any:
-    """The value a config field's option gives it (None: not given)."""
-    value = getattr(args, dest)
-    if isinstance(f.default, bool):
-        return (not f.default) if value else None
-    return value
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -151,7 +142,7 @@ def build_config(args: argparse.Namespace) -> Config:
     if cfg.model.init_from_hf:
         cfg.model = hf_model(cfg, args)
     for dest, (section, f) in TRAIN_OPTIONS.items():
-        value = option_value(args, dest, f)
+        value = getattr(args, dest)
         if value == "auto" and dest in ELASTIC_AXES:  # only their type lets auto through
             value = elastic_axis(cfg, dest)
         if value is not None:
@@ -261,7 +252,7 @@ def hf_model(cfg: Config, args: argparse.Namespace) -> ModelConfig:
         if getattr(cfg.model, f) != getattr(defaults, f)
     }
     for dest, (section, f) in TRAIN_OPTIONS.items():
-        value = option_value(args, dest, f)
+        value = getattr(args, dest)
         if section == "model" and f.name != "init_from_hf" and value is not None:
             given[f"--{flag(dest)}"] = (f.name, value)
     return hf.model_config(cfg.model.init_from_hf, given)
@@ -270,7 +261,7 @@ def hf_model(cfg: Config, args: argparse.Namespace) -> ModelConfig:
 def fill_world(cfg: Config, args: argparse.Namespace) -> int:
     """Number of local processes to launch (per node); dp fills the world when no degree
     was given."""
-    explicit = any(getattr(args, d) is not None for d in DEGREES) or bool(args.config)
+    explicit = bool(args.config) or any(getattr(args, d) is not None for d in cfg.parallel.degrees)
     nnodes = node_range(args.nnodes)[1]
     if cfg.parallel.elastic and args.nproc is None:
         raise ValueError(f"--{cfg.parallel.elastic} auto needs --nproc N: the ranks of each node")
@@ -287,7 +278,7 @@ def launch_train(nproc: int, argv: list[str], cfg: Config, args: argparse.Namesp
     """Launch the ranks, each told the degrees this process settled (dp may fill the world;
     an elastic degree stays auto, with the world its microbatch size is for)."""
     p = cfg.parallel
-    degrees = [f"--{d}={'auto' if d == p.elastic else getattr(p, d)}" for d in DEGREES]
+    degrees = [f"--{d}={'auto' if d == p.elastic else n}" for d, n in p.degrees.items()]
     if p.elastic:
         degrees.append(f"--elastic-max-world={p.elastic_max_world}")
     nodes = (args.nnodes, args.rdzv_endpoint, args.rdzv_conf)  # and where they meet

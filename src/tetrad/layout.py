@@ -24,14 +24,14 @@ import torch
 from tetrad.config import (
     BLOCK,
     COMPRESSED,
-    CP_ATTENTION,
-    CP_KERNELS,
     DTYPES,
     SCHEDULES,
     Config,
     ModelConfig,
     ParallelConfig,
+    TrainConfig,
     _require,
+    check_choices,
     check_sections,
 )
 from tetrad.mesh import AXES, ep_spans_tp  # AXES: the mesh's axes, outermost first
@@ -110,35 +110,42 @@ class Layout:
     def build(cls, cfg: Config, world: int | None = None) -> Layout:
         """Validate `cfg` (for `world` ranks if given) and derive its layout."""
         check_sections(cfg)
-        p = cfg.parallel
+        return cls.of(cfg.model, cfg.train, cfg.parallel, world)
+
+    @classmethod
+    def of(
+        cls, model: ModelConfig, t: TrainConfig, p: ParallelConfig, world: int | None = None
+    ) -> Layout:
+        """The layout of these three sections (for `world` ranks if given), its own rules
+        checked; the sections' own checks are `config.check_sections`' (`build` runs both)."""
         _check_parallel(p, world)
-        split = _check_split(p, cfg.model.layers)
-        _check_shapes(cfg)
-        check_ep(p.ep, cfg.model.experts, p.degrees)
-        _check_fp8(cfg)
-        window = cfg.model.sliding_window
+        split = _check_split(p, model.layers)
+        _check_shapes(model, t, p)
+        check_ep(p.ep, model.experts, p.degrees)
+        _check_fp8(model, t, p)
+        window = model.sliding_window
         _require(
-            not 0 < window < cfg.train.seq_len,
-            f"model.sliding_window={window} < train.seq_len={cfg.train.seq_len}: a window "
+            not 0 < window < t.seq_len,
+            f"model.sliding_window={window} < train.seq_len={t.seq_len}: a window "
             "shorter than the sequence is not implemented; train with seq_len <= the window",
         )
         return cls(
             degrees=Degrees((axis, getattr(p, axis)) for axis in AXES),
-            microbatch_size=cfg.train.global_batch // (p.data_ranks * p.microbatches),
-            seq_len=cfg.train.seq_len,
-            local_seq=cfg.train.seq_len // p.cp,
+            microbatch_size=t.global_batch // (p.data_ranks * p.microbatches),
+            seq_len=t.seq_len,
+            local_seq=t.seq_len // p.cp,
             bucket_bytes=int(p.bucket_mb * 2**20),
             first_bucket_bytes=int(p.first_bucket_mb * 2**20),
             schedule=p.pp_schedule,
             split=split,
             split_measured=p.pp_split == "measured",
-            compute_dtype=DTYPES[cfg.train.dtype],
-            reduce_dtype=_reduce_dtype(cfg),
-            master_dtype=wide(DTYPES[cfg.train.dtype]),
-            loss_chunk=cfg.train.loss_chunk,
-            fp8=cfg.train.fp8,
+            compute_dtype=DTYPES[t.dtype],
+            reduce_dtype=_reduce_dtype(t.dtype, p.reduce_dtype),
+            master_dtype=wide(DTYPES[t.dtype]),
+            loss_chunk=t.loss_chunk,
+            fp8=t.fp8,
             compress=p.reduce_dtype if p.reduce_dtype in COMPRESSED else "",
-            compiled=cfg.train.compile,
+            compiled=t.compile,
             **{name: getattr(p, name) for name in AS_CONFIGURED},
         )
 
@@ -361,13 +368,13 @@ def check_ep(ep: int, experts: int, degrees: dict[str, int]) -> None:
     )
 
 
-def _check_fp8(cfg: Config) -> None:
+def _check_fp8(model: ModelConfig, t: TrainConfig, p: ParallelConfig) -> None:
     """FP8 scales are the single process's where a layout splits a microbatch's tokens (cp,
     sp) or a weight (tp): each is the max over the ranks splitting it (models/fp8.py). A kv
     head shared by tp ranks, the split backward's deferred weight gradients and an FP8
     gather of tp shards are refused. The FP8 all-gather is ZeRO-3's, of tensorwise weights
     (parallel/compress.py)."""
-    p, fp8 = cfg.parallel, cfg.train.fp8
+    fp8 = t.fp8
     if p.fp8_all_gather:
         _require(
             fp8 == "tensorwise" and p.zero_stage == 3 and p.fsdp > 1,
@@ -384,8 +391,8 @@ def _check_fp8(cfg: Config) -> None:
     if not fp8:
         return
     _require(
-        p.tp <= cfg.model.kv_heads,
-        f"train.fp8={fp8!r} with parallel.tp={p.tp} > model.kv_heads={cfg.model.kv_heads}: "
+        p.tp <= model.kv_heads,
+        f"train.fp8={fp8!r} with parallel.tp={p.tp} > model.kv_heads={model.kv_heads}: "
         "the tp ranks sharing a kv head each hold a partial gradient of it, which FP8 "
         "cannot quantize as the single process quantizes their sum",
     )
@@ -396,14 +403,14 @@ def _check_fp8(cfg: Config) -> None:
     )
 
 
-def _reduce_dtype(cfg: Config) -> torch.dtype:
+def _reduce_dtype(dtype: str, reduce_dtype: str) -> torch.dtype:
     """Gradients cross ranks in `parallel.reduce_dtype`, or in float64 under fp64 compute,
     where every part is float64 (tetrad.precision); fp64 with bf16 reductions is refused."""
-    if cfg.train.dtype != "fp64":  # compressed: summed in fp32
-        return DTYPES.get(cfg.parallel.reduce_dtype, torch.float32)
+    if dtype != "fp64":  # compressed: summed in fp32
+        return DTYPES.get(reduce_dtype, torch.float32)
     _require(
-        cfg.parallel.reduce_dtype == "fp32",
-        f"dtype='fp64' reduces in float64; reduce_dtype={cfg.parallel.reduce_dtype!r} would"
+        reduce_dtype == "fp32",
+        f"dtype='fp64' reduces in float64; reduce_dtype={reduce_dtype!r} would"
         " round its gradients: leave reduce_dtype at its default",
     )
     return torch.float64
@@ -418,24 +425,14 @@ def _check_parallel(p: ParallelConfig, world: int | None) -> None:
             f"world size {world} != dp*fsdp*cp*tp*pp = {p.dp}*{p.fsdp}*{p.cp}*{p.tp}*{p.pp}"
             f" = {p.world}",
         )
-    _require(
-        p.cp_attention in CP_ATTENTION,
-        f"cp_attention={p.cp_attention!r} is not one of {CP_ATTENTION}",
-    )
-    _require(p.cp_kernel in CP_KERNELS, f"cp_kernel={p.cp_kernel!r} is not one of {CP_KERNELS}")
     _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
-    _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
-    _require(p.first_bucket_mb >= 0, f"first_bucket_mb must be >= 0, got {p.first_bucket_mb}")
-    known = (*DTYPES, *COMPRESSED)
-    _require(p.reduce_dtype in known, f"reduce_dtype={p.reduce_dtype!r} not in {known}")
     _require(
         p.reduce_dtype != "fp64", "reduce_dtype='fp64' is fp64 compute's alone: use dtype='fp64'"
     )
+    check_choices("parallel", p)  # cp_attention, cp_kernel, reduce_dtype, pp_schedule
+    _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
+    _require(p.first_bucket_mb >= 0, f"first_bucket_mb must be >= 0, got {p.first_bucket_mb}")
     _require(not p.sp or p.tp > 1, "sp=True needs tp > 1 (sequence parallelism splits over tp)")
-    _require(
-        p.pp_schedule in SCHEDULES,
-        f"pp_schedule={p.pp_schedule!r} is not one of {SCHEDULES}",
-    )
     if p.pp > 1 or p.virtual_stages > 1:
         check_schedule(p.pp_schedule, p.pp, p.microbatches, p.virtual_stages)
 
@@ -458,8 +455,7 @@ def _check_split(p: ParallelConfig, layers: int) -> tuple[int, ...] | None:
     return tuple(split) if split else None
 
 
-def _check_shapes(cfg: Config) -> None:
-    p, t = cfg.parallel, cfg.train
+def _check_shapes(model: ModelConfig, t: TrainConfig, p: ParallelConfig) -> None:
     per = p.data_ranks * p.microbatches
     _require(
         t.global_batch % per == 0,
@@ -467,7 +463,7 @@ def _check_shapes(cfg: Config) -> None:
         f" x microbatches={p.microbatches} = {per}",
     )
     if p.tp > 1:
-        _check_tp(cfg.model, p.tp)
+        _check_tp(model, p.tp)
     if p.cp > 1:  # 2·cp chunks per sequence, rank r holding chunks r and 2·cp-1-r
         _require(
             t.seq_len % (2 * p.cp) == 0,
@@ -481,8 +477,8 @@ def _check_shapes(cfg: Config) -> None:
         )
     stages = p.pp * p.virtual_stages  # the first and the last may hold no layer: the
     _require(  # embedding alone, the final norm and head alone (Megatron's account for them)
-        cfg.model.layers >= stages - 2 if stages > 1 else cfg.model.layers >= 1,
-        f"model.layers={cfg.model.layers} < pp*virtual_stages-2={p.pp}*{p.virtual_stages}-2"
+        model.layers >= stages - 2 if stages > 1 else model.layers >= 1,
+        f"model.layers={model.layers} < pp*virtual_stages-2={p.pp}*{p.virtual_stages}-2"
         f" = {stages - 2}: every stage but the first and the last needs a layer",
     )
 

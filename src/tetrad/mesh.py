@@ -187,20 +187,20 @@ class Mesh:
 
         degrees, ep = dict(layout.degrees), layout.ep
         mesh = cls.plan(degrees, rank, ep)
-        world = mesh.world
-        made: dict[tuple[int, ...], Any] = {}  # groups of equal members share one handle
+        # groups of equal members share one handle (every rank's in ascending order): the
+        # whole world's is the default group's
+        made: dict[tuple[int, ...], Any] = {tuple(range(mesh.world)): dist.group.WORLD}
         for name, ranks in named_groups(degrees, ep):
             # new_group is collective over the world: every rank creates every group,
             # in the same order, so the reuse below happens alike on every rank.
             if len(ranks) == 1:
                 continue
             if tuple(ranks) not in made:
-                whole = len(ranks) == world
-                made[tuple(ranks)] = dist.group.WORLD if whole else _new_group(ranks, timeout)
+                made[tuple(ranks)] = dist.new_group(ranks, timeout)
             if rank in ranks:
                 mesh.groups[name].pg = made[tuple(ranks)]
         for ranks in pp_end_groups(degrees):
-            pg = _new_group(ranks, timeout)
+            pg = dist.new_group(ranks, timeout)
             if rank in ranks:
                 mesh.groups["pp_ends"].pg = pg
         return mesh
@@ -212,9 +212,3 @@ def named_groups(degrees: dict[str, int], ep: int) -> list[tuple[str, list[int]]
     named = [(n, g) for n in GROUP_AXES for g in axis_groups(degrees, n)]
     ep_groups, edp_groups = expert_groups(degrees, ep)
     return named + [("ep", g) for g in ep_groups] + [("ep_data", g) for g in edp_groups]
-
-
-def _new_group(ranks: list[int], timeout: Any):
-    import torch.distributed as dist
-
-    return dist.new_group(ranks) if timeout is None else dist.new_group(ranks, timeout=timeout)
