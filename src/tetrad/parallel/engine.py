@@ -136,13 +136,9 @@ class Engine:
         """Every logical parameter, full size, fp32, on CPU (a collective)."""
         return self.state.full_state_dict()
 
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        """Full logical AdamW state (a collective); see `PlainAdapter.full_optimizer_state`."""
-        return self.state.full_optimizer_state(optimizer)
-
-    def load_full(self, params, optim=None, optimizer=None) -> None:
-        """Install this rank's slices of full logical tensors (no collective)."""
-        self.state.load_full(params, optim, optimizer)
+    def load_full(self, params) -> None:
+        """Install this rank's slices of full logical parameters (no collective)."""
+        self.state.load_full(params)
 
     def owned_slices(self, optimizer: torch.optim.Optimizer):
         """The boxes of the logical state this rank alone writes, copied; and Adam's step."""

@@ -1,13 +1,14 @@
-"""State adapters: a layout's parameters and AdamW state as full logical tensors, and back.
+"""State adapters: a layout's parameters as full logical tensors, and back; its parameters
+and AdamW state as boxes of them (sharded checkpoints).
 
-Checkpoints, tests and export speak full logical tensors (by parameter name, whole, in
+Tests, export and Hugging Face weights speak full logical tensors (by parameter name, whole, in
 the masters' dtype: float32, or float64 under fp64; on CPU); each layout holds something
 else (tp shards, some stages, ZeRO flat shards). A state adapter owns that translation
 for one engine. Out is a collective (tp shards all-gathered, every stage broadcast over
 pp); in needs none: every rank loads from the full tensors and keeps its slices.
 
 `PlainAdapter` serves every layout whose optimizer tensors are the model's parameters (DP,
-TP, PP); `ZeroAdapter` (zero_adapter.py) overrides the local half for ZeRO's flat shards.
+TP, PP); `ZeroAdapter` (zero_adapter.py) overrides both halves for ZeRO's flat shards.
 
 Sharded checkpoints use a third half, with no full tensor anywhere: `owned_slices` lists
 the boxes of the full logical tensors this rank holds and is the one writer of (a replica
@@ -33,7 +34,6 @@ from tetrad.precision import wide, widen
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state, as torch names it
 Unshard = Callable[[str, torch.Tensor], torch.Tensor]
-Moments = dict[str, dict[str, torch.Tensor]]  # kind -> name -> tensor
 Owned = list[tuple[str, Box, torch.Tensor]]  # (logical key, its box in the full tensor, data)
 Reader = Callable[[str, Box], torch.Tensor]  # (logical key, box) -> that box's values
 BUFFER = "buffer/"  # the key prefix of a model buffer's saved value
@@ -65,43 +65,19 @@ class PlainAdapter:
         return next(self.model.parameters()).device
 
     # --- the local half: what a layout holds, by logical name -----------------------------
-    def local_names(self) -> list[str]:
-        """Logical names of the parameters this rank holds (its stages; tp shards too)."""
-        return [n for n, _ in self.model.named_parameters()]
-
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (tp shards, its stages) by logical name: the fp32 masters
         in mixed precision."""
         return {n: self.optimized[n].detach() for n, _ in self.model.named_parameters()}
 
-    def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
-        """AdamW moments by kind and local name (zeros before the first step, which AdamW
-        treats alike), and the step count."""
-        moments: Moments = {k: {} for k in MOMENTS}
-        for name, _ in self.model.named_parameters():
-            p = self.optimized[name]
-            state = optimizer.state.get(p, {})
-            for k in MOMENTS:
-                moments[k][name] = state[k] if k in state else torch.zeros_like(p)
-        return moments, adam_step(optimizer)
-
-    @torch.no_grad()
-    def load_local(
-        self,
-        params: dict[str, torch.Tensor],
-        moments: Moments | None,
-        step: int,
-        optimizer: torch.optim.Optimizer | None,
-    ) -> None:
-        """Copy local logical tensors into the parameters (and their masters) and the
-        AdamW state."""
-        for name, p in self.model.named_parameters():
-            master = self.optimized[name]
-            master.copy_(params[name])
-            if master is not p:
-                p.copy_(master)
-            if moments is not None:
-                set_adam_state(optimizer, master, step, *(moments[k][name] for k in MOMENTS))
+    def _set(self, name: str, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """`value`, this rank's piece of `name`, into the parameter `p` and its fp32
+        master; returns the tensor the optimizer steps (the master, or `p`)."""
+        master = self.optimized[name]
+        master.copy_(value.reshape(master.shape))
+        if master is not p:
+            p.copy_(master)
+        return master
 
     # --- the sharded half: owned boxes out, needed boxes in ---------------------------------
     def box(self, name: str) -> Box:
@@ -122,14 +98,13 @@ class PlainAdapter:
     ) -> tuple[Owned, int]:
         """The boxes this rank writes: "<name>", "exp_avg/<name>", "exp_avg_sq/<name>" (fp32
         copies, safe from the next step), and the AdamW step count."""
-        moments, step = self.local_optimizer_state(optimizer)
         out: Owned = []
         for name, _ in self.model.named_parameters():
             if self.writes(name, replicated):
-                box = self.box(name)
-                out.append((name, box, snapshot(self.optimized[name])))  # fp32 master
-                out += [(f"{k}/{name}", box, snapshot(moments[k][name])) for k in MOMENTS]
-        return out, step
+                p, box = self.optimized[name], self.box(name)  # the parameter, or its master
+                out.append((name, box, snapshot(p)))
+                out += [(f"{k}/{name}", box, snapshot(moment(optimizer, p, k))) for k in MOMENTS]
+        return out, adam_step(optimizer)
 
     def owned_buffers(self) -> Owned:
         """The model's buffers (running state the optimizer does not step, such as an MoE
@@ -154,10 +129,7 @@ class PlainAdapter:
         """Fill this rank's parameters and AdamW state from `read` (no collective)."""
         for name, p in self.model.named_parameters():
             box = self.box(name)
-            master = self.optimized[name]  # the parameter, or its fp32 master
-            master.copy_(read(name, box).view(master.shape))
-            if master is not p:
-                p.copy_(master)
+            master = self._set(name, p, read(name, box))
             moments = (read(f"{k}/{name}", box).view(box_shape(box)) for k in MOMENTS)
             set_adam_state(optimizer, master, step, *moments)
 
@@ -166,23 +138,9 @@ class PlainAdapter:
 
     # --- the full half: the same for every layout ----------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every logical parameter, full size, on CPU (a collective)."""
-        return self.gather_full(self.local_state_dict())
-
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        """Full logical AdamW state on every rank (a collective): "exp_avg/<name>",
-        "exp_avg_sq/<name>", and "step", the count every tensor shares (the trainer steps
-        all of them together)."""
-        moments, step = self.local_optimizer_state(optimizer)
-        out = {}
-        for kind, local in moments.items():
-            out.update({f"{kind}/{n}": t for n, t in self.gather_full(local).items()})
-        out["step"] = torch.tensor(float(step))
-        return out
-
-    def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full wide (fp32; fp64 under fp64) CPU tensors from per-parameter local ones (a
+        """Every logical parameter, full size, wide (fp32; fp64 under fp64), on CPU (a
         collective): tp shards joined, and every stage's names on every rank."""
+        local = self.local_state_dict()
         state = {n: widen(self.unshard(n, t)).cpu().clone() for n, t in local.items()}
         if self.mesh.degrees["pp"] > 1:
             state = self._gather_stages(state)
@@ -204,21 +162,10 @@ class PlainAdapter:
         return out
 
     @torch.no_grad()
-    def load_full(
-        self,
-        params: dict[str, torch.Tensor],
-        optim: dict[str, torch.Tensor] | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> None:
-        """Install this rank's slices of full logical tensors (no collective): parameters
-        and, given `optim` (as full_optimizer_state returns it), the AdamW state."""
-        names = self.local_names()
-        local = {n: self._slice(n, params[n]) for n in names}
-        moments, step = None, 0
-        if optim is not None:
-            moments = {k: {n: self._slice(n, optim[f"{k}/{n}"]) for n in names} for k in MOMENTS}
-            step = int(optim["step"])
-        self.load_local(local, moments, step, optimizer)
+    def load_full(self, params: dict[str, torch.Tensor]) -> None:
+        """Install this rank's slices of full logical parameters (no collective)."""
+        for name, p in self.model.named_parameters():
+            self._set(name, p, self._slice(name, params[name]))
 
     def _slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the full logical tensor `name` (its tp shard, or all)."""
@@ -232,6 +179,12 @@ def snapshot(t: torch.Tensor) -> torch.Tensor:
     cannot change."""
     t = t.detach()
     return t.to("cpu", wide(t.dtype), copy=True).contiguous()
+
+
+def moment(optimizer: torch.optim.Optimizer, p: torch.Tensor, kind: str) -> torch.Tensor:
+    """AdamW's `kind` moment of `p` (zeros before the first step, which AdamW treats alike)."""
+    state = optimizer.state.get(p, {})
+    return state[kind] if kind in state else torch.zeros_like(p)
 
 
 def adam_step(optimizer: torch.optim.Optimizer) -> int:

@@ -43,10 +43,9 @@ linears' weights are gathered in FP8 with scales max-reduced once a step
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
 from typing import Any
@@ -99,12 +98,17 @@ class UnitSlots:
     world: int  # fsdp degree
 
     @cached_property
+    def sizes(self) -> list[int]:
+        """Each parameter's element count, in flat order."""
+        return [math.prod(s) for s in self.shapes]
+
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
-        return tuple(accumulate((math.prod(s) for s in self.shapes[:-1]), initial=0))
+        return tuple(accumulate(self.sizes[:-1], initial=0))
 
     @property
     def numel(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
+        return sum(self.sizes)
 
     @property
     def padded(self) -> int:
@@ -115,30 +119,25 @@ class UnitSlots:
         return self.padded // self.world
 
     def views(self, rank: int) -> list[ShardView]:
-        """The class ranges of `rank`'s shard, in flat order (padding excluded)."""
+        """The class ranges of `rank`'s shard, in flat order (padding excluded). A class's
+        parameters lie end to end (`plan_units` sorts by class), so each range is the
+        shard's part of one class, named after its first parameter there."""
         lo, hi = rank * self.shard, (rank + 1) * self.shard
-        out = []
-        for key, start, stop in self._segments():
-            a, b = max(start, lo), min(stop, hi)
-            if a < b:
-                owner = self.names[bisect_right(self.offsets, a) - 1]  # the parameter at a
-                out.append(ShardView(f"zero:{self.name}:{owner}", key, a - lo, b - lo))
+        out: list[ShardView] = []
+        for name, key, off, n in zip(self.names, self.keys, self.offsets, self.sizes):
+            a, b = max(off, lo) - lo, min(off + n, hi) - lo
+            if a >= b:
+                continue
+            if out and out[-1].key == key:
+                out[-1] = replace(out[-1], stop=b)
+            else:
+                out.append(ShardView(f"zero:{self.name}:{name}", key, a, b))
         return out
 
-    def _segments(self) -> list[tuple[ClassKey, int, int]]:
-        segs: list[tuple[ClassKey, int, int]] = []
-        for key, off, shape in zip(self.keys, self.offsets, self.shapes):
-            end = off + math.prod(shape)
-            if segs and segs[-1][0] == key:
-                segs[-1] = (key, segs[-1][1], end)
-            else:
-                segs.append((key, off, end))
-        return segs
-
-
-def unit_of(name: str, spec: ModelSpec) -> str:
-    """The unit a parameter belongs to: its transformer block, or the root."""
-    return spec.block_of(name) or ROOT
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`flat` [padded] as its parameters' views, each in its shape (padding left out)."""
+        pieces = flat.split([*self.sizes, self.padded - self.numel])
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
 
 
 def class_key(name: str, replicated: tuple[str, ...], axis: str = "fsdp") -> ClassKey:
@@ -155,8 +154,8 @@ def plan_units(
 ) -> list[UnitSlots]:
     """Units in forward order (root first, then blocks as the model holds them)."""
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {ROOT: []}
-    for name, shape in named_shapes:
-        groups.setdefault(unit_of(name, spec), []).append((name, tuple(shape)))
+    for name, shape in named_shapes:  # a unit: a parameter's transformer block, or the root
+        groups.setdefault(spec.block_of(name) or ROOT, []).append((name, tuple(shape)))
     out = []
     for unit, members in groups.items():
         if not members:
@@ -177,10 +176,7 @@ class FlatUnit:
 
     def __init__(self, layout: UnitSlots, model: nn.Module, rank: int, stage: int, dtype, device):
         self.layout, self.rank, self.stage = layout, rank, stage
-        self.targets = [_owner(model, n) + (s,) for n, s in zip(layout.names, layout.shapes)]
-        self.sizes = [math.prod(s) for s in layout.shapes]
-        if layout.padded > layout.numel:
-            self.sizes.append(layout.padded - layout.numel)
+        self.targets = [_owner(model, n) for n in layout.names]
         self.flat = torch.zeros(layout.padded, dtype=dtype, device=device).requires_grad_()
         # `.data` aliases the storage with its own version counter: gathers and the
         # optimizer write through it without invalidating tensors autograd saved.
@@ -200,12 +196,9 @@ class FlatUnit:
         # gradient it is reduce-scattered into in place); stages 2-3 create it when the
         # reduction lands and drop it after the step, so it never adds to the backward peak
         self.grad: torch.Tensor | None = None
-        if self.stage == 1:
+        if self.stage == 1:  # (in fp32 a view: no copy)
             self.flat.grad = torch.zeros_like(self.data)
-            inplace = not mixed(dtype)
-            self.attach_grad(
-                self.flat.grad[lo:hi] if inplace else torch.zeros(layout.shard, device=device)
-            )
+            self.attach_grad(self.flat.grad[lo:hi].to(self.master.dtype))
         self.installed = False  # whether this forward pass already has the views
         self.gathered, self.pending = True, None  # pending: (Work, its input) in flight
         self.fp8: Float8Gather | None = None  # its FP8 linears' weights gathered in FP8
@@ -220,14 +213,14 @@ class FlatUnit:
     @torch.no_grad()
     def _load(self, model: nn.Module, flat: torch.Tensor) -> None:
         """Copy the materialised parameters into `flat`, and drop them from their modules."""
-        for (module, attr, _), off, n in zip(self.targets, self.layout.offsets, self.sizes):
-            flat[off : off + n].copy_(getattr(module, attr).detach().reshape(-1))
+        for (module, attr), piece in zip(self.targets, self.layout.split(flat)):
+            piece.copy_(getattr(module, attr).detach())
             del module._parameters[attr]
 
     def install(self) -> None:
         """Point every module attribute at a fresh view of the flat buffer (for this pass)."""
-        for (module, attr, shape), piece in zip(self.targets, self.flat.split(self.sizes)):
-            setattr(module, attr, piece.view(shape))
+        for (module, attr), piece in zip(self.targets, self.layout.split(self.flat)):
+            setattr(module, attr, piece)
         # a block is one module, called once a pass; the root's modules share one install
         self.installed = self.layout.name == ROOT
 
@@ -246,16 +239,9 @@ class FlatUnit:
             self.data.untyped_storage().resize_(nbytes)
 
 
-def _backward_middle(block: nn.Module) -> nn.Module | None:
-    """The submodule whose output gradient marks the middle of `block`'s backward: its
-    second-to-last child (a pre-norm block's second norm, before its MLP), if it has two."""
-    children = list(block.children())
-    return children[-2] if len(children) >= 2 else None
-
-
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
-    return (model.get_submodule(path) if path else model), attr
+    return model.get_submodule(path), attr  # "": the model itself
 
 
 class ZeroShards:
@@ -301,7 +287,6 @@ class ZeroShards:
         self.spec = spec
         self.layouts = plan_units(named, replicated, self.group.size, self.spec, axis)
         self.units = [self._build(u, model) for u in self.layouts]
-        self.by_name = {u.layout.name: u for u in self.units}
         self.quantized: dict[int, QuantizedReduce] = {}
         if job.compress and self.group.size > 1:
             for u in self.units:
@@ -324,8 +309,8 @@ class ZeroShards:
         """Give each unit holding FP8 linears its `Float8Gather`; returns the scales of all
         their weights end to end, each gather's linears bound to theirs."""
         for u in self.units:
-            at = zip(u.layout.offsets, u.targets)
-            linears = [(off, shape, m) for off, (m, attr, shape) in at
+            at = zip(u.layout.offsets, u.layout.shapes, u.targets)
+            linears = [(off, shape, m) for off, shape, (m, attr) in at
                        if isinstance(m, Float8Linear) and attr == "weight"]  # fmt: skip
             if linears:
                 lay = u.layout
@@ -367,13 +352,15 @@ class ZeroShards:
                 block = model.get_submodule(u.layout.name)
                 block.register_forward_pre_hook(lambda *_, u=u: self._pre_forward(u, True))
                 block.register_forward_hook(lambda _, __, out, u=u: self._post_forward(u, out))
-                # a compiled body's backward is one node: it has no middle to prefetch from,
-                # and a hook traced into it would give each block a graph of its own
-                middle = None if self.compiled else _backward_middle(block)
-                if middle is not None:
+                # the middle of its backward: its second-to-last child's output gradient (a
+                # pre-norm block's second norm, before its MLP). A compiled body's backward
+                # is one node: it has no middle, and a hook traced into it would give each
+                # block a graph of its own
+                children = list(block.children())
+                if not self.compiled and len(children) >= 2:
                     self.prefetch_midway.add(u.layout.name)
-                    middle.register_forward_hook(lambda _, __, out, u=u: self._midway(u, out))
-        root = self.by_name.get(ROOT)
+                    children[-2].register_forward_hook(lambda _, __, o, u=u: self._midway(u, o))
+        root = next((u for u in self.units if u.layout.name == ROOT), None)
         if root is None:
             return
         paths = list(dict.fromkeys(n.rpartition(".")[0] for n in root.layout.names))
@@ -451,11 +438,10 @@ class ZeroShards:
         """The next block to run forward (+1) or backward (-1); the root counts as
         block -1 forward and as block L backward."""
         blocks = [u for u in self.units if u.layout.name != ROOT]
-        if not blocks:
-            return None
         if unit.layout.name == ROOT:
-            return blocks[0] if step > 0 else blocks[-1]
-        i = blocks.index(unit) + step
+            i = 0 if step > 0 else len(blocks) - 1
+        else:
+            i = blocks.index(unit) + step
         return blocks[i] if 0 <= i < len(blocks) else None
 
     # --- gathers -------------------------------------------------------------------------
@@ -469,8 +455,7 @@ class ZeroShards:
                 self._refresh_scales()
             unit.pending = unit.fp8.start(unit.master, self.comm, self.group)
             return
-        dtype = unit.data.dtype  # the compute dtype: bf16 gathers half the bytes
-        source = unit.master if unit.master.dtype == dtype else unit.master.to(dtype)
+        source = unit.master.to(unit.data.dtype)  # the compute dtype: bf16 gathers half
         work = self.comm.all_gather(unit.data, source, self.group, async_op=True)
         unit.pending = (work, source)
 
@@ -503,25 +488,18 @@ class ZeroShards:
         full = unit.flat.grad
         if full is None:  # the unit took no part in this step's backward
             full = torch.zeros_like(unit.data)
-        send = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)
+        send = full.to(self.reduce_dtype)
         unit.reduced = True
         if self.stage > 1:
             unit.flat.grad = None  # `send` keeps it alive until the reduction is done
-        tied = self._tied_range(unit)
-        if tied is None:
+        names = unit.layout.names
+        if self.tied is None or self.tied[0] not in names:
             self._scatter(unit, send)
         else:  # the other end of the pipeline gets there in its own time: the scatter
             # waits for `finish`, where every fsdp rank issues it at the same point
-            work = self.comm.all_reduce(send[tied], self.tied[1], async_op=True)
+            tied = unit.layout.split(send)[names.index(self.tied[0])]
+            work = self.comm.all_reduce(tied, self.tied[1], async_op=True)
             self.tying.append((unit, work, send))
-
-    def _tied_range(self, unit: FlatUnit) -> slice | None:
-        """Where the tied parameter lies in `unit`'s flat buffer, if it is there."""
-        if self.tied is None or self.tied[0] not in unit.layout.names:
-            return None
-        i = unit.layout.names.index(self.tied[0])
-        start = unit.layout.offsets[i]
-        return slice(start, start + math.prod(unit.layout.shapes[i]))
 
     def _scatter(self, unit: FlatUnit, send: torch.Tensor) -> None:
         if self.stage == 1 and self.reduce_dtype == unit.grad.dtype:

@@ -1,31 +1,30 @@
 """ZeRO's state adapter: full logical tensors from and into the flat shards.
 
-Out: each unit's shard (master weights, or an AdamW moment assembled from the shard views'
-state) is all-gathered over its group's axis (fsdp, or ep_data for expert weights) and cut
-into the local parameters by name. In: a unit's
-flat buffer is rebuilt from full local tensors by name and this rank keeps its shard; no
-collective, since every rank holds the full tensors it loads from.
+Out: each unit's master shard is all-gathered over its group's axis (fsdp, or ep_data for
+expert weights) and cut into the local parameters by name. In: a unit's flat buffer is
+rebuilt from full local tensors by name and this rank keeps its shard; no collective,
+since every rank holds the full tensors it loads from. Sharded checkpoints: each rank's
+shard of master weights and AdamW moments, cut into boxes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
 from tetrad.parallel.boxes import Box, box_numel, box_shape, flat_boxes, shift
 from tetrad.parallel.state_adapter import (
     MOMENTS,
-    Moments,
     Owned,
     PlainAdapter,
     Reader,
     adam_step,
+    moment,
     set_adam_state,
     snapshot,
 )
-from tetrad.parallel.zero import FlatUnit, UnitSlots, ZeroShards
+from tetrad.parallel.zero import FlatUnit, ZeroShards
 from tetrad.precision import widen
 
 
@@ -44,38 +43,37 @@ class ZeroAdapter(PlainAdapter):
     def device(self) -> torch.device:
         return self.sharded[0].device
 
-    @property
-    def whole(self) -> bool:
-        """Whether ZeRO left parameters in the model (a group held whole)."""
-        return any(True for _ in self.model.parameters())
-
-    def local_names(self) -> list[str]:
-        units = [n for sh in self.sharded for u in sh.layouts for n in u.names]
-        return units + super().local_names()
-
     @torch.no_grad()
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every local parameter, full size, in the masters' dtype, from the master shards."""
+        """Every local parameter, full size, wide (float32; float64 under fp64), on CPU:
+        each unit's master shard all-gathered over its group's axis."""
         out: dict[str, torch.Tensor] = {}
         for sh in self.sharded:
             sh.drain()
-            out |= gather_units(sh, lambda u: u.master)
+            for u in sh.units:
+                shard = widen(u.master)
+                full = torch.empty(u.layout.padded, dtype=shard.dtype, device=sh.device)
+                sh.comm.all_gather(full, shard, sh.group)
+                out |= {n: t.cpu().clone() for n, t in zip(u.layout.names, u.layout.split(full))}
         return out | super().local_state_dict()
 
-    def local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[Moments, int]:
-        """Full local moments, gathered over each group's axis from the shard views' AdamW
-        state (and the whole group's own); the step over every tensor."""
-        moments: Moments = {k: {} for k in MOMENTS}
+    @torch.no_grad()
+    def load_full(self, params: dict[str, torch.Tensor]) -> None:
+        """Each unit's shard of the full logical tensors into its master weights (and into
+        the compute buffer while that is gathered: stages 1-2 between steps), then the
+        whole group's tensors."""
         for sh in self.sharded:
-            for k in MOMENTS:
-                moments[k] |= gather_units(sh, lambda u, k=k: optimizer_shard(u, optimizer, k))
-        whole, step = super().local_optimizer_state(optimizer)
-        return {k: moments[k] | whole[k] for k in MOMENTS}, step
-
-    def load_local(self, params, moments, step: int, optimizer) -> None:
-        for sh in self.sharded:
-            load_units(sh, params, moments, step, optimizer)
-        super().load_local(params, moments, step, optimizer)
+            sh.drain()
+            sh.stale = True  # FP8 gathers: new weights, new scales
+            for u in sh.units:
+                full = torch.zeros(u.layout.padded, dtype=u.master.dtype, device=u.data.device)
+                for name, piece in zip(u.layout.names, u.layout.split(full)):
+                    piece.copy_(self._slice(name, params[name]))
+                if u.gathered:
+                    u.data.copy_(full)
+                lo = u.rank * u.layout.shard
+                u.master.copy_(full[lo : lo + u.layout.shard])
+        super().load_full(params)
 
     # --- sharded checkpoints: each rank's own piece of each unit, as boxes ----------------
     def shard_boxes(self, u: FlatUnit) -> list[tuple[str, int, Box]]:
@@ -105,8 +103,7 @@ class ZeroAdapter(PlainAdapter):
                         n, shape = box_numel(box), box_shape(box)
                         out += [(f"{key}{name}", box, snapshot(flat[at : at + n].view(shape)))
                                 for key, flat in flats.items()]  # fmt: skip
-        if self.whole:  # reads moments through `local_optimizer_state`, which gathers the
-            out += super().owned_slices(optimizer, replicated)[0]  # units too, on every rank
+        out += super().owned_slices(optimizer, replicated)[0]  # the whole group's
         return out, adam_step(optimizer)
 
     @torch.no_grad()
@@ -136,59 +133,9 @@ class ZeroAdapter(PlainAdapter):
             sh.after_step()
 
 
-@torch.no_grad()
-def gather_units(
-    shards: ZeroShards, shard_of: Callable[[FlatUnit], torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Every local parameter, full size, wide (float32; float64 under fp64), on CPU, from
-    each unit's `shard_of(unit)`."""
-    out = {}
-    for u in shards.units:
-        shard = widen(shard_of(u))
-        full = torch.empty(u.layout.padded, dtype=shard.dtype, device=shards.device)
-        shards.comm.all_gather(full, shard, shards.group)
-        for name, off, shape in zip(u.layout.names, u.layout.offsets, u.layout.shapes):
-            out[name] = full[off : off + math.prod(shape)].view(shape).cpu().clone()
-    return out
-
-
 def optimizer_shard(u: FlatUnit, optimizer: torch.optim.Optimizer, kind: str) -> torch.Tensor:
     """One AdamW moment over `u`'s shard (zeros for padding and before the first step)."""
     shard = torch.zeros(u.layout.shard, dtype=u.master.dtype, device=u.data.device)
     for (_, p), v in zip(u.params, u.views):
-        if kind in optimizer.state.get(p, {}):
-            shard[v.start : v.stop] = optimizer.state[p][kind]
+        shard[v.start : v.stop] = moment(optimizer, p, kind)
     return shard
-
-
-@torch.no_grad()
-def load_units(
-    shards: ZeroShards,
-    params: dict[str, torch.Tensor],
-    moments: dict[str, dict[str, torch.Tensor]] | None,
-    step: int,
-    optimizer: torch.optim.Optimizer | None,
-) -> None:
-    """Install full local tensors by name: each unit's shard into its master weights (and
-    into the compute buffer while that is gathered), and its views' AdamW state."""
-    shards.drain()
-    shards.stale = True  # FP8 gathers: new weights, new scales
-    for u in shards.units:
-        lo, hi = u.rank * u.layout.shard, (u.rank + 1) * u.layout.shard
-        full = _flatten(u.layout, params, u.master.dtype).to(u.data.device)
-        if u.gathered:  # stages 1-2 between steps: the compute weights persist
-            u.data.copy_(full)
-        u.master.copy_(full[lo:hi])
-        if moments is None:
-            continue
-        moment_shards = [_flatten(u.layout, moments[k], u.master.dtype)[lo:hi] for k in MOMENTS]
-        for (_, p), v in zip(u.params, u.views):
-            set_adam_state(optimizer, p, step, *(m[v.start : v.stop] for m in moment_shards))
-
-
-def _flatten(
-    layout: UnitSlots, tensors: dict[str, torch.Tensor], dtype: torch.dtype
-) -> torch.Tensor:
-    """A unit's flat `dtype` buffer (padding zeroed) from its parameters' tensors by name."""
-    pad = torch.zeros(layout.padded - layout.numel, dtype=dtype)
-    return torch.cat([tensors[n].reshape(-1).to("cpu", dtype) for n in layout.names] + [pad])
