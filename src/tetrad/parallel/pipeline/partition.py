@@ -11,6 +11,7 @@ first or last stage may hold no layer at all; a middle stage holds at least one.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
@@ -71,14 +72,9 @@ def _least_max(seg: Callable, n: int, stages: int) -> float:
     """Binary search over every segment sum: the least feasible bottleneck (the largest,
     the whole model as one segment, always is)."""
     candidates = sorted({seg(i, j) for i in range(n) for j in range(i + 1, n + 1)})
-    lo, hi = 0, len(candidates) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _feasible(seg, n, stages, candidates[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return candidates[lo]
+    # feasibility is False below the least bottleneck and True from it on
+    i = bisect_left(candidates, True, key=lambda limit: _feasible(seg, n, stages, limit))
+    return candidates[i]
 
 
 def _feasible(seg: Callable, n: int, stages: int, limit: float) -> bool:

@@ -74,35 +74,30 @@ def _time_items(
     gen = torch.Generator().manual_seed(t.seed)
     shape = (layout.microbatch_size, layout.seq_len)
     tokens = torch.randint(0, m.vocab, shape, generator=gen).to(device)
-    hidden = torch.randn(*shape, m.dim, generator=gen).to(device, dtype)
+    hidden = torch.randn(*shape, m.dim, generator=gen).to(device, dtype).requires_grad_(True)
     clock = Clock(device)
+    # each item as a span of the model: (its input, its blocks, first, last)
+    embedding, head = (tokens, [], True, False), (hidden, [], False, True)
+    layer = (hidden, ["0"], False, False)  # the one block, timed once per layer index
 
-    def embedding() -> None:
-        out = model.forward_span(tokens, [], True, False)
-        out.backward(torch.ones_like(out))
+    def run(x: torch.Tensor, blocks: list[str], first: bool, last: bool) -> float:
+        """Seconds of the span's forward and backward (its gradients then dropped)."""
+        t0 = clock.mark()
+        out = model.forward_span(x, blocks, first, last)
+        if last:
+            loss_fn(out, tokens).backward()
+        else:
+            out.backward(torch.ones_like(out))
+        seconds = clock.interval(t0, clock.mark())
+        model.zero_grad(set_to_none=True)
+        hidden.grad = None
+        return seconds
 
-    def layer() -> None:
-        out = model.forward_span(hidden.requires_grad_(True), ["0"], False, False)
-        out.backward(torch.ones_like(out))
+    def timed(item: tuple) -> float:
+        return statistics.median(run(*item) for _ in range(repeats))
 
-    def head() -> None:
-        out = model.forward_span(hidden.requires_grad_(True), [], False, True)
-        loss_fn(out, tokens).backward()
-
-    def timed(fn) -> float:
-        samples = []
-        for _ in range(repeats):
-            t0 = clock.mark()
-            fn()
-            samples.append(clock.interval(t0, clock.mark()))
-            model.zero_grad(set_to_none=True)
-            hidden.grad = None
-        return statistics.median(samples)
-
-    for fn in (embedding, layer, head):  # warm-up: allocator, kernels, first-call paths
-        fn()
-    model.zero_grad(set_to_none=True)
-    hidden.grad = None
+    for item in (embedding, layer, head):  # warm-up: allocator, kernels, first-call paths
+        run(*item)
     layers = [timed(layer) for _ in range(m.layers)]
     # the blocks have one shape, so their timings differ only by noise; on a loaded
     # machine that noise alone could move a stage boundary, so each gets their median

@@ -128,11 +128,11 @@ class _DeferredMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         x, counts = ctx.saved_tensors
         if ctx.grouped is None:
-            ctx.store.defer(Filed(ctx.sink, x, grad))
-            return grad @ ctx.weight, None, None, None, None, None, None
-        grad = grad.contiguous()
+            dx = grad @ ctx.weight
+        else:
+            grad = grad.contiguous()
+            dx = ctx.grouped(grad, ctx.weight.transpose(-2, -1), counts)
         ctx.store.defer(Filed(ctx.sink, x, grad, counts, ctx.weight_grad))
-        dx = ctx.grouped(grad, ctx.weight.transpose(-2, -1), counts)
         return dx, None, None, None, None, None, None
 
 
