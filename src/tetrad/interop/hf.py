@@ -127,116 +127,9 @@ def _rope_theta(raw: dict[str, Any], file: Path) -> float:
     return float(theta)
 
 
-def model_fields(directory: str | Path) -> dict[str, Any]:
-    """ModelConfig fields from a Hugging Face Llama `config.json`."""
-    raw = read_config(directory)
-    file = Path(directory) / CONFIG
-    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    missing = [k for k in (*need, "vocab_size") if k not in raw]
-    if missing:
-        raise ValueError(f"{file}: missing {missing}")
-    heads = int(raw["num_attention_heads"])
-    dim = int(raw["hidden_size"])
-    head_dim = raw.get("head_dim") or dim // heads
-    kind = raw["model_type"]
-    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if raw.get(flag):
-            raise ValueError(f"{file}: {flag}=true is not supported (tetrad's Llama has none)")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{file}: hidden_act={raw['hidden_act']!r}, expected 'silu'")
-    fields = {
-        "name": "hf",
-        "layers": int(raw["num_hidden_layers"]),
-        "dim": dim,
-        "heads": heads,
-        "kv_heads": int(raw.get("num_key_value_heads") or heads),
-        "vocab": int(raw["vocab_size"]),
-        "ffn_dim": int(raw["intermediate_size"]),
-        "max_seq_len": int(raw.get("max_position_embeddings", 4096)),
-        "rope_theta": _rope_theta(raw, file),
-        "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
-        "head_size": head_dim if head_dim * heads != dim else 0,
-        "qk_norm": SWITCHES.get(kind, (False, False))[0],
-        "qkv_bias": SWITCHES.get(kind, (False, False))[1],
-        "sliding_window": int(raw.get("sliding_window") or 0) if kind in WINDOWED else 0,
-    }
-    if kind == "deepseek_v3":
-        return fields | _deepseek_fields(raw, file)
-    if kind not in ("mixtral", "qwen3_moe"):
-        return fields | {"family": kind}
-    moe = _mixtral_fields(raw, file) if kind == "mixtral" else _qwen3_moe_fields(raw, file)
-    return fields | {"family": "moe"} | moe
-
-
-def _mixtral_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
-    """The MoE fields of a Mixtral config.json (every layer routed, softmax top-k)."""
-    return {
-        "experts": _int(raw, "num_local_experts", file),
-        "top_k": _int(raw, "num_experts_per_tok", file),
-        "moe_ffn_dim": _int(raw, "intermediate_size", file),
-    }
-
-
-def _qwen3_moe_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
-    """The MoE fields of a Qwen3-MoE config.json: QK-norm, dense layers first, the top-k
-    weights renormalised (what tetrad computes; other settings are refused)."""
-    if not raw.get("norm_topk_prob", False):
-        raise ValueError(f"{file}: norm_topk_prob=false is not supported (tetrad renormalises)")
-    if int(raw.get("decoder_sparse_step", 1)) != 1:
-        raise ValueError(f"{file}: decoder_sparse_step={raw['decoder_sparse_step']} (only 1)")
-    dense = sorted(raw.get("mlp_only_layers") or [])
-    if dense != list(range(len(dense))):
-        raise ValueError(f"{file}: mlp_only_layers={dense}: tetrad's dense layers come first")
-    return {
-        # "num_experts" in the published checkpoints; transformers 5 writes its alias
-        "experts": _int(raw, "num_experts" if "num_experts" in raw else "num_local_experts", file),
-        "top_k": _int(raw, "num_experts_per_tok", file),
-        "moe_ffn_dim": _int(raw, "moe_intermediate_size", file),
-        "dense_layers": len(dense),
-    }
-
-
-DEEPSEEK_INTS = {  # ModelConfig field -> its integer in a DeepSeek-V3 config.json, both ways
-    "experts": "n_routed_experts", "top_k": "num_experts_per_tok",
-    "moe_ffn_dim": "moe_intermediate_size", "shared_experts": "n_shared_experts",
-    "dense_layers": "first_k_dense_replace", "n_group": "n_group",
-    "topk_group": "topk_group", "kv_lora_rank": "kv_lora_rank",
-    "qk_nope_dim": "qk_nope_head_dim", "qk_rope_dim": "qk_rope_head_dim",
-    "v_head_dim": "v_head_dim",
-}  # fmt: skip
-
-
-def _deepseek_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
-    """The fields of a DeepSeek-V3 config.json: latent attention (no grouped-query heads,
-    no head size of its own) and its MoE (sigmoid router, loss-free bias, expert groups).
-    Weights stored in rotate_half order (rope_interleave false) are refused."""
-    if not raw.get("rope_interleave", True):
-        raise ValueError(f"{file}: rope_interleave=false is not supported (tetrad's rotary "
-                         "pairs are interleaved)")  # fmt: skip
-    if raw.get("quantization_config"):  # the published checkpoint: FP8 blocks with scales
-        raise ValueError(f"{file}: quantization_config is set; tetrad reads unquantised "
-                         "weights (convert the checkpoint to bf16 first)")  # fmt: skip
-    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-        if raw.get(key, want) != want:
-            raise ValueError(f"{file}: {key}={raw[key]!r} is not supported (only {want!r})")
-    heads = int(raw["num_attention_heads"])
-    return {field: _int(raw, key, file) for field, key in DEEPSEEK_INTS.items()} | {
-        "family": "deepseek_v3", "kv_heads": heads, "head_size": 0,
-        "q_lora_rank": int(raw.get("q_lora_rank") or 0),
-        "routed_scaling": float(raw.get("routed_scaling_factor", 1.0)),
-        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
-        "router": "sigmoid", "balance": "bias",
-    }  # fmt: skip
-
-
-def _int(raw: dict[str, Any], key: str, file: Path) -> int:
-    if key not in raw:
-        raise ValueError(f"{file}: missing {key!r}")
-    return int(raw[key])
-
-
-HF_KEYS = {  # ModelConfig field -> its key in config.json, for error messages
+# ModelConfig field -> its key in config.json: how the dense fields are read and written,
+# and how errors name a field (the MoE ones, which differ by type: MOE_INTS)
+HF_KEYS = {
     "layers": "num_hidden_layers",
     "dim": "hidden_size",
     "heads": "num_attention_heads",
@@ -262,7 +155,110 @@ HF_KEYS = {  # ModelConfig field -> its key in config.json, for error messages
     "norm_topk_prob": "norm_topk_prob",
     "q_lora_rank": "q_lora_rank",
 }
-HF_KEYS |= {f: k for f, k in DEEPSEEK_INTS.items() if f not in HF_KEYS}  # DeepSeek-V3's own
+# the fields every config.json gives (in the order a missing one is named)
+REQUIRED = ("dim", "ffn_dim", "layers", "heads", "vocab")
+# ModelConfig field -> its integer in config.json, by MoE model_type, both ways (Qwen3-MoE's
+# experts: `_qwen3_moe_fields`, under either of two keys)
+MOE_INTS = {
+    "mixtral": {
+        "experts": "num_local_experts", "top_k": "num_experts_per_tok",
+        "moe_ffn_dim": "intermediate_size",
+    },
+    "qwen3_moe": {"top_k": "num_experts_per_tok", "moe_ffn_dim": "moe_intermediate_size"},
+    "deepseek_v3": {
+        "experts": "n_routed_experts", "top_k": "num_experts_per_tok",
+        "moe_ffn_dim": "moe_intermediate_size", "shared_experts": "n_shared_experts",
+        "dense_layers": "first_k_dense_replace", "n_group": "n_group",
+        "topk_group": "topk_group", "kv_lora_rank": "kv_lora_rank",
+        "qk_nope_dim": "qk_nope_head_dim", "qk_rope_dim": "qk_rope_head_dim",
+        "v_head_dim": "v_head_dim",
+    },
+}  # fmt: skip
+HF_KEYS |= {f: k for f, k in MOE_INTS["deepseek_v3"].items() if f not in HF_KEYS}  # its own
+
+
+def model_fields(directory: str | Path) -> dict[str, Any]:
+    """ModelConfig fields from a Hugging Face Llama `config.json`."""
+    raw = read_config(directory)
+    file = Path(directory) / CONFIG
+    missing = [HF_KEYS[f] for f in REQUIRED if HF_KEYS[f] not in raw]
+    if missing:
+        raise ValueError(f"{file}: missing {missing}")
+    heads = int(raw["num_attention_heads"])
+    dim = int(raw["hidden_size"])
+    head_dim = raw.get("head_dim") or dim // heads
+    kind = raw["model_type"]
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if raw.get(flag):
+            raise ValueError(f"{file}: {flag}=true is not supported (tetrad's Llama has none)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{file}: hidden_act={raw['hidden_act']!r}, expected 'silu'")
+    fields = {"name": "hf"} | {f: int(raw[HF_KEYS[f]]) for f in REQUIRED}
+    fields |= {
+        "kv_heads": int(raw.get("num_key_value_heads") or heads),
+        "max_seq_len": int(raw.get("max_position_embeddings", 4096)),
+        "rope_theta": _rope_theta(raw, file),
+        "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "head_size": head_dim if head_dim * heads != dim else 0,
+        "qk_norm": SWITCHES.get(kind, (False, False))[0],
+        "qkv_bias": SWITCHES.get(kind, (False, False))[1],
+        "sliding_window": int(raw.get("sliding_window") or 0) if kind in WINDOWED else 0,
+        "family": "moe" if kind in ("mixtral", "qwen3_moe") else kind,
+    }
+    fields |= {f: _int(raw, key, file) for f, key in MOE_INTS.get(kind, {}).items()}
+    if kind == "qwen3_moe":
+        fields |= _qwen3_moe_fields(raw, file)
+    if kind == "deepseek_v3":
+        fields |= _deepseek_fields(raw, file)
+    return fields
+
+
+def _qwen3_moe_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config.json beyond `MOE_INTS`': the dense layers
+    first, the top-k weights renormalised (what tetrad computes; other settings are
+    refused)."""
+    if not raw.get("norm_topk_prob", False):
+        raise ValueError(f"{file}: norm_topk_prob=false is not supported (tetrad renormalises)")
+    if int(raw.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"{file}: decoder_sparse_step={raw['decoder_sparse_step']} (only 1)")
+    dense = sorted(raw.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise ValueError(f"{file}: mlp_only_layers={dense}: tetrad's dense layers come first")
+    return {
+        # "num_experts" in the published checkpoints; transformers 5 writes its alias
+        "experts": _int(raw, "num_experts" if "num_experts" in raw else "num_local_experts", file),
+        "dense_layers": len(dense),
+    }
+
+
+def _deepseek_fields(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    """The fields of a DeepSeek-V3 config.json beyond `MOE_INTS`': latent attention (no
+    grouped-query heads, no head size of its own) and its MoE (sigmoid router, loss-free
+    bias, expert groups). Weights stored in rotate_half order (rope_interleave false) are
+    refused."""
+    if not raw.get("rope_interleave", True):
+        raise ValueError(f"{file}: rope_interleave=false is not supported (tetrad's rotary "
+                         "pairs are interleaved)")  # fmt: skip
+    if raw.get("quantization_config"):  # the published checkpoint: FP8 blocks with scales
+        raise ValueError(f"{file}: quantization_config is set; tetrad reads unquantised "
+                         "weights (convert the checkpoint to bf16 first)")  # fmt: skip
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(key, want) != want:
+            raise ValueError(f"{file}: {key}={raw[key]!r} is not supported (only {want!r})")
+    return {
+        "kv_heads": int(raw["num_attention_heads"]), "head_size": 0,
+        "q_lora_rank": int(raw.get("q_lora_rank") or 0),
+        "routed_scaling": float(raw.get("routed_scaling_factor", 1.0)),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+        "router": "sigmoid", "balance": "bias",
+    }  # fmt: skip
+
+
+def _int(raw: dict[str, Any], key: str, file: Path) -> int:
+    if key not in raw:
+        raise ValueError(f"{file}: missing {key!r}")
+    return int(raw[key])
 
 
 def model_config(directory: str | Path, given: dict[str, Any] | None = None) -> ModelConfig:
@@ -283,7 +279,7 @@ def model_config(directory: str | Path, given: dict[str, Any] | None = None) -> 
 def check_model(directory: str | Path, model: ModelConfig) -> None:
     """The configured model is the one in `directory` (every rank, before training)."""
     fields = model_fields(directory)
-    mine = {k: getattr(model, k) for k in fields if k != "name"} | {"ffn_dim": model.hidden_dim}
+    mine = {k: getattr(model, k) for k in HF_KEYS if k in fields} | {"ffn_dim": model.hidden_dim}
     bad = [k for k, v in mine.items() if v != fields[k]]
     if bad:
         detail = ", ".join(f"model.{k}={mine[k]} vs {HF_KEYS[k]}={fields[k]}" for k in bad)
@@ -342,15 +338,17 @@ class HFWeights(Mapping):
             if stacked(name, model):
                 want = want[1:]  # each expert's
             for key in hf_keys(name, model):
-                if key not in self.files:
-                    raise ValueError(f"{self.directory}: tensor {key} is missing")
-                dtype, shape = headers[key]
-                if dtype not in FLOATS:
-                    raise ValueError(
-                        f"{self.files[key]}: {key} has dtype {dtype}; expected a float"
-                    )
-                if shape != want:
-                    raise ValueError(f"{self.files[key]}: {key} has shape {shape}, expected {want}")
+                self._check(key, want, headers)
+
+    def _check(self, key: str, want: tuple[int, ...], headers: dict) -> None:
+        """Refuse Hugging Face tensor `key` missing, not a float, or not of shape `want`."""
+        if key not in self.files:
+            raise ValueError(f"{self.directory}: tensor {key} is missing")
+        dtype, shape = headers[key]
+        if dtype not in FLOATS:
+            raise ValueError(f"{self.files[key]}: {key} has dtype {dtype}; expected a float")
+        if shape != want:
+            raise ValueError(f"{self.files[key]}: {key} has shape {shape}, expected {want}")
 
     def _check_buffers(self, meta: torch.nn.Module, headers: dict) -> dict[str, str]:
         """tetrad buffer -> the Hugging Face tensor holding it: DeepSeek-V3's routers'
@@ -362,13 +360,9 @@ class HFWeights(Mapping):
         out = {}
         for name, b in meta.named_buffers():
             key = hf_name(name, self.model)
-            if not name.endswith(ROUTING_BIAS) or key not in self.files:
-                continue
-            dtype, shape = headers[key]
-            if dtype not in FLOATS or shape != tuple(b.shape):
-                raise ValueError(f"{self.files[key]}: {key} is {dtype} {shape}, expected a "
-                                 f"float of shape {tuple(b.shape)}")  # fmt: skip
-            out[name] = key
+            if name.endswith(ROUTING_BIAS) and key in self.files:
+                self._check(key, tuple(b.shape), headers)
+                out[name] = key
         return out
 
     def read_buffer(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -376,12 +370,14 @@ class HFWeights(Mapping):
         as the state adapter's `load_buffers` asks), float32: the checkpoint's value, or
         zeros (tetrad's start) where it holds none."""
         name = key.rpartition("/")[2]
-        index = tuple(slice(lo, hi) for lo, hi in box)
         if name not in self.buffers:
             return torch.zeros([hi - lo for lo, hi in box])
-        hf_key = self.buffers[name]
-        with safe_open(self.files[hf_key], framework="pt") as fh:
-            return fh.get_slice(hf_key)[index].float()
+        return self._slice(self.buffers[name], tuple(slice(lo, hi) for lo, hi in box))
+
+    def _slice(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Elements `index` of Hugging Face tensor `key` (only those are read), float32."""
+        with safe_open(self.files[key], framework="pt") as fh:
+            return fh.get_slice(key)[index].float()
 
     def _headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         out = {}
@@ -407,19 +403,16 @@ class HFWeights(Mapping):
         """Elements `index` of tetrad tensor `name` (rows in tetrad's order), float32."""
         if stacked(name, self.model):
             return self._read_experts(name, index)
-        key = hf_name(name, self.model)
-        heads = _rotary_heads(name, self.model)
+        rotary = name.endswith(ROTARY)
         rows, rest = index[0], index[1:]
-        shape = full_shape(name, self.model)
         hd = self.model.head_dim
-        lo, hi, step = rows.indices(shape[0])
+        lo, hi, step = rows.indices(full_shape(name, self.model)[0])
         # q/k rows permute within a head: read whole heads, permute, then keep the rows
-        aligned = heads is None or (lo % hd == 0 and hi % hd == 0 and step == 1)
+        aligned = not rotary or (lo % hd == 0 and hi % hd == 0 and step == 1)
         read_rows = slice(lo, hi) if aligned else slice(None)
-        with safe_open(self.files[key], framework="pt") as fh:
-            t = fh.get_slice(key)[(read_rows, *rest)].float()
-        if heads is not None:
-            t = permute_from_hf(t, hd)
+        t = self._slice(hf_name(name, self.model), (read_rows, *rest))
+        if rotary:
+            t = permute(t, hd)
             if not aligned:
                 t = t[rows]
         return t
@@ -429,10 +422,7 @@ class HFWeights(Mapping):
         keys = hf_keys(name, self.model)
         shape = full_shape(name, self.model)
         experts = range(*index[0].indices(len(keys)))
-        parts = []
-        for j in experts:
-            with safe_open(self.files[keys[j]], framework="pt") as fh:
-                parts.append(fh.get_slice(keys[j])[index[1:]].float())
+        parts = [self._slice(keys[j], index[1:]) for j in experts]
         if parts:
             return torch.stack(parts)
         rest = [len(range(*s.indices(n))) for s, n in zip(index[1:], shape[1:])]
@@ -453,27 +443,17 @@ class LazyParam:
         return self.weights.read(self.name, index)
 
 
-def _rotary_heads(name: str, model: ModelConfig) -> int | None:
-    """Number of heads whose rows a rotary permutation reorders (q and k), else None."""
-    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
-        return model.heads
-    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
-        return model.kv_heads
-    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
-        return 1  # one head's gains, in its channels' order
-    return None
+# tetrad tensors whose rows a rotary permutation reorders: q's and k's (each head's rows),
+# their biases, and QK-norm's gains (one head's channels)
+ROTARY = tuple(f"attention.{p}" for p in ("wq.weight", "wq.bias", "wk.weight", "wk.bias",
+                                          "q_norm.weight", "k_norm.weight"))  # fmt: skip
 
 
-def permute_from_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of whole heads from rotate_half order (i, i + d/2) to interleaved pairs."""
-    rest = w.shape[1:]
-    return w.reshape(-1, 2, head_dim // 2, *rest).transpose(1, 2).reshape(w.shape)
-
-
-def permute_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of whole heads from interleaved pairs back to rotate_half order."""
-    rest = w.shape[1:]
-    return w.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+def permute(w: torch.Tensor, head_dim: int, to_hf: bool = False) -> torch.Tensor:
+    """Rows of whole heads from rotate_half order (i, i + d/2) to interleaved pairs, or
+    (`to_hf`) back."""
+    pairs = (head_dim // 2, 2) if to_hf else (2, head_dim // 2)
+    return w.reshape(-1, *pairs, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 # --- weights out --------------------------------------------------------------------------
@@ -486,13 +466,10 @@ def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str,
     for name, t in state.items():
         if name.endswith(ROUTING_BIAS) and model_type(model) != "deepseek_v3":
             continue
-        if _rotary_heads(name, model) is not None:
-            t = permute_to_hf(t, model.head_dim)
-        keys = hf_keys(name, model)
-        if stacked(name, model):
-            out.update({key: t[j].contiguous() for j, key in enumerate(keys)})
-        else:
-            out[keys[0]] = t.contiguous()
+        if name.endswith(ROTARY):
+            t = permute(t, model.head_dim, to_hf=True)
+        parts = t.unbind() if stacked(name, model) else [t]  # one per expert, or itself
+        out |= {key: p.contiguous() for key, p in zip(hf_keys(name, model), parts, strict=True)}
     return out
 
 
@@ -513,21 +490,14 @@ def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """A `config.json` that transformers' class of this model's type (`ARCHITECTURES`)
     reads as this model (one `check_exportable` accepts: `save` checks first)."""
     kind = model_type(model)
-    dense = {
-        "architectures": [ARCHITECTURES[kind]],
-        "model_type": kind,
-        "hidden_size": model.dim,
+    same = ("layers", "dim", "heads", "kv_heads", "vocab", "max_seq_len", "norm_eps",
+            "rope_theta", "tie_embeddings")  # fmt: skip
+    out = {"architectures": [ARCHITECTURES[kind]], "model_type": kind}
+    out |= {HF_KEYS[f]: getattr(model, f) for f in same}
+    out |= {
         "intermediate_size": model.hidden_dim,
-        "num_hidden_layers": model.layers,
-        "num_attention_heads": model.heads,
-        "num_key_value_heads": model.kv_heads,
         "head_dim": model.head_dim,
-        "vocab_size": model.vocab,
-        "max_position_embeddings": model.max_seq_len,
-        "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_theta,
         "rope_scaling": None,
-        "tie_word_embeddings": model.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -536,24 +506,30 @@ def hf_config(model: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "use_cache": True,
     }
     if kind in WINDOWED:
-        dense["sliding_window"] = model.sliding_window or None
+        out["sliding_window"] = model.sliding_window or None
     elif kind in SWITCHES:
-        dense["use_sliding_window"] = False
+        out["use_sliding_window"] = False
+    # the MoE integers; one expert's width is the dense one unless set (`expert_dim`)
+    ints = MOE_INTS.get(kind, {}).items()
+    out |= {key: getattr(model, "expert_dim" if f == "moe_ffn_dim" else f) for f, key in ints}
     if kind == "deepseek_v3":
-        return _deepseek_config(model, dense)
-    return _moe_config(model, dense) if model.moe else dense
+        return out | _deepseek_config(model)
+    if model.family == "moe":
+        out |= {"output_router_logits": False, "router_aux_loss_coef": model.aux_loss_coef}
+    if kind == "qwen3_moe":
+        out |= {"num_experts": model.experts, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                "mlp_only_layers": list(range(model.dense_layers))}  # fmt: skip
+    return out
 
 
-def _deepseek_config(model: ModelConfig, dense: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSeek-V3 config.json of a deepseek_v3 model (rotary over the rope channels,
-    interleaved; no multi-token prediction layer)."""
-    m = model
-    return dense | {key: getattr(m, f) for f, key in DEEPSEEK_INTS.items()} | {
+def _deepseek_config(m: ModelConfig) -> dict[str, Any]:
+    """What a DeepSeek-V3 config.json has beyond `MOE_INTS`' (rotary over the rope
+    channels, interleaved; no multi-token prediction layer)."""
+    return {
         "num_key_value_heads": m.heads, "head_dim": m.qk_rope_dim,
         "q_lora_rank": m.q_lora_rank or None, "qk_head_dim": m.qk_nope_dim + m.qk_rope_dim,
-        "rope_interleave": True, "moe_intermediate_size": m.expert_dim,
-        "routed_scaling_factor": m.routed_scaling, "norm_topk_prob": m.norm_topk_prob,
-        "num_nextn_predict_layers": 0,
+        "rope_interleave": True, "routed_scaling_factor": m.routed_scaling,
+        "norm_topk_prob": m.norm_topk_prob, "num_nextn_predict_layers": 0,
     }  # fmt: skip
 
 
@@ -599,26 +575,6 @@ def _moe_refusals(model: ModelConfig) -> dict[str, tuple[bool, str]]:
     }
 
 
-def _moe_config(model: ModelConfig, dense: dict[str, Any]) -> dict[str, Any]:
-    """The Mixtral or Qwen3-MoE config.json of an MoE model (`hf_architecture`)."""
-    routing = {"num_experts_per_tok": model.top_k, "output_router_logits": False}
-    routing |= {"router_aux_loss_coef": model.aux_loss_coef}
-    if hf_architecture(model) == "mixtral":
-        experts = {"intermediate_size": model.expert_dim, "num_local_experts": model.experts}
-        return dense | routing | experts
-    return (
-        dense
-        | routing
-        | {
-            "moe_intermediate_size": model.expert_dim,
-            "num_experts": model.experts,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(model.dense_layers)),
-        }
-    )
-
-
 # what a model imported from Hugging Face keeps on the way out: its special tokens
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -652,12 +608,11 @@ def save(
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][key] = t
-        size += nbytes
+        size += t.nbytes
     names = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]  # fmt: skip
@@ -665,9 +620,8 @@ def save(
         save_file(shard, out / name, metadata={"format": "pt"})
     files = [out / n for n in names]
     if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {
-            "metadata": {"total_size": total},
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
             "weight_map": {k: n for n, s in zip(names, shards) for k in s},
         }
         (out / INDEX).write_text(json.dumps(index, indent=2))
