@@ -12,10 +12,11 @@ from typing import Any
 
 from tetrad.config import (
     DTYPES,
+    MODEL_PRESETS,
     Config,
     ModelConfig,
+    from_dict,
     load_raw,
-    load_toml,
     model_preset,
 )
 from tetrad.devices import pick
@@ -110,13 +111,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="torchrun's rendezvous settings, e.g. last_call_timeout=10,keep_alive_interval=2 "
         "(how long a re-forming job waits for nodes, how soon a lost one is declared dead)",
     )
-    p.add_argument(
-        "--model",
-        help="model preset (docs/models.md): tiny, small, base, llama3-8b, llama3-70b, "
-        "llama3-405b; qwen3-tiny, qwen3-8b, qwen3-32b; qwen2-tiny, qwen2.5-7b; mistral-tiny, "
-        "mistral-7b; mixtures of experts: moe-tiny, moe-small, mixtral-8x7b, qwen3-30b-a3b, "
-        "qwen3-235b-a22b, deepseek-tiny, deepseek-v3",
-    )
+    p.add_argument("--model", help=f"model preset (docs/models.md): {', '.join(MODEL_PRESETS)}")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores/N)")
     p.add_argument(
         "--timeline",
@@ -134,7 +129,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> Config:
     """Defaults < --config file < --model preset < individual flags."""
-    cfg = load_toml(args.config) if args.config else Config()
+    raw = load_raw(args.config) if args.config else {}
+    cfg = from_dict(raw)
     if args.model:
         cfg.model = model_preset(args.model)
     if args.init_from_hf:
@@ -151,7 +147,7 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.model.family = experts_family(cfg.model.family, args.experts)
     if cfg.data.tokenizer:  # absolute: export and generate find it from anywhere
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)
-    args.vocab_note = vocab_from_data(cfg, args)
+    args.vocab_note = vocab_from_data(cfg, args, raw.get("model", {}))
     return cfg
 
 
@@ -197,13 +193,13 @@ def check_elastic(cfg: Config, args: argparse.Namespace, nproc: int) -> None:
         return
     from tetrad.train.checkpoint import checkpoint_root, committed
 
-    if not cfg.checkpoint.resume and committed(checkpoint_root(cfg)):
-        raise ValueError(
-            f"{checkpoint_root(cfg)} holds checkpoints, and every start of an elastic job's "
-            "workers resumes from them: pass --resume to continue (as a node joining a "
-            "running job does), or choose another --out"
-        )
     if not cfg.checkpoint.resume:
+        if committed(checkpoint_root(cfg)):
+            raise ValueError(
+                f"{checkpoint_root(cfg)} holds checkpoints, and every start of an elastic job's "
+                "workers resumes from them: pass --resume to continue (as a node joining a "
+                "running job does), or choose another --out"
+            )
         free_local_checkpoints(cfg)  # an earlier job's generations on this node are not ours
     p.elastic_max_world = p.elastic_max_world or nproc * hi
     for nodes in range(lo, hi + 1):
@@ -215,14 +211,12 @@ def check_elastic(cfg: Config, args: argparse.Namespace, nproc: int) -> None:
                              f"{world} ranks: {e}") from None  # fmt: skip
 
 
-def vocab_from_data(cfg: Config, args: argparse.Namespace) -> str:
+def vocab_from_data(cfg: Config, args: argparse.Namespace, model_table: dict[str, Any]) -> str:
     """With a tokenizer (or a token file it made) and no vocabulary given (by --vocab, the
-    --config file or --init-from-hf), the model's vocabulary is the tokenizer's, padded;
-    returns the line that says so ("" when nothing changed). A given vocabulary that is too
-    small stays an error (the data checks)."""
-    given = args.vocab is not None or cfg.model.init_from_hf
-    if args.config:
-        given = given or "vocab" in load_raw(args.config).get("model", {})
+    --config file's [model] table or --init-from-hf), the model's vocabulary is the
+    tokenizer's, padded; returns the line that says so ("" when nothing changed). A given
+    vocabulary that is too small stays an error (the data checks)."""
+    given = args.vocab is not None or cfg.model.init_from_hf or "vocab" in model_table
     if given or cfg.data.source == "synthetic":
         return ""
     from tetrad.interop.tokenizer import data_vocab, padded_vocab

@@ -570,13 +570,14 @@ def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
 
 
 def _overlay(obj: Any, values: dict[str, Any], section: str) -> Any:
-    known = {f.name: f for f in fields(obj)}
+    known = {f.name for f in fields(obj)}
+    values = dict(values)
     for key, value in values.items():
         if key not in known:
             raise ValueError(f"unknown key {key!r} in [{section}]; known: {sorted(known)}")
         want = type(getattr(obj, key))
         if want is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            values[key] = value = float(value)  # TOML's 1 for a float field: 1.0
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise ValueError(
                 f"[{section}] {key} = {value!r} has type {type(value).__name__}, "

@@ -444,15 +444,14 @@ def _check_split(p: ParallelConfig, layers: int) -> tuple[int, ...] | None:
     if p.pp_split in ("", "measured"):
         return None
     stages = p.pp * p.virtual_stages
-    try:
-        parse_split(p.pp_split, layers if stages > 1 else None)
-        split = parse_split(p.pp_split, layers, stages) if stages > 1 else None
+    try:  # one stage takes every layer whatever the counts say
+        split = parse_split(p.pp_split, *((layers, stages) if stages > 1 else (None, None)))
     except ValueError as e:
         raise ValueError(
             f"pp_split={p.pp_split!r} is not '', 'measured' or layer counts per stage "
             f"(model.layers={layers}, pp*virtual_stages={stages}): {e}"
         ) from None
-    return tuple(split) if split else None
+    return tuple(split) if stages > 1 else None
 
 
 def _check_shapes(model: ModelConfig, t: TrainConfig, p: ParallelConfig) -> None:
@@ -462,8 +461,7 @@ def _check_shapes(model: ModelConfig, t: TrainConfig, p: ParallelConfig) -> None
         f"global_batch={t.global_batch} is not divisible by data ranks (dp*fsdp={p.data_ranks})"
         f" x microbatches={p.microbatches} = {per}",
     )
-    if p.tp > 1:
-        _check_tp(model, p.tp)
+    _check_tp(model, p.tp)
     if p.cp > 1:  # 2·cp chunks per sequence, rank r holding chunks r and 2·cp-1-r
         _require(
             t.seq_len % (2 * p.cp) == 0,
