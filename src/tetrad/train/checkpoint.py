@@ -145,16 +145,6 @@ def save(root: Path, step: int, engine, optimizer, loader, cfg: Config) -> Path:
     return Saver(asynchronous=False).save(root, step, engine, optimizer, loader, cfg)
 
 
-@dataclass
-class PendingSave:
-    """A save whose files a background thread is writing; committed by `Saver.finish`."""
-
-    path: Path
-    info: dict
-    thread: threading.Thread
-    result: dict  # "value": this rank's entries, or "error"
-
-
 class Saver:
     """Saves checkpoints, synchronously or in the background, at most one in flight.
 
@@ -166,12 +156,12 @@ class Saver:
 
     def __init__(self, asynchronous: bool, layout: Layout | None = None):
         self.asynchronous, self.layout = asynchronous, layout  # its split is recorded
-        self.pending: PendingSave | None = None
+        self.pending: tuple[Path, dict, Background] | None = None  # a save being written
 
     @property
     def writing(self) -> bool:
         """Whether this rank's writer thread is still busy."""
-        return self.pending is not None and self.pending.thread.is_alive()
+        return self.pending is not None and self.pending[2].is_alive()
 
     def save(
         self, root: Path, step: int, engine, optimizer, loader, cfg: Config, wait: bool = False
@@ -185,7 +175,7 @@ class Saver:
         owned, adam_step = owned_state(engine, optimizer)  # copies
         info = describe(step, adam_step, loader, cfg, self.layout)
         work = partial(write_shard, tmp, engine.mesh.rank, owned)
-        self.pending = PendingSave(path, info, *in_background(work, "tetrad-checkpoint"))
+        self.pending = (path, info, Background(work, "tetrad-checkpoint"))
         return path if self.asynchronous and not wait else self.finish(engine, cfg)
 
     def finish(self, engine, cfg: Config) -> Path | None:
@@ -193,9 +183,9 @@ class Saver:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        pending.thread.join()
-        shard, error = pending.result.get("value"), pending.result.get("error")
-        return commit(pending.path, shard, error, pending.info, engine, cfg)
+        path, info, writer = pending
+        writer.join()
+        return commit(path, writer.value, writer.error, info, engine, cfg)
 
 
 def owned_state(engine, optimizer) -> tuple[list, int]:
@@ -208,20 +198,20 @@ def owned_state(engine, optimizer) -> tuple[list, int]:
     return owned, step
 
 
-def in_background(work: Callable[[], Any], name: str) -> tuple[threading.Thread, dict]:
-    """`work()` started on a daemon thread, and the dict its value ("value") or its error
-    ("error": reported at the commit, agreed by every rank) lands in."""
-    result: dict[str, Any] = {}
+class Background(threading.Thread):
+    """`work()` on a daemon thread, started; its value, or its error (reported at the
+    commit, agreed by every rank), kept for whoever joins it."""
 
-    def run() -> None:
+    def __init__(self, work: Callable[[], Any], name: str):
+        super().__init__(name=name, daemon=True)
+        self.work, self.value, self.error = work, None, None
+        self.start()
+
+    def run(self) -> None:
         try:
-            result["value"] = work()
+            self.value = self.work()
         except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    return thread, result
+            self.error = e
 
 
 def prepare(path: Path, engine) -> Path:
@@ -390,18 +380,26 @@ def agree(engine, error: BaseException | None, what: str) -> None:
     A `CorruptCheckpoint` on some ranks (and no other error) is raised as one on every
     rank, with the message of the lowest failing rank (gathered: this path is rare), so
     that all ranks skip the same checkpoint and one of them can say why."""
-    corrupt = isinstance(error, CorruptCheckpoint)
-    flags = [float(corrupt), float(error is not None and not corrupt)]
-    failed = torch.tensor(flags, dtype=torch.float64, device=engine.device)
-    engine.comm.all_reduce(failed, engine.mesh["world"])
-    n_corrupt, n_other = (int(x) for x in failed.tolist())
-    if n_corrupt and not n_other:
+    world = engine.mesh["world"]
+    if tally(error, CorruptCheckpoint, engine.comm, world, engine.device, what):
         reasons = gather_json(engine, str(error) if error else None)
         raise CorruptCheckpoint(next(r for r in reasons if r is not None))
-    if error is not None:
-        raise error
+
+
+def tally(error: BaseException | None, soft: type, comm, group, device, what: str) -> int:
+    """One all-reduce over `group`: how many ranks failed with a `soft` error (returned).
+    Any other error, on any rank, is raised on every rank alike: its own where it has one,
+    else a RuntimeError counting the others."""
+    is_soft = isinstance(error, soft)
+    flags = [float(is_soft), float(error is not None and not is_soft)]
+    failed = torch.tensor(flags, dtype=torch.float64, device=device)
+    comm.all_reduce(failed, group)
+    n_soft, n_other = (int(x) for x in failed.tolist())
     if n_other:
+        if error is not None and not is_soft:
+            raise error
         raise RuntimeError(f"{what} failed on {n_other} other rank(s); see theirs")
+    return n_soft
 
 
 # --- loading ------------------------------------------------------------------------------

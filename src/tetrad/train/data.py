@@ -8,6 +8,7 @@ the next step number.
 
 from __future__ import annotations
 
+import copy
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,8 @@ class TokenStream:
     with `order` a permutation of the n training windows drawn from (seed, epoch). So what
     a step sees is a function of (seed, k) alone: a resumed run continues the same pass,
     and a changed data-parallel degree re-deals the same sequences. The last `heldout`
-    windows (after a one-token gap) are in no epoch: they are the evaluation split.
+    windows (after a one-token gap) are in no epoch: they are the evaluation split
+    (`heldout_split`).
     """
 
     padded = False  # whether some targets are IGNORE (`Trainer._token_count`)
@@ -118,6 +120,7 @@ class TokenStream:
                 f"corpus of {len(tokens)} tokens is too short for seq_len={seq_len}{held}"
             )
         self._order: tuple[int, np.ndarray] | None = None
+        self.evaluating = False  # the held-out split's view (`heldout_split`)
 
     def epochs(self, steps: int) -> float:
         """Passes over the training windows made by the first `steps` steps."""
@@ -131,40 +134,25 @@ class TokenStream:
         return self._order[1]
 
     def sequence(self, step: int, index: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check(seq_len)
-        epoch, position = divmod(step * self.global_batch + index, self.windows)
-        return self.window(int(self.order(epoch)[position]) * seq_len)
-
-    def window(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = torch.from_numpy(
-            np.asarray(self.tokens[start : start + self.seq_len + 1], np.int64)
-        )
-        return window[:-1], window[1:]
-
-    def _check(self, seq_len: int) -> None:
         if seq_len != self.seq_len:
             raise ValueError(f"windows of {self.seq_len} tokens cut, {seq_len} asked for")
+        g = step * self.global_batch + index
+        if self.evaluating:
+            start = self.eval_start + g % self.heldout * seq_len
+        else:
+            epoch, position = divmod(g, self.windows)
+            start = int(self.order(epoch)[position]) * seq_len
+        window = torch.from_numpy(np.asarray(self.tokens[start : start + seq_len + 1], np.int64))
+        return window[:-1], window[1:]
 
-    def heldout_split(self) -> HeldOut:
-        return HeldOut(self)
-
-
-class HeldOut:
-    """The evaluation split of a `TokenStream`: its last windows, in order (batch k holds
-    sequences k·B to (k+1)·B - 1, wrapping around)."""
-
-    padded = False  # whether some targets are IGNORE (`Trainer._token_count`)
-
-    def __init__(self, stream: TokenStream):
-        if not stream.heldout:
+    def heldout_split(self) -> TokenStream:
+        """The evaluation split: the last windows, in order (batch k holds sequences k·B to
+        (k+1)·B - 1, wrapping around)."""
+        if not self.heldout:
             raise ValueError("no held-out windows were set aside")
-        self.stream = stream
-
-    def sequence(self, step: int, index: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.stream
-        s._check(seq_len)
-        g = (step * s.global_batch + index) % s.heldout
-        return s.window(s.eval_start + g * seq_len)
+        split = copy.copy(self)
+        split.evaluating = True
+        return split
 
 
 class Synthetic:

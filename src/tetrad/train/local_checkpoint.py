@@ -14,12 +14,13 @@ RNG) on the training thread, and a background thread then
 The swap is host to host: the bytes go from host memory over a gloo group made for it,
 never through the compute device or an NCCL communicator (`STAGING`). On the order of the
 exchanges: that group carries nothing but this module's calls, and they are issued in the
-same order on every rank: a generation's three swaps (sizes, JSON, tensor bytes) by its
-thread, then, on the training thread after joining that thread, the commit's all-reduce,
-then the next generation's swaps (at most one generation in flight); a restore runs before
-the first. So no rank can pair a swap with another rank's commit, and the training
-thread's NCCL collectives share no communicator with the thread (NCCL documents that
-concurrent communicators on one device can deadlock; a gloo group holds none).
+same order on every rank: a generation's two swaps (the size, then the JSON and tensor
+bytes as one blob) by its thread, then, on the training thread after joining that thread,
+the commit's all-reduce, then the next generation's swaps (at most one generation in
+flight); a restore runs before the first. So no rank can pair a swap with another rank's
+commit, and the training thread's NCCL collectives share no communicator with the thread
+(NCCL documents that concurrent communicators on one device can deadlock; a gloo group
+holds none).
 
 LOCAL is node-local memory (/dev/shm by default). At most one generation is in flight:
 when the next is due, every rank first waits for its writer (counted when it had to
@@ -57,9 +58,7 @@ import os
 import shutil
 import struct
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -75,17 +74,18 @@ from tetrad.layout import Layout, fixed_layout
 from tetrad.mesh import Group
 from tetrad.parallel.boxes import Box
 from tetrad.train.checkpoint import (
+    Background,
     CorruptCheckpoint,
     agreed,
     assemble,
     describe,
     gather_json,
-    in_background,
     install,
     owned_state,
     run_record,
     serialise,
     step_dirs,
+    tally,
 )
 
 FORMAT = "tetrad-local-checkpoint"
@@ -169,15 +169,6 @@ def _providers(held: list[list[dict]], step: int, world: int) -> list[int | None
     return [(q if q in h else h[0]) if h else None for q, h in enumerate(have)]
 
 
-@dataclass
-class Generation:
-    """A generation being written by this rank's background thread."""
-
-    step: int
-    thread: threading.Thread
-    result: dict  # "error" if it failed
-
-
 class LocalCheckpoints:
     """This rank's in-memory checkpoints: start a generation, commit it, restore from one.
 
@@ -203,7 +194,7 @@ class LocalCheckpoints:
         self.swap_comm = Comm(STAGING)
         self.host_comm = Comm(STAGING, comm.watchdog)
         self.enabled = True
-        self.pending: Generation | None = None
+        self.pending: tuple[int, Background] | None = None  # a generation being written
         self.restored_world: int | None = None  # the world of the generation restored
         self.waits = 0
         self.stalled_s = 0.0  # the training thread's time in snapshots, waits and commits
@@ -234,7 +225,7 @@ class LocalCheckpoints:
         info = describe(step, adam_step, loader, self.cfg, self.layout)
         info |= {"local_world": self.local_world}
         work = partial(self._write, step, owned, info)
-        self.pending = Generation(step, *in_background(work, "tetrad-local-checkpoint"))
+        self.pending = (step, Background(work, "tetrad-local-checkpoint"))
 
     def _write(self, step: int, owned: list, info: dict) -> None:
         """The background half: own files, the swap with the partners, the copy held (host
@@ -250,21 +241,17 @@ class LocalCheckpoints:
         store(directory, f"copy-{self.source:05d}", meta, data)
 
     def _swap(self, meta: dict, data: bytes) -> tuple[dict, Any]:
-        """Send this rank's JSON and tensor bytes to the partner and receive the source's
-        (sizes first; what is received is written as it came, without another copy). Host
-        buffers, pageable: over gloo nothing crosses to a device, so pinning would only lock
-        RAM (and cost a slow allocation per generation)."""
-        head = json.dumps(meta).encode()
-        sizes = torch.tensor([len(head), len(data)], dtype=torch.int64, device=STAGING)
-        theirs = torch.zeros(2, dtype=torch.int64, device=STAGING)
-        self._exchange(sizes, theirs)
-        got = []
-        for mine, n in zip((head, data), theirs.tolist()):
-            send = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-            recv = torch.empty(int(n), dtype=torch.uint8, device=STAGING)
-            self._exchange(send, recv)
-            got.append(recv.numpy())
-        return json.loads(got[0].tobytes()), got[1]
+        """Send this rank's state, as one blob (`join`), to the partner and receive the
+        source's (its size first; what is received is written as it came, without another
+        copy). Host buffers, pageable: over gloo nothing crosses to a device, so pinning
+        would only lock RAM (and cost a slow allocation per generation)."""
+        blob = join(meta, data)
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=STAGING)
+        theirs = torch.zeros(1, dtype=torch.int64, device=STAGING)
+        self._exchange(size, theirs)
+        recv = torch.empty(int(theirs), dtype=torch.uint8, device=STAGING)
+        self._exchange(torch.frombuffer(blob, dtype=torch.uint8), recv)
+        return unpack(memoryview(recv.numpy()))
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         ops = [("send", send, self.partner), ("recv", recv, self.source)]
@@ -275,31 +262,25 @@ class LocalCheckpoints:
         """Wait for the generation in flight and commit it if every rank wrote both of its
         copies (one all-reduce; every rank calls); a failure anywhere turns in-memory
         checkpoints off, with one warning. Returns its metrics fields."""
-        gen, self.pending = self.pending, None
-        if gen is None:
+        pending, self.pending = self.pending, None
+        if pending is None:
             return {}
-        waited = 0.0
-        if gen.thread.is_alive():
+        (step, writer), waited = pending, 0.0
+        if writer.is_alive():
             t0 = time.perf_counter()
-            gen.thread.join()
+            writer.join()
             waited = time.perf_counter() - t0
             self.waits += 1
-        error = gen.result.get("error")
-        os_error = isinstance(error, OSError)
-        flags = [float(os_error), float(error is not None and not os_error)]
-        failed = torch.tensor(flags, dtype=torch.float64, device=STAGING)
-        self.host_comm.all_reduce(failed, self.group)  # the writers joined: the group is idle
-        n_os, n_other = (int(x) for x in failed.tolist())
-        if n_other:  # not a fault of the medium: a bug, raised alike on every rank
-            if error is not None and not os_error:
-                raise error
-            raise RuntimeError(f"an in-memory checkpoint failed on {n_other} other rank(s)")
+        # the writers joined: the group is idle. An error other than the medium's (an
+        # OSError) is a bug, raised alike on every rank
+        what = "an in-memory checkpoint"
+        n_os = tally(writer.error, OSError, self.host_comm, self.group, STAGING, what)
         if n_os:
-            self._give_up(gen.step, error, n_os)
-            return {"local_checkpoint_failed": gen.step}
-        prune(self.root, gen.step)
+            self._give_up(step, writer.error, n_os)
+            return {"local_checkpoint_failed": step}
+        prune(self.root, step)
         return {
-            "local_checkpoint": gen.step,
+            "local_checkpoint": step,
             "local_checkpoint_waited_s": waited,
             "local_checkpoint_waits": self.waits,  # so far: due steps that found it busy
             "local_checkpoint_sent_bytes": self.swap_comm.total_bus_bytes(),
@@ -367,15 +348,12 @@ class LocalCheckpoints:
         over the partner group: nothing of it is staged on the device."""
         out = []
         for q, provider in enumerate(providers):
-            blob = mine[q] if provider == self.rank else None
-            size = torch.tensor([len(blob or b"")], dtype=torch.int64, device=STAGING)
+            blob = mine[q] if provider == self.rank else b""
+            size = torch.tensor([len(blob)], dtype=torch.int64, device=STAGING)
             self.host_comm.broadcast(size, provider, self.group)
-            if blob is not None:
-                buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            else:
-                buf = torch.empty(int(size), dtype=torch.uint8, device=STAGING)
-            self.host_comm.broadcast(buf, provider, self.group)
-            out.append(blob if blob is not None else buf.numpy().tobytes())
+            buf = bytearray(blob or int(size))  # the provider's blob, or room for it
+            self.host_comm.broadcast(torch.frombuffer(buf, dtype=torch.uint8), provider, self.group)
+            out.append(bytes(buf))
         return out
 
     def _load(self, blobs: list[bytes], optimizer, loader) -> None:
@@ -400,17 +378,18 @@ def pack(rank: int, owned: list, info: dict) -> tuple[dict, bytes]:
     return {"format": FORMAT, "rank": rank} | entry | info, data
 
 
-def join(meta: dict, data: bytes) -> bytes:
-    """JSON and tensor bytes as one blob (what a restore broadcasts)."""
+def join(meta: dict, data: Any) -> bytearray:
+    """JSON and tensor bytes as one blob (what a swap sends and a restore broadcasts)."""
     head = json.dumps(meta).encode()
-    return _HEADER.pack(len(head)) + head + data
+    return bytearray().join((_HEADER.pack(len(head)), head, data))
 
 
-def unpack(blob: bytes) -> tuple[dict, bytes]:
-    """(JSON, tensor bytes) of a blob; a malformed one is a CorruptCheckpoint."""
+def unpack(blob: Any) -> tuple[dict, Any]:
+    """(JSON, tensor bytes) of a blob (any bytes-like object: the tensor bytes a slice of
+    it, a view of a memoryview); a malformed one is a CorruptCheckpoint."""
     try:
         (n,) = _HEADER.unpack_from(blob)
-        return json.loads(blob[_HEADER.size : _HEADER.size + n]), blob[_HEADER.size + n :]
+        return json.loads(bytes(blob[_HEADER.size : _HEADER.size + n])), blob[_HEADER.size + n :]
     except (struct.error, ValueError) as e:
         raise CorruptCheckpoint(f"unreadable: {e}") from e
 
@@ -428,17 +407,6 @@ def write_file(path: Path, data: Any) -> None:
     """Write `data` (memory-backed: no fsync). Where a full /dev/shm shows, as ENOSPC."""
     with open(path, "wb") as fh:
         fh.write(memoryview(data))
-
-
-def read_blob(stem: Path) -> tuple[dict, bytes]:
-    """STEM.json, and it and STEM.safetensors as one blob, the tensor file's sha256 checked."""
-    try:
-        meta = json.loads(stem.with_suffix(".json").read_text())
-        data = stem.with_suffix(".safetensors").read_bytes()
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"unreadable: {e}") from e
-    check_sha(meta, data)
-    return meta, join(meta, data)
 
 
 def check_sha(meta: dict, data: bytes) -> None:
@@ -472,12 +440,12 @@ def scan(
     again after a shrink), each file counted in its own. `warn(message)`: a bad file."""
     held: list[dict] = []
     blobs: dict[tuple[int, int, int], bytes] = {}
-    for directory in generations(root):
-        step, worlds = int(directory.name[5:]), {}
-        for stem, rank, world in _written_here(directory, local_rank, local_world):
+    for step, directory in reversed(step_dirs(root)):
+        worlds: dict[int, list[int]] = {}
+        for stem, rank, world, meta in _written_here(directory, local_rank, local_world):
             if (step, world, rank) in blobs:  # its own file and a copy: the same state
                 continue
-            blob = _verified(stem, step, rank, world, cfg, warn, layout)
+            blob = _verified(stem, meta, step, rank, cfg, warn, layout)
             if blob is not None:
                 blobs[(step, world, rank)] = blob
                 worlds.setdefault(world, []).append(rank)
@@ -486,10 +454,11 @@ def scan(
 
 
 def _written_here(directory: Path, local_rank: int, local_world: int) -> list[tuple]:
-    """(stem, the rank whose state it is, the world its JSON names) of the files this local
-    rank wrote, own states first: the node's local ranks share its files, each reading its
-    own. A copy was written by the rank it was sent to; an unreadable JSON's world is None
-    (its check then says why)."""
+    """(stem, the rank whose state it is, the world its JSON names, that JSON) of the files
+    this local rank wrote, own states first: the node's local ranks share its files, each
+    reading its own. A copy was written by the rank it was sent to; an unreadable JSON (its
+    world None, the error in its place) counts as written by the rank it names, whose
+    check then says why."""
     found = []
     for path in sorted(directory.glob("*.json")):
         kind, _, number = path.stem.partition("-")
@@ -501,30 +470,33 @@ def _written_here(directory: Path, local_rank: int, local_world: int) -> list[tu
             world = meta["placement"]["saved_from"]["world"]
             if kind == "copy":
                 writer = partner_of(rank, world, meta.get("local_world", local_world))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable: the rank it names reports it
+        except FileNotFoundError:
+            continue  # removed since listed
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            meta = e
         if writer % local_world == local_rank:
-            found.append((kind != "rank", path.with_suffix(""), rank, world))
-    return [(stem, rank, world) for _, stem, rank, world in sorted(found, key=lambda f: f[:2])]
+            found.append((kind != "rank", path.with_suffix(""), rank, world, meta))
+    return [f[1:] for f in sorted(found, key=lambda f: f[:2])]
 
 
-def _verified(stem: Path, step: int, rank: int, world: int | None, cfg: Config, warn, layout):
-    """The blob of `stem` (.json + .safetensors) if it is whole and this run's, of `world`;
-    a present but bad one is skipped with a warning."""
-    if not stem.with_suffix(".json").is_file():
-        return None
+def _verified(stem: Path, meta: Any, step: int, rank: int, cfg: Config, warn, layout):
+    """The blob of `stem` (its JSON `meta`, read once, and .safetensors) if it is whole and
+    this run's; a bad one is skipped with a warning."""
+    why = "skipping the in-memory checkpoint"
     try:
-        meta, blob = read_blob(stem)
+        if isinstance(meta, Exception):
+            raise meta
+        data = stem.with_suffix(".safetensors").read_bytes()
+        check_sha(meta, data)
         check_meta(meta, step, rank, cfg, layout)
-        if meta["placement"]["saved_from"]["world"] != world:  # rewritten while scanned
-            raise CorruptCheckpoint(f"changed while read (its JSON named a world of {world})")
-        return blob
+        return join(meta, data)
     except (KeyError, TypeError) as e:
-        warn(f"tetrad: warning: skipping the in-memory checkpoint {stem}: no field {e}")
-        return None
+        warn(f"tetrad: warning: {why} {stem}: no field {e}")
     except CorruptCheckpoint as e:
-        warn(f"tetrad: warning: skipping the in-memory checkpoint {stem}: {e}")
-        return None
+        warn(f"tetrad: warning: {why} {stem}: {e}")
+    except (OSError, ValueError) as e:
+        warn(f"tetrad: warning: {why} {stem}: unreadable: {e}")
+    return None
 
 
 def generations(root: Path) -> list[Path]:
