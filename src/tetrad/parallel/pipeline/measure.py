@@ -149,16 +149,11 @@ def transfer_gaps(tl: Timeline) -> list[float]:
 def _computes(tl: Timeline) -> Iterator[tuple[int, int, float, Event, Event | None]]:
     """Per rank r and its k-th compute e: (r, k, the end of the compute before it (0: none),
     e, the compute on another rank that made e's input (None: made here, or no input))."""
-    made = {  # each F's and B's (BW's) output, keyed as on the wire: (F or B, its stage, mb)
-        (e.kind[0], e.stage + (1 if e.kind == "F" else -1), e.microbatch): (r, e)
-        for r, ev in enumerate(tl.ranks)
-        for e in ev
-        if e.kind != "W"
-    }
+    made = {e.made: (r, e) for r, ev in enumerate(tl.ranks) for e in ev if e.kind != "W"}
     for r, events in enumerate(tl.ranks):
         prev_end = 0.0
         for k, e in enumerate(events):
-            src = made.get((e.kind[0], e.stage, e.microbatch))  # none for a W
+            src = made.get((e.kind[0], e.stage, e.microbatch))  # its input, as on the wire
             yield r, k, prev_end, e, src[1] if src is not None and src[0] != r else None
             prev_end = e.end
 

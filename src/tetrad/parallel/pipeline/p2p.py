@@ -68,13 +68,8 @@ def program(actions: list[list[Action]], slack: int = 1, early: int = 0) -> list
     only: under NCCL's semantics only 0 is safe)."""
     tl = simulate(actions, Costs(f=1.0, b=1.0, w=1.0, comm=0.0))
     ends = [[e.end for e in events] for events in tl.ranks]
-    made: dict[Wire, float] = {}  # simulated time at which each sent tensor exists
-    for r, acts in enumerate(actions):
-        k = -1
-        for a in acts:
-            k += a.is_compute
-            if a.kind.startswith("SEND"):
-                made[wire(a)] = ends[r][k]
+    # the simulated time at which each tensor exists: its compute's end
+    made: dict[Wire, float] = {e.made: e.end for ev in tl.ranks for e in ev if e.kind != "W"}
     return [_rank_program(r, acts, ends[r], made, slack, early) for r, acts in enumerate(actions)]
 
 

@@ -31,6 +31,14 @@ class Event:
     def duration(self) -> float:
         return self.end - self.start
 
+    @property
+    def made(self) -> tuple[str, int, int] | None:
+        """The tensor this compute makes for a neighbouring stage, keyed as on the wire
+        (`schedules.wire`: F or B, the stage it feeds, the microbatch); None for a W."""
+        if self.kind == "W":
+            return None
+        return (self.kind[0], self.stage + (1 if self.kind == "F" else -1), self.microbatch)
+
 
 @dataclass
 class Timeline:
