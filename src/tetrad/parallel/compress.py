@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tetrad.comm import Comm, Work
 from tetrad.config import BLOCK  # values per scale
@@ -114,10 +115,8 @@ class QuantizedReduce:
 
     def start(self, x: torch.Tensor) -> None:
         n = self.group.size
-        flat = torch.zeros(n * self.piece, dtype=torch.float32, device=x.device)
-        flat[: self.numel] = x.reshape(-1)
-        rows = flat.new_zeros((n, self.width))  # each piece padded to whole blocks apart
-        rows[:, : self.piece] = flat.view(n, self.piece)
+        flat = F.pad(x.reshape(-1).float(), (0, n * self.piece - self.numel))
+        rows = F.pad(flat.view(n, self.piece), (0, self.width - self.piece))  # whole blocks
         wire = self.sent.send(rows.view(-1))  # [blocks, BLOCK + 4]: piece j, then j + 1
         self.arrived = torch.empty_like(wire)
         split = [wire.shape[0] // n] * n

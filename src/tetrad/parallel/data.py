@@ -25,7 +25,7 @@ masters into the bf16 parameters.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -101,17 +101,20 @@ class Masters:
 class Bucket:
     """A flat buffer holding the gradients of a few consecutive parameters."""
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device):
+    def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        self.buffer = params[0].new_zeros(sum(p.numel() for p in params))  # their dtype
         self.pending = len(params)
         self.work: Work | None = None
         self.sent: torch.Tensor | None = None  # what is all-reduced: the buffer, or its cast
         self.quantized: QuantizedReduce | None = None  # a compressed reduction's state
-        offset = 0
-        for p in params:
-            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, grad in zip(params, self.views(self.buffer)):
+            p.grad = grad
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`flat` (a buffer's size) as its parameters' views, each in its shape."""
+        pieces = flat.split([p.numel() for p in self.params])
+        return [piece.view_as(p) for piece, p in zip(pieces, self.params)]
 
 
 class LocalGrads:
@@ -130,10 +133,9 @@ class LocalGrads:
         """The optimizer's tensors: the parameters, or their fp32 masters."""
         return self.masters.named if self.masters else self.named
 
-    @contextmanager
-    def final(self, names: Collection[str]) -> Iterator[None]:
+    def final(self, names: Collection[str]) -> AbstractContextManager[None]:
         """Nothing to reduce: the backward inside simply runs."""
-        yield
+        return nullcontext()
 
     def launch_rest(self) -> None:
         """Nothing to reduce."""
@@ -183,13 +185,15 @@ class GradBuckets(LocalGrads):
         (parallel/compress.py), with error feedback unless `feedback` is off."""
         super().__init__(named, dtype)  # casts the parameters first: buckets take their dtype
         self.group, self.comm, self.reduce_dtype = group, comm, reduce_dtype
+        # consecutive parameters in reverse order of definition (roughly the order backward
+        # produces their gradients), as `bucket_spans` groups them
         params = [p for _, p in named if p.requires_grad]
-        first = min(bucket_bytes, first_bucket_bytes)
-        self.buckets = self._make_buckets(params, first, bucket_bytes)
+        sizes = [p.numel() * p.element_size() for p in params]
+        spans = bucket_spans(sizes, min(bucket_bytes, first_bucket_bytes), bucket_bytes)
+        self.buckets = [Bucket([params[i] for i in span]) for span in spans]
         if compress and group.size > 1:
             for b in self.buckets:
-                n = b.buffer.numel()
-                b.quantized = QuantizedReduce(n, group, comm, compress, feedback)
+                b.quantized = QuantizedReduce(b.buffer.numel(), group, comm, compress, feedback)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.launched = 0  # buckets [0, launched) have their all-reduce in flight
         self.by_name = {n: p for n, p in named}
@@ -198,17 +202,6 @@ class GradBuckets(LocalGrads):
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    @staticmethod
-    def _make_buckets(params: list[nn.Parameter], first: int, rest: int) -> list[Bucket]:
-        """Consecutive parameters in reverse order of definition (roughly the order backward
-        produces their gradients), as `bucket_spans` groups them."""
-        sizes = [p.numel() * p.element_size() for p in params]
-        spans = bucket_spans(sizes, first, rest)
-        return [
-            Bucket([params[i] for i in span], params[span[0]].dtype, params[span[0]].device)
-            for span in spans
-        ]
 
     @contextmanager
     def final(self, names: Collection[str]) -> Iterator[None]:
@@ -244,7 +237,7 @@ class GradBuckets(LocalGrads):
         if bucket.quantized is not None:  # the all-to-all half now, the gather in `finish`
             bucket.quantized.start(buf.float())
         else:
-            bucket.sent = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
+            bucket.sent = buf.to(self.reduce_dtype)
             bucket.work = self.comm.all_reduce(bucket.sent, self.group, async_op=True)
         self.launched += 1
 
@@ -277,11 +270,8 @@ class GradBuckets(LocalGrads):
             if sent is not bucket.buffer:
                 bucket.buffer.copy_(sent)
             return
-        full = widen(sent)
-        offset = 0
-        for p in bucket.params:
-            self.masters.of[id(p)].grad = full[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, grad in zip(bucket.params, bucket.views(widen(sent))):
+            self.masters.of[id(p)].grad = grad
 
     def zero_grad(self) -> None:
         for b in self.buckets:

@@ -22,7 +22,7 @@ total is the paper's 16Ψ/N.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -64,9 +64,7 @@ class ModelState:
         return self.params + self.grads + self.optimizer
 
     def __add__(self, other: ModelState) -> ModelState:
-        return ModelState(
-            self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer
-        )
+        return ModelState(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 # --- prediction ---------------------------------------------------------------------------
@@ -192,16 +190,12 @@ def expert_names(replicated: dict[str, tuple[str, ...]]) -> set[str]:
 def zero_formula_bytes(
     psi: float, n: int, stage: int, param: float = 2, grad: float = 2, k: float = 12
 ) -> ModelState:
-    """The ZeRO paper's model state per device (stage 0: plain data parallelism)."""
-    if stage == 0:
-        return ModelState(param * psi, grad * psi, k * psi)
-    if stage == 1:
-        return ModelState(param * psi, grad * psi, k * psi / n)
-    if stage == 2:
-        return ModelState(param * psi, grad * psi / n, k * psi / n)
-    if stage == 3:
-        return ModelState(param * psi / n, grad * psi / n, k * psi / n)
-    raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    """The ZeRO paper's model state per device (stage 0: plain data parallelism): stage s
+    shards the optimizer state from 1, the gradients from 2, the parameters at 3."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    sharded = (stage >= 3, stage >= 2, stage >= 1)
+    return ModelState(*(b * psi / n if s else b * psi for b, s in zip((param, grad, k), sharded)))
 
 
 # --- measurement --------------------------------------------------------------------------
