@@ -13,8 +13,9 @@ from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import moe_spec
 from tetrad.models.llama import rotary_at
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
+from tetrad.models.llama_spec import swiglu_names
 from tetrad.models.mla import apply_rotary_tail, keep_mla, meta_deepseek, param_shape
-from tetrad.models.moe_spec import MOE, MoEActivations, active_ffn
+from tetrad.models.moe_spec import MLP_MOE_NAMES, MOE, MoEActivations, active_ffn
 from tetrad.models.plans import MOE_PLAN
 from tetrad.models.spec import Rotary, Saved
 
@@ -160,23 +161,15 @@ ATTENTION_NAMES = {
     "wkv_b.weight": "kv_b_proj.weight",
     "wo.weight": "o_proj.weight",
 }
-FFN_NAMES = {
-    "router.weight": "gate.weight",
-    "router.expert_bias": "gate.e_score_correction_bias",  # a buffer: HFWeights.read_buffer
-    "experts.w1": "experts.{j}.gate_proj.weight",
-    "experts.w3": "experts.{j}.up_proj.weight",
-    "experts.w2": "experts.{j}.down_proj.weight",
-    "shared.w1.weight": "shared_experts.gate_proj.weight",
-    "shared.w3.weight": "shared_experts.up_proj.weight",
-    "shared.w2.weight": "shared_experts.down_proj.weight",
-}
 # tetrad parameter -> Hugging Face name, as a DeepseekV3ForCausalLM checkpoint stores it
 HF_NAMES = {
     **{k: v for k, v in LLAMA_NAMES.items() if ".attention." not in k},
     **{f"layers.{{i}}.attention.{k}": f"model.layers.{{i}}.self_attn.{v}" for k, v in
        ATTENTION_NAMES.items()},
-    **{f"layers.{{i}}.feed_forward.{k}": f"model.layers.{{i}}.mlp.{v}" for k, v in
-       FFN_NAMES.items()},
+    **MLP_MOE_NAMES,
+    "layers.{i}.feed_forward.router.expert_bias":  # a buffer: HFWeights.read_buffer
+        "model.layers.{i}.mlp.gate.e_score_correction_bias",
+    **swiglu_names("layers.{i}.feed_forward.shared", "model.layers.{i}.mlp.shared_experts"),
 }  # fmt: skip
 # without a query bottleneck (q_lora_rank 0) the one query projection is q_proj
 PLAIN_Q_NAMES = {

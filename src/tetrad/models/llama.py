@@ -208,19 +208,16 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
         # "full": only the block's input is kept for backward; "selective": also the
-        # kernel outputs KEEP_SELECTIVE names
+        # kernel outputs `keep` names (a family's block sets its own)
         self.recompute = "none"
+        self.keep = KEEP_SELECTIVE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full":
             return recompute(self.body, x)
         if self.recompute == "selective":
-            return recompute(self.body, x, keep=self.selective_policy(), root=self)
+            return recompute(self.body, x, keep=self.keep, root=self)
         return self.body(x)
-
-    def selective_policy(self) -> Keep:
-        """The kernels selective recomputation keeps (and drops) in this block."""
-        return KEEP_SELECTIVE
 
     def compile(self, *args, **kwargs) -> None:
         """torch.compile (`args`, `kwargs` its own) of the body only, where

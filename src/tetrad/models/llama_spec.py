@@ -18,18 +18,24 @@ from tetrad.models.llama import (
 from tetrad.models.plans import LLAMA_PLAN
 from tetrad.models.spec import ModelSpec, Rotary
 
+
+def swiglu_names(tetrad: str, hf: str, suffix: str = ".weight") -> dict[str, str]:
+    """The Hugging Face names (gate_proj, up_proj, down_proj under `hf`) of the SwiGLU at
+    tetrad path `tetrad` (its w1, w3, w2, each followed by `suffix`)."""
+    projections = {"w1": "gate", "w3": "up", "w2": "down"}
+    return {f"{tetrad}.{w}{suffix}": f"{hf}.{p}_proj.weight" for w, p in projections.items()}
+
+
 # tetrad parameter -> Hugging Face LlamaForCausalLM parameter ("{i}": the block index)
 HF_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    **{
+        f"layers.{{i}}.attention.w{x}.weight": f"model.layers.{{i}}.self_attn.{x}_proj.weight"
+        for x in "qkvo"
+    },
+    **swiglu_names("layers.{i}.feed_forward", "model.layers.{i}.mlp"),
     "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
     "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
 }

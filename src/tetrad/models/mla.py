@@ -129,9 +129,6 @@ class MLABlock(Block):
             self.feed_forward = MoEFeedForward(cfg)
         self.keep = keep_mla(cfg, moe)
 
-    def selective_policy(self) -> Keep:
-        return self.keep
-
 
 def keep_mla(cfg: ModelConfig, moe: bool) -> Keep:
     """Selective recomputation's policy: the attention core and the output projection are

@@ -431,9 +431,6 @@ class MoEBlock(Block):
         self.feed_forward = MoEFeedForward(cfg)
         self.keep = keep_selective(cfg)
 
-    def selective_policy(self) -> Keep:
-        return self.keep
-
 
 class MoE(Llama):
     """The decoder with MoE blocks from layer `dense_layers` on (dense `Block`s before)."""

@@ -14,7 +14,7 @@ from tetrad.models import llama_activations
 from tetrad.models.flops import block_linears as llama_block_linears
 from tetrad.models.flops import llama_layer_costs, swiglu_linears
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
-from tetrad.models.llama_spec import LLAMA, QK_NORM_NAMES, QK_NORM_PLAN
+from tetrad.models.llama_spec import LLAMA, QK_NORM_NAMES, QK_NORM_PLAN, swiglu_names
 from tetrad.models.moe import (
     STAT_EXTRA,
     Experts,
@@ -163,16 +163,13 @@ MIXTRAL_NAMES = {
     "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
     "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight",
 }
-
-# ... and as a Qwen3MoeForCausalLM checkpoint does (its dense layers keep Llama's names)
-QWEN3_MOE_NAMES = {
-    **LLAMA_NAMES,
-    **QK_NORM_NAMES,
+# an MoE feed-forward as Qwen3-MoE and DeepSeek-V3 name it: router and experts under `mlp`
+MLP_MOE_NAMES = {
     "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
-    "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
-    "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
-    "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.mlp.experts.{j}.down_proj.weight",
+    **swiglu_names("layers.{i}.feed_forward.experts", "model.layers.{i}.mlp.experts.{j}", ""),
 }
+# ... and as a Qwen3MoeForCausalLM checkpoint stores them (its dense layers keep Llama's names)
+QWEN3_MOE_NAMES = {**LLAMA_NAMES, **QK_NORM_NAMES, **MLP_MOE_NAMES}
 
 
 def hf_architecture(m: ModelConfig) -> str:
