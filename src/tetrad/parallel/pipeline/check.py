@@ -69,8 +69,9 @@ from itertools import product
 
 from tetrad.parallel.pipeline.as_run import ActionKey, Collective, as_run, with_collectives
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait, computes
+from tetrad.parallel.pipeline.program_sim import simulate_program
 from tetrad.parallel.pipeline.schedules import COMPUTE, TRANSFERS, Action, compute_only, wire
-from tetrad.parallel.pipeline.simulate import run_all
+from tetrad.parallel.pipeline.simulate import Costs, run_all
 
 Link = tuple[int, int]  # (sending rank, receiving rank)
 Op = tuple[int, Action]  # (rank, a transfer it issues)
@@ -227,13 +228,17 @@ def check_program(
         raise ValueError(f"expected {len(actions)} rank programs, got {len(programs)}")
     for rank, (acts, items) in enumerate(zip(actions, programs)):
         _check_items(rank, acts, items)
-    match = _match([_posted(items) for items in programs])
+    # each rank's transfers in the order it posts them
+    match = _match([[a for i in items if isinstance(i, Post) for a in i.ops] for items in programs])
     variants = [programs] if late is None else [programs, [as_run(p, late) for p in programs]]
     for progs in variants:
         if transport == "nccl":
             _nccl_progress([with_collectives(p, inner, finals) for p in progs], match)
-        else:
-            _gloo_progress(progs, match)
+        else:  # gloo's: a wait lasts until both ends are posted, as program_sim times it
+            try:
+                simulate_program(progs, Costs())
+            except ValueError as e:
+                raise ValueError(f"deadlock under gloo's semantics: {e}") from None
 
 
 def _check_items(rank: int, acts: list[Action], items: list[Item]) -> None:
@@ -352,26 +357,6 @@ def _nccl_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
     ]
     if stuck:
         raise ValueError("deadlock under NCCL's semantics: " + "; ".join(stuck))
-
-
-def _gloo_progress(programs: list[list[Item]], match: dict[Op, Op]) -> None:
-    """Run every rank's host thread to the end, or report where each one blocks."""
-    posted: set[Op] = set()
-
-    def step(item: Item, r: int) -> bool:
-        if isinstance(item, Action):
-            return True
-        ops = {(r, a) for a in item.ops}
-        if isinstance(item, Post):
-            posted.update(ops)
-        return isinstance(item, Post) or all(match[op] in posted for op in ops)
-
-    run_all(programs, step, "deadlock under gloo's semantics")
-
-
-def _posted(items: list[Item]) -> list[Action]:
-    """A rank's transfers in the order it posts them."""
-    return [a for item in items if isinstance(item, Post) for a in item.ops]
 
 
 def _fmt(keys: object) -> str:
