@@ -603,7 +603,8 @@ def check_sections(cfg: Config) -> None:
     check_choices("model", cfg.model)
     check_choices("train", cfg.train)
     _validate_model(cfg.model)
-    _validate_train(cfg)
+    _validate_train(cfg.train, cfg.model)
+    _validate_data(cfg.data, cfg.model)
     _validate_checkpoint(cfg.checkpoint)
 
 
@@ -665,14 +666,13 @@ def _validate_moe(m: ModelConfig) -> None:
     )
 
 
-def _validate_train(cfg: Config) -> None:
-    t = cfg.train
+def _validate_train(t: TrainConfig, model: ModelConfig) -> None:
     _require(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
     _require(t.global_batch >= 1, f"train.global_batch must be >= 1, got {t.global_batch}")
     _require(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
     _require(
-        t.seq_len <= cfg.model.max_seq_len,
-        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}",
+        t.seq_len <= model.max_seq_len,
+        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={model.max_seq_len}",
     )
     _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _require(
@@ -720,11 +720,13 @@ def _validate_train(cfg: Config) -> None:
         f"train.loss_chunk={t.loss_chunk} must be >= 0 (tokens per chunk; 0: full logits)",
     )
     _validate_straggler(t)
-    d = cfg.data
+
+
+def _validate_data(d: DataConfig, model: ModelConfig) -> None:
     if d.source == "stdlib":
         _require(
-            cfg.model.vocab >= 256 or bool(d.tokenizer),
-            f"data.source='stdlib' is byte-level: model.vocab={cfg.model.vocab} must be >= 256",
+            model.vocab >= 256 or bool(d.tokenizer),
+            f"data.source='stdlib' is byte-level: model.vocab={model.vocab} must be >= 256",
         )
     elif d.source != "synthetic":
         _require(Path(d.source).exists(), f"data.source={d.source!r}: no such file or directory")

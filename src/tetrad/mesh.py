@@ -113,10 +113,9 @@ def expert_groups(degrees: dict[str, int], ep: int) -> tuple[list[list[int]], li
         key = (c["pp"], b // width) if spans_tp else (c["pp"], c["tp"], b // width)
         ep_of.setdefault(key, []).append(r)
     edp_of: dict[tuple[int, ...], list[int]] = {}
-    for ranks in ep_of.values():
+    for (pp, *_), ranks in ep_of.items():
         for slot, r in enumerate(ranks):
-            c = coords(r, degrees)
-            edp_of.setdefault((c["pp"], slot), []).append(r)
+            edp_of.setdefault((pp, slot), []).append(r)
     return list(ep_of.values()), list(edp_of.values())
 
 
