@@ -23,7 +23,7 @@ import torch
 from tetrad.comm import Comm
 from tetrad.mesh import Group
 from tetrad.parallel.pipeline.schedules import Action, build_schedule
-from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
+from tetrad.parallel.pipeline.simulate import Costs, simulate
 from tetrad.parallel.pipeline.timeline import (
     COMM_KINDS,
     Event,
@@ -199,22 +199,15 @@ def measure_step(
     )
     actions = build_schedule(schedule, group.size, microbatches, v)
     costs = estimate_costs(measured, group.size * v, actions)
-
-    def simulated(c: Costs) -> Timeline:  # the same schedule at measured costs: in seconds
-        tl = simulate_schedule(schedule, group.size, microbatches, c, v)
-        tl.unit = "s"
-        return tl
-
-    out = simulated(costs)
+    out = simulate(actions, costs, schedule)  # the same schedule at measured costs
+    out.unit = "s"
     bare = replace(costs, overhead=0.0, p2p=0.0)
-    out.meta["bubble_without_overhead"] = simulated(bare).bubble_fraction
-    out.meta["bubble_replayed"] = simulated(replay_costs(measured, costs, actions)).bubble_fraction
-    measured.meta["costs"] = out.meta["costs"] = _costs_dict(costs)
+    out.meta["bubble_without_overhead"] = simulate(actions, bare).bubble_fraction
+    replayed = replay_costs(measured, costs, actions)
+    out.meta["bubble_replayed"] = simulate(actions, replayed).bubble_fraction
+    kept = {k: v for k, v in asdict(costs).items() if k != "each"}  # all but per-action overrides
+    measured.meta["costs"] = out.meta["costs"] = kept
     return measured, out
-
-
-def _costs_dict(c: Costs) -> dict:
-    return {k: v for k, v in asdict(c).items() if k != "each"}  # all but per-action overrides
 
 
 def write_timeline(measured: Timeline, simulated: Timeline, out_dir: str | Path) -> list[Path]:

@@ -195,23 +195,16 @@ class PipelineRuntime:
         return st
 
     # --- transfers ----------------------------------------------------------------------
-    def _peer(self, a: Action) -> int:
-        return self.mesh["pp"].ranks[a.peer]
-
     def _post(self, st: PipelineStep, ops: tuple[Action, ...]) -> None:
         """One batch: each send's tensor from the mailbox, a pooled buffer for each receive."""
         batch = []
         for a in ops:
-            if a.kind.startswith("SEND"):
-                batch.append(("send", st.box.pop(wire(a)), self._peer(a)))
-            else:
-                batch.append(("recv", self._buffer(), self._peer(a)))
+            send = a.kind.startswith("SEND")
+            tensor = st.box.pop(wire(a)) if send else self._buffer()
+            batch.append(("send" if send else "recv", tensor, self.mesh["pp"].ranks[a.peer]))
         works = self.comm.batch_p2p(batch, self.mesh["pp"])
-        for a, work, (_, t, _) in zip(ops, works, batch, strict=True):
-            if a.kind.startswith("RECV"):
-                st.recvs[wire(a)] = (work, t)
-                continue
-            st.sends[wire(a)] = (work, t)
+        for a, work, (op, t, _) in zip(ops, works, batch, strict=True):
+            (st.sends if op == "send" else st.recvs)[wire(a)] = (work, t)
             out = st.outputs.get((a.stage - 1, a.microbatch)) if a.kind == "SEND_F" else None
             if out is not None and self._frees(a.stage - 1, out):
                 out.data = torch.empty(0, dtype=out.dtype, device=out.device)
