@@ -33,7 +33,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +71,9 @@ class Checkpoint:
     path: Path
     manifest: dict[str, Any]
 
-    @property
+    @cached_property
     def reader(self) -> SliceReader:
+        """One reader: each file's sha256 checked once."""
         return SliceReader(self.path, self.manifest)
 
     @property
@@ -129,12 +130,6 @@ def find_resume(root: Path, cfg: Config) -> list[Path]:
             "continue from it, or choose another --out"
         )
     return []
-
-
-def uncommitted_after(root: Path, path: Path | None) -> list[Path]:
-    """`step_*` directories without a manifest newer than `path`: saves cut short."""
-    newest = int(path.name[5:]) if path else -1
-    return [p for s, p in step_dirs(root) if s > newest and not (p / MANIFEST).is_file()]
 
 
 # --- saving -------------------------------------------------------------------------------
@@ -454,7 +449,9 @@ class SliceReader:
                 raise CorruptCheckpoint(f"{file} is not listed in {MANIFEST}")
             if not file.is_file():
                 raise CorruptCheckpoint(f"checkpoint file {file} is missing")
-            want, got = self.files[fname]["sha256"], _sha256(file)
+            with open(file, "rb") as fh:  # streamed: memory stays one chunk
+                got = hashlib.file_digest(fh, "sha256").hexdigest()
+            want = self.files[fname]["sha256"]
             if got != want:
                 raise CorruptCheckpoint(
                     f"checkpoint file {file} is corrupt: sha256 {got} != {want} in {MANIFEST}"
@@ -559,12 +556,10 @@ def load_residuals(reader, state: dict, engine, cfg: Config) -> None:
         return
     keys = {n: f"{RESIDUAL}{engine.mesh.rank}/{n}" for n in held}
     saved, now = state.get("placement", {}).get("saved_from"), placement(cfg)
-    fits = all(reader.shape(keys[n]) == (r.size,) for n, r in held.items())
+    fits = saved == now and all(reader.shape(keys[n]) == (r.size,) for n, r in held.items())
     for n, r in held.items():
-        r.error = (
-            reader(keys[n], ((0, r.size),)).to(engine.device) if saved == now and fits else None
-        )
-    if engine.mesh.rank == 0 and not (saved == now and fits):
+        r.error = reader(keys[n], ((0, r.size),)).to(engine.device) if fits else None
+    if engine.mesh.rank == 0 and not fits:
         why = f"saved at {saved}, resumed at {now}" if saved != now else "not in the checkpoint"
         print(f"tetrad: the compressed reductions' residuals start from zero ({why})", flush=True)
 
@@ -577,8 +572,9 @@ def restore_newest(root: Path, engine, optimizer, loader, cfg: Config) -> int | 
     when not resuming or there is no checkpoint; all of them corrupt is an error."""
     candidates = find_resume(root, cfg)
     warn = print if engine.mesh.rank == 0 else (lambda *_, **__: None)
-    for cut in uncommitted_after(root, candidates[0] if candidates else None):
-        if cfg.checkpoint.resume:
+    newest = int(candidates[0].name[5:]) if candidates else -1
+    for step, cut in step_dirs(root):  # newer saves without a manifest: cut short
+        if cfg.checkpoint.resume and step > newest and not (cut / MANIFEST).is_file():
             warn(f"tetrad: warning: skipping {cut}: no {MANIFEST} (a save cut short)", flush=True)
     reasons = []
     for path in candidates:
@@ -617,12 +613,6 @@ def load_model(path: str | Path, buffers: bool = False) -> tuple[Config, dict[st
 
 
 # --- files --------------------------------------------------------------------------------
-
-
-def _sha256(file: Path) -> str:
-    """The file's sha256, streamed (memory stays one chunk, whatever the file's size)."""
-    with open(file, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _write_synced(path: Path, data: bytes) -> None:

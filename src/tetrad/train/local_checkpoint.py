@@ -199,7 +199,7 @@ class LocalCheckpoints:
         self.waits = 0
         self.stalled_s = 0.0  # the training thread's time in snapshots, waits and commits
         self.warnings: list[str] = []  # what this rank printed (tests read them)
-        if not cfg.checkpoint.resume and int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+        if not cfg.checkpoint.resume and self.local_rank == 0:
             clear(self.root)  # a fresh run: an earlier run's generations are not ours
         if self.rank == 0:
             print(f"tetrad: in-memory checkpoints every {self.every} steps in {self.root}, "
@@ -517,19 +517,14 @@ def prune(root: Path, committed: int) -> None:
 def discard(root: Path, rank: int, source: int, step: int | None = None) -> None:
     """Remove this rank's files of generation `step` (of every one when None)."""
     for s, directory in step_dirs(root):
-        if step is None or s == step:
-            _remove(directory, rank, source)
-
-
-def _remove(directory: Path, rank: int, source: int) -> None:
-    for stem in (f"rank-{rank:05d}", f"copy-{source:05d}"):
-        for suffix in (".json", ".safetensors"):  # the JSON first: no half a copy
-            (directory / f"{stem}{suffix}").unlink(missing_ok=True)
-    try:
-        directory.rmdir()  # the last rank out removes it
-        directory.parent.rmdir()
-    except OSError:
-        pass
+        if step is not None and s != step:
+            continue
+        for stem in (f"rank-{rank:05d}", f"copy-{source:05d}"):
+            for suffix in (".json", ".safetensors"):  # the JSON first: no half a copy
+                (directory / f"{stem}{suffix}").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # the last rank out removes it
+            directory.parent.rmdir()
 
 
 def clear(root: Path) -> None:
