@@ -9,6 +9,7 @@ blocks.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -32,7 +33,7 @@ class ActivationMeter:
         self.skip: set[int] = set()
         self.refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.held: dict[object, list[int]] = {}
-        self.held_refs: dict[int, int] = {}  # storage pointer -> how many holds count it
+        self.held_refs: Counter[int] = Counter()  # storage pointer -> how many holds count it
         self.live = 0
         self.peak = 0
         self.counting = True
@@ -88,16 +89,14 @@ class ActivationMeter:
         """Count `tensors` as live until `drop(key)`."""
         ptrs = [p for p in (self._ref(t) for t in tensors) if p is not None]
         self.held.setdefault(key, []).extend(ptrs)
-        for p in ptrs:
-            self.held_refs[p] = self.held_refs.get(p, 0) + 1
+        self.held_refs.update(ptrs)
 
     def drop(self, key: object) -> None:
         """Stop counting what `hold(key, ...)` kept."""
-        for ptr in self.held.pop(key, []):
+        ptrs = self.held.pop(key, [])
+        for ptr in ptrs:
             self._unref(ptr)
-            self.held_refs[ptr] -= 1
-            if not self.held_refs[ptr]:
-                del self.held_refs[ptr]
+        self.held_refs -= Counter(ptrs)  # (which drops the pointers no hold counts now)
 
     def references(self, t: torch.Tensor) -> int:
         """How many saved tensors and holds currently count `t`'s storage."""
@@ -105,7 +104,7 @@ class ActivationMeter:
 
     def holds(self, t: torch.Tensor) -> int:
         """How many holds (not saved tensors) currently count `t`'s storage."""
-        return self.held_refs.get(t.untyped_storage().data_ptr(), 0)
+        return self.held_refs[t.untyped_storage().data_ptr()]
 
     def _pack(self, t: torch.Tensor):
         ptr = self._ref(t)

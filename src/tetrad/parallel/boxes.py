@@ -55,20 +55,13 @@ def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
     """Boxes covering elements [start, stop) of a row-major `shape`, in order."""
     if start >= stop:
         return []
-    if len(shape) <= 1:
-        return [((start, stop),)] if shape else [()]
+    if not shape:
+        return [()]
     inner = math.prod(shape[1:])
     first, last = start // inner, (stop - 1) // inner
     if first == last:  # inside one row: recurse into it
         base = first * inner
         return [((first, first + 1), *b) for b in flat_boxes(shape[1:], start - base, stop - base)]
-    out: list[Box] = []
-    if start % inner:  # the partial first row
-        out += flat_boxes(shape, start, (first + 1) * inner)
-        first += 1
-    full_end = stop // inner
-    if full_end > first:  # whole rows
-        out.append(((first, full_end), *((0, n) for n in shape[1:])))
-    if stop % inner:  # the partial last row
-        out += flat_boxes(shape, full_end * inner, stop)
-    return out
+    lo, hi = -(-start // inner), stop // inner  # the whole rows, between two partial ones
+    whole = [((lo, hi), *((0, n) for n in shape[1:]))] if lo < hi else []
+    return flat_boxes(shape, start, lo * inner) + whole + flat_boxes(shape, hi * inner, stop)
