@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from tetrad.comm import Comm, Work
-from tetrad.comm.tp import Conjugate
+from tetrad.comm.tp import Conjugate, gather_along
 from tetrad.compiling import graph_break
 from tetrad.mesh import Group
 
@@ -101,8 +101,7 @@ def _gather_shares(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torc
     width = tp_share(rows, n, 0)[1]
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[: x.shape[0]] = x
-    out = x.new_empty((n * width, *x.shape[1:]))
-    comm.all_gather(out, padded, group)
+    out = gather_along(padded, 0, comm, group)
     shares = [tp_share(rows, n, r) for r in range(n)]
     return torch.cat([out[r * width : r * width + hi - lo] for r, (lo, hi) in enumerate(shares)])
 

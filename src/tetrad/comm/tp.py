@@ -58,8 +58,9 @@ def _all_reduce(comm: Comm, group: Group, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _all_gather(comm: Comm, group: Group, dim: int, x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim` (the comm layer gathers along dim 0)."""
+def gather_along(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` (the comm layer gathers along dim 0; no
+    autograd: a value every rank needs whole)."""
     first = x.movedim(dim, 0).contiguous()  # [x_dim, ...]
     out = first.new_empty((first.shape[0] * group.size, *first.shape[1:]))
     comm.all_gather(out, first, group)
@@ -67,8 +68,12 @@ def _all_gather(comm: Comm, group: Group, dim: int, x: torch.Tensor) -> torch.Te
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(comm: Comm, group: Group, dim: int, x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the group and keep this rank's 1/size slice along `dim`."""
+@graph_break
+def reduce_scatter_along(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torch.Tensor:
+    """Sum `x` over the group and keep this rank's 1/size slice along `dim` (no autograd:
+    the split backward's W uses it to place a gathered weight's gradient)."""
+    if group.size == 1:
+        return x
     if x.shape[dim] % group.size:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {group.size}")
     first = x.movedim(dim, 0).contiguous()
@@ -110,16 +115,10 @@ def gather_from_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> t
     """All-gather along `dim` (the sequence, [b, s/tp, h] -> [b, s, h]); reduce-scatter back."""
     if group.size == 1:
         return x
+    along = {"dim": dim, "comm": comm, "group": group}
     return Conjugate.apply(
-        x, partial(_all_gather, comm, group, dim), partial(_reduce_scatter, comm, group, dim)
+        x, partial(gather_along, **along), partial(reduce_scatter_along, **along)
     )
-
-
-@graph_break
-def reduce_scatter_along(x: torch.Tensor, dim: int, comm: Comm, group: Group) -> torch.Tensor:
-    """Sum `x` over the group and keep this rank's slice along `dim` (no autograd: the
-    split backward's W uses it to place a gathered weight's gradient)."""
-    return _reduce_scatter(comm, group, dim, x) if group.size > 1 else x
 
 
 @graph_break
@@ -127,6 +126,7 @@ def scatter_to_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> to
     """Reduce-scatter along `dim` (partial [b, s, h] -> summed [b, s/tp, h]); all-gather back."""
     if group.size == 1:
         return x
+    along = {"dim": dim, "comm": comm, "group": group}
     return Conjugate.apply(
-        x, partial(_reduce_scatter, comm, group, dim), partial(_all_gather, comm, group, dim)
+        x, partial(reduce_scatter_along, **along), partial(gather_along, **along)
     )

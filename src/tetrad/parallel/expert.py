@@ -51,6 +51,7 @@ from tetrad.comm.ep import (
     share_of_tp,
     tp_share,
 )
+from tetrad.comm.tp import gather_along
 from tetrad.layout import Layout
 from tetrad.mesh import Group, Mesh
 from tetrad.models.init import Slicer
@@ -155,10 +156,7 @@ class EPSharding:
         def full(name: str, local: torch.Tensor) -> torch.Tensor:
             if name not in self.names:
                 return inner(name, local) if inner else local
-            local = local.detach().contiguous()
-            out = local.new_empty((self.ep.size * local.shape[0], *local.shape[1:]))
-            self.comm.all_gather(out, local, self.ep)
-            return out
+            return gather_along(local.detach(), 0, self.comm, self.ep)
 
         return full
 

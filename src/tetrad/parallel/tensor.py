@@ -49,6 +49,7 @@ from torch import nn
 from tetrad.comm import Comm
 from tetrad.comm.tp import (
     copy_to_tp,
+    gather_along,
     gather_from_tp,
     once_in_tp,
     reduce_from_tp,
@@ -352,9 +353,7 @@ def _combine(lse: torch.Tensor, picked: torch.Tensor, comm: Comm, group: Group):
     every rank's log-sum-exp and target logit (0 where another rank owns the target): one
     all-gather."""
     stats = torch.stack((lse, picked))  # [2, N]
-    every = stats.new_empty((group.size * 2, stats.shape[1]))
-    comm.all_gather(every, stats, group)
-    every = every.view(group.size, 2, -1)  # [t, 2, N]
+    every = gather_along(stats, 0, comm, group).view(group.size, 2, -1)  # [t, 2, N]
     return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)
 
 
@@ -371,20 +370,20 @@ class VocabParallelCrossEntropy:
         return _VocabParallelCE.apply(logits, targets, self.start, self.comm, self.group)
 
 
-class VocabParallelLinearCrossEntropy:
+def vocab_parallel_chunked_loss(
+    model: nn.Module, chunk: int, tp: TP, start: int, tied: bool
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The engine's loss_fn under tp with a chunked loss: (final-normed hidden, targets) ->
     loss sum, the vocabulary-parallel head applied chunk by chunk (`models/loss.py`)."""
+    combine = functools.partial(_combine, comm=tp.comm, group=tp.group)
 
-    def __init__(self, model: nn.Module, tp: TP, start: int, chunk: int, tied: bool):
-        self.model, self.tp, self.start, self.chunk = model, tp, start, chunk
-        self.tied = tied
+    def loss(h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not tied:  # what VocabParallelHead does first (a tied head's input
+            h = tp.enter(h)  # entered the region at the final norm)
+        # the head's weight [V_r, d] read at each call (ZeRO re-points it)
+        return linear_cross_entropy(h, model.head_weight(), targets, chunk, start, combine)
 
-    def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if not self.tied:  # what VocabParallelHead does first (a tied head's input
-            h = self.tp.enter(h)  # entered the region at the final norm)
-        weight = self.model.head_weight()  # [V_r, d]
-        combine = functools.partial(_combine, comm=self.tp.comm, group=self.tp.group)
-        return linear_cross_entropy(h, weight, targets, self.chunk, self.start, combine)
+    return loss
 
 
 # --- applying a plan --------------------------------------------------------------------
@@ -398,13 +397,8 @@ class TPSharding:
     replicated: dict[str, tuple[str, ...]]  # parameter -> axes it is replicated over
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     unshard: Callable[[str, torch.Tensor], torch.Tensor]
-    tp: TP
-    vocab_start: int  # this rank's first vocabulary row
-    tied: bool  # the head reuses the embedding's weight
-
-    def chunked_loss_fn(self, model: nn.Module, chunk: int) -> VocabParallelLinearCrossEntropy:
-        """The loss_fn of a model whose last stage stops before the head (`logits=False`)."""
-        return VocabParallelLinearCrossEntropy(model, self.tp, self.vocab_start, chunk, self.tied)
+    # (model, chunk) -> the loss_fn of a model whose last stage stops before the head
+    chunked_loss_fn: Callable[[nn.Module, int], Callable]
 
 
 def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[slice, ...]:
@@ -538,9 +532,9 @@ def _layout(kinds: dict[str, str], tp: TP, m: ModelConfig) -> TPSharding:
         replicated={name: SHARDED for name in kinds},
         loss_fn=VocabParallelCrossEntropy(tp.comm, tp.group, start),
         unshard=unshard,
-        tp=tp,
-        vocab_start=start,
-        tied=m.tie_embeddings,
+        chunked_loss_fn=functools.partial(
+            vocab_parallel_chunked_loss, tp=tp, start=start, tied=m.tie_embeddings
+        ),
     )
 
 
@@ -552,9 +546,7 @@ def gather_full(local: torch.Tensor, kind: str, shape: tuple[int, ...], tp: TP) 
     sizes = [torch.empty(shape, device="meta")[i].shape for i in index]
     padded = local.new_zeros(sizes[0])
     padded[tuple(slice(0, n) for n in local.shape)] = local
-    pieces = padded.new_empty((t * sizes[0][0], *sizes[0][1:]))
-    tp.comm.all_gather(pieces, padded.contiguous(), tp.group)
-    pieces = pieces.view(t, *sizes[0])
+    pieces = gather_along(padded, 0, tp.comm, tp.group).view(t, *sizes[0])
     full = local.new_empty(shape)
     for r in range(t):
         full[index[r]] = pieces[r][tuple(slice(0, n) for n in sizes[r])]
