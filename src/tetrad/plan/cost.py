@@ -53,7 +53,7 @@ from tetrad.parallel.pipeline.schedules import (
     compute_orders,
     stage_to_rank,
 )
-from tetrad.parallel.pipeline.simulate import Costs, simulate
+from tetrad.parallel.pipeline.simulate import Costs, Dag
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.parallel.pipeline.timeline import Event, Timeline
 from tetrad.plan.candidates import (
@@ -131,7 +131,7 @@ class Planner:
         self.footprint = Footprint(cluster.device, recompute, engine)
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
-        self._schedules: dict[tuple, list] = {}
+        self._schedules: dict[tuple, Dag] = {}
         self._orders: dict[tuple, Timeline] = {}
         self._cool_downs: dict[tuple, list[tuple[tuple[str, ...], bool, tuple]]] = {}
         self._links: dict[tuple, Link] = {}  # `Cluster.link`, `Cluster.group_link`
@@ -175,12 +175,13 @@ class Planner:
         return (lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages,
                 self.engine.interleaved_lag)  # fmt: skip
 
-    def schedule(self, lay: Layout) -> list:
-        """The schedule's action lists (built once per schedule, pp, m, v and the engine's
-        interleaved warm-up)."""
+    def schedule(self, lay: Layout) -> Dag:
+        """The schedule's action lists as the simulator times them (built once per
+        schedule, pp, m, v and the engine's interleaved warm-up: a search times one
+        schedule on many costs)."""
         key = self._schedule_key(lay)
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(*key)
+            self._schedules[key] = Dag.of(build_schedule(*key))
         return self._schedules[key]
 
     def order(self, lay: Layout) -> Timeline:
@@ -248,15 +249,14 @@ class Planner:
 
     def _simulate(self, lay: Layout, costs: Costs) -> tuple[float, list[float], float]:
         """(makespan, each rank's busy time, bubble fraction) of the schedule simulated on
-        `costs`, as `Timeline` reads them off (cached by the schedule and the costs: the
-        search's answer is predicted again in detail, and each property of a timeline
-        walks all its events)."""
+        `costs`, as `Timeline` reads them off its events (cached by the schedule and the
+        costs: the search's answer is predicted again in detail)."""
         key = (self._schedule_key(lay), tuple(costs.f), tuple(costs.b), tuple(costs.w), costs.comm)
         if key not in self._simulated:
-            timeline = simulate(self.schedule(lay), costs, lay.schedule)
-            events = [e for rank in timeline.ranks for e in rank]
-            makespan = max((e.end for e in events), default=0.0) - timeline.start
-            busy = [timeline.busy(r) for r in range(lay.pp)]
+            dag = self.schedule(lay)
+            start, end = dag.times(costs)
+            makespan = max(end, default=0.0) - min(start, default=0.0)
+            busy = [sum(end[i] - start[i] for i in rank) for rank in dag.ranks]
             bubble = 1.0 - sum(busy) / (lay.pp * makespan) if makespan else 0.0
             self._simulated[key] = (makespan, busy, bubble)
         return self._simulated[key]

@@ -12,6 +12,13 @@ model it: a compute starts once its inputs have arrived *and* that time has pass
 the rank's previous compute ended (whichever is later: the bookkeeping of a rank that
 waits for a transfer is done while it waits). `measure.estimate_costs` reads both off a
 measured step, so the simulator learns the runtime's own overhead.
+
+So a compute's start is a function of earlier computes' ends alone: the rank's previous
+compute (its clock), and for each receive since then the compute its sender ran last
+before the send. `Dag` records those links once per action lists, with the computes in
+an order that puts each after the ones it reads; timing it on costs (`Dag.times`) is one
+pass over that order, the same sums and maxima as running the lists rank by rank (a
+planner's search times one schedule on many costs).
 """
 
 from __future__ import annotations
@@ -54,36 +61,97 @@ class Costs:
         return float(value if isinstance(value, int | float) else value[stage])
 
 
+@dataclass(frozen=True)
+class Dag:
+    """Action lists' computes and what each waits for, in an order that puts every
+    compute after the computes it reads (module docstring). Compute i is `computes[i]`
+    (an Action) on rank `rank[i]`; `after[i]` is the rank's previous compute, `moves[i]`
+    the sends and receives the rank handles between the two, `inputs[i]` for each of
+    those receives the compute its sender ran last before the send (-1: none, at time 0);
+    `ranks[r]` rank r's computes in its own order."""
+
+    computes: tuple[Action, ...]
+    rank: tuple[int, ...]
+    after: tuple[int, ...]
+    moves: tuple[int, ...]
+    inputs: tuple[tuple[int, ...], ...]
+    ranks: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, actions: Sequence[Sequence[Action]]) -> Dag:
+        """The Dag of per-rank action lists; ValueError naming each stuck rank's action if
+        they deadlock (what `run_all` names)."""
+        found: dict[str, list] = {name: [] for name in ("computes", "rank", "after", "moves",
+                                                        "inputs")}  # fmt: skip
+        last, moves = [-1] * len(actions), [0] * len(actions)
+        inputs: list[list[int]] = [[] for _ in actions]
+        sent: dict[tuple[str, int, int], int] = {}
+
+        def step(a: Action, r: int) -> bool:
+            if a.kind.startswith("SEND"):
+                sent[wire(a)] = last[r]
+            elif a.kind.startswith("RECV"):
+                if wire(a) not in sent:
+                    return False
+                inputs[r].append(sent[wire(a)])
+            else:
+                for name, value in zip(found, (a, r, last[r], moves[r], tuple(inputs[r]))):
+                    found[name].append(value)
+                last[r], moves[r], inputs[r] = len(found["rank"]) - 1, -1, []
+            moves[r] += 1
+            return True
+
+        run_all(actions, step, "schedule deadlocks")
+        ranks: list[list[int]] = [[] for _ in actions]
+        for i, r in enumerate(found["rank"]):
+            ranks[r].append(i)
+        return cls(**{k: tuple(v) for k, v in found.items()}, ranks=tuple(map(tuple, ranks)))
+
+    def times(self, costs: Costs) -> tuple[list[float], list[float]]:
+        """(start, end) of every compute on `costs`: the rank's clock (its previous
+        compute's end, plus `overhead` and `p2p` per send or receive since), or the
+        latest of its inputs' arrivals, whichever is later."""
+        durations = self._durations(costs)
+        host = [0.0]  # p2p summed as the ranks add it, one transfer at a time
+        for _ in range(max(self.moves, default=0)):
+            host.append(host[-1] + costs.p2p)
+        comm, overhead = costs.comm, costs.overhead
+        n = len(self.computes)
+        start, end = [0.0] * n, [0.0] * (n + 1)  # end[-1]: no compute, time 0
+        for i, (prev, moves, ins, took) in enumerate(
+            zip(self.after, self.moves, self.inputs, durations)
+        ):
+            clock = end[prev] + overhead + host[moves]
+            arrived = 0.0
+            for src in ins:
+                t = end[src] + comm
+                if t > arrived:
+                    arrived = t
+            start[i] = begin = arrived if arrived > clock else clock
+            end[i] = begin + took
+        del end[n]
+        return start, end
+
+    def _durations(self, costs: Costs) -> list[float]:
+        if costs.each:
+            return [costs.of(a.kind, a.stage, a.microbatch) for a in self.computes]
+        table: dict[tuple[str, int], float] = {}
+        out = []
+        for a in self.computes:
+            key = (a.kind, a.stage)
+            if key not in table:
+                table[key] = costs.of(a.kind, a.stage)
+            out.append(table[key])
+        return out
+
+
 def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> Timeline:
     """Time every rank's action list; raise ValueError if the lists deadlock."""
     _check_costs(costs, 1 + max((a.stage for acts in actions for a in acts), default=0))
-    pp = len(actions)
-    clock = [0.0] * pp  # end of the rank's last compute
-    # since the last compute: [host time spent on transfers, time the inputs arrived]
-    since = [[0.0, 0.0] for _ in range(pp)]
-    sent: dict[tuple[str, int, int], float] = {}
-    ranks: list[list[Event]] = [[] for _ in range(pp)]
-
-    def step(a: Action, rank: int) -> bool:
-        """Advance `rank` past action `a` if it can run now; return whether it did."""
-        host = since[rank]
-        if a.kind.startswith("SEND"):
-            sent[wire(a)] = clock[rank]  # made when its compute ended
-            host[0] += costs.p2p
-        elif a.kind.startswith("RECV"):
-            if wire(a) not in sent:
-                return False  # a receive whose send has not run yet holds its rank
-            host[0] += costs.p2p
-            host[1] = max(host[1], sent[wire(a)] + costs.comm)
-        else:
-            start = max(clock[rank] + costs.overhead + host[0], host[1])
-            end = start + costs.of(a.kind, a.stage, a.microbatch)
-            ranks[rank].append(Event(a.kind, a.stage, a.microbatch, start, end))
-            clock[rank] = end
-            since[rank] = [0.0, 0.0]
-        return True
-
-    run_all(actions, step, "schedule deadlocks")
+    dag = Dag.of(actions)
+    start, end = dag.times(costs)
+    ranks = [[Event(dag.computes[i].kind, dag.computes[i].stage, dag.computes[i].microbatch,
+                    start[i], end[i]) for i in rank] for rank in dag.ranks]  # fmt: skip
     return Timeline(ranks, unit="cost", schedule=schedule)
 
 
