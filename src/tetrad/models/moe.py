@@ -99,12 +99,13 @@ class Router(nn.Module):
         self.scaling, self.renormalise = cfg.routed_scaling, cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.dim))
         self.register_buffer("expert_bias", torch.zeros(cfg.experts))
-        self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # what `use_logits` installed, if anything
+        self.logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> (affinities [T, E] normalised over experts, ids [T, k], weights [T, k]),
         all fp32 but the int64 ids."""
-        logits = self.logits(x) if self._logits is None else self._logits(x)  # [T, E]
+        logits = self.logits(x) if self.logits_fn is None else self.logits_fn(x)  # [T, E]
         scores = logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
         choice = scores + widen(self.expert_bias)
         if self.groups > 1:
@@ -133,12 +134,7 @@ class Router(nn.Module):
         """Take the logits from `logits(x)` (the same F.linear of the fp32 weight): how
         parallel code changes the way the weight meets the tokens (its gradient summed
         over ranks, or computed later), not what the router computes."""
-        self._logits = logits
-
-    @property
-    def logits_fn(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """What `use_logits` installed, if anything."""
-        return self._logits
+        self.logits_fn = logits
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:

@@ -93,7 +93,7 @@ class _Tape(TorchDispatchMode):
             self._check_drops()
         return out
 
-    def _leave(self) -> None:
+    def _leave(self) -> None:  # a forward hook's None: the module's output stays its own
         self.running.pop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -119,23 +119,19 @@ class _Tape(TorchDispatchMode):
         want, choice = self.modules[path]
         if kind != want:
             return None
-        count = self.seen.get(path, 0) + 1
-        self.seen[path] = count
-        if choice == "drop" and count > 1:
-            raise RuntimeError(
-                f"selective recomputation drops the output of {path!r}'s {kind} kernel, but "
-                f"that module runs more than one: its model family's ModelSpec.selective "
-                f"no longer matches the block (the rerun would compute from garbage)"
-            )
-        return (path, choice) if count == 1 else None
+        self.seen[path] = self.seen.get(path, 0) + 1
+        return (path, choice) if self.seen[path] == 1 else None
 
     def _check_drops(self) -> None:
+        """A dropped module ran exactly one kernel of its kind: the forward fails here, before
+        any rerun could compute from the uninitialised output of a second."""
         for path, (kind, choice) in self.modules.items():
-            if choice == "drop" and self.seen.get(path, 0) != 1:
+            ran = self.seen.get(path, 0)
+            if choice == "drop" and ran != 1:
                 raise RuntimeError(
                     f"selective recomputation drops the output of {path!r}'s {kind} kernel, "
-                    f"but that module ran none: its model family's ModelSpec.selective no "
-                    f"longer matches the block"
+                    f"but that module ran {'none' if ran == 0 else 'more than one'}: its model "
+                    f"family's ModelSpec.selective no longer matches the block"
                 )
 
     def _give_back(self, path: str, choice: str):
