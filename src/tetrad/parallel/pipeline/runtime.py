@@ -306,7 +306,7 @@ class PipelineRuntime:
         elif a.kind in ("B", "BW"):
             self._backward(st, a.stage, a.microbatch, split=a.kind == "B")
         elif a.kind == "W":
-            self._weight_grads((a.stage, a.microbatch))
+            self.store.flush((a.stage, a.microbatch))
             self.meter.drop(("W", a.stage, a.microbatch))
             for buf in st.parked.pop((a.stage, a.microbatch), []):
                 self._release(buf)
@@ -345,7 +345,7 @@ class PipelineRuntime:
             self.meter.drop(("F", s + 1, i))  # handed to a local next stage, never sent
         if self.store is not None:
             if not split:
-                self._weight_grads((s, i))
+                self.store.flush((s, i))
             else:  # the inputs and output gradients W will need stay alive until then
                 filed = self.store.pending.get((s, i), [])
                 self.meter.hold(("W", s, i), [t for f in filed for t in (f.x, f.grad)])
@@ -356,13 +356,6 @@ class PipelineRuntime:
                 self._release(x, st, (s, i), "input")
         if grad is not None and (s + 1) not in self.chunks:
             self._release(grad, st, (s, i), "grad")
-
-    def _weight_grads(self, key: StageMb) -> None:
-        # the filed inputs require grad: outside no_grad, each weight gradient would record
-        # a graph holding every microbatch's inputs until zero_grad (and DP's bucket views
-        # refuse in-place adds of such tensors)
-        with torch.no_grad():
-            self.store.flush(key)
 
 
 build_pipeline = PipelineRuntime  # this rank's pipeline: its program, its split backward

@@ -99,8 +99,12 @@ class WeightGradStore:
             raise RuntimeError("a deferred linear ran backward outside a B action")
         self.pending[self.key].append(filed)
 
+    @torch.no_grad()
     def flush(self, key: StageMb) -> None:
-        """Run W for (stage, microbatch): accumulate every filed weight gradient."""
+        """Run W for (stage, microbatch): accumulate every filed weight gradient. Without
+        grad: the filed inputs require it, so each weight gradient would otherwise record
+        a graph holding every microbatch's inputs until zero_grad (and DP's bucket views
+        refuse in-place adds of such tensors)."""
         for sink, x, grad, counts, weight_grad in self.pending.pop(key, []):
             g2, x2 = grad.flatten(0, -2), x.flatten(0, -2)
             if weight_grad is None:
