@@ -130,13 +130,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace) -> Config:
     """Defaults < --config file < --model preset < individual flags."""
     raw = load_raw(args.config) if args.config else {}
-    cfg = from_dict(raw)
+    cfg, model_table = from_dict(raw), raw.get("model", {})
     if args.model:
         cfg.model = model_preset(args.model)
     if args.init_from_hf:
         cfg.model.init_from_hf = args.init_from_hf
     if cfg.model.init_from_hf:
-        cfg.model = hf_model(cfg, args)
+        cfg.model = hf_model(cfg, args, model_table)
     for dest, (section, f) in TRAIN_OPTIONS.items():
         value = getattr(args, dest)
         if value == "auto" and dest in ELASTIC_AXES:  # only their type lets auto through
@@ -147,7 +147,7 @@ def build_config(args: argparse.Namespace) -> Config:
         cfg.model.family = experts_family(cfg.model.family, args.experts)
     if cfg.data.tokenizer:  # absolute: export and generate find it from anywhere
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)
-    args.vocab_note = vocab_from_data(cfg, args, raw.get("model", {}))
+    args.vocab_note = vocab_from_data(cfg, args, model_table)
     return cfg
 
 
@@ -232,19 +232,14 @@ def vocab_from_data(cfg: Config, args: argparse.Namespace, model_table: dict[str
     )
 
 
-def hf_model(cfg: Config, args: argparse.Namespace) -> ModelConfig:
-    """The model of --init-from-hf DIR; a flag or [model] value that contradicts its
-    config.json is an error naming both."""
+def hf_model(cfg: Config, args: argparse.Namespace, model_table: dict[str, Any]) -> ModelConfig:
+    """The model of --init-from-hf DIR; a flag or a value of the --config file's [model]
+    table that contradicts its config.json is an error naming both."""
     from tetrad.interop import hf
 
     if args.model:
         raise ValueError(f"--model {args.model} and --init-from-hf both choose the model")
-    defaults = ModelConfig()
-    given = {  # values a --config file set
-        f"[model] {f}": (f, getattr(cfg.model, f))
-        for f in hf.HF_KEYS
-        if getattr(cfg.model, f) != getattr(defaults, f)
-    }
+    given = {f"[model] {f}": (f, v) for f, v in model_table.items() if f in hf.HF_KEYS}
     for dest, (section, f) in TRAIN_OPTIONS.items():
         value = getattr(args, dest)
         if section == "model" and f.name != "init_from_hf" and value is not None:
