@@ -481,10 +481,7 @@ class ZeroShards:
         backward's hooks) first waits for all but the latest reduce-scatter, which bounds
         the full gradients alive at once, as FSDP does; a pipeline, whose accumulation
         keeps them all anyway, only collects the finished ones."""
-        if bounded:
-            self._settle(keep=1)
-        else:
-            self._collect()
+        self._settle(keep=1 if bounded else 0, waiting=bounded)
         full = unit.flat.grad
         if full is None:  # the unit took no part in this step's backward
             full = torch.zeros_like(unit.data)
@@ -514,16 +511,12 @@ class ZeroShards:
             work = PieceWork(quantized, out)
         self.scattering.append((unit, work, send, out))
 
-    def _settle(self, keep: int) -> None:
+    def _settle(self, keep: int, waiting: bool = True) -> None:
         """Wait for all but the `keep` latest reduce-scatters, drop their full gradients,
-        and start all-reducing their shards over the dp replicas (HSDP)."""
-        while len(self.scattering) > keep:
-            self._replicate(self.scattering.pop(0))
-
-    def _collect(self) -> None:
-        """`_settle` for the reduce-scatters already done, oldest first, waiting for none
-        (so the dp all-reduces start in the same order on every replica)."""
-        while self.scattering and self.scattering[0][1].is_completed():
+        and start all-reducing their shards over the dp replicas (HSDP). Not `waiting`:
+        only those already done, oldest first (so the dp all-reduces start in the same
+        order on every replica)."""
+        while len(self.scattering) > keep and (waiting or self.scattering[0][1].is_completed()):
             self._replicate(self.scattering.pop(0))
 
     def _replicate(self, scattered: tuple[FlatUnit, Any, torch.Tensor, torch.Tensor]) -> None:
