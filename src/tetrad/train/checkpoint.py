@@ -167,8 +167,7 @@ class Saver:
         if (path / MANIFEST).is_file():
             return path  # already committed: a resumed run that ends where it started
         tmp = prepare(path, engine)
-        owned, adam_step = owned_state(engine, optimizer)  # copies
-        info = describe(step, adam_step, loader, cfg, self.layout)
+        owned, info = owned_state(step, engine, optimizer, loader, cfg, self.layout)  # copies
         work = partial(write_shard, tmp, engine.mesh.rank, owned)
         self.pending = (path, info, Background(work, "tetrad-checkpoint"))
         return path if self.asynchronous and not wait else self.finish(engine, cfg)
@@ -183,14 +182,15 @@ class Saver:
         return commit(path, writer.value, writer.error, info, engine, cfg)
 
 
-def owned_state(engine, optimizer) -> tuple[list, int]:
-    """`engine.owned_slices` (copies), and this rank's error-feedback residuals, each whole
-    under "residual/<rank>/<name>" (zeros before its first reduction)."""
-    owned, step = engine.owned_slices(optimizer)
+def owned_state(step: int, engine, optimizer, loader, cfg: Config, layout) -> tuple[list, dict]:
+    """This rank's state after `step` steps: `engine.owned_slices` (copies), and its
+    error-feedback residuals, each whole under "residual/<rank>/<name>" (zeros before its
+    first reduction); and the state sections of its manifest (`describe`)."""
+    owned, adam_step = engine.owned_slices(optimizer)
     for name, r in engine.grads.residuals().items():
         error = torch.zeros(r.size) if r.error is None else r.error
         owned.append((f"{RESIDUAL}{engine.mesh.rank}/{name}", ((0, r.size),), snapshot(error)))
-    return owned, step
+    return owned, describe(step, adam_step, loader, cfg, layout)
 
 
 class Background(threading.Thread):
@@ -226,7 +226,7 @@ def write_shard(tmp: Path, rank: int, owned: list) -> dict[str, Any]:
         return {"file": None, "slices": {}}
     fname = f"rank-{rank:05d}.safetensors"
     data, entry = serialise(owned, {"file": fname})
-    _write_synced(tmp / fname, data)
+    write_file(tmp / fname, data, sync=True)
     return {"file": fname} | entry
 
 
@@ -253,7 +253,7 @@ def commit(path: Path, shard, error, info: dict, engine, cfg: Config) -> Path:
         with agreed(engine, f"committing checkpoint {path}"):
             if engine.mesh.rank == 0:
                 manifest = build_manifest(shards, info, cfg)
-                _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+                write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), sync=True)
                 _fsync(tmp)
                 os.replace(tmp, path)
                 _fsync(path.parent)  # the rename itself survives a power cut
@@ -340,8 +340,7 @@ def gather_json(engine, obj: Any) -> list[Any]:
     sizes = torch.zeros(world.size, dtype=torch.int64, device=engine.device)
     engine.comm.all_gather(sizes, torch.tensor([len(data)], device=engine.device), world)
     width = int(sizes.max())
-    mine = torch.zeros(width, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = torch.frombuffer(bytearray(data.ljust(width, b"\0")), dtype=torch.uint8)
     out = torch.empty(world.size * width, dtype=torch.uint8, device=engine.device)
     engine.comm.all_gather(out, mine.to(engine.device), world)
     rows = out.cpu().view(world.size, width)
@@ -615,11 +614,14 @@ def load_model(path: str | Path, buffers: bool = False) -> tuple[Config, dict[st
 # --- files --------------------------------------------------------------------------------
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def write_file(path: Path, data: Any, sync: bool = False) -> None:
+    """Write `data` (any bytes-like object); with `sync`, fsynced (a durable file: memory-
+    backed ones need none). A full medium shows here, as ENOSPC."""
     with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+        fh.write(memoryview(data))
+        if sync:
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 def _fsync(directory: Path) -> None:

@@ -78,7 +78,6 @@ from tetrad.train.checkpoint import (
     CorruptCheckpoint,
     agreed,
     assemble,
-    describe,
     gather_json,
     install,
     owned_state,
@@ -86,6 +85,7 @@ from tetrad.train.checkpoint import (
     serialise,
     step_dirs,
     tally,
+    write_file,
 )
 
 FORMAT = "tetrad-local-checkpoint"
@@ -221,8 +221,7 @@ class LocalCheckpoints:
 
     def start(self, step: int, optimizer, loader) -> None:
         """Snapshot this rank's boxes (copies) and write them in the background."""
-        owned, adam_step = owned_state(self.engine, optimizer)
-        info = describe(step, adam_step, loader, self.cfg, self.layout)
+        owned, info = owned_state(step, self.engine, optimizer, loader, self.cfg, self.layout)
         info |= {"local_world": self.local_world}
         work = partial(self._write, step, owned, info)
         self.pending = (step, Background(work, "tetrad-local-checkpoint"))
@@ -396,17 +395,11 @@ def unpack(blob: Any) -> tuple[dict, Any]:
 
 def store(directory: Path, stem: str, meta: dict, data: Any) -> None:
     """STEM.safetensors, then STEM.json by rename (a JSON means both are whole). `data`:
-    any bytes-like object."""
+    any bytes-like object. Memory-backed: no fsync; a full /dev/shm shows as ENOSPC."""
     write_file(directory / f"{stem}.safetensors", data)
     tmp = directory / f".{stem}.json"
     write_file(tmp, json.dumps(meta).encode())
     os.replace(tmp, directory / f"{stem}.json")
-
-
-def write_file(path: Path, data: Any) -> None:
-    """Write `data` (memory-backed: no fsync). Where a full /dev/shm shows, as ENOSPC."""
-    with open(path, "wb") as fh:
-        fh.write(memoryview(data))
 
 
 def check_sha(meta: dict, data: bytes) -> None:
