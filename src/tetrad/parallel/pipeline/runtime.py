@@ -322,13 +322,12 @@ class PipelineRuntime:
             st.inputs[(s, i)] = x
         with self.meter.saving():
             out = self.model.forward_span(x, list(chunk.layers), chunk.first, chunk.last)
-            if chunk.last:
-                loss = self.loss_fn(out, st.targets_of[i]) / st.denom.value()
+            if chunk.last:  # the last stage's output is its loss
+                out = self.loss_fn(out, st.targets_of[i]) / st.denom.value()
+        st.outputs[(s, i)] = out
         if chunk.last:
-            st.loss += loss.detach().double()
-            st.outputs[(s, i)] = loss
+            st.loss += out.detach().double()
         else:
-            st.outputs[(s, i)] = out
             st.box[("F", s + 1, i)] = out.detach()  # sent, or handed to the local next stage
             self.meter.hold(("F", s + 1, i), [out])  # until its send is done, or its backward
 
