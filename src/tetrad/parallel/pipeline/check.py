@@ -99,7 +99,17 @@ def check_actions(
             if key in where:
                 raise ValueError(f"rank {rank}: duplicate {a} at positions {where[key][1]} and {i}")
             where[key] = (rank, i)
-    _check_coverage_and_order(where, n_stages, microbatches, stage_to_rank)
+    expected, pairs = _rules(where, n_stages, microbatches, stage_to_rank)
+    if missing := expected - where.keys():  # coverage (2)
+        raise ValueError(f"missing actions: {_fmt(missing)}")
+    if extra := where.keys() - expected:
+        raise ValueError(f"unexpected actions: {_fmt(extra)}")
+    for first, then in pairs:  # causality (3): each pair, both on one rank, in order
+        if where[first] > where[then]:
+            raise ValueError(
+                f"rank {where[then][0]}: {_fmt([then])} (position {where[then][1]}) runs "
+                f"before {_fmt([first])} (position {where[first][1]})"
+            )
     _check_progress(actions, rendezvous=False)
     if in_order:  # an in-order transport matches each link's messages in send order
         _match([[a for a in acts if not a.is_compute] for acts in actions])
@@ -127,24 +137,6 @@ def _check_placement(
         raise ValueError(f"rank {rank}: {a} must run on rank {ends[0]} with peer {ends[1]}")
     if ends[0] == ends[1]:
         raise ValueError(f"rank {rank}: {a} sends to its own rank")
-
-
-def _check_coverage_and_order(
-    where: dict[ActionKey, tuple[int, int]], n_stages: int, m: int, place: Callable[[int], int]
-) -> None:
-    """Coverage (2), then causality (3): every (earlier, later) pair, both on one rank,
-    must appear in that order."""
-    expected, pairs = _rules(where, n_stages, m, place)
-    if missing := expected - where.keys():
-        raise ValueError(f"missing actions: {_fmt(missing)}")
-    if extra := where.keys() - expected:
-        raise ValueError(f"unexpected actions: {_fmt(extra)}")
-    for first, then in pairs:
-        if where[first] > where[then]:
-            raise ValueError(
-                f"rank {where[then][0]}: {_fmt([then])} (position {where[then][1]}) runs "
-                f"before {_fmt([first])} (position {where[first][1]})"
-            )
 
 
 def _rules(

@@ -21,7 +21,7 @@ between the two is exactly what the runtime's transfer placement costs.
 from __future__ import annotations
 
 from tetrad.parallel.pipeline.p2p import Item, Post, Wait
-from tetrad.parallel.pipeline.schedules import Action, wire
+from tetrad.parallel.pipeline.schedules import wire
 from tetrad.parallel.pipeline.simulate import Costs, run_all
 from tetrad.parallel.pipeline.timeline import Event, Timeline
 
@@ -41,14 +41,14 @@ def simulate_program(programs: list[list[Item]], costs: Costs, schedule: str = "
         if isinstance(item, Post):
             for a in item.ops:
                 t += costs.p2p
-                posted[_end(a)] = t
+                posted[a.kind.startswith("SEND"), wire(a)] = t
         elif isinstance(item, Wait):
             for a in item.ops:
-                mine, key = _end(a)
-                other = posted.get((not mine, key))
+                mine = a.kind.startswith("SEND")
+                other = posted.get((not mine, wire(a)))
                 if other is None:
                     return False  # a wait on a transfer whose other end is not posted yet
-                t = max(t, max(posted[(mine, key)], other) + costs.comm)
+                t = max(t, max(posted[mine, wire(a)], other) + costs.comm)
         else:
             start = t + costs.overhead
             t = start + costs.of(item.kind, item.stage)
@@ -58,7 +58,3 @@ def simulate_program(programs: list[list[Item]], costs: Costs, schedule: str = "
 
     run_all(programs, step, "programs deadlock")
     return Timeline(ranks, unit="cost", schedule=schedule)
-
-
-def _end(a: Action) -> End:
-    return a.kind.startswith("SEND"), wire(a)
