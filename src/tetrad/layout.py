@@ -374,11 +374,10 @@ def _check_fp8(model: ModelConfig, t: TrainConfig, p: ParallelConfig) -> None:
     head shared by tp ranks, the split backward's deferred weight gradients and an FP8
     gather of tp shards are refused. The FP8 all-gather is ZeRO-3's, of tensorwise weights
     (parallel/compress.py)."""
-    fp8 = t.fp8
     if p.fp8_all_gather:
         _require(
-            fp8 == "tensorwise" and p.zero_stage == 3 and p.fsdp > 1,
-            f"parallel.fp8_all_gather with train.fp8={fp8!r}, zero_stage={p.zero_stage}, "
+            t.fp8 == "tensorwise" and p.zero_stage == 3 and p.fsdp > 1,
+            f"parallel.fp8_all_gather with train.fp8={t.fp8!r}, zero_stage={p.zero_stage}, "
             f"fsdp={p.fsdp}: it gathers ZeRO-3's shards (fsdp > 1) of tensorwise FP8 weights; "
             "rowwise scales its input gradient's weight per input feature, which an FP8 copy "
             "scaled per output row cannot give",
@@ -388,17 +387,17 @@ def _check_fp8(model: ModelConfig, t: TrainConfig, p: ParallelConfig) -> None:
             f"parallel.fp8_all_gather with parallel.tp={p.tp}: a tp shard's FP8 scale would "
             "need its amax's max over tp as well as fsdp, which is not implemented",
         )
-    if not fp8:
+    if not t.fp8:
         return
     _require(
         p.tp <= model.kv_heads,
-        f"train.fp8={fp8!r} with parallel.tp={p.tp} > model.kv_heads={model.kv_heads}: "
+        f"train.fp8={t.fp8!r} with parallel.tp={p.tp} > model.kv_heads={model.kv_heads}: "
         "the tp ranks sharing a kv head each hold a partial gradient of it, which FP8 "
         "cannot quantize as the single process quantizes their sum",
     )
     _require(
         p.pp_schedule not in SPLIT_BACKWARD or p.pp == 1,
-        f"train.fp8={fp8!r} with pp_schedule={p.pp_schedule!r}: the split backward's deferred"
+        f"train.fp8={t.fp8!r} with pp_schedule={p.pp_schedule!r}: the split backward's deferred"
         " weight gradients are not implemented for FP8 linears yet",
     )
 

@@ -75,9 +75,8 @@ def rank_of(coord: dict[str, int], degrees: dict[str, int]) -> int:
 def axis_groups(degrees: dict[str, int], group: str) -> list[list[int]]:
     """Partition of all ranks into groups that differ only along `group`'s axes."""
     varying = GROUP_AXES[group]
-    world = prod(degrees.values())
     buckets: dict[tuple[int, ...], list[int]] = {}
-    for r in range(world):
+    for r in range(prod(degrees.values())):
         c = coords(r, degrees)
         key = tuple(c[a] for a in AXES if a not in varying)
         buckets.setdefault(key, []).append(r)
