@@ -140,20 +140,17 @@ HF_KEYS = {
     "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
     "tie_embeddings": "tie_word_embeddings",
-    "family": "model_type",
     "head_size": "head_dim",
     "experts": "num_local_experts (Mixtral) / num_experts (Qwen3-MoE) / n_routed_experts",
     "top_k": "num_experts_per_tok",
     "moe_ffn_dim": "intermediate_size (Mixtral) / moe_intermediate_size",
     "dense_layers": "mlp_only_layers (Qwen3-MoE) / first_k_dense_replace (DeepSeek-V3)",
-    "qk_norm": "model_type",
-    "qkv_bias": "model_type",
     "sliding_window": "sliding_window",
-    "router": "model_type",
-    "balance": "model_type",
     "routed_scaling": "routed_scaling_factor",
     "norm_topk_prob": "norm_topk_prob",
     "q_lora_rank": "q_lora_rank",
+    # what the type decides
+    **dict.fromkeys(("family", "qk_norm", "qkv_bias", "router", "balance"), "model_type"),
 }
 # the fields every config.json gives (in the order a missing one is named)
 REQUIRED = ("dim", "ffn_dim", "layers", "heads", "vocab")
@@ -548,8 +545,19 @@ def check_exportable(model: ModelConfig) -> None:
             "router": (model.router != "sigmoid", f"{cls} routes by sigmoid"),
             "shared_experts": (model.shared_experts < 1, f"{cls} has shared experts"),
         }
-    elif model.moe:
-        refuse |= _moe_refusals(model)
+    elif model.moe:  # what neither Mixtral nor Qwen3-MoE can express
+        refuse |= {
+            "shared_experts": (model.shared_experts > 0, "neither has shared experts"),
+            "router": (model.router != "softmax", "both route by softmax"),
+            "balance": (model.balance == "bias", "neither has a routing bias"),
+            "n_group": (model.n_group > 1, "neither limits the experts to groups"),
+            "routed_scaling": (model.routed_scaling != 1, "neither scales the routed weights"),
+            "norm_topk_prob": (not model.norm_topk_prob, "tetrad writes them renormalised"),
+            "dense_layers": (
+                model.dense_layers > 0 and not model.qk_norm,
+                "Mixtral has no dense layers (a QK-norm model exports as Qwen3-MoE, which has)",
+            ),
+        }
     target = "Mixtral or Qwen3-MoE" if model.family == "moe" else cls
     for field, (bad, why) in refuse.items():
         if bad:
@@ -557,22 +565,6 @@ def check_exportable(model: ModelConfig) -> None:
                 f"model.{field}={getattr(model, field)!r} cannot be exported to Hugging Face "
                 f"{target}: {why}"
             )
-
-
-def _moe_refusals(model: ModelConfig) -> dict[str, tuple[bool, str]]:
-    """What neither Mixtral nor Qwen3-MoE can express, by field: (refused, why)."""
-    return {
-        "shared_experts": (model.shared_experts > 0, "neither has shared experts"),
-        "router": (model.router != "softmax", "both route by softmax"),
-        "balance": (model.balance == "bias", "neither has a routing bias"),
-        "n_group": (model.n_group > 1, "neither limits the experts to groups"),
-        "routed_scaling": (model.routed_scaling != 1, "neither scales the routed weights"),
-        "norm_topk_prob": (not model.norm_topk_prob, "tetrad writes them renormalised"),
-        "dense_layers": (
-            model.dense_layers > 0 and not model.qk_norm,
-            "Mixtral has no dense layers (a QK-norm model exports as Qwen3-MoE, which has)",
-        ),
-    }
 
 
 # what a model imported from Hugging Face keeps on the way out: its special tokens
