@@ -8,7 +8,9 @@ out, so a hang never outlives its test.
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -26,28 +28,14 @@ from tetrad.launch import free_port
 from tetrad.mesh import Group
 
 
-class _Array:
-    """A tensor carried by value (torch's queues would share memory with a dying process)."""
+class _ByValue(pickle.Pickler):
+    """Pickles every tensor detached, on the CPU and by value (torch's queues would share
+    its memory with a dying process)."""
 
-    def __init__(self, t: torch.Tensor):
-        self.array = t.detach().cpu().numpy().copy()
-
-
-def _map(obj: Any, leaf: Callable[[Any], Any]) -> Any:
-    """`obj` with `leaf` applied to everything inside its dicts, lists and tuples."""
-    if isinstance(obj, dict):
-        return {k: _map(v, leaf) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(v, leaf) for v in obj)
-    return leaf(obj)
-
-
-def _pack(obj: Any) -> Any:
-    return _map(obj, lambda x: _Array(x) if isinstance(x, torch.Tensor) else x)
-
-
-def _unpack(obj: Any) -> Any:
-    return _map(obj, lambda x: torch.from_numpy(x.array) if isinstance(x, _Array) else x)
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj.detach().cpu().clone().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        return NotImplemented
 
 
 def _entry(rank, fn, world, port, results, threads, timeout, args) -> None:
@@ -65,7 +53,9 @@ def _entry(rank, fn, world, port, results, threads, timeout, args) -> None:
         out = fn(rank, world, *args)
         if world > 1:
             _leave_together(rank, world, timeout)
-        results.put((rank, True, _pack(out)))
+        buffer = io.BytesIO()
+        _ByValue(buffer).dump(out)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -110,7 +100,7 @@ def spawn(
     for p in procs:
         p.start()
     try:
-        return _collect(procs, results, world, timeout)
+        return [pickle.loads(out) for out in _collect(procs, results, world, timeout)]
     finally:
         for p in procs:
             if p.is_alive():
@@ -128,22 +118,17 @@ def _collect(procs, results, world: int, timeout: float) -> list[Any]:
         if time.monotonic() > deadline:
             missing = sorted(set(range(world)) - set(out))
             raise TimeoutError(f"ranks {missing} of {world} did not finish within {timeout:.0f}s")
-        try:
-            rank, ok, payload = results.get(timeout=0.5)
+        gone = [
+            (r, p.exitcode) for r, p in enumerate(procs) if r not in out and p.exitcode is not None
+        ]
+        try:  # a rank exits once its result is in the pipe: it may not be read yet
+            rank, ok, payload = results.get(timeout=EXIT_GRACE_S if gone else 0.5)
         except queue.Empty:
-            gone = [
-                (r, p.exitcode)
-                for r, p in enumerate(procs)
-                if r not in out and p.exitcode is not None
-            ]
             if not gone:
                 continue
-            try:  # a rank exits once its result is in the pipe: it may not be read yet
-                rank, ok, payload = results.get(timeout=EXIT_GRACE_S)
-            except queue.Empty:
-                r, code = gone[0]
-                raise RuntimeError(f"rank {r} exited with code {code} without a result") from None
+            r, code = gone[0]
+            raise RuntimeError(f"rank {r} exited with code {code} without a result") from None
         if not ok:
             raise RuntimeError(f"rank {rank} of {world} failed:\n{payload}")
-        out[rank] = _unpack(payload)
+        out[rank] = payload
     return [out[r] for r in range(world)]

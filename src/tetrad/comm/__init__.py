@@ -91,15 +91,12 @@ class OpStats:
     clock: Clock | None = field(default=None, repr=False)
     log: WaitLog | None = field(default=None, repr=False)  # the Comm's, every wait in order
     _seconds: float = 0.0
-    _pending: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # GPU marks
+    _pending: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # unread marks
 
     def blocked(self, start: Any, end: Any) -> None:
-        """Charge the time between two marks of `clock` (read later on a GPU)."""
+        """Charge the time between two marks of `clock` (read when `seconds` is)."""
         self.log.add(start, end)  # a Comm's stats (the only ones that block) have both
-        if self.clock.cuda:
-            self._pending.append((start, end))
-        else:
-            self._seconds += end - start
+        self._pending.append((start, end))
 
     @property
     def seconds(self) -> float:

@@ -24,7 +24,7 @@ Two cores, `parallel.cp_attention` picks:
 
 Keys and values travel side by side in one tensor [b, s, kv heads, hd + v_hd]: values
 may have a head size of their own and rotary may turn only the last channels of each
-head (latent attention: the core's `rope_dim`, `v_head_dim`; `HeadDims`).
+head (latent attention: the core's `rope_dim`, `v_head_dim`; `CPCore`).
 
 Each block (this rank's queries against one rank's keys and values) runs through a
 kernel that returns its output and log-sum-exp, and whose backward, given the merged
@@ -39,7 +39,6 @@ bytes each moves per layer, which tests/test_cp.py checks against `Comm`'s count
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -71,44 +70,33 @@ def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     return x.index_select(dim, chunk_positions(x.shape[dim], cp, rank, x.device))
 
 
-@dataclass(frozen=True)
-class HeadDims:
-    """An attention core's per-head widths: q and k (`head_dim`), the channels of them
-    rotary turns (`rope_dim`: all, or the last ones: latent attention) and v's."""
-
-    head_dim: int
-    rope_dim: int
-    v_head_dim: int
-
-    @staticmethod
-    def of(core: nn.Module) -> HeadDims:
-        """A core's widths: `head_dim`, and `rope_dim`, `v_head_dim` where it has them."""
-        hd = core.head_dim
-        return HeadDims(hd, getattr(core, "rope_dim", hd), getattr(core, "v_head_dim", hd))
-
-
 class CPCore(nn.Module):
     """A context-parallel attention core (`attention`: "allgather" or "ring", see the module
-    doc), rotating with the family's `rotary` at this rank's global positions, each block
-    through the kernel of kind `kernel` (parallel.cp_kernel: fused or unfused)."""
+    doc) in place of `core`, with its `theta` and per-head widths: q and k (`head_dim`), the
+    channels of them rotary turns (`rope_dim`: all, or the last ones: latent attention)
+    and v's (`v_head_dim`), the last two where it has them. It rotates with the family's
+    `rotary` at this rank's global positions, each block through the kernel of kind
+    `kernel` (parallel.cp_kernel: fused or unfused)."""
 
     def __init__(
-        self, attention: str, dims: HeadDims, theta: float, rotary: Rotary, comm: Comm,
-        group: Group, kernel: str,
+        self, attention: str, core: nn.Module, rotary: Rotary, comm: Comm, group: Group,
+        kernel: str,
     ):  # fmt: skip
         super().__init__()
-        self.ring, self.dims, self.theta, self.comm = attention == "ring", dims, theta, comm
-        self.group, self.head_dim = group, dims.head_dim
+        self.ring, self.theta, self.comm, self.group = attention == "ring", core.theta, comm, group
+        self.head_dim = hd = core.head_dim
+        self.rope_dim = getattr(core, "rope_dim", hd)
+        self.v_head_dim = getattr(core, "v_head_dim", hd)
         self.rotary, self.kernel = rotary, kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[b, s/cp, heads·hd] (v: heads·v_hd) -> [b, s/cp, heads·v_hd]."""
         b, s = q.shape[:2]
         q, k = (t.view(b, s, -1, self.head_dim) for t in (q, k))
-        v = v.view(b, s, -1, self.dims.v_head_dim)  # [b, s/cp, kvh, v_hd]
+        v = v.view(b, s, -1, self.v_head_dim)  # [b, s/cp, kvh, v_hd]
         n, rank = self.group.size, self.group.rank
         pos = chunk_positions(s * n, n, rank, q.device)  # this rank's, global
-        rope = self.rotary.tables(pos, self.dims.rope_dim, self.theta)
+        rope = self.rotary.tables(pos, self.rope_dim, self.theta)
         q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
         if self.ring:
             out = _RingAttention.apply(q, k, v, self.comm, self.group, self.kernel)
@@ -182,11 +170,11 @@ class _Grads:
     """The backward of `_Online`, block by block, from the saved output and log-sum-exp."""
 
     def __init__(self, q, grad, out, lse, kv_heads: int, kernel: BlockKernel):
-        self.q, self.dout = q.transpose(1, 2).contiguous(), grad.transpose(1, 2).contiguous()
-        self.out, self.lse = out.to(q.dtype), lse  # out, lse: [b, H, s, v_hd], [b, H, s]
+        self.q = q.transpose(1, 2).contiguous()
         self.rep, self.scale = q.shape[2] // kv_heads, q.shape[-1] ** -0.5
         self.dq = torch.zeros(self.q.shape, dtype=wide(q.dtype), device=q.device)
-        self._mine = (self.dout, self.q, self.out, self.lse)  # what the rows slice
+        # what the rows slice: dout, q, out [b, H, s, ·] and lse [b, H, s]
+        self._mine = (grad.transpose(1, 2).contiguous(), self.q, out.to(q.dtype), lse)
         self.kernel = kernel
 
     def block(self, kv: torch.Tensor, where: tuple[int, int, int]) -> torch.Tensor:
@@ -299,10 +287,9 @@ def apply_cp(
     kernel: str = "fused",
 ) -> None:
     """Swap every attention core of `model` (the modules its family's `spec` names, with
-    their `theta` and widths, `HeadDims.of`) for the cp core `attention` (allgather or
+    their `theta` and widths) for the cp core `attention` (allgather or
     ring), rotating with the spec's rotary and attending block by block with the `kernel`
     kind (fused or unfused): no parameters, nothing to shard or materialise."""
     cores = [(n, m) for n, m in model.named_modules() if matches(spec.attention_core, n)]
     for name, core in cores:
-        args = (HeadDims.of(core), core.theta, spec.rotary, comm, mesh["cp"], kernel)
-        model.set_submodule(name, CPCore(attention, *args))
+        model.set_submodule(name, CPCore(attention, core, spec.rotary, comm, mesh["cp"], kernel))

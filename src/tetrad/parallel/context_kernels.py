@@ -152,18 +152,15 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def _one_head_size(forward: Callable, backward: Callable) -> tuple[Callable, Callable]:
     """A (forward, backward) that takes q, k and v of one head size, made to take v of
-    another: every side zero-padded to the widest for the call, the padding cut after."""
+    another: every side zero-padded to the widest for the call (where it is narrower),
+    the padding cut after."""
 
     def padded_forward(q, k, v, causal: bool, scale: float):
-        if q.shape[-1] == v.shape[-1]:
-            return forward(q, k, v, causal, scale)
         d = max(q.shape[-1], v.shape[-1])
         out, lse = forward(_pad(q, d), _pad(k, d), _pad(v, d), causal, scale)
         return out[..., : v.shape[-1]], lse
 
     def padded_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-        if q.shape[-1] == v.shape[-1]:
-            return backward(dout, q, k, v, out, lse, causal, scale)
         d, hd, v_hd = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
         wide_args = (_pad(t, d) for t in (dout, q, k, v, out))
         dq, dk, dv = backward(*wide_args, lse, causal, scale)
