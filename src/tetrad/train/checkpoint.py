@@ -32,8 +32,7 @@ import re
 import shutil
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,40 +60,6 @@ RESIDUAL = "residual/"  # key prefix of a rank's error-feedback residuals (paral
 class CorruptCheckpoint(ValueError):
     """A checkpoint that cannot be trusted (a missing, truncated or altered file, an
     unreadable manifest): `--resume` skips it for the next older one, with a warning."""
-
-
-@dataclass
-class Checkpoint:
-    """A verified checkpoint on disk: its manifest, and its tensors read on demand (whole:
-    for tests, export and inspection; training reads only its own boxes)."""
-
-    path: Path
-    manifest: dict[str, Any]
-
-    @cached_property
-    def reader(self) -> SliceReader:
-        """One reader: each file's sha256 checked once."""
-        return SliceReader(self.path, self.manifest)
-
-    @property
-    def model(self) -> dict[str, torch.Tensor]:
-        """Every parameter, full size."""
-        read = self.reader
-        return {n: read.full(n) for n in read.tensors if "/" not in n}
-
-    @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """Every model buffer (an MoE router's balancing bias), by its module path."""
-        read = self.reader
-        return {n[len(BUFFER) :]: read.full(n) for n in read.tensors if n.startswith(BUFFER)}
-
-    @property
-    def optim(self) -> dict[str, torch.Tensor]:
-        """AdamW's "exp_avg/<name>", "exp_avg_sq/<name>" full size, and "step"."""
-        read = self.reader
-        kept = [n for n in read.tensors if "/" in n and not n.startswith((BUFFER, RESIDUAL))]
-        out = {n: read.full(n) for n in kept}
-        return out | {"step": torch.tensor(float(self.manifest["training"]["optimizer_step"]))}
 
 
 # --- finding checkpoints ------------------------------------------------------------------
@@ -400,14 +365,33 @@ def tally(error: BaseException | None, soft: type, comm, group, device, what: st
 
 
 class SliceReader:
-    """Boxes of logical tensors from a checkpoint: for each box asked, only the overlapping
-    parts of the saved boxes are read (safetensors' lazy slices), from files whose sha256
-    was checked (streamed, once) before their first use."""
+    """A checkpoint on disk: its manifest, and boxes of its logical tensors. For each box
+    asked, only the overlapping parts of the saved boxes are read (safetensors' lazy
+    slices), from files whose sha256 was checked (streamed, once) before their first use.
+    Whole tensors (`model`, `buffers`, `optim`) are for tests, export and inspection;
+    training reads only its own boxes."""
 
     def __init__(self, path: Path, manifest: dict[str, Any]):
-        self.path, self.files = path, manifest["files"]
+        self.path, self.manifest, self.files = path, manifest, manifest["files"]
         self.tensors = tensor_entries(manifest)
         self._open: dict[str, Any] = {}
+
+    @property
+    def model(self) -> dict[str, torch.Tensor]:
+        """Every parameter, full size."""
+        return {n: self.full(n) for n in self.tensors if "/" not in n}
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every model buffer (an MoE router's balancing bias), by its module path."""
+        return {n[len(BUFFER) :]: self.full(n) for n in self.tensors if n.startswith(BUFFER)}
+
+    @property
+    def optim(self) -> dict[str, torch.Tensor]:
+        """AdamW's "exp_avg/<name>", "exp_avg_sq/<name>" full size, and "step"."""
+        kept = [n for n in self.tensors if "/" in n and not n.startswith((BUFFER, RESIDUAL))]
+        out = {n: self.full(n) for n in kept}
+        return out | {"step": torch.tensor(float(self.manifest["training"]["optimizer_step"]))}
 
     def __call__(self, key: str, box: Box) -> torch.Tensor:
         entry = self.tensors.get(key)
@@ -488,10 +472,10 @@ def tensor_entries(manifest: dict[str, Any]) -> dict[str, dict]:
     }
 
 
-def read(path: Path) -> Checkpoint:
+def read(path: Path) -> SliceReader:
     """A checkpoint whose manifest parses and whose every file matches its sha256."""
-    ckpt = Checkpoint(path, read_manifest(path))
-    ckpt.reader.verify_all()
+    ckpt = SliceReader(path, read_manifest(path))
+    ckpt.verify_all()
     return ckpt
 
 
@@ -607,7 +591,7 @@ def load_model(path: str | Path, buffers: bool = False) -> tuple[Config, dict[st
     `load_state_dict` of the whole model)."""
     ckpt = read(resolve(path))
     cfg = from_dict(ckpt.manifest["training"]["config"])
-    check_model(ckpt.path, ckpt.reader.tensors, cfg)
+    check_model(ckpt.path, ckpt.tensors, cfg)
     return cfg, ckpt.model | (ckpt.buffers if buffers else {})
 
 
