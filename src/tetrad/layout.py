@@ -114,10 +114,15 @@ class Layout:
 
     @classmethod
     def of(
-        cls, model: ModelConfig, t: TrainConfig, p: ParallelConfig, world: int | None = None
+        cls,
+        model: ModelConfig,
+        train: TrainConfig,
+        parallel: ParallelConfig,
+        world: int | None = None,
     ) -> Layout:
         """The layout of these three sections (for `world` ranks if given), its own rules
         checked; the sections' own checks are `config.check_sections`' (`build` runs both)."""
+        t, p = train, parallel
         _check_parallel(p, world)
         split = _check_split(p, model.layers)
         _check_shapes(model, t, p)
