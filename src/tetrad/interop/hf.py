@@ -35,7 +35,7 @@ from tetrad.config import ModelConfig
 from tetrad.models import deepseek_spec
 from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
-from tetrad.models.moe_spec import QWEN3_MOE_NAMES, hf_architecture
+from tetrad.models.moe_spec import QWEN3_MOE_NAMES
 from tetrad.models.spec import ModelSpec
 
 CONFIG = "config.json"
@@ -60,8 +60,11 @@ WINDOWED = ("mistral", "mixtral")
 
 
 def model_type(model: ModelConfig) -> str:
-    """The Hugging Face model_type `model` is written as (the MoE family's: by its switches)."""
-    return hf_architecture(model) if model.family == "moe" else model.family
+    """The Hugging Face model_type `model` is written as (the MoE family's: Qwen3-MoE with
+    QK-norm, else Mixtral)."""
+    if model.family == "moe":
+        return "qwen3_moe" if model.qk_norm else "mixtral"
+    return model.family
 
 
 def _spec(model: ModelConfig) -> ModelSpec:
@@ -69,8 +72,8 @@ def _spec(model: ModelConfig) -> ModelSpec:
     spec = spec_for(model)
     if model_type(model) == "qwen3_moe":
         return dataclasses.replace(spec, hf_names=QWEN3_MOE_NAMES)
-    if model.family == "deepseek_v3":
-        return dataclasses.replace(spec, hf_names=deepseek_spec.hf_names(model))
+    if model.family == "deepseek_v3" and not model.q_lora_rank:
+        return dataclasses.replace(spec, hf_names=deepseek_spec.PLAIN_Q_NAMES)
     return spec
 
 

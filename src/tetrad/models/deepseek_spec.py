@@ -178,11 +178,6 @@ PLAIN_Q_NAMES = {
 }
 
 
-def hf_names(m: ModelConfig) -> dict[str, str]:
-    """The Hugging Face names of a DeepSeek-V3 model's parameters."""
-    return HF_NAMES if m.q_lora_rank else PLAIN_Q_NAMES
-
-
 # Latent attention under tp: the heads split (wq_b and wkv_b column-wise, wo row-wise);
 # the down projections and their norms, which every head reads, stay before the region
 # (`sequence`: replicated without SP; under SP on each rank's s/tp, their weights'
@@ -224,6 +219,6 @@ DEEPSEEK_V3 = dataclasses.replace(
     activations=MLAActivations(),
     # the core's last qk_rope_dim channels of each head rotate (cp: at global positions)
     rotary=Rotary(tables=rotary_at, apply=apply_rotary_tail),
-    hf_names=HF_NAMES,  # without q_lora_rank: `hf_names`
+    hf_names=HF_NAMES,  # without q_lora_rank: PLAIN_Q_NAMES (interop/hf.py)
     attention_entry=attention_entry,
 )

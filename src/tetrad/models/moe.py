@@ -358,11 +358,6 @@ class MoEFeedForward(nn.Module):
         """Route token copies through `dispatch` (the same protocol as `LocalDispatch`)."""
         self.dispatch = dispatch
 
-    def use_aux_scale(self, scale: float) -> None:
-        """Scale the auxiliary loss's gradient by `scale` (1 / the global batch's sequences:
-        the token loss's mean, `set_aux_scale`)."""
-        self.aux_scale = scale
-
     def use_sequence_sum(self, sequence_sum: SequenceSum) -> None:
         """Sum per-sequence expert counts with `sequence_sum` (a sequence split over ranks:
         context parallelism, tp under sp)."""
@@ -452,7 +447,7 @@ def set_recompute(model: nn.Module, mode: str) -> None:
 def set_aux_scale(model: nn.Module, sequences: int) -> None:
     """The auxiliary loss is a mean over the `sequences` of the global batch."""
     for ffn in moe_layers(model).values():
-        ffn.use_aux_scale(1.0 / sequences)
+        ffn.aux_scale = 1.0 / sequences
 
 
 def meta_moe(cfg: ModelConfig) -> MoE:

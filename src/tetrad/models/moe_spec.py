@@ -172,12 +172,6 @@ MLP_MOE_NAMES = {
 QWEN3_MOE_NAMES = {**LLAMA_NAMES, **QK_NORM_NAMES, **MLP_MOE_NAMES}
 
 
-def hf_architecture(m: ModelConfig) -> str:
-    """The Hugging Face model an MoE config is written as: Qwen3-MoE with QK-norm, else
-    Mixtral."""
-    return "qwen3_moe" if m.qk_norm else "mixtral"
-
-
 # Llama's decoder with expert feed-forwards: its module roles (embedding, blocks, norm,
 # head, tied weight, attention core) are Llama's, the rest is the family's own
 MOE = dataclasses.replace(
@@ -194,7 +188,7 @@ MOE = dataclasses.replace(
     block_linears=block_linears,
     activations=MoEActivations(),
     routed_linears=ROUTED_LINEARS,
-    hf_names=MIXTRAL_NAMES,  # Qwen3-MoE's: interop/hf.py, by `hf_architecture`
+    hf_names=MIXTRAL_NAMES,  # Qwen3-MoE's: interop/hf.py, by `model_type`
     moe=MoEParts(
         router=Router,
         experts=Experts,
