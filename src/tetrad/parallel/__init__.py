@@ -90,9 +90,7 @@ def parallelize(
     names = [n for n, _ in model.named_parameters()]
     fsdp, ep_data = layout.degrees["fsdp"], mesh["ep_data"].size
     groups = param_groups(names, experts, layout.zero_stage, fsdp, ep_data)
-    syncs, replicated = _group_syncs(
-        groups, names, model, layout, mesh, comm, replicated, spec, tied
-    )
+    syncs, replicated = _group_syncs(groups, model, layout, mesh, comm, replicated, spec, tied)
     sharded = [s for s in syncs if isinstance(s, ZeroShards)]
     grads: GradSync = syncs[0] if len(syncs) == 1 else GroupedGrads(syncs)
     whole = [pair for s in syncs if not isinstance(s, ZeroShards) for pair in s.params()]
@@ -107,7 +105,6 @@ def parallelize(
 
 def _group_syncs(
     groups: list[ParamGroup],
-    names: list[str],
     model: torch.nn.Module,
     layout: Layout,
     mesh: Mesh,
@@ -119,12 +116,12 @@ def _group_syncs(
     """Each group's gradient sync, built in the groups' order (dense first, with the
     embedding tied across the pipeline's ends): ZeRO's shards over its axis (fsdp:
     replicas all-reduced over dp, HSDP), or, held whole, the bucketed all-reduce over its
-    data group. And `replicated` with the shard views' axes (the norm counts each once).
-    `names`: the model's parameters, in order, before any group is sharded."""
+    data group. And `replicated` with the shard views' axes (the norm counts each once)."""
     syncs: list[GradSync] = []
     for group in groups:
         if group.sharded:
-            rest = [n for n in names if n not in group.names]
+            # the groups after it (those before it are sharded: no longer in the model)
+            rest = [n for n, _ in model.named_parameters() if n not in group.names]
             own_tied = tied if group.name == "dense" else None
             shards = ZeroShards(
                 model, mesh, comm, layout, replicated, spec, own_tied, rest, group.axis

@@ -231,11 +231,9 @@ class Float8Gather:
         for t in (self.w8, self.recv):
             t.untyped_storage().resize_(t.numel())
         values = master.to(self.dtype)
-        send = torch.zeros(self.width, dtype=torch.uint8, device=master.device)
-        others = values[self.other_at].view(torch.uint8)
-        send[: others.numel()] = others
         q = to_float8(values[self.fp8_at], self.scales[self.which], E4M3)
-        send[others.numel() : others.numel() + q.numel()] = q.view(torch.uint8)
+        mine = torch.cat([values[self.other_at].view(torch.uint8), q.view(torch.uint8)])
+        send = F.pad(mine, (0, self.width - mine.numel()))  # the other values, then FP8
         return comm.all_gather(self.recv, send, group, async_op=True), send
 
     def land(self, data: torch.Tensor) -> None:

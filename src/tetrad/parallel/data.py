@@ -75,11 +75,10 @@ class Masters:
     def __init__(self, named: Named, dtype: torch.dtype):
         self.model = named
         self.named: Named = []
-        with torch.no_grad():
-            for name, p in named:
-                master = nn.Parameter(widen(p.detach()).clone(), requires_grad=p.requires_grad)
-                p.data = p.data.to(dtype)
-                self.named.append((name, master))
+        for name, p in named:
+            master = nn.Parameter(widen(p.detach()).clone(), requires_grad=p.requires_grad)
+            p.data = p.data.to(dtype)
+            self.named.append((name, master))
         self.of = {id(p): m for (_, p), (_, m) in zip(named, self.named)}
 
     def take_grads(self) -> None:
@@ -281,12 +280,11 @@ class GradBuckets(LocalGrads):
 
     def residuals(self) -> dict[str, Residual]:
         """Each compressed bucket's residuals, as "bucket<i>.sent" and "bucket<i>.summed"."""
-        return {
-            k: r
-            for i, b in enumerate(self.buckets)
-            if b.quantized is not None
-            for k, r in b.quantized.residuals(f"bucket{i}").items()
-        }
+        out: dict[str, Residual] = {}
+        for i, b in enumerate(self.buckets):
+            if b.quantized is not None:
+                out |= b.quantized.residuals(f"bucket{i}")
+        return out
 
     def held(self) -> Held:
         """`LocalGrads.held`, and a compressed reduction's residuals among the gradients."""

@@ -75,6 +75,5 @@ def planned(layout: Layout, m: ModelConfig, rank: int) -> LocalModel:
 
 def stage_param_names(layout: Layout, m: ModelConfig, pp_rank: int) -> list[str]:
     """Logical names of the parameters pipeline rank `pp_rank` holds (pure)."""
-    degrees = layout.degrees
-    rank = rank_of({**{a: 0 for a in degrees}, "pp": pp_rank}, degrees)
+    rank = rank_of(dict.fromkeys(layout.degrees, 0) | {"pp": pp_rank}, layout.degrees)
     return [n for n, _ in planned(layout, m, rank).model.named_parameters()]

@@ -123,10 +123,10 @@ class Runner(Protocol):
 class MicrobatchLoop:
     """The runner without a pipeline: each microbatch forward then backward, in turn."""
 
-    def __init__(
-        self, model: nn.Module, loss_fn: LossFn, holds_loss: bool = True, meter_every: int = 0
-    ):
-        self.model, self.loss_fn, self.holds_loss = model, loss_fn, holds_loss
+    holds_loss = True  # every rank runs the whole model
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, meter_every: int = 0):
+        self.model, self.loss_fn = model, loss_fn
         self.meter = ActivationMeter()  # what autograd saves: the step's activations
         self.meter_every = meter_every
 

@@ -56,7 +56,8 @@ class PlainAdapter:
         self.model, self.mesh, self.comm = model, mesh, comm
         self.layout, self.model_cfg = layout, model_cfg
         self.unshard = unshard or (lambda _, t: t)  # tp: all-gathers a shard (a collective)
-        self.slicer = slicer  # tp: the index of this rank's shard in a full tensor
+        # tp: the index of this rank's shard in a full tensor (None: the whole tensor)
+        self.slicer = slicer or (lambda _: None)
         # name -> the tensor the optimizer steps: the parameter, or its fp32 master
         self.optimized = dict(optimized or model.named_parameters())
 
@@ -82,8 +83,7 @@ class PlainAdapter:
     # --- the sharded half: owned boxes out, needed boxes in ---------------------------------
     def box(self, name: str) -> Box:
         """Where this rank's local tensor `name` sits in the full logical tensor."""
-        shape = tuple(full_shape(name, self.model_cfg))
-        return index_box(self.slicer(name) if self.slicer else None, shape)
+        return index_box(self.slicer(name), tuple(full_shape(name, self.model_cfg)))
 
     def writes(self, name: str, replicated: dict[str, tuple[str, ...]], axis: str = "fsdp") -> bool:
         """Whether this rank is the one writer of its copy of `name`: coordinate 0 on every
@@ -169,7 +169,7 @@ class PlainAdapter:
 
     def _slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the full logical tensor `name` (its tp shard, or all)."""
-        index = self.slicer(name) if self.slicer else None
+        index = self.slicer(name)
         # indexed even when whole: `full` may be lazy (read on indexing, see interop.hf)
         return full[...] if index is None else full[index]
 

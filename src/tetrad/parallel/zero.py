@@ -182,14 +182,13 @@ class FlatUnit:
         # optimizer write through it without invalidating tensors autograd saved.
         self.data = self.flat.data
         lo, hi = rank * layout.shard, (rank + 1) * layout.shard
-        if not mixed(dtype):
-            self._load(model, self.data)
-            self.master = self.data[lo:hi] if self.stage < 3 else self.data[lo:hi].clone()
-        else:  # the master shard from the fp32 values, not from their bf16 rounding
-            full = torch.zeros(layout.padded, device=device)
-            self._load(model, full)
+        # mixed precision: the master shard from the fp32 values, not their bf16 rounding
+        full = torch.zeros(layout.padded, device=device) if mixed(dtype) else self.data
+        self._load(model, full)
+        if full is not self.data:
             self.data.copy_(full)
-            self.master = full[lo:hi].clone()
+        # an fp32 master shard is a view of the compute buffer, but for ZeRO-3's (freed)
+        self.master = full[lo:hi] if full is self.data and stage < 3 else full[lo:hi].clone()
         self.views = layout.views(rank)
         self.params = [(v.name, nn.Parameter(self.master[v.start : v.stop])) for v in self.views]
         # the fp32 gradient shard: stage 1 keeps it (in fp32, as a slice of the full
@@ -268,7 +267,7 @@ class ZeroShards:
         (a second set of shards over the ranks holding the same experts: no replicas).
         The layout's `compress` ("int8", "fp8") reduce-scatters each unit's gradient in
         that block format (parallel/compress.py); replicas then sum their shards as is."""
-        self.mesh, self.comm = mesh, comm
+        self.comm = comm
         self.dtype = job.compute_dtype
         # (name, group): a parameter another rank also holds (the embedding tied across
         # the pipeline's ends), its full gradient summed over `group` before the scatter
@@ -280,13 +279,11 @@ class ZeroShards:
         self.dp: Group | None = mesh["replica"] if axis == "fsdp" else None
         self.stage = job.zero_stage
         self.reshard_after_forward = job.reshard_after_forward
-        self.compiled = job.compiled
         self.reduce_dtype = job.reduce_dtype
         self.device = next(model.parameters()).device
         named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n not in exclude]
-        self.spec = spec
-        self.layouts = plan_units(named, replicated, self.group.size, self.spec, axis)
-        self.units = [self._build(u, model) for u in self.layouts]
+        layouts = plan_units(named, replicated, self.group.size, spec, axis)
+        self.units = [self._build(u, model) for u in layouts]
         self.quantized: dict[int, QuantizedReduce] = {}
         if job.compress and self.group.size > 1:
             for u in self.units:
@@ -303,7 +300,7 @@ class ZeroShards:
         self.tying: list[tuple[FlatUnit, Work, torch.Tensor]] = []  # tied sums in flight
         self.armed: set[int] = set()  # units whose next accumulation is their last
         self.done: set[str] = set()  # parameters whose last backward work has run
-        self._register_hooks(model)
+        self._register_hooks(model, spec, job.compiled)
 
     def _float8_gathers(self) -> torch.Tensor:
         """Give each unit holding FP8 linears its `Float8Gather`; returns the scales of all
@@ -345,7 +342,7 @@ class ZeroShards:
         return unit
 
     # --- hooks ---------------------------------------------------------------------------
-    def _register_hooks(self, model: nn.Module) -> None:
+    def _register_hooks(self, model: nn.Module, spec: ModelSpec, compiled: bool) -> None:
         for u in self.units:
             u.flat.register_post_accumulate_grad_hook(lambda _, u=u: self._post_backward(u))
             if u.layout.name != ROOT:
@@ -357,20 +354,20 @@ class ZeroShards:
                 # is one node: it has no middle, and a hook traced into it would give each
                 # block a graph of its own
                 children = list(block.children())
-                if not self.compiled and len(children) >= 2:
+                if not compiled and len(children) >= 2:
                     self.prefetch_midway.add(u.layout.name)
                     children[-2].register_forward_hook(lambda _, __, o, u=u: self._midway(u, o))
         root = next((u for u in self.units if u.layout.name == ROOT), None)
         if root is None:
             return
         paths = list(dict.fromkeys(n.rpartition(".")[0] for n in root.layout.names))
-        order = self.spec.roots  # the order forward uses them in
+        order = spec.roots  # the order forward uses them in
         paths.sort(key=lambda p: order.index(p) if p in order else 1)
         if not getattr(model, "logits", True):  # a fused loss reads the head's weight, never
-            paths = [p for p in paths if p != self.spec.head]  # calls it: the norm installed it
+            paths = [p for p in paths if p != spec.head]  # calls it: the norm installed it
         for path in paths:
             module = model.get_submodule(path)
-            embed = path == self.spec.embedding
+            embed = path == spec.embedding
             module.register_forward_pre_hook(lambda *_, e=embed: self._pre_forward(root, e))
             if not embed:  # the head side: its backward comes first
                 module.register_forward_hook(lambda _, __, out: self._post_forward(root, out))
@@ -596,4 +593,4 @@ class ZeroShards:
 
     def view_replicated(self) -> dict[str, tuple[str, ...]]:
         """Replicated axes of each optimizer view (fsdp is what its shards split)."""
-        return {v.name: v.key[1] for u in self.layouts for v in u.views(self.group.rank)}
+        return {v.name: v.key[1] for u in self.units for v in u.views}

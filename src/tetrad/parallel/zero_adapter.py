@@ -71,8 +71,7 @@ class ZeroAdapter(PlainAdapter):
                     piece.copy_(self._slice(name, params[name]))
                 if u.gathered:
                     u.data.copy_(full)
-                lo = u.rank * u.layout.shard
-                u.master.copy_(full[lo : lo + u.layout.shard])
+                u.master.copy_(full.view(-1, u.layout.shard)[u.rank])
         super().load_full(params)
 
     # --- sharded checkpoints: each rank's own piece of each unit, as boxes ----------------
