@@ -173,11 +173,10 @@ def node_range(text: str) -> tuple[int, int]:
     return lo_n, hi_n
 
 
-def check_elastic(cfg: Config, args: argparse.Namespace, nproc: int) -> None:
-    """--nnodes MIN:MAX needs one elastic degree and restarts, and every world from MIN to
-    MAX nodes must hold the layout (the fixed degrees, the global batch): refused here,
-    once, naming the node count, rather than when a node is lost."""
-    lo, hi = node_range(args.nnodes)
+def check_elastic(cfg: Config, args: argparse.Namespace, nproc: int, lo: int, hi: int) -> None:
+    """--nnodes MIN:MAX (`lo`, `hi`) needs one elastic degree and restarts, and every world
+    from MIN to MAX nodes must hold the layout (the fixed degrees, the global batch): refused
+    here, once, naming the node count, rather than when a node is lost."""
     p = cfg.parallel
     if lo != hi and not p.elastic:
         autos = " or ".join(f"--{a} auto" for a in ELASTIC_AXES)
@@ -247,11 +246,10 @@ def hf_model(cfg: Config, args: argparse.Namespace, model_table: dict[str, Any])
     return hf.model_config(cfg.model.init_from_hf, given)
 
 
-def fill_world(cfg: Config, args: argparse.Namespace) -> int:
-    """Number of local processes to launch (per node); dp fills the world when no degree
-    was given."""
+def fill_world(cfg: Config, args: argparse.Namespace, nnodes: int) -> int:
+    """Number of local processes to launch (per node, of at most `nnodes`); dp fills the
+    world when no degree was given."""
     explicit = bool(args.config) or any(getattr(args, d) is not None for d in cfg.parallel.degrees)
-    nnodes = node_range(args.nnodes)[1]
     if cfg.parallel.elastic and args.nproc is None:
         raise ValueError(f"--{cfg.parallel.elastic} auto needs --nproc N: the ranks of each node")
     if args.nproc is None:
@@ -288,13 +286,13 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         print(args.vocab_note, flush=True)
     if under_torchrun():
         return worker(cfg, args)
-    nproc = fill_world(cfg, args)
     lo, hi = node_range(args.nnodes)
+    nproc = fill_world(cfg, args, hi)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if hi > 1 and not args.rdzv_endpoint:
         raise ValueError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT")
-    check_elastic(cfg, args, nproc)
+    check_elastic(cfg, args, nproc, lo, hi)
     world = nproc * hi
     layout = Layout.build(elastic_config(cfg, world), world)  # checked once, here
     t = cfg.train
