@@ -8,6 +8,7 @@ as in the MoE family (dense SwiGLUs first, then the router and the active expert
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import moe_spec
@@ -15,41 +16,23 @@ from tetrad.models.llama import rotary_at
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import swiglu_names
 from tetrad.models.mla import apply_rotary_tail, keep_mla, meta_deepseek, param_shape
-from tetrad.models.moe_spec import MLP_MOE_NAMES, MOE, MoEActivations, active_ffn
+from tetrad.models.moe_spec import MLP_MOE_NAMES, MOE, MoEActivations
 from tetrad.models.plans import MOE_PLAN
 from tetrad.models.spec import Rotary, Saved
 
 
-def attention_params(m: ModelConfig) -> int:
-    """Weights of one MLA layer's matmuls: its linears' K·N (`block_linears`, one tp rank)."""
+def mla_attention_sizes(m: ModelConfig) -> tuple[int, int]:
+    """(weights of one MLA layer's matmuls: its linears' K·N, `block_linears` on one tp
+    rank; channels a query meets per position over all heads: q·kᵀ over nope + rope, p·v)."""
     linears = block_linears(m, 1).items()
-    return sum(k * n for name, (k, n) in linears if name.startswith("attention."))
+    weights = sum(k * n for name, (k, n) in linears if name.startswith("attention."))
+    return weights, m.heads * (m.qk_nope_dim + m.qk_rope_dim + m.v_head_dim)
 
 
-def _score_width(m: ModelConfig) -> int:
-    """Channels a query meets per position, over all heads: q·kᵀ (nope + rope) and p·v."""
-    return m.heads * (m.qk_nope_dim + m.qk_rope_dim + m.v_head_dim)
-
-
-def matmul_params(m: ModelConfig) -> int:
-    """Parameters one token's matmuls use: MLA, the feed-forwards (`moe_spec.ffn_params`)
-    and the head."""
-    return m.layers * attention_params(m) + moe_spec.ffn_params(m) + m.vocab * m.dim
-
-
-def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs per token: 6·(active matmul params) + 6·L·scores·s."""
-    return 6.0 * matmul_params(m) + 6.0 * m.layers * _score_width(m) * seq_len
-
-
-def layer_costs(m: ModelConfig, seq_len: int) -> list[float]:
-    """[embedding, layers..., head+loss] FLOPs of one sequence, forward + backward."""
-    s, d = seq_len, m.dim
-    attention = 2 * s * attention_params(m) + 2 * s * s * _score_width(m)
-    dense = attention + 2 * s * 3 * d * m.hidden_dim
-    moe = attention + 2 * s * (3 * d * active_ffn(m) + d * m.experts)
-    layers = [3.0 * (dense if i < m.dense_layers else moe) for i in range(m.layers)]
-    return [3.0 * s * d, *layers, 3.0 * 2 * s * d * m.vocab]
+# the MoE family's counts, MLA's attention in them
+matmul_params = functools.partial(moe_spec.matmul_params, attention=mla_attention_sizes)
+flops_per_token = functools.partial(moe_spec.flops_per_token, attention=mla_attention_sizes)
+layer_costs = functools.partial(moe_spec.layer_costs, attention=mla_attention_sizes)
 
 
 def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:

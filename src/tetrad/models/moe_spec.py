@@ -8,11 +8,12 @@ SwiGLUs of `expert_dim` (the active parameters), times 6 for forward and backwar
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import llama_activations
 from tetrad.models.flops import block_linears as llama_block_linears
-from tetrad.models.flops import llama_layer_costs, swiglu_linears
+from tetrad.models.flops import swiglu_linears
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import LLAMA, QK_NORM_NAMES, QK_NORM_PLAN, swiglu_names
 from tetrad.models.moe import (
@@ -45,27 +46,39 @@ def ffn_params(m: ModelConfig) -> int:
     return m.dense_layers * 3 * m.dim * m.hidden_dim + routed
 
 
-def matmul_params(m: ModelConfig) -> int:
+# (model) -> (weights of one layer's attention matmuls, channels a query meets per position
+# over all heads: q·kᵀ and p·v), which the FLOP counts below take (DeepSeek-V3 gives MLA's)
+Attention = Callable[[ModelConfig], tuple[int, int]]
+
+
+def llama_attention(m: ModelConfig) -> tuple[int, int]:
+    """Llama's attention: the q, k, v and o projections, heads of head_dim channels."""
+    return m.dim * m.head_dim * (2 * m.heads + 2 * m.kv_heads), 2 * m.heads * m.head_dim
+
+
+def matmul_params(m: ModelConfig, attention: Attention = llama_attention) -> int:
     """Parameters one token's matmuls use: attention, the feed-forwards (`ffn_params`) and
     the head."""
-    attn = m.dim * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
-    return m.layers * attn + ffn_params(m) + m.vocab * m.dim
+    return m.layers * attention(m)[0] + ffn_params(m) + m.vocab * m.dim
 
 
-def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs per token: 6·(active matmul params) + 12·L·(heads·hd)·s."""
-    return 6.0 * matmul_params(m) + 12.0 * m.layers * m.heads * m.head_dim * seq_len
+def flops_per_token(m: ModelConfig, seq_len: int, attention: Attention = llama_attention) -> float:
+    """Forward + backward FLOPs per token: 6·(active matmul params) + 6·L·(scores' width)·s."""
+    return 6.0 * matmul_params(m, attention) + 6.0 * m.layers * attention(m)[1] * seq_len
 
 
-def layer_costs(m: ModelConfig, seq_len: int) -> list[float]:
-    """[embedding, layers..., head+loss] FLOPs of one sequence, forward + backward: a dense
-    layer is Llama's, an MoE layer has the active SwiGLU width and the router."""
-    shape = (m.heads, m.kv_heads, m.vocab, seq_len, m.head_dim)
-    dense = llama_layer_costs(m.layers, m.dim, m.hidden_dim, *shape)
-    moe = llama_layer_costs(1, m.dim, active_ffn(m), *shape)
-    router = 3.0 * 2 * seq_len * m.dim * m.experts
-    layers = [dense[1] if i < m.dense_layers else moe[1] + router for i in range(m.layers)]
-    return [dense[0], *layers, dense[-1]]
+def layer_costs(
+    m: ModelConfig, seq_len: int, attention: Attention = llama_attention
+) -> list[float]:
+    """[embedding, layers..., head+loss] FLOPs of one sequence, forward + backward: attention,
+    then a dense layer's SwiGLU, or an MoE layer's router and SwiGLUs of the active width."""
+    s, d = seq_len, m.dim
+    weights, width = attention(m)
+    attn = 2 * s * weights + 2 * s * s * width
+    dense = attn + 2 * s * 3 * d * m.hidden_dim
+    moe = attn + 2 * s * (3 * d * active_ffn(m) + d * m.experts)
+    layers = [3.0 * (dense if i < m.dense_layers else moe) for i in range(m.layers)]
+    return [3.0 * s * d, *layers, 3.0 * 2 * s * d * m.vocab]
 
 
 def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
