@@ -152,9 +152,7 @@ class ModelConfig:
     @property
     def hidden_dim(self) -> int:
         """The SwiGLU inner size: 2/3 of 4·dim rounded up to a multiple of 32, unless given."""
-        if self.ffn_dim:
-            return self.ffn_dim
-        return 32 * -(-(8 * self.dim // 3) // 32)
+        return self.ffn_dim or 32 * -(-(8 * self.dim // 3) // 32)
 
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
