@@ -140,7 +140,6 @@ HF_KEYS = {
     "vocab": "vocab_size",
     "ffn_dim": "intermediate_size",
     "max_seq_len": "max_position_embeddings",
-    "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
     "tie_embeddings": "tie_word_embeddings",
     "head_size": "head_dim",
@@ -148,11 +147,9 @@ HF_KEYS = {
     "top_k": "num_experts_per_tok",
     "moe_ffn_dim": "intermediate_size (Mixtral) / moe_intermediate_size",
     "dense_layers": "mlp_only_layers (Qwen3-MoE) / first_k_dense_replace (DeepSeek-V3)",
-    "sliding_window": "sliding_window",
     "routed_scaling": "routed_scaling_factor",
-    "norm_topk_prob": "norm_topk_prob",
-    "q_lora_rank": "q_lora_rank",
-    # what the type decides
+    # named alike, and what the type decides
+    **{f: f for f in ("rope_theta", "sliding_window", "norm_topk_prob", "q_lora_rank")},
     **dict.fromkeys(("family", "qk_norm", "qkv_bias", "router", "balance"), "model_type"),
 }
 # the fields every config.json gives (in the order a missing one is named)

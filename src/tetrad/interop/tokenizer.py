@@ -176,17 +176,14 @@ def export_tokenizer(path: str | Path, out_dir: str | Path, max_len: int) -> lis
     if not src.is_file():
         raise ValueError(f"the run's tokenizer {src} is gone; the weights were exported without it")
     out = Path(out_dir)
-    files = [out / "tokenizer.json"]
-    shutil.copyfile(src, files[0])
-    config = src.parent / "tokenizer_config.json"
-    if config.is_file():  # a Hugging Face tokenizer's own settings (special tokens, template)
-        shutil.copyfile(config, out / "tokenizer_config.json")
-        special = src.parent / "special_tokens_map.json"
-        if special.is_file():
-            shutil.copyfile(special, out / "special_tokens_map.json")
-            files.append(out / "special_tokens_map.json")
+    shutil.copyfile(src, out / "tokenizer.json")
+    names = ["tokenizer_config.json", "special_tokens_map.json"]
+    if (src.parent / names[0]).is_file():  # a Hugging Face tokenizer's own settings
+        names = [n for n in names if (src.parent / n).is_file()]  # (special tokens, template)
+        for name in names:
+            shutil.copyfile(src.parent / name, out / name)
     else:
+        names = names[:1]
         settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
-        (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
-    files.append(out / "tokenizer_config.json")
-    return files
+        (out / names[0]).write_text(json.dumps(settings, indent=2))
+    return [out / n for n in ("tokenizer.json", *names)]

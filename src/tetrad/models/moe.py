@@ -167,7 +167,9 @@ class Experts(nn.Module):
         """x [N, dim] grouped by expert, counts [n] -> [N, dim]."""
         gate, up = self.matmul(x, self.w1, counts), self.matmul(x, self.w3, counts)
         out = self.matmul(F.silu(gate) * up, self.w2, counts)
-        return _ContiguousGrad.apply(out)
+        if out.requires_grad:  # the grouped matmul's backward refuses an expanded gradient
+            out.register_hook(torch.Tensor.contiguous)  # (a sum's): hand it a contiguous one
+        return out
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The reference forward: one SwiGLU per group, a loop (tests and
@@ -279,19 +281,6 @@ def loop_reason(
 def _say_loop(why: str) -> None:
     """Tell, once per process and reason, that a CUDA run's experts loop over the groups."""
     print(f"tetrad: MoE experts on cuda: a loop over the experts ({why})", flush=True)
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (the grouped matmul's
-    backward refuses an expanded one, such as the gradient of a sum)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
 
 
 class LocalDispatch:
