@@ -27,24 +27,17 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def init_std(name: str, cfg: ModelConfig) -> float | None:
-    """Std of a normal init, or None for a ones-initialised norm gain."""
-    if name.endswith("norm.weight"):
-        return None
-    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
-        # residual-branch outputs scaled down with depth (GPT-2 / Megatron)
-        return cfg.init_std / math.sqrt(2 * cfg.layers)
-    return cfg.init_std
-
-
 def full_value(seed: int, name: str, shape: tuple[int, ...], cfg: ModelConfig) -> torch.Tensor:
-    """The full, unsharded float32 initial value of parameter `name` (a bias: zeros, as
-    Hugging Face's Qwen2 and Megatron start them)."""
+    """The full, unsharded float32 initial value of parameter `name`: a norm gain ones, a
+    bias zeros (as Hugging Face's Qwen2 and Megatron start them), else normal."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
-    std = init_std(name, cfg)
-    if std is None:
+    if name.endswith("norm.weight"):
         return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
+        # residual-branch outputs scaled down with depth (GPT-2 / Megatron)
+        std = cfg.init_std / math.sqrt(2 * cfg.layers)
     gen = torch.Generator().manual_seed(name_seed(seed, name))
     return torch.randn(shape, generator=gen) * std
 
