@@ -40,17 +40,21 @@ def _attempt_dir() -> tuple[Path | None, int, int]:
 
 def report(kind: str, message: str, code: int, **extra: Any) -> bool:
     """Write this rank's report for the launcher; False when there is no launcher to read it."""
+    record = {"kind": kind, "message": message, "code": code, "time": time.time()}
+    record |= {"pid": os.getpid(), **extra}
+    return _write("attempt{attempt:03d}-rank{rank:05d}-{kind}.json", record)
+
+
+def _write(name: str, record: dict[str, Any]) -> bool:
+    """`record`, with this rank and attempt, into the launcher's report directory as `name`
+    (formatted with the record's fields), whole (the launcher never reads half a file);
+    False without a launcher or on failure."""
     directory, rank, attempt = _attempt_dir()
     if directory is None:
         return False
-    record = {"kind": kind, "message": message, "code": code, "rank": rank}
-    record |= {"attempt": attempt, "time": time.time(), "pid": os.getpid(), **extra}
-    return _write_json(directory / f"attempt{attempt:03d}-rank{rank:05d}-{kind}.json", record)
-
-
-def _write_json(path: Path, record: dict[str, Any]) -> bool:
-    """Write `record` to `path` whole (the launcher never reads half a file); False on failure."""
+    record = {"rank": rank, "attempt": attempt, **record}
     with _QUIET:
+        path = directory / name.format(**record)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
@@ -100,10 +104,7 @@ def traces_requested() -> bool:
 
 def write_trace(record: dict[str, Any]) -> None:
     """This rank's trace (its recent collectives, see `comm.ledger`) for the launcher."""
-    directory, rank, attempt = _attempt_dir()
-    if directory is not None:
-        path = directory / f"trace-attempt{attempt:03d}-rank{rank:05d}.json"
-        _write_json(path, {"rank": rank, "attempt": attempt, **record})
+    _write("trace-attempt{attempt:03d}-rank{rank:05d}.json", record)
 
 
 def traces_written() -> int:

@@ -282,12 +282,9 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_sta
 
 def _log_since(torchrun_log: Path, start: int) -> str:
     """This launch's part of torchrun's log: what was written from byte `start` on."""
-    try:
-        with open(torchrun_log, "rb") as fh:
-            fh.seek(start)
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return ""
+    with contextlib.suppress(OSError):
+        return torchrun_log.read_bytes()[start:].decode(errors="replace")
+    return ""
 
 
 def _child_failure(text: str) -> str:
