@@ -49,7 +49,7 @@ def measure(rank: int, world: int, raws: list[dict]) -> list[tuple[int, int]]:
     out = []
     for raw in raws:
         cfg = from_dict(raw)
-        trainer = Trainer(cfg, Mesh.build(cfg.parallel.degrees, rank), torch.device("cpu"))
+        trainer = Trainer(cfg, Mesh.build(cfg.parallel, rank), torch.device("cpu"))
         trainer.train_step()
         run = trainer.engine.last_run
         out.append((trainer.measured_state[-1].total, run.peak_activation_bytes))
