@@ -598,12 +598,18 @@ def load_toml(path: str | Path, base: Config | None = None) -> Config:
 def check_sections(cfg: Config) -> None:
     """Raise ValueError naming the offending values of the sections that need no layout
     (the model, training, data and checkpoints); `Layout.build` checks the rest."""
-    check_choices("model", cfg.model)
-    check_choices("train", cfg.train)
-    _validate_model(cfg.model)
-    _validate_train(cfg.train, cfg.model)
+    check_model_and_train(cfg.model, cfg.train)
     _validate_data(cfg.data, cfg.model)
     _validate_checkpoint(cfg.checkpoint)
+
+
+def check_model_and_train(model: ModelConfig, train: TrainConfig) -> None:
+    """Raise ValueError naming the offending values of a model and its training settings
+    (what the planner's layouts are built from, beside the parallel section)."""
+    check_choices("model", model)
+    check_choices("train", train)
+    _validate_model(model)
+    _validate_train(train, model)
 
 
 def _require(ok: bool, message: str) -> None:
