@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -314,11 +313,12 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
 ROUTING_BIAS = "expert_bias"
 
 
-class HFWeights(Mapping):
-    """tetrad name -> a lazy tensor in a Hugging Face directory, indexable by this rank's
-    slice (`weights[name][rows, cols]` reads those elements only), as float32. The model's
-    buffers a checkpoint holds (DeepSeek-V3's trained routing bias) are read apart, by
-    `read_buffer`: the engine loads parameters from the mapping, buffers from a reader.
+class HFWeights(dict):
+    """tetrad name -> a lazy tensor (`LazyParam`) in a Hugging Face directory, indexable by
+    this rank's slice (`weights[name][rows, cols]` reads those elements only), as float32.
+    The model's buffers a checkpoint holds (DeepSeek-V3's trained routing bias) are read
+    apart, by `read_buffer`: the engine loads parameters from the mapping, buffers from a
+    reader.
 
     Constructing it checks every tensor the model needs: present, float, the right shape.
     """
@@ -327,15 +327,15 @@ class HFWeights(Mapping):
         self.directory, self.model = Path(directory), model
         self.files = weight_files(directory)
         meta = spec_for(model).build(model)
-        self.names = [n for n, _ in meta.named_parameters()]
         headers = self._headers()
         self.buffers = self._check_buffers(meta, headers)
-        for name in self.names:
+        for name, _ in meta.named_parameters():
             want = tuple(full_shape(name, model))
             if stacked(name, model):
                 want = want[1:]  # each expert's
             for key in hf_keys(name, model):
                 self._check(key, want, headers)
+            self[name] = LazyParam(self, name)
 
     def _check(self, key: str, want: tuple[int, ...], headers: dict) -> None:
         """Refuse Hugging Face tensor `key` missing, not a float, or not of shape `want`."""
@@ -384,17 +384,6 @@ class HFWeights(Mapping):
                     s = fh.get_slice(key)
                     out[key] = (s.get_dtype(), tuple(s.get_shape()))
         return out
-
-    def __getitem__(self, name: str) -> LazyParam:
-        if name not in self.names:
-            raise KeyError(name)
-        return LazyParam(self, name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """Elements `index` of tetrad tensor `name` (rows in tetrad's order), float32."""
