@@ -9,8 +9,6 @@ rank that sent it). Both go through `Comm`, counted and under its watchdog.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from tetrad.comm import Comm, Work
@@ -94,18 +92,6 @@ def tp_share(rows: int, tp: int, rank: int) -> tuple[int, int]:
     return lo, lo + base + (rank < extra)
 
 
-def _gather_shares(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torch.Tensor:
-    """Every tp rank's share of `rows` rows, concatenated in order (shares padded to the
-    largest for the all-gather, the padding dropped after)."""
-    n = group.size
-    width = tp_share(rows, n, 0)[1]
-    padded = x.new_zeros((width, *x.shape[1:]))
-    padded[: x.shape[0]] = x
-    out = gather_along(padded, 0, comm, group)
-    shares = [tp_share(rows, n, r) for r in range(n)]
-    return torch.cat([out[r * width : r * width + hi - lo] for r, (lo, hi) in enumerate(shares)])
-
-
 @graph_break
 def share_of_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """This tp rank's share of rows that every tp rank holds alike. Backward gives the
@@ -127,6 +113,16 @@ def join_over_tp(x: torch.Tensor, rows: int, comm: Comm, group: Group) -> torch.
     """Every tp rank's share joined into the `rows` rows (the inverse of `share_of_tp`).
     Backward keeps this rank's share of the gradient: downstream of a tp-replicated
     activation every tp rank holds the same gradient, so nothing is summed."""
-    lo, hi = tp_share(rows, group.size, group.rank)
-    join = partial(_gather_shares, rows=rows, comm=comm, group=group)
+    shares = [tp_share(rows, group.size, r) for r in range(group.size)]
+    width = shares[0][1]  # the largest: every share is padded to it for the all-gather
+
+    def join(x: torch.Tensor) -> torch.Tensor:
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        out = gather_along(padded, 0, comm, group)  # the padding dropped after
+        return torch.cat(
+            [out[r * width : r * width + hi - lo] for r, (lo, hi) in enumerate(shares)]
+        )
+
+    lo, hi = shares[group.rank]
     return Conjugate.apply(x, join, lambda grad: grad[lo:hi].clone())
