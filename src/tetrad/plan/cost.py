@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,19 +290,29 @@ class Planner:
         facts = self.facts(lay, m)
         times = self.stage_times(lay, m, facts)
         n = len(times.compute["F"])
-        forwards = [times.total("F", s) for s in range(n)]
-        back = {"B": [times.total("B", s) for s in range(n)]}
-        back["BW"] = [b + times.total("W", s) for s, b in enumerate(back["B"])]
+        total = {k: [times.total(k, s) for s in range(n)] for k in "FBW"}
+        back = {"B": total["B"], "BW": [b + w for b, w in zip(total["B"], total["W"])]}
+        # sums of the first i stages' terms, added in order as `sum` adds them
+        ahead = {k: list(itertools.accumulate(v, initial=0)) for k, v in back.items()}
+        ahead["F"] = list(itertools.accumulate(total["F"], initial=0))
+        tails: dict[tuple, float] = {}  # ranks with the same facts and stage times share it
         busy = started = tail = 0.0
         for r, (kinds, w0, after) in enumerate(self._cool_down_of(lay)):
             stages = held_stages(lay, r)
-            work = lay.microbatches * sum(times.total(k, s) for k in "FBW" for s in stages)
-            chain = sum(back[k][s] for s, k in enumerate(kinds)) + w0 * times.total("W", 0)
-            after_work = sum(c * times.total(k, s) for k, s, c in after)
+            work = lay.microbatches * sum(total[k][s] for k in "FBW" for s in stages)
+            if len(set(kinds)) == 1:
+                chain = ahead[kinds[0]][len(kinds)]
+            else:
+                chain = sum(back[k][s] for s, k in enumerate(kinds))
+            chain += w0 * total["W"][0]
+            after_work = sum(c * total[k][s] for k, s, c in after)
             busy = max(busy, work)
             cool = max(0.0, chain - after_work)
-            started = max(started, sum(forwards[: stages[0]]) + work + cool)
-            tail = max(tail, sum(self.after_schedule(lay, r, facts[r], times).values()))
+            started = max(started, ahead["F"][stages[0]] + work + cool)
+            key = (id(facts[r]), *(times.compute[k][s] for s in stages for k in "FBW"))
+            if key not in tails:
+                tails[key] = sum(self.after_schedule(lay, r, facts[r], times).values())
+            tail = max(tail, tails[key])
         return busy + tail, started + tail
 
     def _cool_down_of(self, lay: Layout) -> list[tuple[tuple[str, ...], bool, tuple]]:

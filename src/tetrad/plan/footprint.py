@@ -214,9 +214,8 @@ class Footprint:
         psi_experts = count(root, experts) + sum(n * count(block, experts) for n, block, _ in held)
         axes = tuple(replicated[n] for n, _ in root)
         state = self._part_state(key + (tuple(root), axes), lay, m, root, replicated)
-        for n, block, moe in held:
-            for _ in range(n):  # dense blocks first, as `_composed_state` adds them
-                state = state + self._part_state(key + (moe,), lay, m, block, replicated)
+        for n, block, moe in held:  # dense blocks first, as `_composed_state` adds them
+            state = _added(state, self._part_state(key + (moe,), lay, m, block, replicated), n)
         spread = _expert_shards(lay, m, self.shards(lay)) if psi_experts else 1
         return RankFacts(layers, count(root), sum(kinds), state, psi_experts, spread, kinds[1])
 
@@ -394,13 +393,16 @@ class Footprint:
     ) -> Memory:  # fmt: skip
         """The fullest pp rank's memory: model state + activations in flight + overhead."""
         held_bytes, peaks = self._stage_bytes_held(lay, m, split), _RankPeaks(self, lay, m)
-        ranks = []
+        fullest, most = 0, -math.inf  # the first rank of the largest total, as `max` takes it
         for r in range(lay.pp):
             acts = self._in_flight_bytes(timeline, r, held_bytes)
-            peak = peaks.of(r, facts[r], acts)
-            ranks.append(Memory(float(facts[r].state.total), acts, self._overhead(peak, acts),
-                                self.device.hbm_bytes, peak))  # fmt: skip
-        return max(ranks, key=lambda mem: mem.total)
+            total = float(facts[r].state.total) + acts + peaks.overhead(r, facts[r], acts)
+            if total > most:
+                fullest, most = r, total
+        acts = self._in_flight_bytes(timeline, fullest, held_bytes)
+        peak = peaks.of(fullest, facts[fullest], acts)
+        return Memory(float(facts[fullest].state.total), acts, self._overhead(peak, acts),
+                      self.device.hbm_bytes, peak)  # fmt: skip
 
     def floor(self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts]) -> float:
         """A lower bound of `memory(...).total` without a timeline: every rank holds at
@@ -409,16 +411,17 @@ class Footprint:
         out = 0.0
         for r in range(lay.pp):
             acts = max(per_stage[s] for s in held_stages(lay, r))
-            peak = peaks.of(r, facts[r], acts)
-            out = max(out, facts[r].state.total + acts + self._overhead(peak, acts))
+            out = max(out, facts[r].state.total + acts + peaks.overhead(r, facts[r], acts))
         return out
 
     def _overhead(self, peak: Peak, acts: float) -> float:
         """Workspace + the peak's transients + the allocator's share of transients and
         activations."""
-        transient = peak.transient
+        return self._overhead_of(peak.transient, peak.reserved_bytes, acts)
+
+    def _overhead_of(self, transient: float, reserved: float, acts: float) -> float:
         share = ALLOCATOR * max(transient + acts, 0.0)
-        return self.device.workspace_bytes + transient + peak.reserved_bytes + share
+        return self.device.workspace_bytes + transient + reserved + share
 
     def peak(self, lay: Layout, m: ModelConfig, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
@@ -491,12 +494,38 @@ class _RankPeaks:
         self.last = lay.pp * lay.virtual_stages - 1
 
     def of(self, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
+        return with_optimizer_step(self._moment(pp_rank, fa)[0], acts)
+
+    def overhead(self, pp_rank: int, fa: RankFacts, acts: float) -> float:
+        """`Footprint._overhead` of `of(pp_rank, fa, acts)`, from the busiest moment's
+        sums, as `with_optimizer_step` compares them (a search asks it of every rank of
+        tens of thousands of layouts; the Peak is built for the fullest rank alone)."""
+        _, transient, reserved = self._moment(pp_rank, fa)
+        step = -acts if acts else 0  # the optimizer step's one term, where it is not 0
+        if step + 0 > transient + reserved:
+            transient, reserved = step, 0
+        return self.footprint._overhead_of(transient, reserved, acts)
+
+    def _moment(self, pp_rank: int, fa: RankFacts) -> tuple[Peak, float, float]:
+        """`busiest_moment` of the rank, with its transient and reserved bytes."""
         stages = held_stages(self.lay, pp_rank)
         key = (id(fa), 0 in stages, self.last in stages)  # fa lives as long as self
         if key not in self.seen:
             settings = self.footprint._peak_settings(self.lay, self.m, fa)
-            self.seen[key] = busiest_moment(self.lay, self.m, pp_rank, settings)
-        return with_optimizer_step(self.seen[key], acts)
+            moment = busiest_moment(self.lay, self.m, pp_rank, settings)
+            self.seen[key] = (moment, moment.transient, moment.reserved_bytes)
+        return self.seen[key]
+
+
+def _added(state: ModelState, part: ModelState, n: int) -> ModelState:
+    """`state` with `part` added `n` times, one at a time; whole bytes (ints, as the state's
+    are) n times at once, the same sum (a search sums thousands of 94-block stacks)."""
+    ours, theirs = dataclasses.astuple(state), dataclasses.astuple(part)
+    if all(isinstance(v, int) for v in ours + theirs):
+        return ModelState(*(a + n * b for a, b in zip(ours, theirs)))
+    for _ in range(n):
+        state = state + part
+    return state
 
 
 def _whole_state(lay: Layout) -> bool:

@@ -216,35 +216,26 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
     capacity = planner.cluster.device.hbm_bytes
     last, waiting, fits = math.inf, [], False
     for k, cand in valid(base, m, family):
+        if planner.memory_floor(cand, m) > capacity:
+            continue
         if prune:
             floor, started = planner.step_floors(cand, m)
             if not ranking.within(floor):
                 break
-            if not ranking.within(started):
-                waiting.append((k, cand))
-                continue
-        for j, lay in waiting + [(k, cand)]:
-            step = _fitting_step(planner, lay, m, capacity)
-            if step is None:
-                continue
-            if step[0] >= last:
+        memory = planner.memory(cand, m)
+        if not memory.fits:
+            continue
+        if prune and not ranking.within(started):
+            waiting.append((k, cand, memory))
+            continue
+        for j, lay, mem in waiting + [(k, cand, memory)]:
+            step = planner.predict(lay, m, detail=False, memory=mem).step_time_s
+            if step >= last:
                 return True
-            last, fits = step[0], True
-            ranking.add(step[0], step[1], index, j, lay)
+            last, fits = step, True
+            ranking.add(step, mem.total, index, j, lay)
         waiting = []
     return fits
-
-
-def _fitting_step(planner: Planner, lay: Layout, m: ModelConfig,
-                  capacity: float) -> tuple[float, float] | None:  # fmt: skip
-    """(step time, memory) of `lay`, or None where it does not fit (its memory floor
-    alone overflows, or its memory)."""
-    if planner.memory_floor(lay, m) > capacity:
-        return None
-    memory = planner.memory(lay, m)
-    if not memory.fits:
-        return None
-    return planner.predict(lay, m, detail=False, memory=memory).step_time_s, memory.total
 
 
 def _buildable(planner: Planner, m: ModelConfig, lay: Layout | None) -> bool:
