@@ -260,16 +260,14 @@ def _int(raw: dict[str, Any], key: str, file: Path) -> int:
 def model_config(directory: str | Path, given: dict[str, Any] | None = None) -> ModelConfig:
     """The ModelConfig of a Hugging Face directory. `given`: values the user set (flag name ->
     (field, value)); one that contradicts config.json is an error naming both."""
-    fields = model_fields(directory)
-    defaults = ModelConfig()
+    model = ModelConfig(**model_fields(directory), init_from_hf=str(directory))
     for flag, (field, value) in (given or {}).items():
-        if fields.get(field, getattr(defaults, field)) != value:
+        if getattr(model, field) != value:
             raise ValueError(
-                f"{flag}={value} contradicts {HF_KEYS[field]}="
-                f"{fields.get(field, getattr(defaults, field))} in "
+                f"{flag}={value} contradicts {HF_KEYS[field]}={getattr(model, field)} in "
                 f"{Path(directory) / CONFIG}"
             )
-    return ModelConfig(**fields, init_from_hf=str(directory))
+    return model
 
 
 def check_model(directory: str | Path, model: ModelConfig) -> None:
