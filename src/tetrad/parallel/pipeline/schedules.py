@@ -192,17 +192,13 @@ def _zb_h1(pp: int, m: int, v: int) -> list[list[Action]]:
     1F1B's (pp - r), plus r deferred weight gradients (r + 1 counting the newest).
     """
     orders = []
-    for r in range(pp):
-        warm = min(pp - r - 1, m)
-        order = [Action("F", r, i) for i in range(warm)]
-        for i in range(m):
-            if i + warm < m:
-                order.append(Action("F", r, i + warm))
-            order.append(Action("B", r, i))
-            if i - r >= 0:
-                order.append(Action("W", r, i - r))
-        order += [Action("W", r, i) for i in range(max(m - r, 0), m)]
-        orders.append(order)
+    for r, one_f_one_b in enumerate(_1f1b(pp, m, v)):
+        order = []
+        for a in one_f_one_b:  # each BW becomes its B, then the W of r microbatches before
+            order.append(a if a.kind == "F" else Action("B", r, a.microbatch))
+            if a.kind == "BW" and a.microbatch >= r:
+                order.append(Action("W", r, a.microbatch - r))
+        orders.append(order + [Action("W", r, i) for i in range(max(m - r, 0), m)])
     return orders
 
 
