@@ -172,10 +172,8 @@ def _interleaved(pp: int, m: int, v: int, lag: int) -> list[list[Action]]:
         warm = min((pp - r - 1) * lag + (v - 1) * pp, total)
         fwd = [_interleaved_action("F", k, r, pp, v) for k in range(total)]
         bwd = [_interleaved_action("BW", k, r, pp, v) for k in range(total)]
-        order = fwd[:warm]
-        for i in range(total - warm):
-            order += [fwd[warm + i], bwd[i]]
-        orders.append(order + bwd[total - warm :])
+        steady = [a for pair in zip(fwd[warm:], bwd) for a in pair]  # one F, then one BW
+        orders.append(fwd[:warm] + steady + bwd[total - warm :])
     return orders
 
 
