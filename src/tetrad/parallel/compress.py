@@ -101,8 +101,7 @@ class QuantizedReduce:
     def __init__(self, numel: int, group: Group, comm: Comm, fmt: str, feedback: bool):
         self.group, self.comm, self.fmt, self.numel = group, comm, fmt, numel
         self.piece, self.width = piece_sizes(numel, group.size)
-        n = group.size
-        self.sent = Residual(fmt, feedback, n * self.width)
+        self.sent = Residual(fmt, feedback, group.size * self.width)
         self.summed = Residual(fmt, feedback, self.width)
         self.work: Work | None = None
         self.arrived: torch.Tensor | None = None

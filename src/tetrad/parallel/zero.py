@@ -175,7 +175,7 @@ class FlatUnit:
     """One unit's buffers on this rank: flat compute params, fp32 master and grad shards."""
 
     def __init__(self, layout: UnitSlots, model: nn.Module, rank: int, stage: int, dtype, device):
-        self.layout, self.rank, self.stage = layout, rank, stage
+        self.layout, self.rank = layout, rank
         self.targets = [_owner(model, n) for n in layout.names]
         self.flat = torch.zeros(layout.padded, dtype=dtype, device=device).requires_grad_()
         # `.data` aliases the storage with its own version counter: gathers and the
@@ -195,7 +195,7 @@ class FlatUnit:
         # gradient it is reduce-scattered into in place); stages 2-3 create it when the
         # reduction lands and drop it after the step, so it never adds to the backward peak
         self.grad: torch.Tensor | None = None
-        if self.stage == 1:  # (in fp32 a view: no copy)
+        if stage == 1:  # (in fp32 a view: no copy)
             self.flat.grad = torch.zeros_like(self.data)
             self.attach_grad(self.flat.grad[lo:hi].to(self.master.dtype))
         self.installed = False  # whether this forward pass already has the views
@@ -209,7 +209,6 @@ class FlatUnit:
         for (_, p), v in zip(self.params, self.views):
             p.grad = None if grad is None else grad[v.start : v.stop]
 
-    @torch.no_grad()
     def _load(self, model: nn.Module, flat: torch.Tensor) -> None:
         """Copy the materialised parameters into `flat`, and drop them from their modules."""
         for (module, attr), piece in zip(self.targets, self.layout.split(flat)):
