@@ -163,7 +163,7 @@ class TetradRunner:
             "bubble_replayed": simulated.meta["bubble_replayed"],
             "overhead_s": costs["overhead"],
             "p2p_s": costs["p2p"],
-            "act_bytes": float(state.peak_act_bytes),
+            "act_bytes": float(state.peak_activation_bytes),
         }
 
 

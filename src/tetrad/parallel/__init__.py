@@ -18,7 +18,7 @@ from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads, first_bucke
 from tetrad.parallel.engine import Engine
 from tetrad.parallel.groups import GroupedGrads, ParamGroup, param_groups
 from tetrad.parallel.local import local_model
-from tetrad.parallel.pipeline.runtime import build_pipeline, tied_across_stages
+from tetrad.parallel.pipeline.runtime import PipelineRuntime, tied_across_stages
 from tetrad.parallel.runner import GradSync, LossFn, MicrobatchLoop, Runner
 from tetrad.parallel.state_adapter import PlainAdapter
 from tetrad.parallel.tensor import TPSharding
@@ -76,7 +76,7 @@ def parallelize(
     replicated = local.replicated
     runner: Runner = MicrobatchLoop(model, loss_fn, meter_every=train.meter_every)
     if local.chunks is not None:
-        runner = build_pipeline(
+        runner = PipelineRuntime(
             model, layout, mesh, comm, local.chunks, loss_fn, model_cfg.dim, train.meter_every, spec
         )
         embed = spec.tied_weight

@@ -110,16 +110,11 @@ class PipelineStep(RunResult):
             if f.op in LANE
         ]
 
-    @property
-    def peak_act_bytes(self) -> int:
-        """Activations: saved for backward, awaiting send or W."""
-        return self.peak_activation_bytes
-
 
 class PipelineRuntime:
     """Runs one rank's program against its chunks of the model (the engine's `Runner`).
 
-    Built from the rank's schedule (`build_pipeline`, the same class): with W actions its
+    Built from the rank's schedule: with W actions its
     model's weight gradients are deferred (`defer_weight_grads`). `dim`: the model's
     hidden size (what crosses a stage boundary per token); `spec`: its family's, which
     names the parameters each stage's backward completes."""
@@ -355,9 +350,6 @@ class PipelineRuntime:
                 self._release(x, st, (s, i), "input")
         if grad is not None and (s + 1) not in self.chunks:
             self._release(grad, st, (s, i), "grad")
-
-
-build_pipeline = PipelineRuntime  # this rank's pipeline: its program, its split backward
 
 
 def final_actions(
