@@ -34,6 +34,18 @@ def test_local_shapes_and_dtypes_are_derived_once():
     )
 
 
+def test_a_layout_from_its_three_sections_is_the_configs():
+    """`Layout.of` (what the planner builds from a model, its training settings and the
+    degrees) is `Layout.build`'s layout, and refuses what build refuses of those sections."""
+    cfg = tiny_config(parallel={"dp": 2, "tp": 2, "sp": True, "microbatches": 2})
+    assert Layout.of(cfg.model, cfg.train, cfg.parallel, 4) == Layout.build(cfg, 4)
+    with pytest.raises(ValueError, match="8"):
+        Layout.of(cfg.model, cfg.train, cfg.parallel, 8)
+    odd = tiny_config(train={"global_batch": 3}, parallel={"dp": 2})
+    with pytest.raises(ValueError, match="global_batch"):
+        Layout.of(odd.model, odd.train, odd.parallel)
+
+
 def test_split_is_checked_and_fixed_once():
     cfg = tiny_config(model={"layers": 4}, parallel={"pp": 2, "pp_split": "3,1"})
     assert Layout.build(cfg, 2).split == (3, 1)
