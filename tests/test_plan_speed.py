@@ -119,3 +119,50 @@ def test_moe_search_is_fast():
     assert best and best[0].layout["ep"] > 1
     assert priced[0] <= 6 + 60, priced[0]  # the walk's, and the answer's again
     assert seconds < 15, seconds
+
+
+def test_a_family_counts_are_its_candidates():
+    """The walk prices a count's memory floor on the family's first valid layout with the
+    count's microbatches (`search._counts`), validating only counts that could fit: that
+    layout is the one `candidate` builds wherever the count is valid (dense and MoE,
+    every schedule, counts some of which a schedule refuses)."""
+    from tetrad.plan.search import Space, _counts, families, valid
+
+    checked = 0
+    for name, gpus in (("llama3-8b", 16), ("mixtral-8x7b", 16)):
+        m = model_preset(name)
+        base = layout_for(m, 64, 4096)
+        for family in itertools.islice(families(base, m, gpus, 8, Space()), 0, None, 15):
+            built = dict(valid(base, m, family))
+            if not built:
+                continue
+            derived = dict(_counts(family, next(iter(built.values()))))
+            assert all(derived[k] == lay for k, lay in built.items()), family[0]
+            checked += len(built)
+    assert checked > 100
+
+
+def test_memory_shortcuts_answer_as_the_peaks_do():
+    """`Footprint.memory` picks the fullest rank from each rank's overhead read off its
+    busiest moment's sums (`_RankPeaks.overhead`), building the Peak for that rank
+    alone: every rank's overhead is `_overhead` of its Peak, to the byte, and the memory
+    is the rank whose total is largest (the first of equals), with its Peak."""
+    from tetrad.plan.footprint import _RankPeaks
+
+    m = model_preset("mixtral-8x7b")
+    planner = Planner(cluster_preset("h100"))
+    for schedule, v, zero in [("1f1b", 1, 3), ("zb-v", 2, 2), ("interleaved-1f1b", 2, 3)]:
+        lay = layout_for(m, 64, 4096, pp=4, fsdp=4, ep=2, zero_stage=zero, microbatches=8,
+                         pp_schedule=schedule, virtual_stages=v)  # fmt: skip
+        facts, fp = planner.facts(lay, m), planner.footprint
+        peaks, split = _RankPeaks(fp, lay, m), planner.split(lay, m)
+        totals = []
+        for r in range(lay.pp):
+            acts = fp.rank_activations(lay, m, split, planner.order(lay), r)
+            for a in (acts, 0.0, 1e12):  # the optimizer step's moment wins at 1e12
+                want = fp._overhead(peaks.of(r, facts[r], a), a)
+                assert peaks.overhead(r, facts[r], a) == want, (schedule, r, a)
+            totals.append(float(facts[r].state.total) + acts + peaks.overhead(r, facts[r], acts))
+        memory, fullest = planner.memory(lay, m), totals.index(max(totals))
+        assert memory.total == max(totals)
+        assert memory.peak == peaks.of(fullest, facts[fullest], memory.activations)

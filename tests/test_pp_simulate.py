@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from tetrad.parallel.pipeline.schedules import Action, build_schedule
-from tetrad.parallel.pipeline.simulate import Costs, simulate, simulate_schedule
+from tetrad.parallel.pipeline.simulate import Costs, Dag, simulate, simulate_schedule
 
 UNIT = Costs(f=1, b=1, w=1, comm=0)
 PS, MS = range(1, 9), range(1, 17)
@@ -145,6 +145,21 @@ def test_heterogeneous_stages_by_hand():
 def test_costs_must_cover_every_stage():
     with pytest.raises(ValueError, match="Costs.f has 2 entries for 4 stages"):
         simulate_schedule("1f1b", 4, 4, Costs(f=[1, 1]))
+
+
+def test_one_dag_times_any_costs():
+    """A schedule's Dag (what a planner keeps per schedule) holds no costs: timed on one
+    set of costs and then another, it gives what a fresh simulation of each gives, event
+    by event; and the waits it records are real (comm moves the step)."""
+    acts = build_schedule("zb-v", 3, 6, 2)
+    dag = Dag.of(acts)
+    for costs in (Costs([1, 2, 1, 3, 1, 2], 0.5, 0.25, comm=0.1, p2p=0.01), UNIT):
+        start, end = dag.times(costs)
+        got = [[(dag.computes[i].kind, dag.computes[i].stage, start[i], end[i]) for i in rank]
+               for rank in dag.ranks]  # fmt: skip
+        want = simulate(acts, costs).ranks
+        assert got == [[(e.kind, e.stage, e.start, e.end) for e in rank] for rank in want]
+    assert max(dag.times(Costs(comm=1.0))[1]) > max(dag.times(UNIT)[1])
 
 
 def test_simulator_reports_deadlock():

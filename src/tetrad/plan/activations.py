@@ -24,6 +24,7 @@ deferred weight gradients) is covered by the same walk over its events.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tetrad.models.spec import RECOMPUTE as RECOMPUTE  # the planner's modes, re-exported
 from tetrad.models.spec import Saved, check_recompute
@@ -94,9 +95,20 @@ def peak_in_flight(
     the rank's next compute. F adds act; B releases act and adds pending_w; W releases
     pending_w; BW releases act.
     """
+    return peak_in_order(sorted(timeline.ranks[rank], key=lambda e: e.start), act, pending_w, sent)
+
+
+def peak_in_order(
+    computes: Sequence[Any],
+    act: Sequence[float],
+    pending_w: Sequence[float] = (),
+    sent: Sequence[float] = (),
+) -> float:
+    """`peak_in_flight` of one rank's computes (events or actions: their kind and stage)
+    in the order it runs them."""
     live = peak = 0.0
     sending = 0.0  # the output of the previous compute, if an F, still being sent
-    for e in sorted(timeline.ranks[rank], key=lambda e: e.start):
+    for e in computes:
         w = pending_w[e.stage] if pending_w else 0.0
         out = sent[e.stage] if sent and e.kind == "F" else 0.0
         if e.kind == "F":

@@ -50,13 +50,13 @@ from tetrad.models.families import spec_for
 from tetrad.models.spec import check_recompute
 from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
+    Action,
     build_schedule,
     compute_orders,
     stage_to_rank,
 )
 from tetrad.parallel.pipeline.simulate import Costs, Dag
 from tetrad.parallel.pipeline.stage import layer_split
-from tetrad.parallel.pipeline.timeline import Event, Timeline
 from tetrad.plan.candidates import (
     block_kinds,
     cp_exchange_bytes,
@@ -133,7 +133,7 @@ class Planner:
         self.compute = ComputeModel(cluster.device, engine.kernels, sized=cluster.sized)
         self._splits: dict[tuple, list[int]] = {}
         self._schedules: dict[tuple, Dag] = {}
-        self._orders: dict[tuple, Timeline] = {}
+        self._orders: dict[tuple, list[list[Action]]] = {}
         self._cool_downs: dict[tuple, list[tuple[tuple[str, ...], bool, tuple]]] = {}
         self._links: dict[tuple, Link] = {}  # `Cluster.link`, `Cluster.group_link`
         # what a search asks of many layouts, each keyed by the fields it reads: a layout's
@@ -185,17 +185,14 @@ class Planner:
             self._schedules[key] = Dag.of(build_schedule(*key))
         return self._schedules[key]
 
-    def order(self, lay: Layout) -> Timeline:
-        """Each rank's compute actions in the order it runs them, one unit of time each
-        (built once per schedule, pp, m and v): a rank runs its actions in one order
-        whatever they cost, so what is in flight when, all that memory reads off a
-        timeline, is read off this one without simulating the step."""
+    def order(self, lay: Layout) -> list[list[Action]]:
+        """Each rank's compute actions in the order it runs them (built once per schedule,
+        pp, m and v): a rank runs its actions in one order whatever they cost, so what is
+        in flight when, all that memory reads off a timeline, is read off this order
+        without simulating the step."""
         key = self._schedule_key(lay)
         if key not in self._orders:
-            orders = compute_orders(*key)
-            ranks = [[Event(a.kind, a.stage, a.microbatch, i, i + 1) for i, a in enumerate(acts)]
-                     for acts in orders]  # fmt: skip
-            self._orders[key] = Timeline(ranks, unit="cost", schedule=lay.schedule)
+            self._orders[key] = compute_orders(*key)
         return self._orders[key]
 
     def split(self, lay: Layout, m: ModelConfig) -> list[int]:
@@ -323,7 +320,7 @@ class Planner:
         after that backward."""
         key = self._schedule_key(lay)
         if key not in self._cool_downs:
-            ranks = self.order(lay).ranks
+            ranks = self.order(lay)
             events = [e for rank in ranks for e in rank]
             backward = {(e.stage, e.microbatch): e.kind for e in events if e.kind in ("B", "BW")}
             weights = {(e.stage, e.microbatch) for e in events if e.kind == "W"}

@@ -33,7 +33,7 @@ from tetrad.parallel.model_state import (
     local_parameters,
     residual_bytes,
 )
-from tetrad.parallel.pipeline.timeline import Timeline
+from tetrad.parallel.pipeline.schedules import Action
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import block_kinds, held_stages, model_key
 from tetrad.plan.engines import Implementation
@@ -135,7 +135,8 @@ class Footprint:
         # change them): a stage's bytes by what they read, peaks by timeline and bytes
         self._stage_bytes: dict[tuple, list[float] | tuple] = {}
         self._states: dict[tuple, ModelState] = {}  # a block's or root's state (`_composed_state`)
-        self._in_flight: dict[tuple, tuple[Timeline, float]] = {}
+        self._in_flight: dict[tuple, tuple[list[list[Action]], float]] = {}
+        self._moments: dict[tuple, tuple[RankFacts, Peak, float, float]] = {}  # `_RankPeaks`
 
     def share_caches(self, other: Footprint) -> None:
         """Use `other`'s caches of model facts (they depend on the model and layout only)."""
@@ -354,11 +355,12 @@ class Footprint:
         return out
 
     def rank_activations(
-        self, lay: Layout, m: ModelConfig, split: list[int], timeline: Timeline, pp_rank: int
-    ) -> float:
+        self, lay: Layout, m: ModelConfig, split: list[int], orders: list[list[Action]],
+        pp_rank: int,
+    ) -> float:  # fmt: skip
         """Peak activation bytes of pp rank `pp_rank` over the (simulated) step: its
         microbatches in flight, and each stage's output until its send is done."""
-        return self._in_flight_bytes(timeline, pp_rank, self._stage_bytes_held(lay, m, split))
+        return self._in_flight_bytes(orders, pp_rank, self._stage_bytes_held(lay, m, split))
 
     def _stage_bytes_held(self, lay: Layout, m: ModelConfig, split: list[int]) -> tuple:
         """(activations, pending W inputs, output being sent) of a microbatch per stage
@@ -378,28 +380,28 @@ class Footprint:
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
         return tuple(per_stage), tuple(pending), tuple(sent)
 
-    def _in_flight_bytes(self, timeline: Timeline, pp_rank: int, held_bytes: tuple) -> float:
+    def _in_flight_bytes(self, orders: list[list[Action]], rank: int, held_bytes: tuple) -> float:
         per_stage, pending, sent = held_bytes
-        key = (id(timeline), pp_rank, per_stage, pending, sent)
+        key = (id(orders), rank, per_stage, pending, sent)
         held = self._in_flight.get(key)
-        if held is None or held[0] is not timeline:  # the timeline kept: its id stays its own
-            held = (timeline, act.peak_in_flight(timeline, pp_rank, per_stage, pending, sent))
+        if held is None or held[0] is not orders:  # the orders kept: their id stays their own
+            held = (orders, act.peak_in_order(orders[rank], per_stage, pending, sent))
             self._in_flight[key] = held
         return held[1]
 
     def memory(
         self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts],
-        timeline: Timeline,
+        orders: list[list[Action]],
     ) -> Memory:  # fmt: skip
         """The fullest pp rank's memory: model state + activations in flight + overhead."""
         held_bytes, peaks = self._stage_bytes_held(lay, m, split), _RankPeaks(self, lay, m)
         fullest, most = 0, -math.inf  # the first rank of the largest total, as `max` takes it
         for r in range(lay.pp):
-            acts = self._in_flight_bytes(timeline, r, held_bytes)
+            acts = self._in_flight_bytes(orders, r, held_bytes)
             total = float(facts[r].state.total) + acts + peaks.overhead(r, facts[r], acts)
             if total > most:
                 fullest, most = r, total
-        acts = self._in_flight_bytes(timeline, fullest, held_bytes)
+        acts = self._in_flight_bytes(orders, fullest, held_bytes)
         peak = peaks.of(fullest, facts[fullest], acts)
         return Memory(float(facts[fullest].state.total), acts, self._overhead(peak, acts),
                       self.device.hbm_bytes, peak)  # fmt: skip
@@ -490,7 +492,7 @@ class _RankPeaks:
     ranks of a pipeline with the same facts share the rest."""
 
     def __init__(self, footprint: Footprint, lay: Layout, m: ModelConfig):
-        self.footprint, self.lay, self.m, self.seen = footprint, lay, m, {}
+        self.footprint, self.lay, self.m = footprint, lay, m
         self.last = lay.pp * lay.virtual_stages - 1
 
     def of(self, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
@@ -507,14 +509,17 @@ class _RankPeaks:
         return self.footprint._overhead_of(transient, reserved, acts)
 
     def _moment(self, pp_rank: int, fa: RankFacts) -> tuple[Peak, float, float]:
-        """`busiest_moment` of the rank, with its transient and reserved bytes."""
+        """`busiest_moment` of the rank, with its transient and reserved bytes (kept by
+        the footprint for the layout: its memory floor and its memory ask the same)."""
         stages = held_stages(self.lay, pp_rank)
-        key = (id(fa), 0 in stages, self.last in stages)  # fa lives as long as self
-        if key not in self.seen:
+        key = (self.lay, id(fa), 0 in stages, self.last in stages)
+        seen = self.footprint._moments.get(key)
+        if seen is None or seen[0] is not fa:  # fa kept: its id stays its own
             settings = self.footprint._peak_settings(self.lay, self.m, fa)
             moment = busiest_moment(self.lay, self.m, pp_rank, settings)
-            self.seen[key] = (moment, moment.transient, moment.reserved_bytes)
-        return self.seen[key]
+            seen = (fa, moment, moment.transient, moment.reserved_bytes)
+            self.footprint._moments[key] = seen
+        return seen[1:]
 
 
 def _added(state: ModelState, part: ModelState, n: int) -> ModelState:

@@ -33,6 +33,7 @@ walk reaches them.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Iterator
@@ -155,6 +156,17 @@ def valid(base: Layout, m: ModelConfig, family: list[Candidate]) -> Iterator[tup
             continue
 
 
+def _counts(family: list[Candidate], first: Layout) -> Iterator[tuple[int, Layout]]:
+    """(index, layout) of each of the family's candidates, not validated: `first`, a
+    valid one's layout, with the candidate's microbatch count (what `candidate` builds
+    where the count is valid: the counts differ in nothing else,
+    tests/test_plan_speed.py)."""
+    for k, cand in enumerate(family):
+        n = cand["microbatches"]
+        size = first.global_batch // (first.data_ranks * n)
+        yield k, dataclasses.replace(first, microbatches=n, microbatch_size=size)
+
+
 class _Ranking:
     """The layouts found so far, and the time a layout must beat to enter the top.
 
@@ -198,7 +210,7 @@ class _Ranking:
 
 
 def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate],
-                 index: int, ranking: _Ranking, prune: bool) -> bool:  # fmt: skip
+                 first: Layout, index: int, ranking: _Ranking, prune: bool) -> bool:  # fmt: skip
     """Add the family's counts that fit to `ranking`, walked upward until the time stops
     improving; whether any count it priced fits.
 
@@ -212,22 +224,33 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
     count that can and so end the walk before it: it waits, unpriced, until such a count
     comes, and is walked then, in its place (at the walk's end it is not needed: what it
     would add is slower than the threshold, which only falls). The answer is the unpruned
-    walk's."""
+    walk's.
+
+    A count's memory is asked before its floors (its memory floor, then its memory; a
+    count is validated only once its memory floor fits): a count that does not fit adds
+    nothing, and the floor that would have ended the walk there ends it at the next count
+    that fits, whose floor is no lower (the threshold has not moved between them), so the
+    walk adds what it did; a large model's counts mostly do not fit, and their memory is
+    cheaper than their floors."""
     capacity = planner.cluster.device.hbm_bytes
     last, waiting, fits = math.inf, [], False
-    for k, cand in valid(base, m, family):
+    for k, cand in _counts(family, first):
         if planner.memory_floor(cand, m) > capacity:
+            continue
+        try:  # validated where it could fit: most counts of a large model cannot
+            cand = candidate(base, m, **family[k])
+        except ValueError:
+            continue
+        memory = planner.memory(cand, m)
+        if not memory.fits:
             continue
         if prune:
             floor, started = planner.step_floors(cand, m)
             if not ranking.within(floor):
                 break
-        memory = planner.memory(cand, m)
-        if not memory.fits:
-            continue
-        if prune and not ranking.within(started):
-            waiting.append((k, cand, memory))
-            continue
+            if not ranking.within(started):
+                waiting.append((k, cand, memory))
+                continue
         for j, lay, mem in waiting + [(k, cand, memory)]:
             step = planner.predict(lay, m, detail=False, memory=mem).step_time_s
             if step >= last:
@@ -262,11 +285,18 @@ def _fits_somewhere(planner: Planner, base: Layout, m: ModelConfig,
                     families: list[list[Candidate]]) -> bool:  # fmt: skip
     """Whether any count of any of `families` fits in memory."""
     capacity = planner.cluster.device.hbm_bytes
-    return any(
-        planner.memory_floor(c, m) <= capacity and planner.memory(c, m).fits
-        for family in families
-        for _, c in valid(base, m, family)
-    )
+    for family in families:
+        first = next(valid(base, m, family), (0, None))[1]
+        for k, lay in _counts(family, first) if first else ():
+            if planner.memory_floor(lay, m) > capacity:
+                continue
+            try:  # validated where it could fit, as `_walk_family` does
+                lay = candidate(base, m, **family[k])
+            except ValueError:
+                continue
+            if planner.memory(lay, m).fits:
+                return True
+    return False
 
 
 def search(
@@ -295,6 +325,6 @@ def search(
                 continue  # those ranks as data parallelism fit, and are faster (no exchange)
         if not _state_fits(planner, first, m):
             continue  # its state alone overflows, whatever the count
-        if _walk_family(planner, base, m, family, index, ranking, prune) and first.cp == 1:
+        if _walk_family(planner, base, m, family, first, index, ranking, prune) and first.cp == 1:
             fitted[key] = True  # a cp = 1 layout of (tp, pp) fits: no need to look for one
     return [planner.predict(cand, m) for cand in ranking.best()]
