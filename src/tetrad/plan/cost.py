@@ -51,8 +51,9 @@ from tetrad.models.spec import check_recompute
 from tetrad.parallel.pipeline.partition import stage_costs
 from tetrad.parallel.pipeline.schedules import (
     Action,
-    build_schedule,
+    add_transfers,
     compute_orders,
+    placement,
     stage_to_rank,
 )
 from tetrad.parallel.pipeline.simulate import Costs, Dag
@@ -181,8 +182,11 @@ class Planner:
         schedule, pp, m, v and the engine's interleaved warm-up: a search times one
         schedule on many costs)."""
         key = self._schedule_key(lay)
-        if key not in self._schedules:
-            self._schedules[key] = Dag.of(build_schedule(*key))
+        if key not in self._schedules:  # `build_schedule` on the orders memory read
+            place, stages = placement(lay.pp, lay.virtual_stages, lay.schedule), lay.stages
+            self._schedules[key] = Dag.of(
+                [add_transfers(o, place, stages) for o in self.order(lay)]
+            )
         return self._schedules[key]
 
     def order(self, lay: Layout) -> list[list[Action]]:

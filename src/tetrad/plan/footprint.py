@@ -492,7 +492,7 @@ class _RankPeaks:
     ranks of a pipeline with the same facts share the rest."""
 
     def __init__(self, footprint: Footprint, lay: Layout, m: ModelConfig):
-        self.footprint, self.lay, self.m = footprint, lay, m
+        self.footprint, self.lay, self.m, self.seen = footprint, lay, m, {}
         self.last = lay.pp * lay.virtual_stages - 1
 
     def of(self, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
@@ -509,16 +509,26 @@ class _RankPeaks:
         return self.footprint._overhead_of(transient, reserved, acts)
 
     def _moment(self, pp_rank: int, fa: RankFacts) -> tuple[Peak, float, float]:
-        """`busiest_moment` of the rank, with its transient and reserved bytes (kept by
-        the footprint for the layout: its memory floor and its memory ask the same)."""
-        stages = held_stages(self.lay, pp_rank)
-        key = (self.lay, id(fa), 0 in stages, self.last in stages)
+        """`busiest_moment` of the rank, with its transient and reserved bytes, kept by
+        the footprint by what it reads (`peak.busiest_moment` and `_peak_settings`): the
+        rank's facts, whether it holds the first and the last stage, the microbatch's
+        shape, tp, dtypes, the loss chunk and what ZeRO's buffers read. The counts of a
+        family and the ranks of a pipeline share most (a search asks tens of thousands)."""
+        lay, stages = self.lay, held_stages(self.lay, pp_rank)
+        mine = (id(fa), 0 in stages, self.last in stages)  # fa lives as long as self
+        if mine in self.seen:
+            return self.seen[mine]
+        key = (model_key(self.m), *mine, lay.tp, lay.sp,
+               lay.microbatch_size, lay.local_seq, lay.seq_len, lay.compute_dtype,
+               lay.loss_chunk, self.footprint.shards(lay), lay.zero_stage,
+               lay.microbatches > 1, lay.pp > 1, lay.reduce_bytes)  # fmt: skip
         seen = self.footprint._moments.get(key)
         if seen is None or seen[0] is not fa:  # fa kept: its id stays its own
-            settings = self.footprint._peak_settings(self.lay, self.m, fa)
-            moment = busiest_moment(self.lay, self.m, pp_rank, settings)
+            settings = self.footprint._peak_settings(lay, self.m, fa)
+            moment = busiest_moment(lay, self.m, pp_rank, settings)
             seen = (fa, moment, moment.transient, moment.reserved_bytes)
             self.footprint._moments[key] = seen
+        self.seen[mine] = seen[1:]
         return seen[1:]
 
 

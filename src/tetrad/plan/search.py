@@ -318,13 +318,15 @@ def search(
         key = (first.tp, first.pp)
         if first.cp == 1:
             at_cp1.setdefault(key, []).append(family)
-        elif space.cp is None and (not prune or ranking.admits(planner, first, m)):
+        if not _state_fits(planner, first, m):
+            continue  # its state alone overflows, whatever the count
+        if prune and not ranking.admits(planner, first, m):
+            continue  # no count of it can enter the answer (`_walk_family`)
+        if first.cp > 1 and space.cp is None:
             if key not in fitted:  # asked only where the answer could change the result
                 fitted[key] = _fits_somewhere(planner, base, m, at_cp1.get(key, []))
             if fitted[key]:
                 continue  # those ranks as data parallelism fit, and are faster (no exchange)
-        if not _state_fits(planner, first, m):
-            continue  # its state alone overflows, whatever the count
         if _walk_family(planner, base, m, family, first, index, ranking, prune) and first.cp == 1:
             fitted[key] = True  # a cp = 1 layout of (tp, pp) fits: no need to look for one
     return [planner.predict(cand, m) for cand in ranking.best()]
