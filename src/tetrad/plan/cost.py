@@ -271,8 +271,9 @@ class Planner:
     def step_floor(self, lay: Layout, m: ModelConfig) -> float:
         """A lower bound of `predict(lay, m).step_time_s` without simulating the schedule: no
         rank finishes before its own work is done (the makespan is at least any rank's
-        busy time), and the step adds the longest tail after the schedule."""
-        return self.step_floors(lay, m)[0]
+        busy time), and the step adds the longest tail after the schedule (`step_floors`'
+        first, without reading the schedule's order)."""
+        return self._floors(lay, m, cool_down=False)[0]
 
     def step_floors(self, lay: Layout, m: ModelConfig) -> tuple[float, float]:
         """(`step_floor`, a higher lower bound that adds each rank's warm-up and
@@ -288,6 +289,11 @@ class Planner:
         Transfers and host time only delay the simulated step. The warm-up falls as the
         count grows (the forwards shrink): the second floor may fall with it, and only
         the first grows with the count (`search` ends a walk on the first alone)."""
+        return self._floors(lay, m, cool_down=True)
+
+    def _floors(self, lay: Layout, m: ModelConfig, cool_down: bool) -> tuple[float, float]:
+        """`step_floors`; without `cool_down`, its first alone is meant (the second then
+        counts no chain)."""
         facts = self.facts(lay, m)
         times = self.stage_times(lay, m, facts)
         n = len(times.compute["F"])
@@ -298,7 +304,8 @@ class Planner:
         ahead["F"] = list(itertools.accumulate(total["F"], initial=0))
         tails: dict[tuple, float] = {}  # ranks with the same facts and stage times share it
         busy = started = tail = 0.0
-        for r, (kinds, w0, after) in enumerate(self._cool_down_of(lay)):
+        ends = self._cool_down_of(lay) if cool_down else [((), False, ())] * lay.pp
+        for r, (kinds, w0, after) in enumerate(ends):
             stages = held_stages(lay, r)
             work = lay.microbatches * sum(total[k][s] for k in "FBW" for s in stages)
             if len(set(kinds)) == 1:
