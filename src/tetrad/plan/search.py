@@ -26,9 +26,10 @@ count: the bubble shrinks, per-microbatch overheads grow).
 Pruned, as unable to win (the answer is the unpruned search's, tested): a count whose
 `Planner.step_floor` (the busiest rank's own work plus the longest tail, no simulation)
 is slower than the `top`-th best time found so far ends its family's walk, since the
-floor does not fall as the count grows. Memory is read off each rank's action order
-(`Planner.order`), not a simulated timeline, and candidates are validated only when a
-walk reaches them.
+floor does not fall as the count grows, and a family whose first count's floor is
+slower is not walked. Memory is read off each rank's action order (`Planner.order`), not
+a simulated timeline, and asked before a count's floors; candidates are validated only
+when a walk reaches them and their memory floor fits.
 """
 
 from __future__ import annotations
