@@ -139,6 +139,7 @@ def _warm_cache(rank: int, runs: list[tuple[dict, str]], out: str) -> None:
         block = build_model(cfg.model, 0).to(torch.float64).layers["0"]
         block.compile(dynamic=False)
         x = torch.randn(2, cfg.train.seq_len, cfg.model.dim, dtype=torch.float64)
+        block.attention.core.tables(cfg.train.seq_len, x.device)  # kept, as the model keeps them
         block(x.requires_grad_()).sum().backward()
     dist.barrier()
 

@@ -158,10 +158,14 @@ class CausalCore(nn.Module):
     def tables(self, s: int, device: torch.device) -> torch.Tensor:
         """Rotary's tables of positions 0..s-1, made once per (s, device) and kept: every
         step's are the same. Each layer keeps its own, as its backward keeps them (the
-        planner's count); a compiled block makes them inside its graph."""
+        planner's count). A compiled block reads the kept ones as a graph input (made
+        eagerly: `Llama.forward_span`), or else makes them inside its graph, at every call."""
+        kept = self._tables
         if torch.compiler.is_compiling():
+            if kept is not None and kept.shape[0] == s and kept.device == device:
+                return kept
             return rotary(s, self.head_dim, self.theta, device)
-        if self._tables is None or self._tables.shape[0] != s or self._tables.device != device:
+        if kept is None or kept.shape[0] != s or kept.device != device:
             # made in inference mode, backward could not save them: made outside it
             with torch.inference_mode(False):
                 self._tables = rotary(s, self.head_dim, self.theta, device)
@@ -248,6 +252,7 @@ class Llama(nn.Module):
         # False: the last stage ends at the final norm and a fused loss applies the head
         # (models/loss.py), so no full logits are ever built
         self.logits = True
+        self._tables_kept = False  # see `_keep_tables`
         self.tok_embeddings: nn.Embedding | None = _embedding(cfg.vocab, cfg.dim)
         # string keys keep parameter names ("layers.7....") stable when a stage drops layers
         self.layers = nn.ModuleDict({str(i): block(cfg, i) for i in range(cfg.layers)})
@@ -264,9 +269,22 @@ class Llama(nn.Module):
         """Run a contiguous span of this model's layers (a pipeline chunk), optionally
         preceded by the embedding lookup and followed by the final norm and head."""
         h = self.tok_embeddings(x) if embed else x
+        self._keep_tables(h.shape[1], h.device)
         for name in layers:
             h = self.layers[name](h)
         return self.head(self.norm(h)) if head else h
+
+    def _keep_tables(self, s: int, device: torch.device) -> None:
+        """Each attention core's rotary tables, made here (eagerly) where it has none yet:
+        a compiled block then reads them as an input, where it would make them in its
+        graph at every call (1.5% of a compiled dp step's CPU time at benchmarks/compile.py's
+        shape). Under sp `s` is a shard's length: eagerly the core remakes them at its own,
+        compiled it makes them in its graph as before. Other cores (cp's) keep their own."""
+        if not self._tables_kept:
+            for core in self.modules():
+                if isinstance(core, CausalCore) and core._tables is None:
+                    core.tables(s, device)
+            self._tables_kept = True
 
     def keep_stage(
         self, layers: Sequence[str], dropped: Sequence[str], embeds: bool, heads: bool
