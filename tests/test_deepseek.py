@@ -410,7 +410,7 @@ def test_the_planner_prices_the_latents_entering_the_region(sp):
     f moves w a token (backward; under SP the gather and its reduce-scatter, and the down
     projections' weight gradients summed), against 2 all-reduces of dim a way for a block
     entered at its input: the docs/models.md table, as the planner prices it."""
-    from tetrad.plan.candidates import layout_config
+    from plan_helpers import layout_config
     from tetrad.plan.cost import Planner
     from tetrad.plan.hardware import cluster_preset
 

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from harness import EXACT, Jobs, assert_close_run, tiny_config, train_resumed, trainer_for
-from plan_helpers import planned
-from tetrad.plan.candidates import layout_config
+from plan_helpers import layout_config, planned
 from tetrad.plan.cost import Planner
 from tetrad.plan.hardware import cluster_preset
 

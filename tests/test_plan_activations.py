@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from harness import reference_csv
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from tetrad.config import DTYPES, ModelConfig, model_preset
 from tetrad.models.families import spec_for
 from tetrad.models.llama_spec import LLAMA
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
-from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import MEGATRON
 from tetrad.plan.hardware import cluster_preset

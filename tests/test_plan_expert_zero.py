@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from tetrad.config import model_preset
 from tetrad.layout import Layout
 from tetrad.parallel.model_state import model_state_bytes
-from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.hardware import cluster_preset
 

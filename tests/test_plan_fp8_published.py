@@ -17,9 +17,8 @@ import statistics
 import pytest
 
 from harness import reference_csv
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from tetrad.config import model_preset
-from tetrad.plan.candidates import layout_config
 from tetrad.plan.compute import ComputeModel, Kernels, fp8_cast_bytes
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from harness import Jobs, trainer_for
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from tetrad.cli import build_config, parser
 from tetrad.config import model_preset
 from tetrad.plan.calibrate import (
@@ -44,7 +44,6 @@ from tetrad.plan.calibrate import (
     steady_median,
     with_link_scale,
 )
-from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import TETRAD
 from tetrad.plan.hardware import at_efficiency, cluster_preset

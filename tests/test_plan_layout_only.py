@@ -69,3 +69,24 @@ def test_no_plan_source_annotates_a_config():
                 if "Config" in names or "Config" in text.replace("ModelConfig", "").split("'"):
                     offenders.append(f"{path.name}:{node.lineno} {node.name}({arg.arg})")
     assert not offenders, f"take a Config: {offenders}"
+
+
+def test_no_plan_source_imports_or_builds_a_config():
+    """Nor does the planner make one to validate a layout: `plan.candidates` builds its
+    Layouts from the model, training and parallel sections (`Layout.of`). The one whole
+    Config in `plan/` is a run directory's `config.json`, read at the edge
+    (`calibrate.read_run`)."""
+    offenders = []
+    for path in sorted(Path(tetrad.plan.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                offenders += [
+                    f"{path.name}: imports {a.name}" for a in node.names if a.name == "Config"
+                ]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in {
+                "Config",
+                "Layout.build",
+            }:
+                offenders.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}(...)")
+    edge = [o for o in offenders if o.startswith("calibrate.py:") and "Layout.build" in o]
+    assert len(edge) == 1 and offenders == edge, offenders

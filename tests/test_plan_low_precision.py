@@ -76,9 +76,9 @@ def test_fp8_gather_bytes_are_what_the_runtime_counts():
     (`_unit_bytes`, which the counted all-gathers equal); Llama-3-8B at fsdp 8 at
     docs/low_precision.md's 218,177,536 against bf16's 436,224,000; the scales one
     all-reduce of 4 bytes per FP8 weight (7 a Llama block)."""
+    from plan_helpers import layout_config
     from test_fp8_all_gather import GATHER, _cfg, _unit_bytes
     from tetrad.config import model_preset
-    from tetrad.plan.candidates import layout_config
 
     cfg = _cfg(GATHER, fp8="tensorwise", dtype="bf16")
     units, weights = _unit_bytes(cfg, 2)

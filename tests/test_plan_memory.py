@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from plan_published import LLAMA3_MARGIN_GIB, LLAMA31_405B
 from tetrad.config import model_preset
 from tetrad.layout import Layout
 from tetrad.models.flops import param_count
 from tetrad.parallel.model_state import model_state_bytes, zero_formula_bytes
-from tetrad.plan.candidates import gpt_as_llama, layout_config
+from tetrad.plan.candidates import gpt_as_llama
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, LLAMA3, MEGATRON
 from tetrad.plan.hardware import GiB, cluster_preset

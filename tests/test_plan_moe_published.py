@@ -13,11 +13,10 @@ import statistics
 
 import pytest
 
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from plan_published import MOE_MEDIAN, MOE_WORST, QWEN235_ROWS, moe_cases, moe_rows
 from tetrad.config import model_preset
 from tetrad.models.families import spec_for
-from tetrad.plan.candidates import layout_config
 from tetrad.plan.compute import GROUPED_HALF_TOKENS, ComputeModel, Kernels, gemm_factor
 from tetrad.plan.cost import Planner, _node_copies
 from tetrad.plan.engines import ENGINES

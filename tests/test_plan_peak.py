@@ -23,11 +23,10 @@ import pytest
 import torch
 
 from harness import Jobs, reference_csv, tiny_config
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from plan_published import MODELS
 from tetrad.config import from_dict
 from tetrad.mesh import Mesh
-from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, TETRAD
 from tetrad.plan.hardware import GiB, cluster_preset

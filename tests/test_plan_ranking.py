@@ -18,9 +18,9 @@ import itertools
 import pytest
 
 from harness import reference_csv
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from plan_published import LLAMA31_405B
-from tetrad.plan.candidates import gpt_as_llama, layout_config
+from tetrad.plan.candidates import gpt_as_llama
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES
 from tetrad.plan.hardware import cluster_preset

@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from tetrad.config import model_preset
-from tetrad.plan.candidates import layout_config
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import MEGATRON
 from tetrad.plan.hardware import cluster_preset

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from plan_helpers import layout_config
 from tetrad.config import model_preset
 from tetrad.layout import Layout, ep_fits
 from tetrad.mesh import expert_groups
@@ -22,7 +23,6 @@ from tetrad.plan.candidates import (
     candidate,
     first_ep_groups,
     held_stages,
-    layout_config,
     layout_for,
 )
 from tetrad.plan.cost import Planner

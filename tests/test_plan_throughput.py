@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from harness import reference_csv
-from plan_helpers import planned
+from plan_helpers import layout_config, planned
 from plan_published import (
     LLAMA3_MARGIN_GIB,
     LLAMA3_TIME,
@@ -31,7 +31,7 @@ from plan_published import (
     validation_rows,
 )
 from tetrad.config import model_preset
-from tetrad.plan.candidates import cp_exchange_bytes, gpt_as_llama, layout_config
+from tetrad.plan.candidates import cp_exchange_bytes, gpt_as_llama
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, MEGATRON
 from tetrad.plan.hardware import cluster_preset

@@ -1,6 +1,6 @@
 """Layouts as the planner sees them: a `Layout` from a model, batch and degrees
-(`layout_for`, `candidate`; the Config that validation reads stays inside this module's
-`layout_config`), the fields a prediction is about (`describe`), GPT stacks in Llama
+(`layout_for`, `candidate`: `Layout.of` of the model, its training settings and the
+degrees, no `Config`), the fields a prediction is about (`describe`), GPT stacks in Llama
 shapes (`gpt_as_llama`), and per-rank sizes the cost and memory models share. Every
 planner function takes a `Layout` (frozen and hashable: its caches' key) and the
 `ModelConfig`, never the whole `Config`."""
@@ -12,7 +12,7 @@ import functools
 import itertools
 from typing import Any
 
-from tetrad.config import Config, ModelConfig
+from tetrad.config import ModelConfig, ParallelConfig, TrainConfig, check_model_and_train
 from tetrad.layout import Layout, dtype_name
 from tetrad.mesh import ep_spans_tp, expert_groups
 from tetrad.parallel.pipeline.schedules import rank_stages
@@ -132,25 +132,23 @@ def gpt_as_llama(layers: int, hidden: int, heads: int, vocab: int, max_seq_len: 
     )  # fmt: skip
 
 
-def layout_config(model: ModelConfig, global_batch: int, seq_len: int, dtype: str = "bf16",
-                  fp8: str = "", **parallel: Any) -> Config:  # fmt: skip
-    """A Config for the planner: `model`, batch, sequence, compute dtype (and FP8 recipe)
-    and degrees."""
-    cfg = Config()
-    cfg.model = dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq_len))
-    cfg.data.source = "synthetic"
-    cfg.train.global_batch, cfg.train.seq_len, cfg.train.dtype = global_batch, seq_len, dtype
-    cfg.train.fp8 = fp8
-    cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)
-    return cfg
-
-
 def layout_for(model: ModelConfig, global_batch: int, seq_len: int, dtype: str = "bf16",
                world: int | None = None, fp8: str = "", **parallel: Any) -> Layout:  # fmt: skip
-    """The validated Layout of `model`, batch, sequence, compute dtype and degrees
-    (`Layout.build` of `layout_config`'s Config; ValueError naming what fails)."""
-    cfg = layout_config(model, global_batch, seq_len, dtype, fp8, **parallel)
-    return Layout.build(cfg, world)
+    """The validated Layout of `model`, batch, sequence, compute dtype (and FP8 recipe) and
+    degrees: the model and training settings checked (`config.check_model_and_train`),
+    then the layout's own rules (`Layout.of`); ValueError naming what fails."""
+    model, train = _sections(model, global_batch, seq_len, dtype, fp8)
+    check_model_and_train(model, train)
+    return Layout.of(model, train, ParallelConfig(**parallel), world)
+
+
+def _sections(model: ModelConfig, global_batch: int, seq_len: int, dtype: str, fp8: str,
+              loss_chunk: int | None = None) -> tuple[ModelConfig, TrainConfig]:  # fmt: skip
+    """The model (long enough for the sequence) and the training settings a Layout reads."""
+    train = TrainConfig(global_batch=global_batch, seq_len=seq_len, dtype=dtype, fp8=fp8)
+    if loss_chunk is not None:
+        train.loss_chunk = loss_chunk
+    return dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq_len)), train
 
 
 def candidate(base: Layout, model: ModelConfig, **parallel: Any) -> Layout:
@@ -182,10 +180,10 @@ def _candidate(model: _Model, base: Layout, parallel: tuple) -> Layout:
     # the FP8 all-gather where the candidate gathers ZeRO-3 shards of whole weights
     gathers = given.get("zero_stage") == 3 and given.get("fsdp", 1) > 1 and given.get("tp", 1) == 1
     given["fp8_all_gather"] = base.fp8_all_gather and gathers
-    cfg = layout_config(model.model, base.global_batch, base.seq_len, base.dtype_name,
-                        base.fp8, **_carried(base) | given)  # fmt: skip
-    cfg.train.loss_chunk = base.loss_chunk
-    return Layout.build(cfg, cfg.parallel.world)
+    m, train = _sections(model.model, base.global_batch, base.seq_len, base.dtype_name,
+                         base.fp8, base.loss_chunk)  # fmt: skip
+    parallel = ParallelConfig(**_carried(base) | given)
+    return Layout.of(m, train, parallel, parallel.world)
 
 
 def _carried(base: Layout) -> dict[str, Any]:
