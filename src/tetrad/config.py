@@ -554,9 +554,9 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
-    """Overlay a nested dict (as read from TOML) on `base`; unknown keys are errors."""
-    cfg = dataclasses.replace(base) if base else Config()
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Overlay a nested dict (as read from TOML) on the defaults; unknown keys are errors."""
+    cfg = Config()
     sections = sorted(f.name for f in fields(cfg))
     for section, values in raw.items():
         if section not in sections:
@@ -590,9 +590,9 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         return tomllib.load(fh)
 
 
-def load_toml(path: str | Path, base: Config | None = None) -> Config:
-    """Read a TOML file into a Config (on top of `base`)."""
-    return from_dict(load_raw(path), base)
+def load_toml(path: str | Path) -> Config:
+    """Read a TOML file into a Config."""
+    return from_dict(load_raw(path))
 
 
 def check_sections(cfg: Config) -> None:
@@ -656,14 +656,12 @@ def _validate_moe(m: ModelConfig) -> None:
         1 <= m.top_k <= m.experts,
         f"model.top_k={m.top_k} must be in [1, experts={m.experts}]",
     )
-    for name in ("moe_ffn_dim", "shared_experts", "dense_layers"):
+    for name in ("moe_ffn_dim", "shared_experts", "dense_layers", "aux_loss_coef", "bias_rate"):
         _require(getattr(m, name) >= 0, f"model.{name} must be >= 0, got {getattr(m, name)}")
     _require(
         m.dense_layers < m.layers,
         f"model.dense_layers={m.dense_layers} leaves no expert layer of layers={m.layers}",
     )
-    _require(m.aux_loss_coef >= 0, f"model.aux_loss_coef must be >= 0, got {m.aux_loss_coef}")
-    _require(m.bias_rate >= 0, f"model.bias_rate must be >= 0, got {m.bias_rate}")
     _require(
         m.capacity_factor >= 0,
         f"model.capacity_factor must be >= 0 (0: dropless), got {m.capacity_factor}",
@@ -671,8 +669,8 @@ def _validate_moe(m: ModelConfig) -> None:
 
 
 def _validate_train(t: TrainConfig, model: ModelConfig) -> None:
-    _require(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
-    _require(t.global_batch >= 1, f"train.global_batch must be >= 1, got {t.global_batch}")
+    for name in ("steps", "global_batch", "eval_batches"):
+        _require(getattr(t, name) >= 1, f"train.{name} must be >= 1, got {getattr(t, name)}")
     _require(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
     _require(
         t.seq_len <= model.max_seq_len,
@@ -699,7 +697,6 @@ def _validate_train(t: TrainConfig, model: ModelConfig) -> None:
     )
     _require(t.timeout > 0, f"train.timeout must be > 0 seconds, got {t.timeout}")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: never), got {t.eval_every}")
-    _require(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
     _require(
         t.dtype != "bf16" or _bf16_supported(t.device),
         f"train.dtype='bf16' but this CUDA device ({_cuda_name()}) has no bf16 support;"

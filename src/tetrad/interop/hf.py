@@ -35,7 +35,6 @@ from tetrad.models import deepseek_spec
 from tetrad.models.families import spec_for
 from tetrad.models.init import full_shape
 from tetrad.models.moe_spec import QWEN3_MOE_NAMES
-from tetrad.models.spec import ModelSpec
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -66,20 +65,16 @@ def model_type(model: ModelConfig) -> str:
     return model.family
 
 
-def _spec(model: ModelConfig) -> ModelSpec:
-    """The model's family spec, its names those of the Hugging Face model it is written as."""
+def hf_name(name: str, model: ModelConfig) -> str:
+    """The Hugging Face name of tetrad parameter `name` (its family's `ModelSpec.hf_names`,
+    or those of the Hugging Face model it is written as where they differ); "{j}" in it: a
+    stack of per-expert tensors (`hf_keys`)."""
     spec = spec_for(model)
     if model_type(model) == "qwen3_moe":
-        return dataclasses.replace(spec, hf_names=QWEN3_MOE_NAMES)
-    if model.family == "deepseek_v3" and not model.q_lora_rank:
-        return dataclasses.replace(spec, hf_names=deepseek_spec.PLAIN_Q_NAMES)
-    return spec
-
-
-def hf_name(name: str, model: ModelConfig) -> str:
-    """The Hugging Face name of tetrad parameter `name` (its family's `ModelSpec.hf_names`);
-    "{j}" in it: a stack of per-expert tensors (`hf_keys`)."""
-    return _spec(model).hf_name(name)
+        spec = dataclasses.replace(spec, hf_names=QWEN3_MOE_NAMES)
+    elif model.family == "deepseek_v3" and not model.q_lora_rank:
+        spec = dataclasses.replace(spec, hf_names=deepseek_spec.PLAIN_Q_NAMES)
+    return spec.hf_name(name)
 
 
 def stacked(name: str, model: ModelConfig) -> bool:
@@ -90,7 +85,7 @@ def stacked(name: str, model: ModelConfig) -> bool:
 def hf_keys(name: str, model: ModelConfig) -> list[str]:
     """The Hugging Face tensors holding tetrad tensor `name`: one, or one per expert."""
     key = hf_name(name, model)
-    if not stacked(name, model):
+    if "{j}" not in key:
         return [key]
     return [key.replace("{j}", str(j)) for j in range(full_shape(name, model)[0])]
 
@@ -585,13 +580,10 @@ def save(
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype) for k, v in to_hf_state(state, model).items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
     for key, t in tensors.items():
-        if shards[-1] and size + t.nbytes > max_shard_bytes:
+        if shards[-1] and _nbytes(shards[-1]) + t.nbytes > max_shard_bytes:
             shards.append({})
-            size = 0
         shards[-1][key] = t
-        size += t.nbytes
     names = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]  # fmt: skip
@@ -600,7 +592,7 @@ def save(
     files = [out / n for n in names]
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "metadata": {"total_size": _nbytes(tensors)},
             "weight_map": {k: n for n, s in zip(names, shards) for k in s},
         }
         (out / INDEX).write_text(json.dumps(index, indent=2))
@@ -609,3 +601,7 @@ def save(
     config = hf_config(model, dtype_name) | carried_over(model.init_from_hf)
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return [*files, out / CONFIG]
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
