@@ -14,7 +14,7 @@ from typing import Any
 
 from tetrad.config import ModelConfig, ParallelConfig, TrainConfig, check_model_and_train
 from tetrad.layout import Layout, dtype_name
-from tetrad.mesh import ep_spans_tp, expert_groups
+from tetrad.mesh import ep_spans_tp
 from tetrad.parallel.pipeline.schedules import rank_stages
 
 
@@ -63,22 +63,11 @@ def ep_bytes_per_layer(lay: Layout, m: ModelConfig) -> float:
     return 4 * tokens * m.top_k * m.dim * lay.element_bytes * (lay.ep - 1) / lay.ep
 
 
-@functools.cache
-def _expert_groups(degrees: tuple[tuple[str, int], ...], ep: int) -> tuple[list, list]:
-    return expert_groups(dict(degrees), ep)
-
-
-def ep_groups(lay: Layout) -> tuple[list[list[int]], list[list[int]]]:
-    """The ep groups and expert-data groups of `lay`, in global ranks
-    (`mesh.expert_groups`; cached: a search asks for the same degrees often)."""
-    return _expert_groups(tuple(lay.degrees.items()), lay.ep)
-
-
 def first_ep_groups(lay: Layout) -> tuple[list[int], list[int]]:
     """The first ep group and the first expert-data group of `lay` (global ranks; every
-    group is priced alike): `ep_groups`' first of each, found on the first pipeline stage
-    alone (pp is the outermost axis, so its ranks and groups are those of `lay` at pp 1),
-    which a search of many pp degrees asks once."""
+    group is priced alike): `mesh.expert_groups`' first of each, found on the first
+    pipeline stage alone (pp is the outermost axis, so its ranks and groups are those of
+    `lay` at pp 1), which a search of many pp degrees asks once."""
     d = lay.degrees
     return _first_ep_groups(d["dp"], d["fsdp"], d["cp"], d["tp"], lay.ep)
 

@@ -210,7 +210,7 @@ class Planner:
         return self._splits[key]
 
     def facts(self, lay: Layout, m: ModelConfig) -> list[RankFacts]:
-        """`rank_facts` of every pp rank of `lay` (cached by the layout: a search asks for
+        """`Footprint.pipeline_facts` of `lay` (cached by the layout: a search asks for
         a candidate's several times, for its floors, its memory and its step)."""
         key = (model_key(m), lay)
         if key not in self._facts_of:
@@ -368,7 +368,7 @@ class Planner:
 
     def rank_facts(self, lay: Layout, m: ModelConfig, pp_rank: int) -> RankFacts:
         """Local parameter counts and exact model state of pp rank `pp_rank`."""
-        return self.footprint.rank_facts(lay, m, self.split(lay, m), pp_rank)
+        return self.facts(lay, m)[pp_rank]
 
     def memory_floor(self, lay: Layout, m: ModelConfig) -> float:
         """A lower bound of the layout's memory per device, without simulating it."""

@@ -134,7 +134,7 @@ class Footprint:
         # a search asks the same activations of many degree sets (dp, fsdp, ep do not
         # change them): a stage's bytes by what they read, peaks by timeline and bytes
         self._stage_bytes: dict[tuple, list[float] | tuple] = {}
-        self._states: dict[tuple, ModelState] = {}  # a block's or root's state (`_composed_state`)
+        self._states: dict[tuple, ModelState] = {}  # a block's or root's state (`_facts_by_kind`)
         self._in_flight: dict[tuple, tuple[list[list[Action]], float]] = {}
         self._moments: dict[tuple, tuple[RankFacts, Peak, float, float]] = {}  # `_RankPeaks`
 
@@ -145,34 +145,22 @@ class Footprint:
 
     # --- model state ------------------------------------------------------------------------
 
-    def rank_facts(self, lay: Layout, m: ModelConfig, split: list[int], pp_rank: int) -> RankFacts:
-        """Counts and exact model state of pp rank `pp_rank` (coordinate 0 on the other
-        axes; fsdp rank 0 holds the most elements). Looked up first by what the rank's
-        place is made of (a search asks a few hundred places tens of thousands of times),
-        then by what its blocks are (places with the same blocks share their facts)."""
-        known = self._place(lay, m, split)
-        if pp_rank not in known:
-            known[pp_rank] = self._rank_facts(lay, m, split, pp_rank)
-        return known[pp_rank]
-
     def pipeline_facts(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[RankFacts]:
-        """`rank_facts` of every pp rank, their place looked up once: the layouts of a
-        search's family (they differ in the microbatch count alone) share it."""
-        known = self._place(lay, m, split)
-        for r in range(lay.pp):
-            if r not in known:
-                known[r] = self._rank_facts(lay, m, split, r)
-        return [known[r] for r in range(lay.pp)]
-
-    def _place(self, lay: Layout, m: ModelConfig, split: list[int]) -> dict[int, RankFacts]:
-        """The facts known of the pp ranks of `lay`'s pipeline, by rank: what a rank's place
-        is made of but for the rank."""
+        """Counts and exact model state of every pp rank (coordinate 0 on the other axes;
+        fsdp rank 0 holds the most elements). Looked up first by what the ranks' place is
+        made of but for the rank (a search asks a few hundred places tens of thousands of
+        times; the layouts of a family, which differ in the microbatch count alone, share
+        it), then by what a rank's blocks are (places with the same blocks share them)."""
         shards = self.shards(lay)
         place = (model_key(m), tuple(split), lay.pp, lay.virtual_stages, lay.schedule, lay.tp,
                  shards, lay.zero_stage, lay.compute_dtype, _ep_shape(lay),
                  _expert_shards(lay, m, shards), _residual_shape(lay),
                  lay.fp8_all_gather)  # fmt: skip
-        return self._places.setdefault(place, {})
+        known = self._places.setdefault(place, {})
+        for r in range(lay.pp):
+            if r not in known:
+                known[r] = self._rank_facts(lay, m, split, r)
+        return [known[r] for r in range(lay.pp)]
 
     def _rank_facts(self, lay: Layout, m: ModelConfig, split: list[int], pp_rank: int) -> RankFacts:
         stages = held_stages(lay, pp_rank)
@@ -182,28 +170,29 @@ class Footprint:
         key = (model_key(m), lay.tp, shards, lay.zero_stage, lay.compute_dtype, kinds, first,
                last, _ep_shape(lay), _expert_shards(lay, m, shards),
                _residual_shape(lay), lay.fp8_all_gather)  # fmt: skip
-        if key not in self._facts and not (lay.fp8_all_gather or _whole_state(lay)):
-            self._facts[key] = self._facts_by_kind(lay, m, kinds, first, last, key[:5] + key[8:])
         if key not in self._facts:
-            named, replicated = self._local_parameters(lay, m, kinds, first, last)
-            numel = {n: math.prod(s) for n, s in named}
-            blocks = spec_for(m).blocks + "."
-            layers = sum(v for n, v in numel.items() if n.startswith(blocks))
-            experts = sum(numel[n] for n in expert_names(replicated) if n in numel)
-            state = self._composed_state(lay, m, named, replicated, kinds, key[:5] + key[8:])
-            held, root = sum(kinds), sum(numel.values()) - layers
-            spread = _expert_shards(lay, m, shards) if experts else 1
-            gathers = self._fp8_gathers(lay, m, named, replicated, shards)
-            self._facts[key] = RankFacts(layers, root, held, state, experts, spread, kinds[1],
-                                         *gathers)  # fmt: skip
+            facts = self._facts_by_kind(lay, m, kinds, first, last, key[:5] + key[8:])
+            if lay.fp8_all_gather or _whole_state(lay):  # what reads every parameter at once
+                named, replicated = self._local_parameters(lay, m, kinds, first, last)
+                if _whole_state(lay):
+                    facts.state = _state(lay, m, named, replicated, shards)
+                gathers = self._fp8_gathers(lay, m, named, replicated, shards)
+                facts.fp8_block_bytes, facts.fp8_weights = gathers
+            self._facts[key] = facts
         return self._facts[key]
 
     def _facts_by_kind(self, lay: Layout, m: ModelConfig, kinds: tuple[int, int], first: bool,
                        last: bool, key: tuple) -> RankFacts:  # fmt: skip
         """`RankFacts` of a rank holding `kinds` blocks, from one block of each kind and
-        the root (what `_local_parameters` and `_composed_state` list and sum, without
-        listing every block: a search builds thousands). Counts are summed per kind and
-        the state in `_composed_state`'s order, so both are the same to the byte."""
+        the root, without listing every block (a search builds thousands): the counts
+        summed per kind, and the state (`_state` of the rank's parameters) as the sum of
+        each block's and the root's, in the order `_local_parameters` lists them (the
+        root, dense blocks, then MoE blocks), so both are what the whole list gives, to
+        the byte: ZeRO's units are the blocks and the root, each priced alone, and
+        unsharded state is per parameter, so each kind of block is priced once for every
+        layout of the same tp, shards, stage, dtype and ep (`key`). Not the state where a
+        compressed reduction keeps residuals (its dp buckets span blocks: `_rank_facts`
+        prices it whole)."""
         root, blocks, replicated = self._pieces(lay, m, first, last)
         experts = expert_names(replicated)
 
@@ -215,31 +204,10 @@ class Footprint:
         psi_experts = count(root, experts) + sum(n * count(block, experts) for n, block, _ in held)
         axes = tuple(replicated[n] for n, _ in root)
         state = self._part_state(key + (tuple(root), axes), lay, m, root, replicated)
-        for n, block, moe in held:  # dense blocks first, as `_composed_state` adds them
+        for n, block, moe in held:  # dense blocks first, as `_local_parameters` lists them
             state = _added(state, self._part_state(key + (moe,), lay, m, block, replicated), n)
         spread = _expert_shards(lay, m, self.shards(lay)) if psi_experts else 1
         return RankFacts(layers, count(root), sum(kinds), state, psi_experts, spread, kinds[1])
-
-    def _composed_state(self, lay: Layout, m: ModelConfig, named, replicated,
-                        kinds: tuple[int, int], key: tuple) -> ModelState:  # fmt: skip
-        """`_state` of a rank's parameters (dense blocks first, then MoE blocks, then the
-        root, as `_local_parameters` lists them) as the sum of each block's and the
-        root's: ZeRO's units are the blocks and the root, each priced alone, and unsharded
-        state is per parameter, so each kind of block is priced once for every layout of
-        the same tp, shards, stage, dtype and ep (`key`). Whole where a compressed
-        reduction keeps residuals (its dp buckets span blocks)."""
-        shards = self.shards(lay)
-        if _whole_state(lay):
-            return _state(lay, m, named, replicated, shards)
-        spec, parts = spec_for(m), {}
-        for n, s in named:
-            parts.setdefault(spec.block_of(n), []).append((n, s))
-        root = parts.pop(None, [])
-        axes = tuple(replicated[n] for n, _ in root)
-        total = self._part_state(key + (tuple(root), axes), lay, m, root, replicated)
-        for k, part in enumerate(parts.values()):  # the rank's dense blocks come first
-            total = total + self._part_state(key + (k >= kinds[0],), lay, m, part, replicated)
-        return total
 
     def _part_state(self, key: tuple, lay: Layout, m: ModelConfig, part, replicated):
         if key not in self._states:
