@@ -133,7 +133,7 @@ class Footprint:
         self._fp8: dict[tuple, frozenset[str]] = {}  # a model's FP8 weights (fp8_weights)
         # a search asks the same activations of many degree sets (dp, fsdp, ep do not
         # change them): a stage's bytes by what they read, peaks by timeline and bytes
-        self._stage_bytes: dict[tuple, list[float] | tuple] = {}
+        self._stage_bytes: dict[tuple, tuple] = {}
         self._states: dict[tuple, ModelState] = {}  # a block's or root's state (`_facts_by_kind`)
         self._in_flight: dict[tuple, tuple[list[list[Action]], float]] = {}
         self._moments: dict[tuple, tuple[RankFacts, Peak, float, float]] = {}  # `_RankPeaks`
@@ -275,13 +275,6 @@ class Footprint:
         """Bytes one microbatch leaves on each global stage after its forward. Under
         context parallelism everything is per local token (s/cp of each sequence), and
         an all-gather core keeps the gathered keys and values of the whole sequence."""
-        key = (model_key(m), lay.dtype_name, lay.microbatch_size, lay.local_seq, lay.seq_len,
-               lay.tp, lay.sp, lay.cp, lay.cp_attention, lay.loss_chunk, tuple(split))  # fmt: skip
-        if key not in self._stage_bytes:
-            self._stage_bytes[key] = self._stage_activations(lay, m, split)
-        return list(self._stage_bytes[key])
-
-    def _stage_activations(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[float]:
         dt, shards, kernels = lay.dtype_name, self.engine.sp_saves_shards, self.engine.kernels
         b, s = lay.microbatch_size, lay.local_seq
         family = spec_for(m).activations
@@ -306,13 +299,6 @@ class Footprint:
         """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
         deferred linears, and on the last stage the head's unless a chunked loss computes
         its weight gradient in B."""
-        key = ("pending", model_key(m), lay.dtype_name, lay.microbatch_size, lay.local_seq,
-               lay.tp, lay.sp, lay.loss_chunk, tuple(split))  # fmt: skip
-        if key not in self._stage_bytes:
-            self._stage_bytes[key] = self._stage_pending_w(lay, m, split)
-        return list(self._stage_bytes[key])
-
-    def _stage_pending_w(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[float]:
         b, s = lay.microbatch_size, lay.local_seq
         family = spec_for(m).activations
         one = act.total_bytes(family.pending_w(m, lay.tp, lay.dtype_name), b, s, lay.tp, lay.sp)
@@ -333,7 +319,7 @@ class Footprint:
     def _stage_bytes_held(self, lay: Layout, m: ModelConfig, split: list[int]) -> tuple:
         """(activations, pending W inputs, output being sent) of a microbatch per stage
         (cached by what they read: a search's layouts of other dp degrees share them)."""
-        key = ("held", model_key(m), lay.compute_dtype, lay.microbatch_size, lay.local_seq,
+        key = (model_key(m), lay.compute_dtype, lay.microbatch_size, lay.local_seq,
                lay.seq_len, lay.tp, lay.sp, lay.cp, lay.cp_attention, lay.loss_chunk,
                tuple(split), self.engine.defers_w(lay))  # fmt: skip
         if key not in self._stage_bytes:
@@ -377,7 +363,7 @@ class Footprint:
     def floor(self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts]) -> float:
         """A lower bound of `memory(...).total` without a timeline: every rank holds at
         least one microbatch of its largest stage's activations."""
-        per_stage, peaks = self.stage_activations(lay, m, split), _RankPeaks(self, lay, m)
+        per_stage, peaks = self._stage_bytes_held(lay, m, split)[0], _RankPeaks(self, lay, m)
         out = 0.0
         for r in range(lay.pp):
             acts = max(per_stage[s] for s in held_stages(lay, r))

@@ -45,6 +45,7 @@ from tetrad.config import ModelConfig
 from tetrad.layout import Layout, ep_fits
 from tetrad.plan.candidates import candidate
 from tetrad.plan.cost import Planner, Prediction
+from tetrad.plan.footprint import Memory
 
 
 @dataclass(frozen=True)
@@ -196,12 +197,6 @@ class _Ranking:
             return math.inf
         return -self.fastest[0]
 
-    def admits(self, planner: Planner, lay: Layout, m: ModelConfig) -> bool:
-        """Whether `lay`'s step floor (`Planner.step_floor`) is within the threshold: a
-        count whose floor is not cannot enter the answer, nor can the later counts of its
-        family (`_walk_family`)."""
-        return self.within(planner.step_floor(lay, m))
-
     def within(self, floor: float) -> bool:
         """Whether a layout whose step is at least `floor` could enter the answer."""
         return floor * (1 - 1e-9) <= self.threshold
@@ -233,18 +228,8 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
     that fits, whose floor is no lower (the threshold has not moved between them), so the
     walk adds what it did; a large model's counts mostly do not fit, and their memory is
     cheaper than their floors."""
-    capacity = planner.cluster.device.hbm_bytes
     last, waiting, fits = math.inf, [], False
-    for k, cand in _counts(family, first):
-        if planner.memory_floor(cand, m) > capacity:
-            continue
-        try:  # validated where it could fit: most counts of a large model cannot
-            cand = candidate(base, m, **family[k])
-        except ValueError:
-            continue
-        memory = planner.memory(cand, m)
-        if not memory.fits:
-            continue
+    for k, cand, memory in _fitting(planner, base, m, family, first):
         if prune:
             floor, started = planner.step_floors(cand, m)
             if not ranking.within(floor):
@@ -260,6 +245,29 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
             ranking.add(step, mem.total, index, j, lay)
         waiting = []
     return fits
+
+
+def _fitting(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate],
+             first: Layout) -> Iterator[tuple[int, Layout, Memory]]:  # fmt: skip
+    """(index, layout, memory) of the family's counts that fit in memory, in order: a
+    count's memory floor asked first, then the count validated (where it could fit: most
+    counts of a large model cannot), then its memory."""
+    capacity = planner.cluster.device.hbm_bytes
+    for k, cand in _counts(family, first):
+        if planner.memory_floor(cand, m) > capacity:
+            continue
+        try:
+            cand = candidate(base, m, **family[k])
+        except ValueError:
+            continue
+        memory = planner.memory(cand, m)
+        if memory.fits:
+            yield k, cand, memory
+
+
+def _first_valid(base: Layout, m: ModelConfig, family: list[Candidate]) -> Layout | None:
+    """The layout of the family's first candidate that passes `Layout.build` (None: none)."""
+    return next(valid(base, m, family), (0, None))[1]
 
 
 def _buildable(planner: Planner, m: ModelConfig, lay: Layout | None) -> bool:
@@ -285,18 +293,10 @@ def _state_fits(planner: Planner, lay: Layout, m: ModelConfig) -> bool:
 def _fits_somewhere(planner: Planner, base: Layout, m: ModelConfig,
                     families: list[list[Candidate]]) -> bool:  # fmt: skip
     """Whether any count of any of `families` fits in memory."""
-    capacity = planner.cluster.device.hbm_bytes
     for family in families:
-        first = next(valid(base, m, family), (0, None))[1]
-        for k, lay in _counts(family, first) if first else ():
-            if planner.memory_floor(lay, m) > capacity:
-                continue
-            try:  # validated where it could fit, as `_walk_family` does
-                lay = candidate(base, m, **family[k])
-            except ValueError:
-                continue
-            if planner.memory(lay, m).fits:
-                return True
+        first = _first_valid(base, m, family)
+        if first and next(_fitting(planner, base, m, family, first), None):
+            return True
     return False
 
 
@@ -313,7 +313,7 @@ def search(
     at_cp1: dict[tuple[int, int], list[list[Candidate]]] = {}  # (tp, pp) -> cp = 1 families
     fitted: dict[tuple[int, int], bool] = {}  # (tp, pp): a cp = 1 layout fits
     for index, family in enumerate(families(base, m, world, planner.cluster.gpus_per_node, space)):
-        first = next(valid(base, m, family), (0, None))[1]
+        first = _first_valid(base, m, family)
         if not _buildable(planner, m, first):
             continue
         key = (first.tp, first.pp)
@@ -321,7 +321,7 @@ def search(
             at_cp1.setdefault(key, []).append(family)
         if not _state_fits(planner, first, m):
             continue  # its state alone overflows, whatever the count
-        if prune and not ranking.admits(planner, first, m):
+        if prune and not ranking.within(planner.step_floor(first, m)):
             continue  # no count of it can enter the answer (`_walk_family`)
         if first.cp > 1 and space.cp is None:
             if key not in fitted:  # asked only where the answer could change the result
