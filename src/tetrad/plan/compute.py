@@ -176,10 +176,8 @@ class ComputeModel:
             side = spec.routed_linears.get(name)
             k, n = (k * copies, n) if side == "n" else (k, n * copies) if side else (k, n)
             module = name.rpartition(".")[0]
-            column = side == "n" or spec.tp_plan.get(spec.block_prefix("*") + name) in (
-                "colwise",
-                "kv",
-            )
+            style = spec.tp_plan.get(spec.block_prefix("*") + name)
+            column = side == "n" or style in ("colwise", "kv")
             gathered = 1 / t if sp and not side else 1.0  # the experts' copies are the rank's
             if not (self.kernels.fused and column and module in shared):
                 fwd += k * each * (gathered if column else 1.0)

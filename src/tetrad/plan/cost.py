@@ -113,9 +113,12 @@ class StageTimes:
         comm = sum(t[kind][stage] for t in (self.tp, self.fsdp, self.cp, self.ep))
         return self.compute[kind][stage] + comm
 
+    def totals(self) -> dict[str, list[float]]:
+        """`total` of every kind ("F", "B", "W", in that order) and stage."""
+        return {k: [self.total(k, s) for s in range(len(self.compute[k]))] for k in "FBW"}
+
     def costs(self, comm: float) -> Costs:
-        n = len(self.compute["F"])
-        return Costs(*([self.total(k, s) for s in range(n)] for k in "FBW"), comm=comm)
+        return Costs(*self.totals().values(), comm=comm)
 
 
 class Planner:
@@ -296,8 +299,7 @@ class Planner:
         counts no chain)."""
         facts = self.facts(lay, m)
         times = self.stage_times(lay, m, facts)
-        n = len(times.compute["F"])
-        total = {k: [times.total(k, s) for s in range(n)] for k in "FBW"}
+        total = times.totals()
         back = {"B": total["B"], "BW": [b + w for b, w in zip(total["B"], total["W"])]}
         # sums of the first i stages' terms, added in order as `sum` adds them
         ahead = {k: list(itertools.accumulate(v, initial=0)) for k, v in back.items()}
@@ -632,10 +634,8 @@ class Planner:
         if not fa.psi_experts:
             return 0.0
         group = first_ep_groups(lay)[1]
-        n, link = len(group), self._group_link(group)
-        if fa.expert_shards == 1:
-            return link.time("all_reduce", n, fa.psi_experts * lay.reduce_bytes)
-        return link.time("reduce_scatter", n, fa.psi_experts * lay.reduce_bytes)
+        op = "all_reduce" if fa.expert_shards == 1 else "reduce_scatter"
+        return self._group_link(group).time(op, len(group), fa.psi_experts * lay.reduce_bytes)
 
     def after_schedule(self, lay: Layout, pp_rank: int, fa: RankFacts, times: StageTimes) -> dict:
         """Exposed seconds of one pp rank after its pipeline work: gradient reduction,

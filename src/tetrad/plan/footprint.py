@@ -38,7 +38,7 @@ from tetrad.plan import activations as act
 from tetrad.plan.candidates import block_kinds, held_stages, model_key
 from tetrad.plan.engines import Implementation
 from tetrad.plan.fp8_gather import block_gathers, fp8_weights
-from tetrad.plan.peak import Peak, PeakSettings, busiest_moment, rank_peak, with_optimizer_step
+from tetrad.plan.peak import Peak, PeakSettings, busiest_moment, with_optimizer_step
 
 # The caching allocator reserves more than the live tensors: fragmentation of what is
 # allocated and freed within a step. A stated share, not fitted per row (torchtitan's eager
@@ -380,8 +380,10 @@ class Footprint:
         return self.device.workspace_bytes + transient + reserved + share
 
     def peak(self, lay: Layout, m: ModelConfig, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
-        """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`)."""
-        return rank_peak(lay, m, pp_rank, acts, self._peak_settings(lay, m, fa))
+        """The moment of pp rank `pp_rank`'s allocator peak and its transients (`plan.peak`):
+        the largest of its moments (`peak.busiest_moment`, `peak.with_optimizer_step`)."""
+        moment = busiest_moment(lay, m, pp_rank, self._peak_settings(lay, m, fa))
+        return with_optimizer_step(moment, acts)
 
     def _peak_settings(self, lay: Layout, m: ModelConfig, fa: RankFacts) -> PeakSettings:
         return PeakSettings(

@@ -85,11 +85,6 @@ class PeakSettings:
     accumulated_grads: float
 
 
-def rank_peak(lay: Layout, m: ModelConfig, pp_rank: int, acts: float, s: PeakSettings) -> Peak:
-    """The largest of the rank's candidate moments (module docstring)."""
-    return with_optimizer_step(busiest_moment(lay, m, pp_rank, s), acts)
-
-
 def with_optimizer_step(moment: Peak, acts: float) -> Peak:
     """The larger of `moment` (`busiest_moment`) and the optimizer step's, whose
     transients are the `acts` bytes of activations freed by then: the only moment that
@@ -100,7 +95,7 @@ def with_optimizer_step(moment: Peak, acts: float) -> Peak:
 
 def busiest_moment(lay: Layout, m: ModelConfig, pp_rank: int, s: PeakSettings) -> Peak:
     """The largest of the rank's moments in the forward and backward (the first of
-    equals, as `rank_peak` takes them)."""
+    equals, as `with_optimizer_step` takes them)."""
     stages = held_stages(lay, pp_rank)
     last = lay.pp * lay.virtual_stages - 1 in stages
     shared = _shared_terms(lay, m, 0 in stages, s)
@@ -201,11 +196,10 @@ def block_backward(lay: Layout, m: ModelConfig, s: PeakSettings) -> float:
     out = 2 * tokens * m.hidden_dim * c / lay.tp + tokens * m.dim * c / (lay.tp if lay.sp else 1)
     family = spec_for(m).activations
     if s.recompute != "none":  # what the policy rebuilds for this block's backward
-        whole = family.layer(m, lay.tp, dt, "none", fused=s.engine.kernels.fused)
-        kept = family.layer(m, lay.tp, dt, s.recompute, fused=s.engine.kernels.fused)
-        out += act.total_bytes(whole, b, seq, lay.tp, lay.sp) - act.total_bytes(
-            kept, b, seq, lay.tp, lay.sp
-        )
+        layers = [family.layer(m, lay.tp, dt, mode, fused=s.engine.kernels.fused)
+                  for mode in ("none", s.recompute)]  # fmt: skip
+        whole, kept = (act.total_bytes(saved, b, seq, lay.tp, lay.sp) for saved in layers)
+        out += whole - kept
     if s.engine.kernels.attention == "unfused":  # no flash kernel
         out += act.total_bytes(family.attention_scores(m, lay.seq_len), b, seq, lay.tp)
     return out

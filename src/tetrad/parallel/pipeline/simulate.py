@@ -65,13 +65,12 @@ class Costs:
 class Dag:
     """Action lists' computes and what each waits for, in an order that puts every
     compute after the computes it reads (module docstring). Compute i is `computes[i]`
-    (an Action) on rank `rank[i]`; `after[i]` is the rank's previous compute, `moves[i]`
-    the sends and receives the rank handles between the two, `inputs[i]` for each of
-    those receives the compute its sender ran last before the send (-1: none, at time 0);
-    `ranks[r]` rank r's computes in its own order."""
+    (an Action); `after[i]` is its rank's previous compute, `moves[i]` the sends and
+    receives the rank handles between the two, `inputs[i]` for each of those receives
+    the compute its sender ran last before the send (-1: none, at time 0); `ranks[r]`
+    rank r's computes in its own order."""
 
     computes: tuple[Action, ...]
-    rank: tuple[int, ...]
     after: tuple[int, ...]
     moves: tuple[int, ...]
     inputs: tuple[tuple[int, ...], ...]
@@ -81,10 +80,10 @@ class Dag:
     def of(cls, actions: Sequence[Sequence[Action]]) -> Dag:
         """The Dag of per-rank action lists; ValueError naming each stuck rank's action if
         they deadlock (what `run_all` names)."""
-        found: dict[str, list] = {name: [] for name in ("computes", "rank", "after", "moves",
-                                                        "inputs")}  # fmt: skip
+        found: dict[str, list] = {name: [] for name in ("computes", "after", "moves", "inputs")}
         last, moves = [-1] * len(actions), [0] * len(actions)
         inputs: list[list[int]] = [[] for _ in actions]
+        ranks: list[list[int]] = [[] for _ in actions]
         sent: dict[tuple[str, int, int], int] = {}
 
         def step(a: Action, r: int) -> bool:
@@ -95,16 +94,14 @@ class Dag:
                     return False
                 inputs[r].append(sent[wire(a)])
             else:
-                for name, value in zip(found, (a, r, last[r], moves[r], tuple(inputs[r]))):
+                for name, value in zip(found, (a, last[r], moves[r], tuple(inputs[r]))):
                     found[name].append(value)
-                last[r], moves[r], inputs[r] = len(found["rank"]) - 1, -1, []
+                last[r], moves[r], inputs[r] = len(found["computes"]) - 1, -1, []
+                ranks[r].append(last[r])
             moves[r] += 1
             return True
 
         run_all(actions, step, "schedule deadlocks")
-        ranks: list[list[int]] = [[] for _ in actions]
-        for i, r in enumerate(found["rank"]):
-            ranks[r].append(i)
         return cls(**{k: tuple(v) for k, v in found.items()}, ranks=tuple(map(tuple, ranks)))
 
     def times(self, costs: Costs) -> tuple[list[float], list[float]]:
