@@ -257,11 +257,7 @@ class SequenceParallelLogits(Deferrable):
         self.router, self.tp = router, tp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, tp = self.router.weight, self.tp
-        if self.store is not None:
-            return split_matmul(widen(x), widen(weight), self.store, _summed_sink(weight, tp))
-        weight = copy_to_tp(weight, tp.comm, tp.group, tp.reduce_dtype)
-        return F.linear(widen(x), widen(weight))  # [T/t, E]
+        return _summed_linear(widen(x), self.router.weight, self.tp, self.store, widen)  # [T/t, E]
 
 
 class SequenceParallelLinear(Float8Split):
@@ -279,23 +275,23 @@ class SequenceParallelLinear(Float8Split):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s/t, in] -> [b, s/t, out]
-        tp = self.tp
-        if self.store is not None:
-            return split_matmul(x, self.weight, self.store, _summed_sink(self.weight, tp))
-        weight = copy_to_tp(self.weight, tp.comm, tp.group, tp.reduce_dtype)
-        return F.linear(x, weight) if self.fp8 is None else self.fp8.matmul(x, weight)
+        matmul = F.linear if self.fp8 is None else self.fp8.matmul
+        return _summed_linear(x, self.weight, self.tp, self.store, matmul=matmul)
 
 
-def _summed_sink(weight: torch.Tensor, tp: TP):
-    """W's destination for a weight used on this rank's own tokens: its partial gradient,
-    summed over tp (as f's backward sums it in an ordinary backward)."""
+def _summed_linear(x, weight, tp: TP, store, cast=lambda w: w, matmul=F.linear) -> torch.Tensor:
+    """`matmul(x, cast(weight))` on this rank's own tokens, the weight's partial gradient
+    summed over tp: in the graph (f on the weight, in `reduce_dtype`), or, deferred to W
+    (`store`: zero-bubble), by W's destination (as f's backward sums it)."""
+    if store is None:
+        return matmul(x, cast(copy_to_tp(weight, tp.comm, tp.group, tp.reduce_dtype)))
 
     def sink(g: torch.Tensor) -> None:
         summed = g.to(tp.reduce_dtype)
         tp.comm.all_reduce(summed, tp.group)
         accumulate(weight, summed.to(g.dtype))
 
-    return sink
+    return split_matmul(x, cast(weight), store, sink)
 
 
 def _enters_inside(module: nn.Module) -> bool:
@@ -486,12 +482,11 @@ def apply_tp(
         new, kind = _tp_module(module, style, tp, m, name.startswith(regions))
         if new is not module:
             model.set_submodule(name, new)
+        _enter_region(new, style, tp)
         if kind is not None:
             kinds[name + ".weight"] = kind
         if kind == "rows" and new.bias is not None:  # a column split splits its bias
             kinds[name + ".bias"] = kind
-    for name, style in styles.items():
-        _enter_region(model.get_submodule(name), style, tp)
     final = module_at(model, spec.final_norm)
     if m.tie_embeddings and final is not None:
         # tied head: the final norm's output feeds F.linear with the embedding's vocab rows

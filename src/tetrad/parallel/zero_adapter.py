@@ -10,6 +10,7 @@ shard of master weights and AdamW moments, cut into boxes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -43,18 +44,22 @@ class ZeroAdapter(PlainAdapter):
     def device(self) -> torch.device:
         return self.sharded[0].device
 
+    def _units(self) -> Iterator[tuple[ZeroShards, FlatUnit]]:
+        """Every sharded group's units, in order, each group's gathers drained first."""
+        for sh in self.sharded:
+            sh.drain()
+            yield from ((sh, u) for u in sh.units)
+
     @torch.no_grad()
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """Every local parameter, full size, wide (float32; float64 under fp64), on CPU:
         each unit's master shard all-gathered over its group's axis."""
         out: dict[str, torch.Tensor] = {}
-        for sh in self.sharded:
-            sh.drain()
-            for u in sh.units:
-                shard = widen(u.master)
-                full = torch.empty(u.layout.padded, dtype=shard.dtype, device=sh.device)
-                sh.comm.all_gather(full, shard, sh.group)
-                out |= {n: t.cpu().clone() for n, t in zip(u.layout.names, u.layout.split(full))}
+        for sh, u in self._units():
+            shard = widen(u.master)
+            full = torch.empty(u.layout.padded, dtype=shard.dtype, device=sh.device)
+            sh.comm.all_gather(full, shard, sh.group)
+            out |= {n: t.cpu().clone() for n, t in zip(u.layout.names, u.layout.split(full))}
         return out | super().local_state_dict()
 
     @torch.no_grad()
@@ -62,16 +67,14 @@ class ZeroAdapter(PlainAdapter):
         """Each unit's shard of the full logical tensors into its master weights (and into
         the compute buffer while that is gathered: stages 1-2 between steps), then the
         whole group's tensors."""
-        for sh in self.sharded:
-            sh.drain()
+        for sh, u in self._units():
             sh.stale = True  # FP8 gathers: new weights, new scales
-            for u in sh.units:
-                full = torch.zeros(u.layout.padded, dtype=u.master.dtype, device=u.data.device)
-                for name, piece in zip(u.layout.names, u.layout.split(full)):
-                    piece.copy_(self._slice(name, params[name]))
-                if u.gathered:
-                    u.data.copy_(full)
-                u.master.copy_(full.view(-1, u.layout.shard)[u.rank])
+            full = torch.zeros(u.layout.padded, dtype=u.master.dtype, device=u.data.device)
+            for name, piece in zip(u.layout.names, u.layout.split(full)):
+                piece.copy_(self._slice(name, params[name]))
+            if u.gathered:
+                u.data.copy_(full)
+            u.master.copy_(full.view(-1, u.layout.shard)[u.rank])
         super().load_full(params)
 
     # --- sharded checkpoints: each rank's own piece of each unit, as boxes ----------------
@@ -91,17 +94,13 @@ class ZeroAdapter(PlainAdapter):
     @torch.no_grad()
     def owned_slices(self, optimizer, replicated) -> tuple[Owned, int]:
         out: Owned = []
-        for sh in self.sharded:
-            sh.drain()
-            for u in sh.units:
-                flats = {"": u.master} | {
-                    f"{k}/": optimizer_shard(u, optimizer, k) for k in MOMENTS
-                }
-                for name, at, box in self.shard_boxes(u):
-                    if self.writes(name, replicated, sh.axis):
-                        n, shape = box_numel(box), box_shape(box)
-                        out += [(f"{key}{name}", box, snapshot(flat[at : at + n].view(shape)))
-                                for key, flat in flats.items()]  # fmt: skip
+        for sh, u in self._units():
+            flats = {"": u.master} | {f"{k}/": optimizer_shard(u, optimizer, k) for k in MOMENTS}
+            for name, at, box in self.shard_boxes(u):
+                if self.writes(name, replicated, sh.axis):
+                    n, shape = box_numel(box), box_shape(box)
+                    out += [(f"{key}{name}", box, snapshot(flat[at : at + n].view(shape)))
+                            for key, flat in flats.items()]  # fmt: skip
         out += super().owned_slices(optimizer, replicated)[0]  # the whole group's
         return out, adam_step(optimizer)
 
@@ -109,10 +108,8 @@ class ZeroAdapter(PlainAdapter):
     def load_owned(self, read: Reader, step: int, optimizer) -> None:
         """Each unit's shard of master weights and moments, read box by box (padding 0),
         then the whole group's tensors."""
-        for sh in self.sharded:
-            sh.drain()
-            for u in sh.units:
-                self._load_unit(u, read, step, optimizer)
+        for _, u in self._units():
+            self._load_unit(u, read, step, optimizer)
         super().load_owned(read, step, optimizer)
 
     def _load_unit(self, u: FlatUnit, read: Reader, step: int, optimizer) -> None:

@@ -475,7 +475,6 @@ def _written_here(directory: Path, local_rank: int, local_world: int) -> list[tu
 def _verified(stem: Path, meta: Any, step: int, rank: int, cfg: Config, warn, layout):
     """The blob of `stem` (its JSON `meta`, read once, and .safetensors) if it is whole and
     this run's; a bad one is skipped with a warning."""
-    why = "skipping the in-memory checkpoint"
     try:
         if isinstance(meta, Exception):
             raise meta
@@ -484,11 +483,12 @@ def _verified(stem: Path, meta: Any, step: int, rank: int, cfg: Config, warn, la
         check_meta(meta, step, rank, cfg, layout)
         return join(meta, data)
     except (KeyError, TypeError) as e:
-        warn(f"tetrad: warning: {why} {stem}: no field {e}")
+        why = f"no field {e}"
     except CorruptCheckpoint as e:
-        warn(f"tetrad: warning: {why} {stem}: {e}")
+        why = str(e)
     except (OSError, ValueError) as e:
-        warn(f"tetrad: warning: {why} {stem}: unreadable: {e}")
+        why = f"unreadable: {e}"
+    warn(f"tetrad: warning: skipping the in-memory checkpoint {stem}: {why}")
     return None
 
 
