@@ -201,6 +201,25 @@ def test_recompiles_are_counted():
     assert cost.read()[1] == 0
 
 
+def test_compiled_blocks_read_the_kept_rotary_tables():
+    """A compiled block takes its layer's kept rotary tables as an input (made once, by the
+    model's first forward), where it made them in its graph at every call: tables
+    replaced after compiling change what every compiled block computes."""
+    from tetrad.models.init import build_model
+    from tetrad.models.llama import CausalCore
+
+    cfg = _config({}, {}, {})
+    model = build_model(cfg.model, 0)
+    for block in model.layers.values():
+        block.compile(backend="eager", dynamic=False)
+    x = torch.randint(0, cfg.model.vocab, (1, cfg.train.seq_len))
+    out = model(x)
+    cores = [m for m in model.modules() if isinstance(m, CausalCore)]
+    for core in cores:  # the same shape: read as an input, not recompiled
+        core._tables = torch.zeros_like(core._tables)
+    assert len(cores) == cfg.model.layers and not torch.equal(model(x), out)
+
+
 def test_no_cxx_compiler_is_one_error_line(tmp_path):
     """On CPU without a C++ compiler, `tetrad train --compile` says so in one line, before
     anything starts."""
