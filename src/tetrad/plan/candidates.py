@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tetrad.config import ModelConfig, ParallelConfig, TrainConfig, check_model_and_train
 from tetrad.layout import Layout, dtype_name
 from tetrad.mesh import ep_spans_tp
 from tetrad.parallel.pipeline.schedules import rank_stages
+
+T = TypeVar("T")
 
 
 def held_stages(lay: Layout, pp_rank: int) -> tuple[int, ...]:
@@ -43,6 +46,14 @@ def block_kinds(m: ModelConfig, split: list[int], stages: list[int]) -> tuple[in
 def model_key(model: ModelConfig) -> tuple:
     """`model`'s fields as a key for the planner's caches (its repr cost a search seconds)."""
     return tuple(vars(model).values())
+
+
+def cached(cache: dict[Any, T], key: Any, make: Callable[..., T], *args: Any) -> T:
+    """`cache[key]`, made by `make(*args)` the first time it is asked for (the planner's
+    caches, each keyed by what its values read)."""
+    if key not in cache:
+        cache[key] = make(*args)
+    return cache[key]
 
 
 def cp_exchange_bytes(lay: Layout, m: ModelConfig) -> float:

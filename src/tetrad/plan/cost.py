@@ -60,6 +60,7 @@ from tetrad.parallel.pipeline.simulate import Costs, Dag
 from tetrad.parallel.pipeline.stage import layer_split
 from tetrad.plan.candidates import (
     block_kinds,
+    cached,
     cp_exchange_bytes,
     describe,
     ep_bytes_per_layer,
@@ -160,9 +161,7 @@ class Planner:
 
     def _link(self, stride: int, size: int) -> Link:
         """`self.cluster.link(stride, size)`, built once: a search asks it a million times."""
-        if (stride, size) not in self._links:
-            self._links[stride, size] = self.cluster.link(stride, size)
-        return self._links[stride, size]
+        return cached(self._links, (stride, size), self.cluster.link, stride, size)
 
     def _group_link(self, ranks: list[int]) -> Link:
         """`self.cluster.group_link(ranks)`, cached by what it reads of the group: whether
@@ -170,9 +169,7 @@ class Planner:
         node = self.cluster.gpus_per_node
         stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
         key = (ranks[0] // node == ranks[-1] // node, stride, len(ranks))
-        if key not in self._links:
-            self._links[key] = self.cluster.group_link(ranks)
-        return self._links[key]
+        return cached(self._links, key, self.cluster.group_link, ranks)
 
     def _schedule_key(self, lay: Layout) -> tuple:
         """What a schedule's action lists depend on: its name, pp, m, v and the engine's
@@ -198,9 +195,7 @@ class Planner:
         in flight when, all that memory reads off a timeline, is read off this order
         without simulating the step."""
         key = self._schedule_key(lay)
-        if key not in self._orders:
-            self._orders[key] = compute_orders(*key)
-        return self._orders[key]
+        return cached(self._orders, key, compute_orders, *key)
 
     def split(self, lay: Layout, m: ModelConfig) -> list[int]:
         """Layers per global stage, as the runtime splits them (`stage.layer_split`)."""
@@ -400,9 +395,7 @@ class Planner:
         key = (times.__name__, model_key(m), tuple(self.split(lay, m)), lay.tp, lay.sp, lay.cp,
                lay.ep, lay.microbatch_size, lay.local_seq, lay.seq_len, lay.compute_dtype,
                lay.fp8, lay.loss_chunk, lay.cp_attention, *more)  # fmt: skip
-        if key not in self._times:
-            self._times[key] = times(lay, m)
-        return self._times[key]
+        return cached(self._times, key, times, lay, m)
 
     def _stage_seconds(self, lay: Layout, m: ModelConfig) -> dict[str, list[float]]:
         """F, B and W seconds of one microbatch on each global stage, on one tp rank."""
@@ -600,9 +593,7 @@ class Planner:
         reads (not to be changed in place): it does not depend on the microbatch count."""
         key = (tuple(lay.degrees.values()), lay.ep, lay.reduce_bytes, fa.psi_dense,
                fa.layer_units, fa.psi_experts, fa.expert_shards)  # fmt: skip
-        if key not in self._reductions:
-            self._reductions[key] = self._reduction(lay, fa)
-        return self._reductions[key]
+        return cached(self._reductions, key, self._reduction, lay, fa)
 
     def _reduction(self, lay: Layout, fa: RankFacts) -> dict[str, float]:
         reps = lay.dp * lay.cp  # the replicas: cp ranks hold different tokens, the same weights

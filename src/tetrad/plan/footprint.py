@@ -35,7 +35,7 @@ from tetrad.parallel.model_state import (
 )
 from tetrad.parallel.pipeline.schedules import Action
 from tetrad.plan import activations as act
-from tetrad.plan.candidates import block_kinds, held_stages, model_key
+from tetrad.plan.candidates import block_kinds, cached, held_stages, model_key
 from tetrad.plan.engines import Implementation
 from tetrad.plan.fp8_gather import block_gathers, fp8_weights
 from tetrad.plan.peak import Peak, PeakSettings, busiest_moment, with_optimizer_step
@@ -210,17 +210,13 @@ class Footprint:
         return RankFacts(layers, count(root), sum(kinds), state, psi_experts, spread, kinds[1])
 
     def _part_state(self, key: tuple, lay: Layout, m: ModelConfig, part, replicated):
-        if key not in self._states:
-            self._states[key] = _state(lay, m, part, replicated, self.shards(lay))
-        return self._states[key]
+        return cached(self._states, key, _state, lay, m, part, replicated, self.shards(lay))
 
     def _fp8_gathers(self, lay: Layout, m: ModelConfig, named, replicated, shards: int):
         """(bytes of a block unit's FP8 gather, FP8 weights) under --fp8-all-gather."""
         if not lay.fp8_all_gather:
             return 0.0, 0
-        if model_key(m) not in self._fp8:
-            self._fp8[model_key(m)] = fp8_weights(m)
-        inside = self._fp8[model_key(m)]
+        inside = cached(self._fp8, model_key(m), fp8_weights, m)
         return block_gathers(named, replicated, shards, m, inside, lay.element_bytes)
 
     def shards(self, lay: Layout) -> int:
@@ -239,16 +235,14 @@ class Footprint:
         so its experts are the slice a rank holds (spanning tp where the layout's does)."""
         root, blocks, replicated = self._pieces(lay, m, first, last)
         spec = spec_for(m)
-        embedding = [(n, s) for n, s in root if n.startswith(spec.embedding + ".")]
-        out, reps = list(embedding), {}
+        embedding = sum(n.startswith(spec.embedding + ".") for n, _ in root)  # first in root
+        out, reps = root[:embedding], {n: replicated[n] for n, _ in root}
         for k, kind in enumerate([0] * kinds[0] + [-1] * kinds[1]):  # dense blocks first
             prefix, block = blocks[kind]
             for n, s in block:
                 out.append((spec.block_prefix(k) + n[len(prefix) :], s))
                 reps[out[-1][0]] = replicated[n]
-        out += [(n, s) for n, s in root if (n, s) not in embedding]
-        reps |= {n: replicated[n] for n, _ in out if n not in reps}
-        return out, reps
+        return out + root[embedding:], reps
 
     def _pieces(self, lay: Layout, m: ModelConfig, first: bool, last: bool):
         """(the root parameters the rank keeps, embedding first; each kind of block's
@@ -266,8 +260,8 @@ class Footprint:
         # the root parameters the stage keeps, as `pipeline.stage.prune` leaves them
         keep = spec.stage_parameters([n for n, _ in named], [], first, last)
         root = [(n, s) for n, s in named if spec.block_of(n) is None and n in keep]
-        embedding = [(n, s) for n, s in root if n.startswith(spec.embedding + ".")]
-        return embedding + [p for p in root if p not in embedding], blocks, replicated
+        root.sort(key=lambda p: not p[0].startswith(spec.embedding + "."))  # embedding first
+        return root, blocks, replicated
 
     # --- activations and the total ----------------------------------------------------------
 
@@ -322,9 +316,7 @@ class Footprint:
         key = (model_key(m), lay.compute_dtype, lay.microbatch_size, lay.local_seq,
                lay.seq_len, lay.tp, lay.sp, lay.cp, lay.cp_attention, lay.loss_chunk,
                tuple(split), self.engine.defers_w(lay))  # fmt: skip
-        if key not in self._stage_bytes:
-            self._stage_bytes[key] = self._stage_bytes_of(lay, m, split)
-        return self._stage_bytes[key]
+        return cached(self._stage_bytes, key, self._stage_bytes_of, lay, m, split)
 
     def _stage_bytes_of(self, lay: Layout, m: ModelConfig, split: list[int]) -> tuple:
         per_stage = self.stage_activations(lay, m, split)
