@@ -295,10 +295,9 @@ class Planner:
         facts = self.facts(lay, m)
         times = self.stage_times(lay, m, facts)
         total = times.totals()
-        back = {"B": total["B"], "BW": [b + w for b, w in zip(total["B"], total["W"])]}
+        total["BW"] = [b + w for b, w in zip(total["B"], total["W"])]
         # sums of the first i stages' terms, added in order as `sum` adds them
-        ahead = {k: list(itertools.accumulate(v, initial=0)) for k, v in back.items()}
-        ahead["F"] = list(itertools.accumulate(total["F"], initial=0))
+        ahead = {k: list(itertools.accumulate(v, initial=0)) for k, v in total.items()}
         tails: dict[tuple, float] = {}  # ranks with the same facts and stage times share it
         busy = started = tail = 0.0
         ends = self._cool_down_of(lay) if cool_down else [((), False, ())] * lay.pp
@@ -308,7 +307,7 @@ class Planner:
             if len(set(kinds)) == 1:
                 chain = ahead[kinds[0]][len(kinds)]
             else:
-                chain = sum(back[k][s] for s, k in enumerate(kinds))
+                chain = sum(total[k][s] for s, k in enumerate(kinds))
             chain += w0 * total["W"][0]
             after_work = sum(c * total[k][s] for k, s, c in after)
             busy = max(busy, work)

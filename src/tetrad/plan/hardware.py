@@ -189,12 +189,9 @@ SPREAD = {"h100": (0.87, 1.18), "h100-hbm2e": (0.91, 1.11), "a100": (0.89, 1.04)
           "h200": (0.87, 1.18)}  # fmt: skip
 
 
-def _gpu(device: Device) -> Device:
-    return replace(device, efficiency=GEMM_EFFICIENCY[device.name])
-
-
 CLUSTERS = {
-    d.name: Cluster(_gpu(d), 8, link, ib, spread=SPREAD[d.name])
+    d.name: Cluster(replace(d, efficiency=GEMM_EFFICIENCY[d.name]), 8, link, ib,
+                    spread=SPREAD[d.name])
     for d, link, ib in ((H100, NVLINK4, IB_NDR), (H100_HBM2E, NVLINK4, IB_NDR),
                         (H200, NVLINK4, IB_NDR), (A100, NVLINK3, IB_HDR))
 }  # fmt: skip

@@ -23,6 +23,7 @@ planner's search times one schedule on many costs).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,9 +110,8 @@ class Dag:
         compute's end, plus `overhead` and `p2p` per send or receive since), or the
         latest of its inputs' arrivals, whichever is later."""
         durations = self._durations(costs)
-        host = [0.0]  # p2p summed as the ranks add it, one transfer at a time
-        for _ in range(max(self.moves, default=0)):
-            host.append(host[-1] + costs.p2p)
+        # p2p summed as the ranks add it, one transfer at a time
+        host = list(itertools.accumulate([costs.p2p] * max(self.moves, default=0), initial=0.0))
         comm, overhead = costs.comm, costs.overhead
         n = len(self.computes)
         start, end = [0.0] * n, [0.0] * (n + 1)  # end[-1]: no compute, time 0
