@@ -110,13 +110,12 @@ class StageTimes:
     cp: dict[str, list[float]]
     ep: dict[str, list[float]]
 
-    def total(self, kind: str, stage: int) -> float:
-        comm = sum(t[kind][stage] for t in (self.tp, self.fsdp, self.cp, self.ep))
-        return self.compute[kind][stage] + comm
-
     def totals(self) -> dict[str, list[float]]:
-        """`total` of every kind ("F", "B", "W", in that order) and stage."""
-        return {k: [self.total(k, s) for s in range(len(self.compute[k]))] for k in "FBW"}
+        """Seconds per microbatch of every kind ("F", "B", "W", in that order) and stage:
+        the compute, and the communication it exposes."""
+        comms = (self.tp, self.fsdp, self.cp, self.ep)
+        return {k: [c + sum(t[k][s] for t in comms) for s, c in enumerate(self.compute[k])]
+                for k in "FBW"}  # fmt: skip
 
     def costs(self, comm: float) -> Costs:
         return Costs(*self.totals().values(), comm=comm)
@@ -383,7 +382,9 @@ class Planner:
         cp = self._per_microbatch(self._cp_times, lay, m)
         ep = self._per_microbatch(self._ep_times, lay, m, lay.dp, lay.fsdp)
         if lay.schedule in SPLIT_BACKWARD and not self.engine.defers_w(lay):
-            compute = _fold_w(compute)
+            # W not deferred: B does the weight gradients itself
+            folded = [b + w for b, w in zip(compute["B"], compute["W"])]
+            compute = {"F": compute["F"], "B": folded, "W": [0.0] * len(folded)}
         return StageTimes(compute, tp, fsdp, cp, ep)
 
     def _per_microbatch(self, times, lay: Layout, m: ModelConfig, *more) -> dict[str, list[float]]:
@@ -696,12 +697,6 @@ def _calls(elems: float, units: int, bucket: float) -> int:
     """Collective calls a pass over `elems` elements makes: one per unit, or one per
     `bucket` elements where the engine buckets (0: no buckets)."""
     return max(1, math.ceil(elems / bucket)) if bucket else units
-
-
-def _fold_w(compute: dict[str, list[float]]) -> dict[str, list[float]]:
-    """A split schedule whose W is not deferred: B does the weight gradients itself."""
-    folded = [b + w for b, w in zip(compute["B"], compute["W"])]
-    return {"F": compute["F"], "B": folded, "W": [0.0] * len(folded)}
 
 
 def _uniform_split(lay: Layout, m: ModelConfig) -> list[int] | None:

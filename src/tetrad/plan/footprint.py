@@ -172,9 +172,10 @@ class Footprint:
                _residual_shape(lay), lay.fp8_all_gather)  # fmt: skip
         if key not in self._facts:
             facts = self._facts_by_kind(lay, m, kinds, first, last, key[:5] + key[8:])
-            if lay.fp8_all_gather or _whole_state(lay):  # what reads every parameter at once
+            whole = _residual_shape(lay) is not None  # its dp buckets span blocks
+            if lay.fp8_all_gather or whole:  # what reads every parameter at once
                 named, replicated = self._local_parameters(lay, m, kinds, first, last)
-                if _whole_state(lay):
+                if whole:
                     facts.state = _state(lay, m, named, replicated, shards)
                 gathers = self._fp8_gathers(lay, m, named, replicated, shards)
                 facts.fp8_block_bytes, facts.fp8_weights = gathers
@@ -491,12 +492,6 @@ def _added(state: ModelState, part: ModelState, n: int) -> ModelState:
     return state
 
 
-def _whole_state(lay: Layout) -> bool:
-    """Whether a rank's state is priced whole, not block by block: a compressed
-    reduction's residuals (its dp buckets span blocks)."""
-    return bool(lay.compress and lay.error_feedback)
-
-
 def _no_sync(eng: Implementation, lay: Layout) -> bool:
     """Whether `eng` runs ZeRO under pp as torch's pipelining runs FSDP2 (`pp_no_sync`)."""
     return eng.pp_no_sync and lay.pp > 1 and lay.zero_stage >= 2
@@ -521,7 +516,8 @@ def _largest_linear(lay: Layout, m: ModelConfig) -> float:
 
 def _residual_shape(lay: Layout) -> tuple | None:
     """What a compressed reduction's residuals depend on (`model_state.residual_bytes`):
-    the format, the ranks summed over, the buckets; None without them."""
+    the format, the ranks summed over, the buckets; None without them (with them, a
+    rank's state is priced whole, not block by block: their dp buckets span blocks)."""
     if not (lay.compress and lay.error_feedback):
         return None
     return lay.compress, lay.data, lay.expert_data, lay.bucket_bytes, lay.first_bucket_bytes

@@ -144,7 +144,11 @@ class Dag:
 
 def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> Timeline:
     """Time every rank's action list; raise ValueError if the lists deadlock."""
-    _check_costs(costs, 1 + max((a.stage for acts in actions for a in acts), default=0))
+    n_stages = 1 + max((a.stage for acts in actions for a in acts), default=0)
+    for name in ("f", "b", "w"):
+        value = getattr(costs, name)
+        if not isinstance(value, int | float) and len(value) < n_stages:
+            raise ValueError(f"Costs.{name} has {len(value)} entries for {n_stages} stages")
     dag = Dag.of(actions)
     start, end = dag.times(costs)
     ranks = [[Event(dag.computes[i].kind, dag.computes[i].stage, dag.computes[i].microbatch,
@@ -167,13 +171,6 @@ def run_all(lists: Sequence[Sequence[Any]], step: Callable[[Any, int], bool], wh
     stuck = [f"rank {r} at {lists[r][pc[r]]}" for r in range(len(lists)) if pc[r] < len(lists[r])]
     if stuck:
         raise ValueError(f"{what}: " + "; ".join(stuck))
-
-
-def _check_costs(costs: Costs, n_stages: int) -> None:
-    for name in ("f", "b", "w"):
-        value = getattr(costs, name)
-        if not isinstance(value, int | float) and len(value) < n_stages:
-            raise ValueError(f"Costs.{name} has {len(value)} entries for {n_stages} stages")
 
 
 def simulate_schedule(
