@@ -182,10 +182,9 @@ class Planner:
         schedule on many costs)."""
         key = self._schedule_key(lay)
         if key not in self._schedules:  # `build_schedule` on the orders memory read
-            place, stages = placement(lay.pp, lay.virtual_stages, lay.schedule), lay.stages
-            self._schedules[key] = Dag.of(
-                [add_transfers(o, place, stages) for o in self.order(lay)]
-            )
+            place = placement(lay.pp, lay.virtual_stages, lay.schedule)
+            actions = [add_transfers(o, place, lay.stages) for o in self.order(lay)]
+            self._schedules[key] = Dag.of(actions)
         return self._schedules[key]
 
     def order(self, lay: Layout) -> list[list[Action]]:

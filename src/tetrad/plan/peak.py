@@ -98,7 +98,12 @@ def busiest_moment(lay: Layout, m: ModelConfig, pp_rank: int, s: PeakSettings) -
     equals, as `with_optimizer_step` takes them)."""
     stages = held_stages(lay, pp_rank)
     last = lay.pp * lay.virtual_stages - 1 in stages
-    shared = _shared_terms(lay, m, 0 in stages, s)
+    # terms alive through the forward and backward (module docstring)
+    shared = [("ZeRO-3 gathered parameters", s.zero_gathered),
+              ("ZeRO gradients accumulated over microbatches", s.accumulated_grads),
+              ("gradients not yet reduced (in the state)", -s.late_grads)]  # fmt: skip
+    if 0 not in stages:
+        shared.append(("pipeline receive pool", 2 * stage_input_bytes(lay, m)))
     block = [("block backward", block_backward(lay, m, s)),
              ("ZeRO unsharded gradients", s.zero_grads - s.accumulated_grads)]  # fmt: skip
     moments = [("block backward", block + shared, [])]
@@ -122,18 +127,6 @@ def _nonzero(terms: list[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
 def _chunked(lay: Layout, chunked: bool) -> bool:
     """Whether the head and loss run a chunk of tokens at a time."""
     return chunked and lay.loss_chunk > 0
-
-
-def _shared_terms(
-    lay: Layout, m: ModelConfig, first: bool, s: PeakSettings
-) -> list[tuple[str, float]]:
-    """Terms alive through the forward and backward (module docstring)."""
-    out = [("ZeRO-3 gathered parameters", s.zero_gathered),
-           ("ZeRO gradients accumulated over microbatches", s.accumulated_grads),
-           ("gradients not yet reduced (in the state)", -s.late_grads)]  # fmt: skip
-    if not first:
-        out.append(("pipeline receive pool", 2 * stage_input_bytes(lay, m)))
-    return out
 
 
 def stage_input_bytes(lay: Layout, m: ModelConfig) -> float:
