@@ -176,3 +176,10 @@ def pending_w_head(m: ModelConfig, t: int, dtype: str) -> list[Saved]:
 def stage_output(m: ModelConfig, dtype: str) -> list[Saved]:
     """A pipeline stage's output [b, s(/t), h], held until its send completes."""
     return [Saved("stage output awaiting its send", DTYPE_BYTES[dtype] * m.dim, "seq")]
+
+
+# The block items a stage's microbatches in flight share, held once however many there
+# are: each layer's attention core makes its rotary tables once per (s, device) and every
+# microbatch's backward reads the same (models/llama.py, `CausalCore.tables`). The planner
+# counts them once per stage (`Footprint.stage_shared`).
+SHARED_ACROSS_MICROBATCHES = ("rotary cos/sin",)

@@ -85,6 +85,7 @@ def peak_in_flight(
     act: Sequence[float],
     pending_w: Sequence[float] = (),
     sent: Sequence[float] = (),
+    shared: Sequence[float] = (),
 ) -> float:
     """Peak bytes of stashed activations on `rank` over a simulated (or measured) step.
 
@@ -92,10 +93,13 @@ def peak_in_flight(
     bytes it keeps between B and W (zero-bubble); sent[stage]: the output an F sends,
     alive until the send is done: the runtime waits for a send (and frees it) one compute
     after posting it (`p2p.program`'s slack), so it lives through the F that made it and
-    the rank's next compute. F adds act; B releases act and adds pending_w; W releases
-    pending_w; BW releases act.
+    the rank's next compute; shared[stage]: the part of act[stage] that the stage's
+    microbatches in flight share, held once however many they are (a layer's kept rotary
+    tables). F adds act; B releases act and adds pending_w; W releases pending_w; BW
+    releases act.
     """
-    return peak_in_order(sorted(timeline.ranks[rank], key=lambda e: e.start), act, pending_w, sent)
+    events = sorted(timeline.ranks[rank], key=lambda e: e.start)
+    return peak_in_order(events, act, pending_w, sent, shared)
 
 
 def peak_in_order(
@@ -103,22 +107,31 @@ def peak_in_order(
     act: Sequence[float],
     pending_w: Sequence[float] = (),
     sent: Sequence[float] = (),
+    shared: Sequence[float] = (),
 ) -> float:
     """`peak_in_flight` of one rank's computes (events or actions: their kind and stage)
     in the order it runs them."""
     live = peak = 0.0
     sending = 0.0  # the output of the previous compute, if an F, still being sent
+    flying = [0] * len(act)  # microbatches of each stage between their F and their B (BW)
+
+    def adds(stage: int) -> float:  # act[stage], less what one already in flight holds
+        return act[stage] - (shared[stage] if shared and flying[stage] else 0.0)
+
     for e in computes:
         w = pending_w[e.stage] if pending_w else 0.0
         out = sent[e.stage] if sent and e.kind == "F" else 0.0
         if e.kind == "F":
-            live += act[e.stage]
+            live += adds(e.stage)
+            flying[e.stage] += 1
         elif e.kind == "B":
-            live += w - act[e.stage]
+            flying[e.stage] -= 1
+            live += w - adds(e.stage)
         peak = max(peak, live + sending + out)
         if e.kind == "W":
             live -= w
         elif e.kind == "BW":
-            live -= act[e.stage]
+            flying[e.stage] -= 1
+            live -= adds(e.stage)
         sending = out
     return peak

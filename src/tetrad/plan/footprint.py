@@ -25,6 +25,7 @@ from tetrad.config import ModelConfig
 from tetrad.devices import Device
 from tetrad.layout import Layout
 from tetrad.models.families import spec_for
+from tetrad.models.spec import Saved
 from tetrad.parallel.groups import param_groups
 from tetrad.parallel.model_state import (
     ModelState,
@@ -36,7 +37,7 @@ from tetrad.parallel.model_state import (
 from tetrad.parallel.pipeline.schedules import Action
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import block_kinds, cached, held_stages, model_key
-from tetrad.plan.engines import Implementation
+from tetrad.plan.engines import TETRAD, Implementation
 from tetrad.plan.fp8_gather import block_gathers, fp8_weights
 from tetrad.plan.peak import Peak, PeakSettings, busiest_moment, with_optimizer_step
 
@@ -273,9 +274,7 @@ class Footprint:
         dt, shards, kernels = lay.dtype_name, self.engine.sp_saves_shards, self.engine.kernels
         b, s = lay.microbatch_size, lay.local_seq
         family = spec_for(m).activations
-        layer = family.layer(m, lay.tp, dt, self.recompute, sp_shards=shards, fused=kernels.fused,
-                             gqa_native=kernels.gqa_native)  # fmt: skip
-        layer_bytes = act.total_bytes(layer, b, s, lay.tp, lay.sp)
+        layer_bytes = act.total_bytes(self._layer(lay, m), b, s, lay.tp, lay.sp)
         if kernels.attention == "unfused" and self.recompute in ("none", "op"):
             scores = family.attention_scores(m, lay.seq_len)
             layer_bytes += act.total_bytes(scores, b, s, lay.tp)
@@ -289,6 +288,27 @@ class Footprint:
         out[0] += act.total_bytes(family.embedding(lay.tp, dt), b, s, lay.tp, lay.sp)
         out[-1] += act.total_bytes(head, b, s, lay.tp, lay.sp)
         return out
+
+    def _layer(self, lay: Layout, m: ModelConfig) -> list[Saved]:
+        """What one block saves for its backward (the family's `Saved` list)."""
+        kernels = self.engine.kernels
+        return spec_for(m).activations.layer(
+            m, lay.tp, lay.dtype_name, self.recompute, sp_shards=self.engine.sp_saves_shards,
+            fused=kernels.fused, gqa_native=kernels.gqa_native,
+        )  # fmt: skip
+
+    def stage_shared(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[float]:
+        """Of `stage_activations`, the bytes a stage's microbatches in flight share (kept
+        once, however many): the block items the family names `SHARED_ACROSS_MICROBATCHES`
+        (tetrad's Llama: each layer's rotary tables, made once and read by every backward),
+        where tetrad's own model keeps them, not under context parallelism (whose core
+        makes its tables at each call)."""
+        names = getattr(spec_for(m).activations, "SHARED_ACROSS_MICROBATCHES", ())
+        if self.engine.name != TETRAD.name or lay.cp > 1 or not names:
+            return [0.0] * len(split)
+        shared = [it for it in self._layer(lay, m) if it.name in names]
+        one = act.total_bytes(shared, lay.microbatch_size, lay.local_seq, lay.tp, lay.sp)
+        return [n * one for n in split]
 
     def stage_pending_w(self, lay: Layout, m: ModelConfig, split: list[int]) -> list[float]:
         """Bytes a microbatch keeps on each stage between its B and its W: the blocks'
@@ -312,8 +332,9 @@ class Footprint:
         return self._in_flight_bytes(orders, pp_rank, self._stage_bytes_held(lay, m, split))
 
     def _stage_bytes_held(self, lay: Layout, m: ModelConfig, split: list[int]) -> tuple:
-        """(activations, pending W inputs, output being sent) of a microbatch per stage
-        (cached by what they read: a search's layouts of other dp degrees share them)."""
+        """(activations, pending W inputs, output being sent, the part of the activations
+        microbatches in flight share) of a microbatch per stage (cached by what they read:
+        a search's layouts of other dp degrees share them)."""
         key = (model_key(m), lay.compute_dtype, lay.microbatch_size, lay.local_seq,
                lay.seq_len, lay.tp, lay.sp, lay.cp, lay.cp_attention, lay.loss_chunk,
                tuple(split), self.engine.defers_w(lay))  # fmt: skip
@@ -325,14 +346,14 @@ class Footprint:
         sending = spec_for(m).activations.stage_output(m, lay.dtype_name)
         out = act.total_bytes(sending, lay.microbatch_size, lay.local_seq, lay.tp, lay.sp)
         sent = [out] * (len(split) - 1) + [0.0]  # the last stage sends no activation
-        return tuple(per_stage), tuple(pending), tuple(sent)
+        shared = self.stage_shared(lay, m, split)
+        return tuple(per_stage), tuple(pending), tuple(sent), tuple(shared)
 
     def _in_flight_bytes(self, orders: list[list[Action]], rank: int, held_bytes: tuple) -> float:
-        per_stage, pending, sent = held_bytes
-        key = (id(orders), rank, per_stage, pending, sent)
+        key = (id(orders), rank, *held_bytes)
         held = self._in_flight.get(key)
         if held is None or held[0] is not orders:  # the orders kept: their id stays their own
-            held = (orders, act.peak_in_order(orders[rank], per_stage, pending, sent))
+            held = (orders, act.peak_in_order(orders[rank], *held_bytes))
             self._in_flight[key] = held
         return held[1]
 

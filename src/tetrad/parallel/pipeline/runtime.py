@@ -168,7 +168,9 @@ class PipelineRuntime:
         st = PipelineStep(loss=loss, denom=denom, clock=self.clock)
         self.comm.trace_into(st.flights)  # until the next step: finish's waits land in it too
         first = any(c.first for c in self.chunks.values())
-        move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        # a copy on every device (a GPU's already): a microbatch is a view of the step's
+        # batch, whose whole storage the meter would count where autograd saves the view
+        move = lambda t: t.to(self.device, non_blocking=True, copy=True)  # noqa: E731
         st.inputs_of = [move(mb.inputs) for mb in micro] if first else []
         st.targets_of = [move(mb.targets) for mb in micro] if self.holds_loss else []
         self.meter.measure(self.meter_every)
