@@ -99,7 +99,8 @@ def test_recompute_every_layout_and_schedule(jobs):
     for i, (par, _) in enumerate(LAYOUTS):
         k = len(MODES) * i
         _check_modes(par, results[k : k + len(MODES)], cfgs[k : k + len(MODES)])
-    _check_exact(results, cfgs, LAYOUTS.index(({"pp": 2, "microbatches": 4}, {})))
+    for exact in LAYOUTS[:4]:  # dp, ZeRO-3 with 2 microbatches, tp + sp, pp 1F1B
+        _check_exact(results, cfgs, LAYOUTS.index(exact))
     # A block's body runs twice per microbatch under full recompute, forward and B's
     # recomputation (W reuses what B filed): not a third time for W.
     for _, per_config in per_rank:
@@ -108,9 +109,9 @@ def test_recompute_every_layout_and_schedule(jobs):
 
 
 def _check_exact(results: list[list[dict]], cfgs, i: int) -> None:
-    """Layout i (1F1B) measured as predicted to the byte, but for a rank's few bytes of
-    scalars: its rank 0 holds two microbatches at once, which share each layer's rotary
-    tables (kept once), and whose token ids are each a storage of its own (the meter would
+    """Layout i measured as predicted to the byte, but for a rank's few bytes of scalars:
+    1F1B's rank 0 holds two microbatches at once, which share each layer's rotary tables
+    (kept once), and a microbatch's token ids are a storage of their own (the meter would
     count the whole batch's where they were views of it)."""
     k = len(MODES) * i
     for mode, cfg, ranks in zip(MODES, cfgs[k : k + len(MODES)], results[k : k + len(MODES)]):

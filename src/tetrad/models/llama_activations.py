@@ -28,9 +28,10 @@ def layer(
     """One transformer block of tetrad's Llama on a tp rank (pass t=1 without tp).
 
     c is the compute dtype's bytes. In fp32 the norm's `x.float()` is its input itself,
-    so the count (4 + c)·h covers both dtypes. The cos/sin table is recomputed per layer
-    and kept per position. kv_heads < tp gathers the k and v weights for each forward and
-    the linear keeps the gathered weight (a fixed cost per microbatch). sp_shards: the
+    so the count (4 + c)·h covers both dtypes. The cos/sin table is made once per layer and
+    kept per position, shared by the microbatches in flight (SHARED_ACROSS_MICROBATCHES).
+    kv_heads < tp gathers the k and v weights for each forward and the linear keeps the
+    gathered weight (a fixed cost per microbatch). sp_shards: the
     column-parallel linears keep their input's SP shard (Megatron) instead of the
     gathered whole (tetrad). fused: a fused RMSNorm keeps its c-byte input and the fp32
     rsqrt (no fp32 copy), a fused SwiGLU its two inputs and product (Transformer Engine,

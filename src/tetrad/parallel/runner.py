@@ -139,8 +139,10 @@ class MicrobatchLoop:
             # no_sync: only the last microbatch's backward launches the reductions
             grads.reduce_in_backward(i == len(micro) - 1)
             with self.meter.saving():
-                logits = self.model(mb.inputs.to(device))
-                loss = self.loss_fn(logits, mb.targets.to(device)) / denom.value()
+                # copies: on CPU `.to` would keep views of the step's whole batch, whose
+                # storage autograd's saved ids would hold (a GPU copies anyway)
+                logits = self.model(mb.inputs.to(device, copy=True))
+                loss = self.loss_fn(logits, mb.targets.to(device, copy=True)) / denom.value()
             del logits  # the graph keeps what backward needs; the logits may go (b·s·V)
             loss.backward()
             total += loss.detach().double()
