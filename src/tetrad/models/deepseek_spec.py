@@ -98,6 +98,8 @@ class MLAActivations(MoEActivations):
     dense block's; other parts (the head, zero-bubble's pending W) priced as a block of
     `heads` query and key heads of nope + rope channels."""
 
+    SHARED_ACROSS_MICROBATCHES = ()  # MLA makes its rotary tables at every call
+
     @staticmethod
     def _dense(m: ModelConfig) -> ModelConfig:
         qk = m.qk_nope_dim + m.qk_rope_dim

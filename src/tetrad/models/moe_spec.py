@@ -141,6 +141,10 @@ class MoEActivations:
     count, tests/test_plan_activations.py); the dense layers of `dense_layers` are priced
     as MoE layers, and the load is taken as perfectly balanced."""
 
+    # the attention is Llama's: its rotary tables, kept by the layer, are shared by the
+    # microbatches in flight
+    SHARED_ACROSS_MICROBATCHES = llama_activations.SHARED_ACROSS_MICROBATCHES
+
     @staticmethod
     def _dense(m: ModelConfig) -> ModelConfig:
         return dataclasses.replace(m, family="llama", experts=0, ffn_dim=active_ffn(m))
