@@ -72,7 +72,11 @@ class Keep:
 
 class ActivationFormulas(Protocol):
     """Bytes a family's pieces save for backward, per token (`Saved` lists), for the
-    memory planner; `t` is the tp degree, `dtype` the compute dtype's name."""
+    memory planner; `t` is the tp degree, `dtype` the compute dtype's name.
+    `SHARED_ACROSS_MICROBATCHES`: the names of a block's items made once and kept by the
+    layer, which a stage's microbatches in flight share (none: an empty tuple)."""
+
+    SHARED_ACROSS_MICROBATCHES: tuple[str, ...]
 
     def layer(self, m: ModelConfig, t: int, dtype: str, recompute: str = "none",
               sp_shards: bool = False, fused: bool = False,

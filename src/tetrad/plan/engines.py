@@ -79,6 +79,9 @@ class Implementation:
     microbatch's compute (Megatron's 1F1B all-to-all overlap); only what they take beyond
     it shows. routing_imbalance: copies the most loaded ep rank receives over the mean
     (`plan.compute.ROUTING_IMBALANCE`; 1: forced balance).
+    shares_tables: what a family names `SHARED_ACROSS_MICROBATCHES` (tetrad's rotary
+    tables, made once per layer and kept) is held once by a stage's microbatches in flight,
+    not once each.
     """
 
     name: str
@@ -109,6 +112,7 @@ class Implementation:
     ep_dedup: bool = False
     ep_overlap: bool = False
     routing_imbalance: float = ROUTING_IMBALANCE
+    shares_tables: bool = False
 
     def defers_w(self, lay: Layout) -> bool:
         """Whether `lay`'s schedule's W actions hold deferred weight gradients."""
@@ -120,7 +124,7 @@ class Implementation:
 TP_OVERLAP = 0.8
 
 TETRAD = Implementation("tetrad", chunked_loss=True, split_w_with_tp=True, zero_blocks=(1, 0),
-                        zero3_incoming_grad=True)  # fmt: skip
+                        zero3_incoming_grad=True, shares_tables=True)  # fmt: skip
 MEGATRON = Implementation(  # --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap, TE
     "megatron", tp_overlap=TP_OVERLAP, grad_overlap_pp=True, param_gather_overlap=True,
     split_w_with_tp=True, sp_saves_shards=True, kernels=Kernels(True, "fa3", gqa_native=True),

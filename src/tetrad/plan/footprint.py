@@ -37,7 +37,7 @@ from tetrad.parallel.model_state import (
 from tetrad.parallel.pipeline.schedules import Action
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import block_kinds, cached, held_stages, model_key
-from tetrad.plan.engines import TETRAD, Implementation
+from tetrad.plan.engines import Implementation
 from tetrad.plan.fp8_gather import block_gathers, fp8_weights
 from tetrad.plan.peak import Peak, PeakSettings, busiest_moment, with_optimizer_step
 
@@ -301,10 +301,10 @@ class Footprint:
         """Of `stage_activations`, the bytes a stage's microbatches in flight share (kept
         once, however many): the block items the family names `SHARED_ACROSS_MICROBATCHES`
         (tetrad's Llama: each layer's rotary tables, made once and read by every backward),
-        where tetrad's own model keeps them, not under context parallelism (whose core
-        makes its tables at each call)."""
-        names = getattr(spec_for(m).activations, "SHARED_ACROSS_MICROBATCHES", ())
-        if self.engine.name != TETRAD.name or lay.cp > 1 or not names:
+        where the engine keeps them once (`Implementation.shares_tables`), not under
+        context parallelism (whose core makes its tables at each call)."""
+        names = spec_for(m).activations.SHARED_ACROSS_MICROBATCHES
+        if not self.engine.shares_tables or lay.cp > 1 or not names:
             return [0.0] * len(split)
         shared = [it for it in self._layer(lay, m) if it.name in names]
         one = act.total_bytes(shared, lay.microbatch_size, lay.local_seq, lay.tp, lay.sp)
