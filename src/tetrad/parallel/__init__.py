@@ -11,7 +11,7 @@ from tetrad.mesh import Group, Mesh
 from tetrad.models.families import spec_for
 from tetrad.models.fp8 import use_fp8
 from tetrad.models.init import materialize
-from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
+from tetrad.models.loss import ChunkedCrossEntropy
 from tetrad.models.spec import ModelSpec
 from tetrad.parallel.compress import max_over
 from tetrad.parallel.data import GradBuckets, LocalGrads, TiedGrads, first_bucket_bytes
@@ -19,9 +19,8 @@ from tetrad.parallel.engine import Engine
 from tetrad.parallel.groups import GroupedGrads, ParamGroup, param_groups
 from tetrad.parallel.local import local_model
 from tetrad.parallel.pipeline.runtime import PipelineRuntime, tied_across_stages
-from tetrad.parallel.runner import GradSync, LossFn, MicrobatchLoop, Runner
+from tetrad.parallel.runner import GradSync, MicrobatchLoop, Runner, loss_for
 from tetrad.parallel.state_adapter import PlainAdapter
-from tetrad.parallel.tensor import TPSharding
 from tetrad.parallel.zero import ZeroShards
 from tetrad.parallel.zero_adapter import ZeroAdapter
 
@@ -70,7 +69,7 @@ def parallelize(
     if train.compile:  # each block's body (its hooks and collectives stay eager)
         for block in model.get_submodule(spec.blocks).values():
             block.compile(dynamic=False)
-    loss_fn = _loss_fn(model, train.loss_chunk, tp)
+    loss_fn = loss_for(model, train.loss_chunk, tp)
     if train.compile and isinstance(loss_fn, ChunkedCrossEntropy):  # the head fused with
         loss_fn.compile(dynamic=False)  # the loss; tp's vocabulary-parallel one stays eager
     replicated = local.replicated
@@ -150,13 +149,3 @@ def _replicated_grads(named, layout: Layout, data: Group, comm: Comm) -> LocalGr
         first,
         *layout.compression,
     )
-
-
-def _loss_fn(model: torch.nn.Module, chunk: int, tp: TPSharding | None) -> LossFn:
-    """Cross-entropy over the head's logits, or (`chunk` > 0 tokens) the head and the loss
-    fused in chunks of tokens, the model stopping at the final norm; vocabulary-parallel
-    under tp either way."""
-    if chunk == 0:
-        return tp.loss_fn if tp else cross_entropy_sum
-    model.end_at_norm()
-    return tp.chunked_loss_fn(model, chunk) if tp else ChunkedCrossEntropy(model, chunk)

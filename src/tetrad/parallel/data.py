@@ -165,8 +165,8 @@ class LocalGrads:
 
 
 class GradBuckets(LocalGrads):
-    """All-reduces gradients over `group` in buckets of about `bucket_bytes`, during backward
-    (a `GradSync`)."""
+    """All-reduces gradients over `group` (of two ranks or more: alone, `LocalGrads`) in
+    buckets of about `bucket_bytes`, during backward (a `GradSync`)."""
 
     def __init__(
         self,
@@ -190,7 +190,7 @@ class GradBuckets(LocalGrads):
         sizes = [p.numel() * p.element_size() for p in params]
         spans = bucket_spans(sizes, min(bucket_bytes, first_bucket_bytes), bucket_bytes)
         self.buckets = [Bucket([params[i] for i in span]) for span in spans]
-        if compress and group.size > 1:
+        if compress:
             for b in self.buckets:
                 b.quantized = QuantizedReduce(b.buffer.numel(), group, comm, compress, feedback)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
@@ -223,7 +223,7 @@ class GradBuckets(LocalGrads):
 
     def _count(self, p: nn.Parameter) -> None:
         """`p`'s gradient is final: launch the buckets now complete, in index order."""
-        if self.group.size == 1 or id(p) in self.counted or id(p) not in self.bucket_of:
+        if id(p) in self.counted or id(p) not in self.bucket_of:
             return
         self.counted.add(id(p))
         bucket = self.buckets[self.bucket_of[id(p)]]
@@ -242,21 +242,18 @@ class GradBuckets(LocalGrads):
 
     def launch_rest(self) -> None:
         """Launch what backward did not (unused parameters)."""
-        if self.group.size > 1:
-            while self.launched < len(self.buckets):
-                self._launch(self.buckets[self.launched])
+        while self.launched < len(self.buckets):
+            self._launch(self.buckets[self.launched])
 
     def finish(self) -> None:
         """Launch what backward did not, wait for all, reset."""
-        if self.group.size > 1:
-            self.launch_rest()
-            for b in self.buckets:
-                if b.quantized is not None:
-                    b.sent = b.quantized.finish()
-                else:
-                    b.work.wait()
-                self._land(b)
+        self.launch_rest()
         for b in self.buckets:
+            if b.quantized is not None:
+                b.sent = b.quantized.finish()
+            else:
+                b.work.wait()
+            self._land(b)
             b.pending, b.work = len(b.params), None
         self.launched = 0
         self.counted.clear()

@@ -12,19 +12,31 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from tetrad.comm import Work
 from tetrad.models.batch import Microbatch
+from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
 from tetrad.parallel.activation_meter import ActivationMeter
 
 if TYPE_CHECKING:
     from tetrad.parallel.compress import Residual
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def loss_for(model: nn.Module, chunk: int, tp: Any = None) -> LossFn:
+    """Cross-entropy over the head's logits, or (`chunk` > 0 tokens) the head and the loss
+    fused in chunks of tokens, the model stopping at the final norm; vocabulary-parallel
+    under tp (`tp`: its `tensor.TPSharding`, not imported here, since tensor.py imports
+    the pipeline package, whose split timing calls this) either way."""
+    if chunk == 0:
+        return tp.loss_fn if tp else cross_entropy_sum
+    model.end_at_norm()
+    return tp.chunked_loss_fn(model, chunk) if tp else ChunkedCrossEntropy(model, chunk)
 
 
 class Denominator:
@@ -37,10 +49,6 @@ class Denominator:
     def __init__(self, count: torch.Tensor, work: Work | None = None):
         self.count, self.work = count, work
         self._value: torch.Tensor | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.count.device
 
     def value(self) -> torch.Tensor:
         if self._value is None:
@@ -131,7 +139,7 @@ class MicrobatchLoop:
         self.meter_every = meter_every
 
     def run(self, micro: list[Microbatch], denom: Denominator, grads: GradSync) -> RunResult:
-        device = denom.device
+        device = denom.count.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         self.meter.measure(self.meter_every)
         self.meter.reset([*self.model.parameters(), *grads.held().params])

@@ -32,8 +32,8 @@ from tetrad.layout import Layout
 from tetrad.mesh import Group
 from tetrad.models.families import spec_for
 from tetrad.models.init import materialize
-from tetrad.models.loss import ChunkedCrossEntropy, cross_entropy_sum
 from tetrad.parallel.pipeline.partition import balance
+from tetrad.parallel.runner import loss_for
 
 REPEATS = 3  # timed runs per item, after one untimed warm-up run of each kind
 
@@ -67,10 +67,7 @@ def _time_items(
     one, spec = replace(m, layers=1), spec_for(m)
     model = materialize(spec.build(one), one, t.seed, device).to(dtype)
     spec.set_recompute(model, t.recompute)
-    loss_fn = cross_entropy_sum
-    if t.loss_chunk:  # the runtime's fused head and loss (see parallel._loss_fn)
-        model.end_at_norm()
-        loss_fn = ChunkedCrossEntropy(model, t.loss_chunk)
+    loss_fn = loss_for(model, t.loss_chunk)  # the runtime's, fused with the head or not
     gen = torch.Generator().manual_seed(t.seed)
     shape = (layout.microbatch_size, layout.seq_len)
     tokens = torch.randint(0, m.vocab, shape, generator=gen).to(device)
