@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_links_follow_the_cluster():
     c = cluster_preset("h100")
-    assert c.intra.achieved_fraction == pytest.approx(370 / 450)  # REFERENCE: NVLink4
+    assert c.intra.bw_Bps / c.intra.line_Bps == pytest.approx(370 / 450)  # REFERENCE: NVLink4
     assert c.link(1, 8) is c.intra  # a tp group of 8 stays on NVLink
     assert c.link(8, 4).bw_Bps == c.inter.bw_Bps  # one member per node: one NIC
     assert c.link(2, 16).bw_Bps == 4 * c.inter.bw_Bps  # four members per node: four NICs

@@ -58,11 +58,6 @@ class Link:
     nodes: int = 1
     intra_alpha_s: float = 0.0
 
-    @property
-    def achieved_fraction(self) -> float | None:
-        """Achieved bus bandwidth over line rate, where the line rate is known."""
-        return self.bw_Bps / self.line_Bps if self.line_Bps else None
-
     def time(self, op: str, n: int, nbytes: float) -> float:
         """Seconds for `op` over `n` ranks on a buffer of `nbytes` (the full buffer)."""
         if n <= 1 and op != "send_recv":
