@@ -11,7 +11,7 @@ import dataclasses
 import functools
 
 from tetrad.config import DTYPE_BYTES, ModelConfig
-from tetrad.models import moe_spec
+from tetrad.models import flops, moe_spec
 from tetrad.models.llama import rotary_at
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import swiglu_names
@@ -30,9 +30,9 @@ def mla_attention_sizes(m: ModelConfig) -> tuple[int, int]:
 
 
 # the MoE family's counts, MLA's attention in them
-matmul_params = functools.partial(moe_spec.matmul_params, attention=mla_attention_sizes)
-flops_per_token = functools.partial(moe_spec.flops_per_token, attention=mla_attention_sizes)
-layer_costs = functools.partial(moe_spec.layer_costs, attention=mla_attention_sizes)
+matmul_params = functools.partial(flops.matmul_params, attention=mla_attention_sizes)
+flops_per_token = functools.partial(flops.flops_per_token, attention=mla_attention_sizes)
+layer_costs = functools.partial(flops.layer_costs, attention=mla_attention_sizes)
 
 
 def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:

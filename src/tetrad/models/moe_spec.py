@@ -1,19 +1,15 @@
-"""The MoE family's `ModelSpec`: FLOPs of active parameters, activation estimates, names.
-
-FLOPs count what a token computes: attention as in Llama, the dense layers' SwiGLU, and in
-an MoE layer the router (dim · experts) plus top_k routed and `shared_experts` shared
-SwiGLUs of `expert_dim` (the active parameters), times 6 for forward and backward.
-"""
+"""The MoE family's `ModelSpec`: FLOPs of active parameters (`models/flops.py`, whose
+counts take a mixture of experts), activation estimates, names."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import llama_activations
+from tetrad.models.flops import active_ffn, swiglu_linears
 from tetrad.models.flops import block_linears as llama_block_linears
-from tetrad.models.flops import swiglu_linears
+from tetrad.models.flops import matmul_params as matmul_params  # the family's, re-exported
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import LLAMA, QK_NORM_NAMES, QK_NORM_PLAN, swiglu_names
 from tetrad.models.moe import (
@@ -31,54 +27,6 @@ from tetrad.models.moe import (
 from tetrad.models.moe import moe_layers as moe_feed_forwards
 from tetrad.models.plans import MOE_PLAN
 from tetrad.models.spec import MoEParts, Saved
-
-
-def active_ffn(m: ModelConfig) -> int:
-    """The SwiGLU inner width one token runs through in an MoE layer: its top_k routed
-    experts and the shared ones."""
-    return (m.top_k + m.shared_experts) * m.expert_dim
-
-
-def ffn_params(m: ModelConfig) -> int:
-    """Parameters of one token's feed-forward matmuls over all layers: the dense SwiGLUs,
-    and the router and the active experts of each MoE layer."""
-    routed = (m.layers - m.dense_layers) * (3 * m.dim * active_ffn(m) + m.dim * m.experts)
-    return m.dense_layers * 3 * m.dim * m.hidden_dim + routed
-
-
-# (model) -> (weights of one layer's attention matmuls, channels a query meets per position
-# over all heads: q·kᵀ and p·v), which the FLOP counts below take (DeepSeek-V3 gives MLA's)
-Attention = Callable[[ModelConfig], tuple[int, int]]
-
-
-def llama_attention(m: ModelConfig) -> tuple[int, int]:
-    """Llama's attention: the q, k, v and o projections, heads of head_dim channels."""
-    return m.dim * m.head_dim * (2 * m.heads + 2 * m.kv_heads), 2 * m.heads * m.head_dim
-
-
-def matmul_params(m: ModelConfig, attention: Attention = llama_attention) -> int:
-    """Parameters one token's matmuls use: attention, the feed-forwards (`ffn_params`) and
-    the head."""
-    return m.layers * attention(m)[0] + ffn_params(m) + m.vocab * m.dim
-
-
-def flops_per_token(m: ModelConfig, seq_len: int, attention: Attention = llama_attention) -> float:
-    """Forward + backward FLOPs per token: 6·(active matmul params) + 6·L·(scores' width)·s."""
-    return 6.0 * matmul_params(m, attention) + 6.0 * m.layers * attention(m)[1] * seq_len
-
-
-def layer_costs(
-    m: ModelConfig, seq_len: int, attention: Attention = llama_attention
-) -> list[float]:
-    """[embedding, layers..., head+loss] FLOPs of one sequence, forward + backward: attention,
-    then a dense layer's SwiGLU, or an MoE layer's router and SwiGLUs of the active width."""
-    s, d = seq_len, m.dim
-    weights, width = attention(m)
-    attn = 2 * s * weights + 2 * s * s * width
-    dense = attn + 2 * s * 3 * d * m.hidden_dim
-    moe = attn + 2 * s * (3 * d * active_ffn(m) + d * m.experts)
-    layers = [3.0 * (dense if i < m.dense_layers else moe) for i in range(m.layers)]
-    return [3.0 * s * d, *layers, 3.0 * 2 * s * d * m.vocab]
 
 
 def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
@@ -200,8 +148,6 @@ MOE = dataclasses.replace(
     selective=keep_selective(ModelConfig(family="moe", experts=2, shared_experts=1)),
     set_recompute=set_recompute,
     full_shape=param_shape,
-    layer_costs=layer_costs,
-    flops_per_token=flops_per_token,
     block_linears=block_linears,
     activations=MoEActivations(),
     routed_linears=ROUTED_LINEARS,
