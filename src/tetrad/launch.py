@@ -85,16 +85,23 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
-def torchrun_command(
+def launch(
     nproc: int,
     argv: list[str],
+    out: str | Path | None = None,
     max_restarts: int = 0,
     nnodes: int | str = 1,
     rdzv_endpoint: str | None = None,
     rdzv_conf: str | None = None,
-) -> list[str]:
-    """torchrun's command line: loopback store for one node, c10d rendezvous for several
-    (`nnodes` "MIN:MAX": an elastic range, which torchrun's rendezvous re-forms within)."""
+) -> int:
+    """Run `tetrad ARGV` (less launcher flags) as `nproc` local ranks under torchrun; return
+    the job's code. torchrun's store is on loopback for one node; several nodes meet at a
+    c10d rendezvous (`nnodes` "MIN:MAX": an elastic range, which the rendezvous re-forms
+    within).
+
+    With `out`, logs and the ranks' failure reports go under OUT/logs and a failure prints
+    its root cause once. Each rank gets an equal share of this machine's cores as threads.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     cmd.append(f"--max-restarts={max_restarts}")
     if str(nnodes) == "1" and rdzv_endpoint is None:
@@ -106,26 +113,8 @@ def torchrun_command(
         cmd.append("--rdzv-id=tetrad")
         if rdzv_conf:
             cmd.append(f"--rdzv-conf={rdzv_conf}")
-    return [*cmd, "-m", "tetrad.cli", *argv]
-
-
-def launch(
-    nproc: int,
-    argv: list[str],
-    out: str | Path | None = None,
-    max_restarts: int = 0,
-    nnodes: int | str = 1,
-    rdzv_endpoint: str | None = None,
-    rdzv_conf: str | None = None,
-) -> int:
-    """Run `tetrad ARGV` (less launcher flags) as `nproc` local ranks; return the job's code.
-
-    With `out`, logs and the ranks' failure reports go under OUT/logs and a failure prints
-    its root cause once. Each rank gets an equal share of this machine's cores as threads.
-    """
     launcher_only = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-conf")
-    argv = drop_flags(argv, launcher_only)
-    cmd = torchrun_command(nproc, argv, max_restarts, nnodes, rdzv_endpoint, rdzv_conf)
+    cmd += ["-m", "tetrad.cli", *drop_flags(argv, launcher_only)]
     env = dict(os.environ, TETRAD_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
     if ":" in str(nnodes):
         # an elastic range: the agents' shared store keeps the first round's worker address,
@@ -256,7 +245,9 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_sta
     if cause is not None and cause["kind"] == "preempted":
         print(f"tetrad: {cause['message']}; continue with --resume", flush=True)
         return EXIT_PREEMPTED
-    log = _log_since(logs / "torchrun.log", log_start)
+    log = ""  # this launch's part of torchrun's log
+    with contextlib.suppress(OSError):
+        log = (logs / "torchrun.log").read_bytes()[log_start:].decode(errors="replace")
     # torchrun ended on its rendezvous timing out: after a failure, fewer nodes than the
     # job's minimum came back
     if signalled is None and "RendezvousTimeoutError" in log:
@@ -278,13 +269,6 @@ def explain(code: int, signalled: int | None, reports: Path, logs: Path, log_sta
         return 128 + signalled
     print(f"tetrad: error: {_child_failure(log)} (logs: {logs})", file=sys.stderr, flush=True)
     return code or EXIT_FAILED
-
-
-def _log_since(torchrun_log: Path, start: int) -> str:
-    """This launch's part of torchrun's log: what was written from byte `start` on."""
-    with contextlib.suppress(OSError):
-        return torchrun_log.read_bytes()[start:].decode(errors="replace")
-    return ""
 
 
 def _child_failure(text: str) -> str:
