@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tetrad.config import Config, ParallelConfig, from_dict, load_toml, model_preset
+from tetrad.config import Config, ParallelConfig, from_dict, load_raw, model_preset
 from tetrad.layout import Layout
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -30,7 +30,7 @@ def test_valid_configs_pass():
     Layout.build(make(parallel={"dp": 2, "tp": 2}), world=4)
     Layout.build(Config(), world=1)  # the defaults (stdlib corpus, byte-level vocab)
     for path in sorted(CONFIGS.glob("*.toml")):
-        cfg = load_toml(path)
+        cfg = from_dict(load_raw(path))
         Layout.build(cfg, cfg.parallel.world)
 
 
@@ -178,10 +178,10 @@ def test_toml_file_errors(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[model]\nlayers = 2\nwidth = 64\n")
     with pytest.raises(ValueError, match=r"unknown key 'width' in \[model\]"):
-        load_toml(path)
+        from_dict(load_raw(path))
     path.write_text('[parallel]\ndp = 2\n[train]\nsteps = "ten"\n')
     with pytest.raises(ValueError, match=r"steps = 'ten' has type str"):
-        load_toml(path)
+        from_dict(load_raw(path))
 
 
 def test_unknown_preset():

@@ -590,11 +590,6 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         return tomllib.load(fh)
 
 
-def load_toml(path: str | Path) -> Config:
-    """Read a TOML file into a Config."""
-    return from_dict(load_raw(path))
-
-
 def check_sections(cfg: Config) -> None:
     """Raise ValueError naming the offending values of the sections that need no layout
     (the model, training, data and checkpoints); `Layout.build` checks the rest."""
