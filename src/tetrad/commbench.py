@@ -217,9 +217,7 @@ def print_table(report: dict[str, Any]) -> None:
             op, f"{f['alpha_s'] * 1e6:,.1f}", _gbps(f["beta_Bps"]), _gbps(f["busbw_beta_Bps"]),
             f"{f['max_rel_err']:.2f}",
         )  # fmt: skip
-    console = Console(stderr=True)
-    console.print(table)
-    console.print(fit)
+    Console(stderr=True).print(table, fit)
 
 
 # --- processes ----------------------------------------------------------------------------
