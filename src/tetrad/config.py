@@ -693,11 +693,6 @@ def _validate_train(t: TrainConfig, model: ModelConfig) -> None:
     _require(t.timeout > 0, f"train.timeout must be > 0 seconds, got {t.timeout}")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: never), got {t.eval_every}")
     _require(
-        t.dtype != "bf16" or _bf16_supported(t.device),
-        f"train.dtype='bf16' but this CUDA device ({_cuda_name()}) has no bf16 support;"
-        " use dtype='fp32'",
-    )
-    _require(
         not (t.compile and t.recompute == "selective"),
         "train.compile with train.recompute='selective': its tape reads the block's kernels "
         "one by one, which a compiled block does not run; use recompute 'full' or 'none'",
@@ -770,17 +765,6 @@ def _scaled_mm_on_cpu() -> bool:
 
 def _uses_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
-
-
-def _bf16_supported(device: str) -> bool:
-    """CPUs compute bf16 (natively or emulated); a CUDA device only from Ampere on."""
-    if not _uses_cuda(device) or not torch.cuda.is_available():
-        return True  # no CUDA device to ask: the trainer's own device check speaks then
-    return torch.cuda.is_bf16_supported(including_emulation=False)
-
-
-def _cuda_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
