@@ -22,13 +22,9 @@ AXES = ("pp", "dp", "fsdp", "cp", "tp")  # outermost first
 # fsdp x cp): the ranks that hold different tokens, so the ones whose gradients (and token
 # counts) are summed: a cp rank holds part of every sequence of its batch rank. "replica"
 # (dp x cp): what a ZeRO shard is replicated over (the fsdp shards' all-reduce).
-# "world" is every rank (the one-scalar agreements: loss, grad norm, skip).
-GROUP_AXES = {
-    "pp": ("pp",),
-    "dp": ("dp",),
-    "fsdp": ("fsdp",),
-    "cp": ("cp",),
-    "tp": ("tp",),
+# "world" is every rank (the one-scalar agreements: loss, grad norm, skip). Each axis is a
+# group of its own too.
+GROUP_AXES = {axis: (axis,) for axis in AXES} | {
     "batch": ("dp", "fsdp"),
     "data": ("dp", "fsdp", "cp"),
     "replica": ("dp", "cp"),
@@ -47,14 +43,10 @@ class MeshShape(Protocol):
     def ep(self) -> int: ...
 
 
-def _check_degrees(degrees: dict[str, int]) -> None:
-    if set(degrees) != set(AXES) or any(d < 1 for d in degrees.values()):
-        raise ValueError(f"degrees must give every axis {AXES} a value >= 1, got {degrees}")
-
-
 def coords(rank: int, degrees: dict[str, int]) -> dict[str, int]:
     """Coordinates of `rank` on each axis (tp varies fastest)."""
-    _check_degrees(degrees)
+    if set(degrees) != set(AXES) or any(d < 1 for d in degrees.values()):
+        raise ValueError(f"degrees must give every axis {AXES} a value >= 1, got {degrees}")
     world = prod(degrees.values())
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world of size {world}")

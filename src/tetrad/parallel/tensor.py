@@ -416,7 +416,6 @@ def _tp_module(module: nn.Module, style: str, tp: TP, m: ModelConfig, in_region:
     region, where the column-wise linears leave each rank its own heads."""
     if style == "once" and tp.sp:  # the MoE layer's tokens stay split: see the plan
         module.use_logits(SequenceParallelLogits(module, tp))  # this rank's tokens routed
-        return module, None
     if style in ("region", "replicated", "once", "tokens"):
         return module, None
     if style == "sequence" and isinstance(module, nn.Linear):  # before a region (MLA's)

@@ -184,7 +184,10 @@ class FlatUnit:
         lo, hi = rank * layout.shard, (rank + 1) * layout.shard
         # mixed precision: the master shard from the fp32 values, not their bf16 rounding
         full = torch.zeros(layout.padded, device=device) if mixed(dtype) else self.data
-        self._load(model, full)
+        # the materialised parameters into it, dropped from their modules
+        for (module, attr), piece in zip(self.targets, layout.split(full)):
+            piece.copy_(getattr(module, attr).detach())
+            del module._parameters[attr]
         if full is not self.data:
             self.data.copy_(full)
         # an fp32 master shard is a view of the compute buffer, but for ZeRO-3's (freed)
@@ -208,12 +211,6 @@ class FlatUnit:
         self.grad = grad
         for (_, p), v in zip(self.params, self.views):
             p.grad = None if grad is None else grad[v.start : v.stop]
-
-    def _load(self, model: nn.Module, flat: torch.Tensor) -> None:
-        """Copy the materialised parameters into `flat`, and drop them from their modules."""
-        for (module, attr), piece in zip(self.targets, self.layout.split(flat)):
-            piece.copy_(getattr(module, attr).detach())
-            del module._parameters[attr]
 
     def install(self) -> None:
         """Point every module attribute at a fresh view of the flat buffer (for this pass)."""

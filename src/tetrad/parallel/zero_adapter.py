@@ -108,20 +108,17 @@ class ZeroAdapter(PlainAdapter):
     def load_owned(self, read: Reader, step: int, optimizer) -> None:
         """Each unit's shard of master weights and moments, read box by box (padding 0),
         then the whole group's tensors."""
+        keys = ("", *(f"{k}/" for k in MOMENTS))  # the master shard's, then the moments'
         for _, u in self._units():
-            self._load_unit(u, read, step, optimizer)
+            flats = {key: torch.zeros(u.layout.shard, dtype=u.master.dtype) for key in keys}
+            for name, at, box in self.shard_boxes(u):
+                for key, flat in flats.items():
+                    flat[at : at + box_numel(box)] = read(f"{key}{name}", box).reshape(-1)
+            u.master.copy_(flats[""])
+            for (_, p), v in zip(u.params, u.views):
+                moments = (flats[k][v.start : v.stop] for k in keys[1:])
+                set_adam_state(optimizer, p, step, *moments)
         super().load_owned(read, step, optimizer)
-
-    def _load_unit(self, u: FlatUnit, read: Reader, step: int, optimizer) -> None:
-        # the master shard (key "") and the moments' ("exp_avg/", ...), padding left 0
-        keys = ("", *(f"{k}/" for k in MOMENTS))
-        flats = {key: torch.zeros(u.layout.shard, dtype=u.master.dtype) for key in keys}
-        for name, at, box in self.shard_boxes(u):
-            for key, flat in flats.items():
-                flat[at : at + box_numel(box)] = read(f"{key}{name}", box).reshape(-1)
-        u.master.copy_(flats[""])
-        for (_, p), v in zip(u.params, u.views):
-            set_adam_state(optimizer, p, step, *(flats[k][v.start : v.stop] for k in keys[1:]))
 
     def after_load(self) -> None:
         """Stages 1-2 keep full compute weights: gather them from the loaded shards."""
