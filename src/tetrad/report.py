@@ -84,10 +84,7 @@ def _worst_load(row: dict[str, Any]) -> float:
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """One PNG per figure, one panel per quantity, the series present in the rows."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: no backend, no figure registry
     except ImportError as e:
         raise ValueError("tetrad report needs matplotlib: pip install 'tetrad[plot]'") from e
     written = []
@@ -96,8 +93,9 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         panels = [(y, ss) for y, ss in panels if ss]
         if not panels:
             continue
-        fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.8 * len(panels)), squeeze=False)
-        for ax, (ylabel, series) in zip(axes[:, 0], panels):
+        fig = Figure(figsize=(7, 2.8 * len(panels)))
+        axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+        for ax, (ylabel, series) in zip(axes, panels):
             for key, legend, scale in series:
                 pts = [(r["step"], r[key] * scale) for r in rows if key in r]
                 sparse = len(pts) < 0.5 * len(rows) or len(pts) < 30
@@ -106,7 +104,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.grid(alpha=0.3)
             if len(series) > 1:
                 ax.legend()
-        written.append(_save(fig, axes[:, 0], title, out / fname))
+        written.append(_save(fig, axes, title, out / fname))
     return written
 
 
@@ -116,7 +114,7 @@ def plot_experts(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     rows = [r for r in rows if "moe_layers" in r]
     if not rows:
         return []
-    import matplotlib.pyplot as plt  # plot() has checked it is there
+    from matplotlib.figure import Figure  # plot() has checked it is there
 
     layers = list(rows[-1]["moe_layers"])
     quantities = [
@@ -124,7 +122,8 @@ def plot_experts(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         ("auxiliary loss", lambda v: v["aux_loss"]),
         ("router entropy (nats)", lambda v: v["router_entropy"]),
     ]
-    fig, axes = plt.subplots(len(quantities), 1, figsize=(7, 2.8 * len(quantities)))
+    fig = Figure(figsize=(7, 2.8 * len(quantities)))
+    axes = fig.subplots(len(quantities), 1)
     for ax, (ylabel, value) in zip(axes, quantities):
         for layer in layers:
             pts = [(r["step"], value(r["moe_layers"][layer])) for r in rows]
@@ -136,14 +135,11 @@ def plot_experts(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def _save(fig, axes, title: str, path: Path) -> Path:
-    """Title the panels (one above the other, over the steps), write `path`, free the figure."""
-    import matplotlib.pyplot as plt
-
+    """Title the panels (one above the other, over the steps), write `path`."""
     axes[0].set_title(title)
     axes[-1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
