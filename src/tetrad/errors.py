@@ -89,11 +89,9 @@ def root_cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def request_traces() -> None:
-    """Ask every rank of this attempt to write its trace (without a launcher: nothing)."""
-    directory, _, attempt = _attempt_dir()
-    if directory is not None:
-        with _QUIET:
-            (directory / f"attempt{attempt:03d}.traces-requested").touch()
+    """Ask every rank of this attempt to write its trace (without a launcher: nothing); the
+    request names the rank that asked."""
+    _write("attempt{attempt:03d}.traces-requested", {})
 
 
 def traces_requested() -> bool:
