@@ -161,14 +161,13 @@ class CausalCore(nn.Module):
         planner's count). A compiled block reads the kept ones as a graph input (made
         eagerly: `Llama.forward_span`), or else makes them inside its graph, at every call."""
         kept = self._tables
+        if kept is not None and kept.shape[0] == s and kept.device == device:
+            return kept
         if torch.compiler.is_compiling():
-            if kept is not None and kept.shape[0] == s and kept.device == device:
-                return kept
             return rotary(s, self.head_dim, self.theta, device)
-        if kept is None or kept.shape[0] != s or kept.device != device:
-            # made in inference mode, backward could not save them: made outside it
-            with torch.inference_mode(False):
-                self._tables = rotary(s, self.head_dim, self.theta, device)
+        # made in inference mode, backward could not save them: made outside it
+        with torch.inference_mode(False):
+            self._tables = rotary(s, self.head_dim, self.theta, device)
         return self._tables
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -185,11 +185,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     over the groups; on CUDA the loop is announced once per reason (docs/moe.md)."""
     if x.shape[0] == 0:  # no token: nothing to multiply (and no kernel launched)
         return x.new_zeros((0, weight.shape[1]))
-    why = loop_reason_of(x, weight)
-    if why is None:
+    if loop_reason_of(x, weight) is None:
         return grouped_mm(x, weight, counts)
-    if x.device.type == "cuda":  # on CPU only float64 loops, by design
-        _say_loop(why)
     return loop_linear(x, weight, counts)
 
 
@@ -199,11 +196,8 @@ def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tenso
     `loop_reason` finds none for these widths (the call autograd's backward of
     `grouped_mm` makes), else a loop, announced on CUDA as `grouped_linear`'s is."""
     out, width = grad.shape[1], x.shape[1]
-    why = loop_reason_of(x, grad, (out, width)) if x.shape[0] else "no token"
-    if why is None:
+    if x.shape[0] and loop_reason_of(x, grad, (out, width)) is None:
         return torch._grouped_mm(grad.t(), x, offs=counts.cumsum(0).to(torch.int32))
-    if x.shape[0] and x.device.type == "cuda":  # on CPU only float64 loops, by design
-        _say_loop(why)
     rows = counts.tolist()
     grads = [g.t() @ xs for g, xs in zip(grad.split(rows), x.split(rows), strict=True)]
     return torch.stack(grads) if grads else x.new_zeros((0, out, width))
@@ -213,12 +207,16 @@ def loop_reason_of(
     x: torch.Tensor, weight: torch.Tensor, widths: tuple[int, ...] | None = None
 ) -> str | None:
     """`loop_reason` for these operands of `grouped_linear` (or, given the `widths` of its
-    weight, of `grouped_weight_grad`: x and the output gradient), on their device."""
+    weight, of `grouped_weight_grad`: x and the output gradient), on their device; a
+    loop on CUDA is announced, once per reason (on CPU only float64 loops, by design)."""
     cuda = x.device.type == "cuda"
     capability = torch.cuda.get_device_capability(x.device) if cuda else None
     aligned = not cuda or all(t.data_ptr() % 16 == 0 for t in (x, weight))
     widths = tuple(weight.shape[1:]) if widths is None else widths
-    return loop_reason(x.device.type, capability, x.dtype, weight.dtype, widths, aligned)
+    why = loop_reason(x.device.type, capability, x.dtype, weight.dtype, widths, aligned)
+    if why is not None and cuda:
+        _say_loop(why)
+    return why
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
