@@ -98,15 +98,14 @@ def expert_groups(degrees: dict[str, int], ep: int) -> tuple[list[list[int]], li
     spans_tp = ep_spans_tp(data, ep)
     width = ep // tp if spans_tp else ep  # data ranks per ep group
     ep_of: dict[tuple[int, ...], list[int]] = {}
+    edp_of: dict[tuple[int, int], list[int]] = {}  # (stage, slot in its ep group)
     for r in range(prod(degrees.values())):
         c = coords(r, degrees)
         b = (c["cp"] * degrees["dp"] + c["dp"]) * degrees["fsdp"] + c["fsdp"]
         key = (c["pp"], b // width) if spans_tp else (c["pp"], c["tp"], b // width)
-        ep_of.setdefault(key, []).append(r)
-    edp_of: dict[tuple[int, ...], list[int]] = {}
-    for (pp, *_), ranks in ep_of.items():
-        for slot, r in enumerate(ranks):
-            edp_of.setdefault((pp, slot), []).append(r)
+        ep = ep_of.setdefault(key, [])
+        edp_of.setdefault((c["pp"], len(ep)), []).append(r)  # its slot: the members before it
+        ep.append(r)
     return list(ep_of.values()), list(edp_of.values())
 
 

@@ -85,7 +85,7 @@ def parallelize(
     tied_ends = tied_across_stages(layout, model_cfg.tie_embeddings, mesh)
     tied = (spec.tied_weight, mesh["pp_ends"]) if tied_ends else None
     where = (layout, model_cfg, mesh, comm, unshard, slicer)
-    experts = local.ep.names if local.ep else frozenset()
+    experts = local.ep.rows if local.ep else {}  # the expert weights' names
     names = [n for n, _ in model.named_parameters()]
     fsdp, ep_data = layout.degrees["fsdp"], mesh["ep_data"].size
     groups = param_groups(names, experts, layout.zero_stage, fsdp, ep_data)

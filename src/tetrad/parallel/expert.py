@@ -131,19 +131,18 @@ class AllToAllDispatch:
 
 @dataclass
 class EPSharding:
-    """What `parallelize` needs after `apply_ep`: the expert weights' names, slices and
-    how to join them (checkpoints), and what they are replicated over (the norm)."""
+    """What `parallelize` needs after `apply_ep`: the expert weights' names (`rows`' keys),
+    slices and how to join them (checkpoints), and what they are replicated over (the norm)."""
 
-    names: frozenset[str]  # logical names of the expert weights
     ep: Group
     comm: Comm
-    rows: dict[str, int]  # name -> experts held here (the dim-0 rows of its slice)
+    rows: dict[str, int]  # an expert weight's logical name -> experts held here (its dim-0 rows)
 
     def slicer(self, inner: Slicer | None) -> Slicer:
         """`inner` (tp's) with the expert weights' dim-0 slice: this rank's experts."""
 
         def index(name: str) -> tuple[slice, ...] | None:
-            if name not in self.names:
+            if name not in self.rows:
                 return inner(name) if inner else None
             n = self.rows[name]
             return (slice(self.ep.rank * n, (self.ep.rank + 1) * n),)
@@ -154,7 +153,7 @@ class EPSharding:
         """`inner` (tp's) joining shards, and the experts all-gathered over ep."""
 
         def full(name: str, local: torch.Tensor) -> torch.Tensor:
-            if name not in self.names:
+            if name not in self.rows:
                 return inner(name, local) if inner else local
             return gather_along(local.detach(), 0, self.comm, self.ep)
 
@@ -162,7 +161,7 @@ class EPSharding:
 
     @property
     def replicated(self) -> dict[str, tuple[str, ...]]:
-        return {name: REPLICATED for name in self.names}
+        return {name: REPLICATED for name in self.rows}
 
 
 def expert_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -189,7 +188,7 @@ def apply_ep(model: nn.Module, layout: Layout, mesh: Mesh, comm: Comm) -> EPShar
             setattr(experts, pname, local)
             rows[".".join(filter(None, (name, "experts", pname)))] = total // ep.size
         layer.use_dispatch(AllToAllDispatch(total, comm, ep, tp))
-    return EPSharding(frozenset(rows), ep, comm, rows) if rows else None
+    return EPSharding(ep, comm, rows) if rows else None
 
 
 def sum_sequences_over(model: nn.Module, comm: Comm, groups: list[Group]) -> None:

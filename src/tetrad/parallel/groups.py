@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, TypeVar
 
 from torch import nn
@@ -104,9 +104,6 @@ class GroupedGrads:
         return {f"{i}.{k}": r for i, p in enumerate(self.parts) for k, r in p.residuals().items()}
 
     def held(self) -> Held:
+        """Every part's tensors, category by category."""
         helds = [part.held() for part in self.parts]
-        return Held(
-            [t for h in helds for t in h.params],
-            [t for h in helds for t in h.grads],
-            [t for h in helds for t in h.masters],
-        )
+        return Held(*([t for h in helds for t in getattr(h, f.name)] for f in fields(Held)))

@@ -113,9 +113,9 @@ def replicated_bytes(
     master, adam = _wide_bytes(dtype)
     optimizer = adam * psi + STEP_BYTES * len(named_shapes)
     c = dtype.itemsize
-    if not mixed(dtype):  # fp32 (fp64: 8 + 8 + 16)
-        return ModelState(c * psi, c * psi, optimizer)
-    return ModelState(c * psi, (c + master) * psi, optimizer + master * psi)
+    # mixed precision: the fp32 gradients and the fp32 masters (fp32, fp64: neither)
+    wide_copy = master * psi if mixed(dtype) else 0
+    return ModelState(c * psi, c * psi + wide_copy, optimizer + wide_copy)
 
 
 def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelState:
