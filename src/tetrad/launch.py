@@ -113,6 +113,8 @@ def launch(
         cmd.append("--rdzv-id=tetrad")
         if rdzv_conf:
             cmd.append(f"--rdzv-conf={rdzv_conf}")
+    # dropped: torchrun's parser reads the whole line, and would take these as its own
+    # (--nnodes, --max-restarts) or refuse them as ambiguous (--nproc)
     launcher_only = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-conf")
     cmd += ["-m", "tetrad.cli", *drop_flags(argv, launcher_only)]
     env = dict(os.environ, TETRAD_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
