@@ -66,9 +66,11 @@ def layer_costs(
     m: ModelConfig, seq_len: int, attention: Attention = llama_attention
 ) -> list[float]:
     """[embedding, layers..., head+loss] FLOPs of one sequence, forward + backward (3x
-    forward), the partitioner's analytic item costs: attention over the full s x s
-    square, then a dense layer's SwiGLU, or an MoE layer's router and SwiGLUs of the
-    active width (`llama_layer_costs` says what the embedding and the head count)."""
+    forward), the partitioner's analytic item costs. A layer: attention's projections
+    (k, v narrowed by grouped-query attention), its scores and values over the full
+    s x s square, then a dense layer's SwiGLU, or an MoE layer's router and SwiGLUs of
+    the active width. The embedding is a lookup (s·dim moves, no matmul); the head
+    2·s·dim·vocab, the loss's softmax (O(s·vocab)) left out as 1/dim of it."""
     s, d = seq_len, m.dim
     weights, width = attention(m)
     attn = 2 * s * weights + 2 * s * s * width
@@ -88,24 +90,13 @@ def llama_layer_costs(
     seq_len: int,
     head_dim: int | None = None,
 ) -> list[float]:
-    """Analytic FLOPs of one sequence, forward plus backward (3x forward), per item:
-    [embedding, layer_0, ..., layer_{L-1}, head+loss].
-
-    A layer: q/k/v/o projections (k, v narrowed by grouped-query attention), attention
-    scores and values over the full s x s square, and a SwiGLU MLP of three matrices.
-    The embedding is a lookup (s*dim moves, no matmul); head = 2*s*dim*vocab, the
-    softmax of the loss (O(s*vocab)) is left out as 1/dim of it. `head_dim`: given when
-    it is not dim/n_heads (Qwen3).
-    """
+    """`layer_costs` of a Llama of these shapes (tests and benchmarks/pp.py give shapes,
+    not a config): [embedding, layer_0, ..., layer_{L-1}, head+loss]. `head_dim`: given
+    when it is not dim/n_heads (Qwen3)."""
     if (head_dim is None and dim % n_heads) or n_heads % n_kv_heads:
         raise ValueError(f"dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads} do not divide")
-    hd = head_dim or dim // n_heads
-    s, q_dim, kv_dim = seq_len, n_heads * hd, n_kv_heads * hd
-    projections = 2 * s * dim * (2 * q_dim + 2 * kv_dim)
-    attention = 2 * 2 * s * s * q_dim  # q·kᵀ and p·v
-    mlp = 3 * 2 * s * dim * ffn_dim
-    layer = 3.0 * (projections + attention + mlp)
-    return [3.0 * s * dim] + [layer] * n_layers + [3.0 * 2 * s * dim * vocab]
+    shape = dict(dim=dim, ffn_dim=ffn_dim, heads=n_heads, kv_heads=n_kv_heads, vocab=vocab)
+    return layer_costs(ModelConfig(layers=n_layers, head_size=head_dim or 0, **shape), seq_len)
 
 
 def block_linears(cfg: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
