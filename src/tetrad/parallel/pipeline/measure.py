@@ -119,14 +119,8 @@ def estimate_overhead(
 
 def _transfers_before_computes(acts: list[Action]) -> list[int]:
     """For each compute of a rank's list, the sends and receives since the one before."""
-    counts, n = [], 0
-    for a in acts:
-        if a.is_compute:
-            counts.append(n)
-            n = 0
-        else:
-            n += 1
-    return counts
+    at = [i for i, a in enumerate(acts) if a.is_compute]  # the computes' positions
+    return [j - i - 1 for i, j in zip([-1, *at], at)]
 
 
 def _fit_line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
