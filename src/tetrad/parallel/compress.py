@@ -183,10 +183,10 @@ class Float8Gather:
         """`linears`: (offset in the unit's flat buffer, shape, module) of each FP8 weight,
         its module a `models.fp8.Float8Linear`."""
         self.n, self.dtype, self.groups, self.linears = n, dtype, len(linears), linears
-        weight = torch.full((padded,), -1, dtype=torch.long)  # -1: another parameter's
+        # each value's FP8 weight, -1: another parameter's (the padding is neither: never sent)
+        weight = torch.full((numel,), -1, dtype=torch.long)
         for i, (off, shape, _) in enumerate(linears):
             weight[off : off + math.prod(shape)] = i
-        weight = weight[:numel]  # the padding: neither, never sent
         shard, e = padded // n, dtype.itemsize
         rank_of = torch.arange(numel) // shard
         fp8, other = weight >= 0, weight < 0

@@ -195,12 +195,11 @@ class GradBuckets(LocalGrads):
                 b.quantized = QuantizedReduce(b.buffer.numel(), group, comm, compress, feedback)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.launched = 0  # buckets [0, launched) have their all-reduce in flight
-        self.by_name = {n: p for n, p in named}
+        self.by_name = dict(named)
         self.armed: set[int] = set()  # parameters whose next accumulation is their last
         self.counted: set[int] = set()  # parameters marked ready this step
-        for b in self.buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for p in params:  # (every bucket's)
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @contextmanager
     def final(self, names: Collection[str]) -> Iterator[None]:

@@ -204,6 +204,7 @@ class FlatUnit:
         self.installed = False  # whether this forward pass already has the views
         self.gathered, self.pending = True, None  # pending: (Work, its input) in flight
         self.fp8: Float8Gather | None = None  # its FP8 linears' weights gathered in FP8
+        self.quantized: QuantizedReduce | None = None  # its compressed reduce-scatter's state
         self.reduced = False
 
     def attach_grad(self, grad: torch.Tensor | None) -> None:
@@ -280,11 +281,9 @@ class ZeroShards:
         named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n not in exclude]
         layouts = plan_units(named, replicated, self.group.size, spec, axis)
         self.units = [self._build(u, model) for u in layouts]
-        self.quantized: dict[int, QuantizedReduce] = {}
-        if job.compress and self.group.size > 1:
+        if job.compress:  # (the group is sharded: two ranks or more)
             for u in self.units:
-                q = QuantizedReduce(u.layout.padded, self.group, comm, *job.compression)
-                self.quantized[id(u)] = q
+                u.quantized = QuantizedReduce(u.layout.padded, self.group, comm, *job.compression)
         # --fp8-all-gather: each weight's scale, max-reduced over the shards once a step
         self.scales = self._float8_gathers() if job.fp8_all_gather else None
         self.stale = True  # the scales predate the master weights (a step, a load)
@@ -496,7 +495,7 @@ class ZeroShards:
             out = unit.grad  # straight into the kept shard (in place in an fp32 gradient)
         else:
             out = torch.empty(unit.layout.shard, dtype=self.reduce_dtype, device=send.device)
-        quantized = self.quantized.get(id(unit))
+        quantized = unit.quantized
         if quantized is None:
             work = self.comm.reduce_scatter(out, send, self.group, async_op=True)
         else:
@@ -572,14 +571,14 @@ class ZeroShards:
         masters = [u.master for u in self.units]
         params = [u.data for u in self.units] + ([] if two else masters)
         grads = [u.flat.grad for u in self.units] + [u.grad for u in self.units]
-        grads += [q.sent.error for q in self.quantized.values()]
+        grads += [u.quantized.sent.error for u in self.units if u.quantized is not None]
         return Held(params, grads, masters if two else [])
 
     def residuals(self) -> dict[str, Residual]:
         """Each unit's compressed reduce-scatter's sender residual, "<axis>.<unit>.sent"."""
         out: dict[str, Residual] = {}
-        for u in (u for u in self.units if id(u) in self.quantized):
-            out |= self.quantized[id(u)].residuals(f"{self.axis}.{u.layout.name}", False)
+        for u in (u for u in self.units if u.quantized is not None):
+            out |= u.quantized.residuals(f"{self.axis}.{u.layout.name}", False)
         return out
 
     # --- views for the engine ------------------------------------------------------------
