@@ -135,8 +135,7 @@ class Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._host, self._origin = 0.0, None
-        if self.cuda:
-            self.drain()
+        self.drain()  # a GPU's origin (on CPU: nothing)
 
     def drain(self) -> None:
         """Wait for the device's queued work and re-take the origin (benchmarks: before a
