@@ -77,14 +77,13 @@ def _operation(op: str, nbytes: int, comm: Comm, group: Group, device) -> Callab
     n, rank = group.size, group.rank
     numel = _numel(nbytes, n)
     full, shard = torch.ones(numel, device=device), torch.ones(numel // n, device=device)
-    if op == "all_reduce":
-        return lambda: comm.all_reduce(full, group)
-    if op == "all_gather":
-        return lambda: comm.all_gather(full, shard, group)
-    if op == "reduce_scatter":
-        return lambda: comm.reduce_scatter(shard, full, group)
-    if op == "broadcast":
-        return lambda: comm.broadcast(full, 0, group)
+    if op != "send_recv":
+        return {
+            "all_reduce": lambda: comm.all_reduce(full, group),
+            "all_gather": lambda: comm.all_gather(full, shard, group),
+            "reduce_scatter": lambda: comm.reduce_scatter(shard, full, group),
+            "broadcast": lambda: comm.broadcast(full, 0, group),
+        }[op]
     recv = torch.empty_like(full)
     # a ring: every rank sends to the next and receives from the previous, at once
     ops = [("send", full, group.ranks[(rank + 1) % n]), ("recv", recv, group.ranks[rank - 1])]
