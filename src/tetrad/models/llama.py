@@ -16,6 +16,7 @@ from torch import nn
 
 from tetrad.compiling import graph_break, ready
 from tetrad.config import ModelConfig
+from tetrad.models.flops import block_linears
 from tetrad.models.loss import cross_entropy_sum  # noqa: F401  (its historical home)
 from tetrad.models.recompute import recompute
 from tetrad.models.spec import Keep
@@ -341,20 +342,13 @@ def meta_llama(cfg: ModelConfig) -> Llama:
 
 
 def param_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """Shape of the logical (unsharded) parameter `name` of a Llama with config `cfg`."""
-    d, hd, f = cfg.dim, cfg.head_dim, cfg.hidden_dim
+    """Shape of the logical (unsharded) parameter `name` of a Llama with config `cfg`: a
+    block linear's weight [N, K] of its (K, N) at tp 1 (`flops.block_linears`, the one
+    table of them), its bias [N]."""
+    d, hd = cfg.dim, cfg.head_dim
     leaf = name.split(".")[-2]
-    shapes = {
-        "tok_embeddings": (cfg.vocab, d),
-        "output": (cfg.vocab, d),
-        "wq": (cfg.heads * hd, d),
-        "wk": (cfg.kv_heads * hd, d),
-        "wv": (cfg.kv_heads * hd, d),
-        "wo": (d, cfg.heads * hd),
-        "w1": (f, d),
-        "w3": (f, d),
-        "w2": (d, f),
-    }
+    shapes = {path.rsplit(".", 1)[1]: (n, k) for path, (k, n) in block_linears(cfg, 1).items()}
+    shapes |= {"tok_embeddings": (cfg.vocab, d), "output": (cfg.vocab, d)}
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         return (hd,)
     if name.endswith("norm.weight"):

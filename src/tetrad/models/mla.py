@@ -44,11 +44,9 @@ class MLAttention(nn.Module):
         h, qk = cfg.heads, cfg.qk_nope_dim + cfg.qk_rope_dim
         self.kv_rank, self.nope_dim = cfg.kv_lora_rank, cfg.qk_nope_dim
         self.rope_dim, self.v_dim = cfg.qk_rope_dim, cfg.v_head_dim
-        self.wq_a: nn.Linear | None = None  # q_lora_rank 0: wq_b is the one query projection
-        self.q_a_norm: RMSNorm | None = None
-        if cfg.q_lora_rank:
-            self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_EPS)
+        # q_lora_rank 0: no query bottleneck, wq_b is the one query projection
+        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False) if cfg.q_lora_rank else None
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_EPS) if cfg.q_lora_rank else None
         self.wq_b = nn.Linear(cfg.q_lora_rank or cfg.dim, h * qk, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_dim, bias=False)
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, LATENT_EPS)

@@ -157,16 +157,16 @@ def _sigma(run: Run) -> float:
     return math.hypot(MODEL_NOISE, run.noise)
 
 
-def _trial(planner: Any, runs: list[Run], scale: float, prior: bool) -> _Trial:
-    """The best efficiency at link scale `scale` and the fit's objective there."""
+def _trial(planner: Any, runs: list[Run], scale: float) -> _Trial:
+    """The best efficiency at link scale `scale` and the fit's objective there, the prior
+    on the links included (nothing at scale 1, the only one when the links are fixed)."""
     linked = planner.on(with_link_scale(planner.cluster, scale))
     implied = [implied_efficiency(linked, r) for r in runs]
     weights = [1 / _sigma(r) ** 2 for r in runs]
     eff = math.exp(sum(w * math.log(e) for w, e in zip(weights, implied)) / sum(weights))
     predicted = [predicted_step(linked, r, eff) for r in runs]
     objective = sum((math.log(p / r.step_time_s) / _sigma(r)) ** 2 for p, r in zip(predicted, runs))
-    if prior:
-        objective += (math.log(scale) / LINK_PRIOR) ** 2
+    objective += (math.log(scale) / LINK_PRIOR) ** 2
     return _Trial(scale, objective, eff, implied, predicted)
 
 
@@ -180,8 +180,7 @@ def calibrate(
 
     planner = Planner(cluster, engine)
     scales = LINK_SCALES if fit_links else (1.0,)
-    best = min((_trial(planner, runs, s, fit_links) for s in scales),
-               key=lambda t: t.objective)  # fmt: skip
+    best = min((_trial(planner, runs, s) for s in scales), key=lambda t: t.objective)
     ratios = (min(best.implied) / best.efficiency, max(best.implied) / best.efficiency)
     fitted = at_efficiency(with_link_scale(cluster, best.scale), best.efficiency)
     fitted = replace(fitted, spread=(min(ratios[0], 1.0), max(ratios[1], 1.0)))

@@ -167,7 +167,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs = fill_from_runs(args)
     model, cluster = build_model(args, runs), build_cluster(args)
     engine = ENGINES[args.engine]
-    calibration = None
     if runs:
         cluster, calibration = calibrate(cluster, engine, runs, fit_links=not args.calibration)
     planner = Planner(cluster, engine, args.recompute)
@@ -188,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine": dataclasses.asdict(engine),
         "predictions": [p.to_dict() for p in preds],
     }
-    if calibration is not None:
+    if runs:
         answer["calibration"] = dataclasses.asdict(calibration)
     if not args.search and note:
         answer["note"] = note
