@@ -16,9 +16,8 @@ Box = tuple[tuple[int, int], ...]
 
 def index_box(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> Box:
     """The box a basic index (slices with step 1, or None: everything) selects."""
-    if index is None:
-        return tuple((0, n) for n in shape)
-    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    index = tuple(index or ())  # None: the empty index, every dimension whole
+    index += (slice(None),) * (len(shape) - len(index))
     out = []
     for s, n in zip(index, shape):
         start, stop, step = s.indices(n)
@@ -43,7 +42,7 @@ def shift(box: Box, origin: Box) -> Box:
 
 def intersect(a: Box, b: Box) -> Box | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return out if all(lo < hi for lo, hi in out) or not out else None
+    return out if all(lo < hi for lo, hi in out) else None
 
 
 def relative(box: Box, origin: Box) -> tuple[slice, ...]:

@@ -20,7 +20,7 @@ from tetrad.mesh import Mesh, rank_of
 from tetrad.models.families import spec_for
 from tetrad.parallel.context import apply_cp
 from tetrad.parallel.expert import EPSharding, apply_ep, sum_sequences_over
-from tetrad.parallel.pipeline.stage import Chunk, prune, rank_chunks
+from tetrad.parallel.pipeline.stage import Chunk, rank_chunks
 from tetrad.parallel.tensor import TPSharding, apply_tp
 
 # Axes a parameter is, by default, replicated over (identical on every rank of them).
@@ -51,9 +51,10 @@ def local_model(layout: Layout, m: ModelConfig, mesh: Mesh, comm: Comm) -> Local
     spec = spec_for(m)
     model = spec.build(m)
     chunks = None
-    if layout.pp > 1:
+    if layout.pp > 1:  # the modules this rank's stages do not use dropped
         chunks = rank_chunks(layout, m, mesh["pp"].rank)
-        prune(model, chunks, spec)
+        layers = [name for c in chunks for name in c.layers]
+        spec.prune(model, layers, any(c.first for c in chunks), any(c.last for c in chunks))
     tp = None
     if layout.tp > 1:
         tp = apply_tp(model, spec.tp_plan, mesh, comm, m, layout.sp, layout.reduce_dtype)

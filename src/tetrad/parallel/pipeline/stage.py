@@ -12,12 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
-
 from tetrad.config import ModelConfig
 from tetrad.layout import Layout
 from tetrad.models.families import spec_for
-from tetrad.models.spec import ModelSpec
 from tetrad.parallel.pipeline.partition import balance
 from tetrad.parallel.pipeline.schedules import rank_stages
 
@@ -53,10 +50,3 @@ def rank_chunks(layout: Layout, m: ModelConfig, pp_rank: int) -> list[Chunk]:
         layers = tuple(str(i) for i in range(starts[s], starts[s] + split[s]))
         out.append(Chunk(s, layers, s == 0, s == len(split) - 1))
     return out
-
-
-def prune(model: nn.Module, chunks: list[Chunk], spec: ModelSpec) -> nn.Module:
-    """Drop (on the meta device) every module this rank's chunks do not use."""
-    layers = [name for c in chunks for name in c.layers]
-    spec.prune(model, layers, any(c.first for c in chunks), any(c.last for c in chunks))
-    return model

@@ -192,13 +192,11 @@ class Deferrable:
 
 
 class SplitLinear(nn.Linear, Deferrable):
-    """A bias-free linear with a deferrable weight gradient."""
+    """A bias-free linear with a deferrable weight gradient: a base, whose subclasses' forwards
+    (the tp layers') call `matmul` between their collectives."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return split_matmul(x, self.weight, self.store)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
 
 
 class DeferredLinear(nn.Module):
