@@ -26,14 +26,14 @@ class ExpertBalance:
     def __init__(self, engine, cfg: Config, mesh: Mesh):
         self.model_cfg, self.mesh = cfg.model, mesh
         self.tokens_split_over_tp = cfg.parallel.sp  # each tp rank routes its own tokens
-        moe = spec_for(cfg.model).moe  # None: a family without experts
-        # this rank's MoE layers (a pipeline stage holds some), by block index
-        self.layers = moe.layers(engine.model) if moe is not None else {}
-        self.extra = moe.stat_extra if moe is not None else 0  # statistics after the loads
         self.device = engine.device
-        # the auxiliary loss is a mean over the global batch's sequences, like the token
-        # loss is over its tokens: every layout injects the same gradient per sequence
-        if moe is not None:
+        # this rank's MoE layers (a pipeline stage holds some), by block index, and the
+        # statistics after the loads: none in a family without experts
+        self.layers, self.extra = {}, 0
+        if (moe := spec_for(cfg.model).moe) is not None:
+            self.layers, self.extra = moe.layers(engine.model), moe.stat_extra
+            # the auxiliary loss is a mean over the global batch's sequences, like the token
+            # loss is over its tokens: every layout injects the same gradient per sequence
             moe.set_aux_scale(engine.model, cfg.train.global_batch)
         self.sequences = cfg.train.global_batch
         self.summed: torch.Tensor | None = None  # the last step's statistics (`take`)

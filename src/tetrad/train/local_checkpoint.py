@@ -566,9 +566,8 @@ def _where_copies(world: int, local_world: int) -> str:
     """Where each rank's copy goes, and so what it survives."""
     if world == 1:
         return "no partner (one rank: the copy survives a restart of the process only)"
-    shift = partner_shift(world, local_world)
-    if shift == local_world:
-        return f"each rank's copy on the rank {shift} ahead (the next node)"
+    if world > local_world:  # `partner_shift`: a node's worth of ranks
+        return f"each rank's copy on the rank {local_world} ahead (the next node)"
     return "each rank's copy on the next rank (one node: it survives a lost process, not the node)"
 
 

@@ -6,7 +6,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from tetrad.comm import Comm
 from tetrad.comm.watchdog import nccl_environment
 from tetrad.config import Config
 from tetrad.devices import peak_tflops, pick
+from tetrad.errors import rank_and_attempt
 from tetrad.layout import Layout
 from tetrad.mesh import Mesh
 from tetrad.models.families import spec_for
@@ -69,7 +70,7 @@ def init_distributed(
     shorter, names a stuck collective first. On NCCL, async error handling and the flight
     recorder are switched on before the group exists (`nccl_environment`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank, attempt = rank_and_attempt()
     timeout = timedelta(seconds=timeout_s)
     if layout.world != world:
         raise ValueError(f"the layout is for {layout.world} ranks, torchrun started {world}")
@@ -81,7 +82,6 @@ def init_distributed(
         # keys of this torchrun attempt only: a restarted rank must never find the address
         # a killed rank of an earlier attempt published in a store that outlived it
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"tetrad/attempt{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return Mesh.build(layout, rank, timeout), device
@@ -151,9 +151,7 @@ class Trainer:
         split = (batch.rank, batch.size, layout.microbatches, cp.rank, cp.size)
         self.loader = Loader(source, t.global_batch, t.seq_len, *split)
         # the held-out split: never in a training batch (see TokenStream, Synthetic)
-        self.eval_loader = (
-            Loader(source.heldout_split(), t.global_batch, t.seq_len, *split) if heldout else None
-        )
+        self.eval_loader = replace(self.loader, source=source.heldout_split()) if heldout else None
         self.step = 0
         # in-memory checkpoints with a partner copy (a collective: the partner group)
         local = cfg.checkpoint.local_every > 0
@@ -174,7 +172,7 @@ class Trainer:
         """
         self.balance.begin_step()
         self.straggler.start()
-        agreed, count = self._forward_backward(self.loader.next(), self.loader.source.padded)
+        agreed, count = self._forward_backward(self.loader.next())
         self.straggler.stop()
         # the host sync (watched: on a GPU a hung collective shows here, not in its call);
         # the flags: a stop was asked for, a checkpoint writer is busy
@@ -190,13 +188,14 @@ class Trainer:
         self.step += 1
         return StepResult(loss, norm, int(tokens), skipped, stops > 0, writing == 0)
 
-    def _token_count(self, micro, padded: bool) -> Denominator:
+    def _token_count(self, micro) -> Denominator:
         """The global batch's target count, the loss's divisor. From a source with padding
-        (its `padded`) it is all-reduced over the data ranks while the first forward runs;
-        without (a token stream, every target a token) it is the global batch's size, known
-        to every rank: no collective, each rank checking that its own share is whole."""
+        (its `padded`; its held-out split's is the same) it is all-reduced over the data
+        ranks while the first forward runs; without (a token stream, every target a token)
+        it is the global batch's size, known to every rank: no collective, each rank
+        checking that its own share is whole."""
         tokens = sum(mb.tokens for mb in micro)
-        if padded:
+        if self.loader.source.padded:
             count = torch.tensor(float(tokens), dtype=torch.float64, device=self.device)
             return Denominator(count, self.comm.all_reduce(count, self.mesh["data"], async_op=True))
         whole = sum(mb.targets.numel() for mb in micro)
@@ -208,9 +207,7 @@ class Trainer:
         full = float(self.cfg.train.global_batch * self.cfg.train.seq_len)
         return Denominator(torch.tensor(full, dtype=torch.float64, device=self.device))
 
-    def _forward_backward(
-        self, micro, padded: bool, record: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_backward(self, micro, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the global batch's mean token loss; ([loss, grad norm^2, flags,
         MoE loads], token count), agreed by every rank, still on the device.
 
@@ -221,7 +218,7 @@ class Trainer:
         takes the norm of its whole, reduced gradient meanwhile; otherwise each rank's
         share of the norm rides it too."""
         f64 = dict(dtype=torch.float64, device=self.device)
-        denom = self._token_count(micro, padded)
+        denom = self._token_count(micro)
         loss_share = self.engine.forward_backward(micro, denom, record)
         denom.value()  # a rank that holds no loss never divided: the count must land
         own_loss = loss_share if self.engine.loss_owner else torch.zeros((), **f64)
@@ -251,8 +248,7 @@ class Trainer:
         unchanged, at the price of a backward pass nobody uses."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for k in range(self.cfg.train.eval_batches):  # `last_run` stays the training step's
-            loader = self.eval_loader
-            agreed, count = self._forward_backward(loader.batch(k), loader.source.padded, False)
+            agreed, count = self._forward_backward(self.eval_loader.batch(k), False)
             self.engine.zero_grad()
             total += torch.stack([agreed[0] * count, count])
         with self.comm.watching("evaluation's host sync"):
@@ -307,8 +303,7 @@ class Trainer:
         } | self._epoch()
         if compiled:  # the most any rank spent compiling this step, and recompiled
             row |= {"compile_s": float(maxed[5]), "recompiles": int(maxed[6])}
-        if window:
-            row |= self.straggler.observe(summed[1:].tolist())
+        row |= self.straggler.observe(summed[1:].tolist())  # {} unless a window ended
         return row | self.balance.metrics()  # MoE: expert load, from the step's own sync
 
     def _epoch(self) -> dict[str, float]:

@@ -47,8 +47,7 @@ def run(
     if threading.current_thread() is threading.main_thread():
         stop.install()
     mesh, device = init_distributed(cfg, layout, timeout_s=cfg.train.timeout + 60)
-    watchdog = Watchdog(cfg.train.timeout)
-    comm = Comm(device, watchdog)
+    comm = Comm(device, Watchdog(cfg.train.timeout))
     clean = True
     try:
         return _train(cfg, layout, mesh, device, comm, stop, timeline)
@@ -60,7 +59,7 @@ def run(
         if clean and dist.is_initialized():
             comm.barrier(mesh["world"])  # watched: a peer that never arrives is named
             dist.destroy_process_group()
-        watchdog.close()
+        comm.watchdog.close()
 
 
 def _train(

@@ -37,23 +37,20 @@ are what keep that from naming anyone (docs/straggler.md has the measurements).
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
 from tetrad.comm import Comm
 from tetrad.config import TrainConfig
-from tetrad.mesh import Mesh, coords
+from tetrad.mesh import Mesh, axis_groups
 
 
 def peer_groups(degrees: dict[str, int]) -> list[list[int]]:
     """Ranks that do the same work in a step, compared with each other: one pipeline
     stage's (dp, fsdp, cp and tp ranks split the work evenly; stages do not)."""
-    stages: dict[int, list[int]] = {}
-    for r in range(math.prod(degrees.values())):
-        stages.setdefault(coords(r, degrees)["pp"], []).append(r)
-    return list(stages.values())
+    # the s-th rank of every pp group is in stage s
+    return [list(stage) for stage in zip(*axis_groups(degrees, "pp"))]
 
 
 def scores(seconds: list[float], peers: list[list[int]]) -> list[float]:
