@@ -15,7 +15,8 @@ from tetrad.models import flops, moe_spec
 from tetrad.models.llama import rotary_at
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import swiglu_names
-from tetrad.models.mla import apply_rotary_tail, keep_mla, meta_deepseek, param_shape
+from tetrad.models.mla import apply_rotary_tail, keep_mla, meta_deepseek
+from tetrad.models.moe import param_shape as moe_shape
 from tetrad.models.moe_spec import MLP_MOE_NAMES, MOE, MoEActivations
 from tetrad.models.plans import MOE_PLAN
 from tetrad.models.spec import Rotary, Saved
@@ -50,6 +51,19 @@ def block_linears(m: ModelConfig, t: int) -> dict[str, tuple[int, int]]:
     }
     ffn = moe_spec.block_linears(m, t)
     return out | {k: v for k, v in ffn.items() if not k.startswith("attention.")}
+
+
+def param_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """Shape of the logical parameter `name` of a DeepSeek-V3 model: an attention linear's
+    weight [N, K] of its (K, N) at tp 1 (`block_linears`), the latent norms' gains; the
+    rest as the MoE family's."""
+    linears = block_linears(cfg, 1).items()
+    attention = [(p.split(".")[-1], (n, k)) for p, (k, n) in linears if p.startswith("attention.")]
+    shapes = dict(attention, q_a_norm=(cfg.q_lora_rank,), kv_a_norm=(cfg.kv_lora_rank,))
+    parts = name.split(".")
+    if "attention" in parts and parts[-2] in shapes:
+        return shapes[parts[-2]]
+    return moe_shape(name, cfg)
 
 
 # the dense formulas' attention items, which MLA's replace (llama_activations.layer)

@@ -22,7 +22,6 @@ from torch import nn
 from tetrad.config import ModelConfig
 from tetrad.models.llama import KEEP_SELECTIVE, Block, Llama, RMSNorm, apply_rotary, rotary
 from tetrad.models.moe import MoEFeedForward, keep_selective
-from tetrad.models.moe import param_shape as moe_shape
 from tetrad.models.spec import Keep
 
 # the bottleneck norms' epsilon: transformers' DeepseekV3RMSNorm default, whatever
@@ -154,22 +153,3 @@ def meta_deepseek(cfg: ModelConfig) -> DeepSeekV3:
         )
     with torch.device("meta"):
         return DeepSeekV3(cfg)
-
-
-def param_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """Shape of the logical parameter `name` of a DeepSeek-V3 model (attention here, the
-    rest as the MoE family's)."""
-    h, d, qk = cfg.heads, cfg.dim, cfg.qk_nope_dim + cfg.qk_rope_dim
-    shapes = {
-        "wq_a": (cfg.q_lora_rank, d),
-        "q_a_norm": (cfg.q_lora_rank,),
-        "wq_b": (h * qk, cfg.q_lora_rank or d),
-        "wkv_a": (cfg.kv_lora_rank + cfg.qk_rope_dim, d),
-        "kv_a_norm": (cfg.kv_lora_rank,),
-        "wkv_b": (h * (cfg.qk_nope_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-        "wo": (d, h * cfg.v_head_dim),
-    }
-    parts = name.split(".")
-    if "attention" in parts and parts[-2] in shapes:
-        return shapes[parts[-2]]
-    return moe_shape(name, cfg)
