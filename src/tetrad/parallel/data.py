@@ -54,13 +54,14 @@ def first_bucket_bytes(device: torch.device, bucket_bytes: int) -> int:
 
 def bucket_spans(nbytes: list[int], first: int, rest: int) -> list[list[int]]:
     """The buckets of parameters of these byte sizes, as indices, taken in reverse order:
-    the first bucket closes once it reaches `first` bytes, the others `rest` (pure)."""
+    the first bucket closes once it reaches `first` bytes (`rest` at most), the others
+    `rest` (pure: the runtime's buckets, and the planner's)."""
     spans: list[list[int]] = [[]]
     size = 0
     for i in reversed(range(len(nbytes))):
         spans[-1].append(i)
         size += nbytes[i]
-        if size >= (rest if len(spans) > 1 else first):
+        if size >= (rest if len(spans) > 1 else min(first, rest)):
             spans.append([])
             size = 0
     return [s for s in spans if s]
@@ -188,7 +189,7 @@ class GradBuckets(LocalGrads):
         # produces their gradients), as `bucket_spans` groups them
         params = [p for _, p in named if p.requires_grad]
         sizes = [p.numel() * p.element_size() for p in params]
-        spans = bucket_spans(sizes, min(bucket_bytes, first_bucket_bytes), bucket_bytes)
+        spans = bucket_spans(sizes, first_bucket_bytes, bucket_bytes)
         self.buckets = [Bucket([params[i] for i in span]) for span in spans]
         if compress:
             for b in self.buckets:
