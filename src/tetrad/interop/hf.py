@@ -175,9 +175,6 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     missing = [HF_KEYS[f] for f in REQUIRED if HF_KEYS[f] not in raw]
     if missing:
         raise ValueError(f"{file}: missing {missing}")
-    heads = int(raw["num_attention_heads"])
-    dim = int(raw["hidden_size"])
-    head_dim = raw.get("head_dim") or dim // heads
     kind = raw["model_type"]
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if raw.get(flag):
@@ -185,6 +182,8 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{file}: hidden_act={raw['hidden_act']!r}, expected 'silu'")
     fields = {"name": "hf"} | {f: int(raw[HF_KEYS[f]]) for f in REQUIRED}
+    heads, dim = fields["heads"], fields["dim"]
+    head_dim = raw.get("head_dim") or dim // heads
     fields |= {
         "kv_heads": int(raw.get("num_key_value_heads") or heads),
         "max_seq_len": int(raw.get("max_position_embeddings", 4096)),
@@ -589,18 +588,17 @@ def save(
     ]  # fmt: skip
     for name, shard in zip(names, shards):
         save_file(shard, out / name, metadata={"format": "pt"})
-    files = [out / n for n in names]
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": _nbytes(tensors)},
             "weight_map": {k: n for n, s in zip(names, shards) for k in s},
         }
         (out / INDEX).write_text(json.dumps(index, indent=2))
-        files.append(out / INDEX)
+        names.append(INDEX)
     dtype_name = str(dtype).removeprefix("torch.")
     config = hf_config(model, dtype_name) | carried_over(model.init_from_hf)
     (out / CONFIG).write_text(json.dumps(config, indent=2))
-    return [*files, out / CONFIG]
+    return [out / n for n in (*names, CONFIG)]
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -39,10 +39,8 @@ class CompileCost:
         return seconds, sum(len(entries(code)) - 1 for code in guard_failures)
 
     def read(self) -> tuple[float, int]:
-        now = self._totals()
-        seconds, recompiles = now[0] - self.last[0], now[1] - self.last[1]
-        self.last = now
-        return seconds, recompiles
+        last, self.last = self.last, self._totals()
+        return self.last[0] - last[0], self.last[1] - last[1]  # seconds, recompilations
 
 
 # metrics.jsonl keys that TensorBoard shows, under these tags
