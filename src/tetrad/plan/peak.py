@@ -97,7 +97,6 @@ def busiest_moment(lay: Layout, m: ModelConfig, pp_rank: int, s: PeakSettings) -
     """The largest of the rank's moments in the forward and backward (the first of
     equals, as `with_optimizer_step` takes them)."""
     stages = held_stages(lay, pp_rank)
-    last = lay.pp * lay.virtual_stages - 1 in stages
     # terms alive through the forward and backward (module docstring)
     shared = [("ZeRO-3 gathered parameters", s.zero_gathered),
               ("ZeRO gradients accumulated over microbatches", s.accumulated_grads),
@@ -107,7 +106,7 @@ def busiest_moment(lay: Layout, m: ModelConfig, pp_rank: int, s: PeakSettings) -
     block = [("block backward", block_backward(lay, m, s)),
              ("ZeRO unsharded gradients", s.zero_grads - s.accumulated_grads)]  # fmt: skip
     moments = [("block backward", block + shared, [])]
-    if last:
+    if lay.stages - 1 in stages:  # the last stage: the head and the loss
         chunked = s.engine.chunked_loss
         fwd, bwd = loss_forward(lay, m, chunked), loss_backward(lay, m, chunked)
         hole = []
