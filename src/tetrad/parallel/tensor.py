@@ -174,29 +174,25 @@ class ReplicatedKVLinear(nn.Module, Deferrable):
         self.head = tp.group.rank * kv_heads // t  # the kv head of this rank's query heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        full = gather_from_tp(self.weight, self.tp.comm, self.tp.group, dim=1)  # [kv·hd, h]
+        tp, weight = self.tp, self.weight  # the shard this forward uses (ZeRO re-points it)
+        full = gather_from_tp(weight, tp.comm, tp.group, dim=1)  # [kv·hd, h]
         rows = full[self._rows()]
-        sink = self._sink(self.weight) if self.store is not None else None
+
+        def sink(g: torch.Tensor) -> None:
+            """W's destination (zero-bubble): the gradient of this rank's head rows [hd, h],
+            placed in the full [kv·hd, h] and reduce-scattered over tp (what the gather's
+            backward does in an ordinary backward), into the shard `weight`."""
+            grad = g.new_zeros((weight.shape[0], g.shape[1]))
+            grad[self._rows()] = g
+            accumulate(weight, reduce_scatter_along(grad, 1, tp.comm, tp.group))
+
         out = split_matmul(x, rows, self.store, sink)  # [b, s, hd]
         if self.bias is None:
             return out
-        tp = self.tp
         return out + copy_to_tp(self.bias, tp.comm, tp.group, tp.reduce_dtype)[self._rows()]
 
     def _rows(self) -> slice:
         return slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
-
-    def _sink(self, weight: torch.Tensor):
-        """W's destination: the gradient of this rank's head rows [hd, h], placed in the
-        full [kv·hd, h] and reduce-scattered over tp (what the gather's backward does in
-        an ordinary backward), into the shard `weight` used in this forward."""
-
-        def sink(g: torch.Tensor) -> None:
-            full = g.new_zeros((weight.shape[0], g.shape[1]))
-            full[self._rows()] = g
-            accumulate(weight, reduce_scatter_along(full, 1, self.tp.comm, self.tp.group))
-
-        return sink
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -48,7 +48,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
-from typing import Any
 
 import torch
 from torch import nn
@@ -509,14 +508,11 @@ class ZeroShards:
         only those already done, oldest first (so the dp all-reduces start in the same
         order on every replica)."""
         while len(self.scattering) > keep and (waiting or self.scattering[0][1].is_completed()):
-            self._replicate(self.scattering.pop(0))
-
-    def _replicate(self, scattered: tuple[FlatUnit, Any, torch.Tensor, torch.Tensor]) -> None:
-        unit, work, _, out = scattered
-        work.wait()
-        if self.dp is not None:
-            work = self.comm.all_reduce(out, self.dp, async_op=True)
-        self.replicating.append((unit, out, work))  # (done already without replicas)
+            unit, work, _, out = self.scattering.pop(0)  # its full gradient dropped here
+            work.wait()
+            if self.dp is not None:
+                work = self.comm.all_reduce(out, self.dp, async_op=True)
+            self.replicating.append((unit, out, work))  # (done already without replicas)
 
     def finish(self) -> None:
         """Reduce what backward did not, and wait for every reduction of the step."""
