@@ -452,8 +452,7 @@ class ZeroShards:
 
     def ensure(self, unit: FlatUnit) -> None:
         """Make `unit`'s full compute parameters valid (waiting for its prefetch, if any)."""
-        if unit.pending is None and not unit.gathered:
-            self.prefetch(unit)
+        self.prefetch(unit)  # (nothing if gathered or on its way)
         if unit.pending is not None:
             unit.pending[0].wait()
             if unit.fp8 is not None:
