@@ -30,7 +30,7 @@ def mla_attention_sizes(m: ModelConfig) -> tuple[int, int]:
     return weights, m.heads * (m.qk_nope_dim + m.qk_rope_dim + m.v_head_dim)
 
 
-# the MoE family's counts, MLA's attention in them
+# the counts every family shares (models/flops.py), MLA's attention in them
 matmul_params = functools.partial(flops.matmul_params, attention=mla_attention_sizes)
 flops_per_token = functools.partial(flops.flops_per_token, attention=mla_attention_sizes)
 layer_costs = functools.partial(flops.layer_costs, attention=mla_attention_sizes)
