@@ -39,8 +39,7 @@ class StopRequest:
 
     def __init__(self, grace: float = 30.0):
         self.grace = grace
-        self.signum: int | None = None
-        self._event = threading.Event()
+        self.signum: int | None = None  # set once, by the first signal (nobody waits on it)
         self._restore: tuple | None = None  # what install() replaced
         self._timer: threading.Timer | None = None
         self.deferring = False  # while the trainer's steps can agree on a stop: `deferred`
@@ -57,15 +56,14 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
-        return self._event.is_set()
+        return self.signum is not None
 
     def request(self, signum: int) -> None:
         """Ask for a stop (what a signal does). Outside the training loop (starting, loading,
         leaving: nothing to agree on or save), or a second time, it ends the process now."""
-        if self._event.is_set() or not self.deferring:
+        if self.requested or not self.deferring:
             os._exit(128 + signum)
         self.signum = signum
-        self._event.set()
         self._timer = threading.Timer(self.grace, self._expire, args=(signum,))
         self._timer.daemon = True
         self._timer.start()
