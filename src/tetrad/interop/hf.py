@@ -93,8 +93,9 @@ def hf_keys(name: str, model: ModelConfig) -> list[str]:
 # --- config.json --------------------------------------------------------------------------
 
 
-def read_config(directory: str | Path) -> dict[str, Any]:
-    """A Hugging Face Llama `config.json`, or a ValueError saying why this is not one."""
+def read_config(directory: str | Path) -> tuple[dict[str, Any], Path]:
+    """A Hugging Face Llama `config.json` and its path (which errors name), or a ValueError
+    saying why this is not one."""
     d = Path(directory)
     file = d / CONFIG
     if not d.is_dir():
@@ -109,7 +110,7 @@ def read_config(directory: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"{file}: model_type={raw.get('model_type')!r}, expected one of {MODEL_TYPES}"
         )
-    return raw
+    return raw, file
 
 
 def _rope_theta(raw: dict[str, Any], file: Path) -> float:
@@ -170,8 +171,7 @@ HF_KEYS |= {f: k for f, k in MOE_INTS["deepseek_v3"].items() if f not in HF_KEYS
 
 def model_fields(directory: str | Path) -> dict[str, Any]:
     """ModelConfig fields from a Hugging Face Llama `config.json`."""
-    raw = read_config(directory)
-    file = Path(directory) / CONFIG
+    raw, file = read_config(directory)
     missing = [HF_KEYS[f] for f in REQUIRED if HF_KEYS[f] not in raw]
     if missing:
         raise ValueError(f"{file}: missing {missing}")

@@ -116,12 +116,13 @@ class Saver:
 
     def __init__(self, asynchronous: bool, layout: Layout | None = None):
         self.asynchronous, self.layout = asynchronous, layout  # its split is recorded
-        self.pending: tuple[Path, dict, Background] | None = None  # a save being written
+        # a save being written: its path, temporary directory, state sections and writer
+        self.pending: tuple[Path, Path, dict, Background] | None = None
 
     @property
     def writing(self) -> bool:
         """Whether this rank's writer thread is still busy."""
-        return self.pending is not None and self.pending[2].is_alive()
+        return self.pending is not None and self.pending[3].is_alive()
 
     def save(
         self, root: Path, step: int, engine, optimizer, loader, cfg: Config, wait: bool = False
@@ -134,7 +135,7 @@ class Saver:
         tmp = prepare(path, engine)
         owned, info = owned_state(step, engine, optimizer, loader, cfg, self.layout)  # copies
         work = partial(write_shard, tmp, engine.mesh.rank, owned)
-        self.pending = (path, info, Background(work, "tetrad-checkpoint"))
+        self.pending = (path, tmp, info, Background(work, "tetrad-checkpoint"))
         return path if self.asynchronous and not wait else self.finish(engine, cfg)
 
     def finish(self, engine, cfg: Config) -> Path | None:
@@ -142,9 +143,9 @@ class Saver:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        path, info, writer = pending
+        path, tmp, info, writer = pending
         writer.join()
-        return commit(path, writer.value, writer.error, info, engine, cfg)
+        return commit(path, tmp, writer.value, writer.error, info, engine, cfg)
 
 
 def owned_state(step: int, engine, optimizer, loader, cfg: Config, layout) -> tuple[list, dict]:
@@ -209,9 +210,9 @@ def serialise(owned: list, piece: dict) -> tuple[bytes, dict[str, Any]]:
     return data, {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "slices": slices}
 
 
-def commit(path: Path, shard, error, info: dict, engine, cfg: Config) -> Path:
-    """Every rank's file written (agreed), rank 0 writes the manifest and renames; agreed."""
-    tmp = path.parent / f"{_TMP}{path.name}"
+def commit(path: Path, tmp: Path, shard, error, info: dict, engine, cfg: Config) -> Path:
+    """Every rank's file written into `tmp` (agreed), rank 0 writes the manifest and
+    renames; agreed."""
     try:
         agree(engine, error, f"writing checkpoint {path}")
         shards = gather_json(engine, shard)
