@@ -264,7 +264,6 @@ class ZeroShards:
         The layout's `compress` ("int8", "fp8") reduce-scatters each unit's gradient in
         that block format (parallel/compress.py); replicas then sum their shards as is."""
         self.comm = comm
-        self.dtype = job.compute_dtype
         # (name, group): a parameter another rank also holds (the embedding tied across
         # the pipeline's ends), its full gradient summed over `group` before the scatter
         self.tied = tied
@@ -279,7 +278,7 @@ class ZeroShards:
         self.device = next(model.parameters()).device
         named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n not in exclude]
         layouts = plan_units(named, replicated, self.group.size, spec, axis)
-        self.units = [self._build(u, model) for u in layouts]
+        self.units = [self._build(u, model, job.compute_dtype) for u in layouts]
         if job.compress:  # (the group is sharded: two ranks or more)
             for u in self.units:
                 u.quantized = QuantizedReduce(u.layout.padded, self.group, comm, *job.compression)
@@ -305,7 +304,7 @@ class ZeroShards:
                        if isinstance(m, Float8Linear) and attr == "weight"]  # fmt: skip
             if linears:
                 lay = u.layout
-                args = (lay.numel, lay.padded, u.rank, lay.world, self.dtype, self.device)
+                args = (lay.numel, lay.padded, u.rank, lay.world, u.data.dtype, self.device)
                 u.fp8 = Float8Gather(linears, *args)
         gathers = [u.fp8 for u in self.units if u.fp8 is not None]
         scales = torch.ones(sum(g.groups for g in gathers), device=self.device)
@@ -326,8 +325,8 @@ class ZeroShards:
         """See `GradSync`: off, a unit reduces only when armed by `final`."""
         self.sync = on
 
-    def _build(self, layout: UnitSlots, model: nn.Module) -> FlatUnit:
-        unit = FlatUnit(layout, model, self.group.rank, self.stage, self.dtype, self.device)
+    def _build(self, layout: UnitSlots, model: nn.Module, dtype: torch.dtype) -> FlatUnit:
+        unit = FlatUnit(layout, model, self.group.rank, self.stage, dtype, self.device)
         if self.stage == 3:
             unit.free()  # now, so that building never holds two full copies of the model
         else:
