@@ -110,8 +110,7 @@ class PlainAdapter:
         """The model's buffers (running state the optimizer does not step, such as an MoE
         router's balancing bias) as "buffer/<name>" boxes, whole: written by the rank at
         coordinate 0 of every axis but pp (each stage's own), the same on all of them."""
-        coord = self.mesh.coord
-        if any(coord[a] for a in coord if a != "pp"):
+        if any(at for axis, at in self.mesh.coord.items() if axis != "pp"):
             return []
         return [
             (f"{BUFFER}{name}", index_box(None, tuple(b.shape)), snapshot(b))
