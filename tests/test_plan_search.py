@@ -97,7 +97,8 @@ def _answer(preds):
 )  # fmt: skip
 def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu, monkeypatch):
     """The same answer from a planner of its own (no cache shared with the reference),
-    having priced (`Planner.predict`) under half the layouts the unpruned walk prices."""
+    having priced (`Planner.predict`) under half the layouts the unpruned walk prices,
+    and from the walk split among processes (`jobs`)."""
     priced = _count_predictions(monkeypatch)
     base = layout_config(model_preset(model), batch, seq)
     full = search(Planner(cluster_preset(gpu)), *planned(base), gpus, top=6, prune=False)
@@ -106,6 +107,8 @@ def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu, m
     planner = Planner(cluster_preset(gpu))
     assert _answer(search(planner, *planned(base), gpus, top=6)) == _answer(full)
     assert 2 * priced[0] < unpruned, (priced[0], unpruned)
+    split = search(Planner(cluster_preset(gpu)), *planned(base), gpus, top=6, jobs=2)
+    assert _answer(split) == _answer(full)  # walked in 2 processes by pp
     assert search(planner, *planned(base), gpus, top=0) == []
 
 

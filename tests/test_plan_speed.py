@@ -122,7 +122,7 @@ def test_moe_search_is_fast():
 
 
 def test_a_family_counts_are_its_candidates():
-    """The walk prices a count's memory floor on the family's first valid layout with the
+    """The walk prices a count's memory on the family's first valid layout with the
     count's microbatches (`search._counts`), validating only counts that could fit: that
     layout is the one `candidate` builds wherever the count is valid (dense and MoE,
     every schedule, counts some of which a schedule refuses)."""
@@ -146,7 +146,8 @@ def test_memory_shortcuts_answer_as_the_peaks_do():
     """`Footprint.memory` picks the fullest rank from each rank's overhead read off its
     busiest moment's sums (`_RankPeaks.overhead`), building the Peak for that rank
     alone: every rank's overhead is `_overhead` of its Peak, to the byte, and the memory
-    is the rank whose total is largest (the first of equals), with its Peak."""
+    is the rank whose total is largest (the first of equals), with its Peak; the
+    search's `memory_total` is that total."""
     from tetrad.plan.footprint import _RankPeaks
 
     m = model_preset("mixtral-8x7b")
@@ -167,5 +168,5 @@ def test_memory_shortcuts_answer_as_the_peaks_do():
                 assert peaks.overhead(r, facts[r], a) == fp._overhead(peak, a)
             totals.append(float(facts[r].state.total) + acts + peaks.overhead(r, facts[r], acts))
         memory, fullest = planner.memory(lay, m), totals.index(max(totals))
-        assert memory.total == max(totals)
+        assert memory.total == max(totals) == planner.memory_total(lay, m)
         assert memory.peak == peaks.of(fullest, facts[fullest], memory.activations)

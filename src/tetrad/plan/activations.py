@@ -111,27 +111,82 @@ def peak_in_order(
 ) -> float:
     """`peak_in_flight` of one rank's computes (events or actions: their kind and stage)
     in the order it runs them."""
-    live = peak = 0.0
-    sending = 0.0  # the output of the previous compute, if an F, still being sent
-    flying = [0] * len(act)  # microbatches of each stage between their F and their B (BW)
+    return InFlight(computes).peak(act, pending_w, sent, shared)
 
-    def adds(stage: int) -> float:  # act[stage], less what one already in flight holds
-        return act[stage] - (shared[stage] if shared and flying[stage] else 0.0)
 
-    for e in computes:
-        w = pending_w[e.stage] if pending_w else 0.0
-        out = sent[e.stage] if sent and e.kind == "F" else 0.0
-        if e.kind == "F":
-            live += adds(e.stage)
-            flying[e.stage] += 1
-        elif e.kind == "B":
-            flying[e.stage] -= 1
-            live += w - adds(e.stage)
-        peak = max(peak, live + sending + out)
-        if e.kind == "W":
-            live -= w
-        elif e.kind == "BW":
-            flying[e.stage] -= 1
-            live -= adds(e.stage)
-        sending = out
-    return peak
+class InFlight:
+    """What one rank holds at each of its computes (events or actions: their kind and
+    stage, in the order it runs them), as counts per stage: microbatches between their F
+    and their B (BW), B's awaiting their W, and F outputs being sent. `peak` prices them
+    with a microbatch's bytes per stage (`peak_in_flight`'s), so one order is walked once
+    for any number of layouts: the counts are kept only where no other moment's are at
+    least as large on every term (its bytes are never less: every price is >= 0, and the
+    shared part of a stage's activations never exceeds them), a handful per rank."""
+
+    def __init__(self, computes: Sequence[Any]):
+        stages = sorted({e.stage for e in computes})
+        local = {s: i for i, s in enumerate(stages)}
+        v = len(stages)
+        counts = [0] * (3 * v)  # per stage: microbatches between F and B (BW), B's awaiting
+        moments = set()  # their W, F outputs being sent (the previous compute's and its own)
+        sending = None
+        for e in computes:
+            i = local[e.stage]
+            if e.kind == "F":
+                counts[i] += 1
+                counts[2 * v + i] += 1
+            elif e.kind == "B":
+                counts[i] -= 1
+                counts[v + i] += 1
+            moments.add(tuple(counts))
+            if sending is not None:
+                counts[2 * v + sending] -= 1
+            sending = i if e.kind == "F" else None
+            if e.kind == "W":
+                counts[v + i] -= 1
+            elif e.kind == "BW":
+                counts[i] -= 1
+        self.moments = [
+            tuple(
+                (s, c[i], c[v + i], c[2 * v + i])
+                for i, s in enumerate(stages)
+                if c[i::v] != (0, 0, 0)
+            )
+            for c in _maximal(moments)
+        ]
+
+    def peak(
+        self,
+        act: Sequence[float],
+        pending_w: Sequence[float] = (),
+        sent: Sequence[float] = (),
+        shared: Sequence[float] = (),
+    ) -> float:
+        """Peak bytes held: act[stage] a microbatch's activations after its F, of which
+        shared[stage] is kept once however many are in flight (a layer's rotary tables);
+        pending_w[stage] what a B keeps for its W; sent[stage] an F's output, alive through
+        the F that made it and the rank's next compute (the runtime waits for a send one
+        compute after posting it: `p2p.program`'s slack)."""
+        peak = 0.0
+        for moment in self.moments:
+            total = 0.0
+            for s, n, p, o in moment:
+                if n:
+                    total += n * act[s] - (n - 1) * (shared[s] if shared else 0.0)
+                if p and pending_w:
+                    total += p * pending_w[s]
+                if o and sent:
+                    total += o * sent[s]
+            peak = max(peak, total)
+        return peak
+
+
+def _maximal(moments: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The moments (counts, one term each) no other moment covers (at least as large on
+    every term). Taken largest first, a moment is kept unless a kept one covers it:
+    whatever covers it is covered by a kept one, or kept itself."""
+    kept: list[tuple[int, ...]] = []
+    for m in sorted(moments, key=lambda m: (-sum(m), m)):
+        if not any(all(x >= y for x, y in zip(k, m)) for k in kept):
+            kept.append(m)
+    return kept

@@ -364,9 +364,9 @@ class Planner:
         """Local parameter counts and exact model state of pp rank `pp_rank`."""
         return self.facts(lay, m)[pp_rank]
 
-    def memory_floor(self, lay: Layout, m: ModelConfig) -> float:
-        """A lower bound of the layout's memory per device, without simulating it."""
-        return self.footprint.floor(lay, m, self.split(lay, m), self.facts(lay, m))
+    def memory_total(self, lay: Layout, m: ModelConfig) -> float:
+        """`memory(lay, m).total`, without building the fullest rank's peak."""
+        return self.footprint.total(lay, m, self.split(lay, m), self.facts(lay, m), self.order(lay))
 
     # --- compute and per-microbatch communication -----------------------------------------
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from tetrad.parallel.model_state import (
     local_parameters,
     residual_bytes,
 )
-from tetrad.parallel.pipeline.schedules import Action
+from tetrad.parallel.pipeline.schedules import Action, rank_stages
 from tetrad.plan import activations as act
 from tetrad.plan.candidates import block_kinds, cached, held_stages, model_key
 from tetrad.plan.engines import Implementation
@@ -136,7 +137,7 @@ class Footprint:
         # change them): a stage's bytes by what they read, peaks by timeline and bytes
         self._stage_bytes: dict[tuple, tuple] = {}
         self._states: dict[tuple, ModelState] = {}  # a block's or root's state (`_facts_by_kind`)
-        self._in_flight: dict[tuple, tuple[list[list[Action]], float]] = {}
+        self._in_flight: dict[int, tuple[list[list[Action]], list[act.InFlight], dict]] = {}
         self._moments: dict[tuple, tuple[RankFacts, Peak, float, float]] = {}  # `_RankPeaks`
 
     def share_caches(self, other: Footprint) -> None:
@@ -259,7 +260,7 @@ class Footprint:
         spec = spec_for(m)
         templates = [spec.block_prefix(i) for i in range(template_layers)]
         blocks = [(pre, [(n, s) for n, s in named if n.startswith(pre)]) for pre in templates]
-        # the root parameters the stage keeps, as `pipeline.stage.prune` leaves them
+        # the root parameters the stage keeps, as `ModelSpec.prune` leaves them
         keep = spec.stage_parameters([n for n, _ in named], [], first, last)
         root = [(n, s) for n, s in named if spec.block_of(n) is None and n in keep]
         root.sort(key=lambda p: not p[0].startswith(spec.embedding + "."))  # embedding first
@@ -329,7 +330,7 @@ class Footprint:
     ) -> float:  # fmt: skip
         """Peak activation bytes of pp rank `pp_rank` over the (simulated) step: its
         microbatches in flight, and each stage's output until its send is done."""
-        return self._in_flight_bytes(orders, pp_rank, self._stage_bytes_held(lay, m, split))
+        return self._in_flight_bytes(orders, self._stage_bytes_held(lay, m, split))[pp_rank]
 
     def _stage_bytes_held(self, lay: Layout, m: ModelConfig, split: list[int]) -> tuple:
         """(activations, pending W inputs, output being sent, the part of the activations
@@ -349,40 +350,55 @@ class Footprint:
         shared = self.stage_shared(lay, m, split)
         return tuple(per_stage), tuple(pending), tuple(sent), tuple(shared)
 
-    def _in_flight_bytes(self, orders: list[list[Action]], rank: int, held_bytes: tuple) -> float:
-        key = (id(orders), rank, *held_bytes)
-        held = self._in_flight.get(key)
-        if held is None or held[0] is not orders:  # the orders kept: their id stays their own
-            held = (orders, act.peak_in_order(orders[rank], *held_bytes))
-            self._in_flight[key] = held
-        return held[1]
+    def _in_flight_bytes(self, orders: list[list[Action]], held_bytes: tuple) -> list[float]:
+        """Each pp rank's peak activation bytes (`act.InFlight` of its order, made once
+        per order and priced once per `_stage_bytes_held`: both are kept, by the search's
+        caches and here, so their ids stay their own)."""
+        held = self._in_flight.get(id(orders))
+        if held is None or held[0] is not orders:
+            held = (orders, [act.InFlight(order) for order in orders], {})
+            self._in_flight[id(orders)] = held
+        priced = held[2].get(id(held_bytes))
+        if priced is None or priced[0] is not held_bytes:
+            priced = (held_bytes, [flight.peak(*held_bytes) for flight in held[1]])
+            held[2][id(held_bytes)] = priced
+        return priced[1]
 
     def memory(
         self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts],
         orders: list[list[Action]],
     ) -> Memory:  # fmt: skip
         """The fullest pp rank's memory: model state + activations in flight + overhead."""
-        held_bytes, peaks = self._stage_bytes_held(lay, m, split), _RankPeaks(self, lay, m)
-        fullest, most = 0, -math.inf  # the first rank of the largest total, as `max` takes it
-        for r in range(lay.pp):
-            acts = self._in_flight_bytes(orders, r, held_bytes)
-            total = float(facts[r].state.total) + acts + peaks.overhead(r, facts[r], acts)
-            if total > most:
-                fullest, most = r, total
-        acts = self._in_flight_bytes(orders, fullest, held_bytes)
-        peak = peaks.of(fullest, facts[fullest], acts)
+        fullest, _ = self._fullest(lay, m, split, facts, orders)
+        acts = self._in_flight_bytes(orders, self._stage_bytes_held(lay, m, split))[fullest]
+        peak = _RankPeaks(self, lay, m).of(fullest, facts[fullest], acts)
         return Memory(float(facts[fullest].state.total), acts, self._overhead(peak, acts),
                       self.device.hbm_bytes, peak)  # fmt: skip
 
-    def floor(self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts]) -> float:
-        """A lower bound of `memory(...).total` without a timeline: every rank holds at
-        least one microbatch of its largest stage's activations."""
-        per_stage, peaks = self._stage_bytes_held(lay, m, split)[0], _RankPeaks(self, lay, m)
-        out = 0.0
-        for r in range(lay.pp):
-            acts = max(per_stage[s] for s in held_stages(lay, r))
-            out = max(out, facts[r].state.total + acts + peaks.overhead(r, facts[r], acts))
-        return out
+    def total(
+        self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts],
+        orders: list[list[Action]],
+    ) -> float:  # fmt: skip
+        """`memory(...).total`, the same sum, without building the fullest rank's peak (a
+        search asks it of tens of thousands of layouts, most of which do not fit)."""
+        return self._fullest(lay, m, split, facts, orders)[1]
+
+    def _fullest(
+        self, lay: Layout, m: ModelConfig, split: list[int], facts: list[RankFacts],
+        orders: list[list[Action]],
+    ) -> tuple[int, float]:  # fmt: skip
+        """(the first pp rank of the largest total, as `max` takes it; that total)."""
+        in_flight = self._in_flight_bytes(orders, self._stage_bytes_held(lay, m, split))
+        peaks, fullest, most = _RankPeaks(self, lay, m), 0, -math.inf
+        totals = {}
+        for r, acts in enumerate(in_flight):
+            key = (id(facts[r]), peaks.ends[r], acts)  # ranks alike in all the total reads
+            if key not in totals:
+                overhead = peaks.overhead(r, facts[r], acts)
+                totals[key] = float(facts[r].state.total) + acts + overhead
+            if totals[key] > most:
+                fullest, most = r, totals[key]
+        return fullest, most
 
     def _overhead(self, peak: Peak, acts: float) -> float:
         """Workspace + the peak's transients + the allocator's share of transients and
@@ -463,7 +479,12 @@ class _RankPeaks:
 
     def __init__(self, footprint: Footprint, lay: Layout, m: ModelConfig):
         self.footprint, self.lay, self.m, self.seen = footprint, lay, m, {}
-        self.last = lay.pp * lay.virtual_stages - 1
+        self.ends = _ends(lay.pp, lay.virtual_stages, lay.schedule)
+        self.shape = (
+            model_key(m), lay.tp, lay.sp, lay.microbatch_size, lay.local_seq, lay.seq_len,
+            lay.compute_dtype, lay.loss_chunk, footprint.shards(lay), lay.zero_stage,
+            lay.microbatches > 1, lay.pp > 1, lay.reduce_bytes,
+        )  # fmt: skip
 
     def of(self, pp_rank: int, fa: RankFacts, acts: float) -> Peak:
         return with_optimizer_step(self._moment(pp_rank, fa)[0], acts)
@@ -484,14 +505,11 @@ class _RankPeaks:
         rank's facts, whether it holds the first and the last stage, the microbatch's
         shape, tp, dtypes, the loss chunk and what ZeRO's buffers read. The counts of a
         family and the ranks of a pipeline share most (a search asks tens of thousands)."""
-        lay, stages = self.lay, held_stages(self.lay, pp_rank)
-        mine = (id(fa), 0 in stages, self.last in stages)  # fa lives as long as self
+        lay = self.lay
+        mine = (id(fa), self.ends[pp_rank])  # fa lives as long as self
         if mine in self.seen:
             return self.seen[mine]
-        key = (model_key(self.m), *mine, lay.tp, lay.sp,
-               lay.microbatch_size, lay.local_seq, lay.seq_len, lay.compute_dtype,
-               lay.loss_chunk, self.footprint.shards(lay), lay.zero_stage,
-               lay.microbatches > 1, lay.pp > 1, lay.reduce_bytes)  # fmt: skip
+        key = (*mine, *self.shape)
         seen = self.footprint._moments.get(key)
         if seen is None or seen[0] is not fa:  # fa kept: its id stays its own
             settings = self.footprint._peak_settings(lay, self.m, fa)
@@ -500,6 +518,16 @@ class _RankPeaks:
             self.footprint._moments[key] = seen
         self.seen[mine] = seen[1:]
         return seen[1:]
+
+
+@functools.cache
+def _ends(pp: int, v: int, schedule: str) -> tuple[tuple[bool, bool], ...]:
+    """Per pp rank: whether it holds the first stage, and the last."""
+    last = pp * v - 1
+    return tuple(
+        (0 in stages, last in stages)
+        for stages in (rank_stages(r, pp, v, schedule) for r in range(pp))
+    )
 
 
 def _added(state: ModelState, part: ModelState, n: int) -> ModelState:

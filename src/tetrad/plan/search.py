@@ -19,7 +19,7 @@ traffic without the key/value exchange: cp only buys memory, or a batch too smal
 split). Degrees whose model state alone overflows the
 device are dropped before any schedule is simulated. Within a family (everything fixed but the
 microbatch count) counts are walked upward: activation memory falls as microbatches
-shrink, so counts whose memory floor overflows are skipped unsimulated, and the walk
+shrink, so counts whose memory overflows are skipped unsimulated, and the walk
 stops at the first count slower than the one before (time is taken to be unimodal in the
 count: the bubble shrinks, per-microbatch overheads grow).
 
@@ -27,9 +27,10 @@ Pruned, as unable to win (the answer is the unpruned search's, tested): a count 
 `Planner.step_floor` (the busiest rank's own work plus the longest tail, no simulation)
 is slower than the `top`-th best time found so far ends its family's walk, since the
 floor does not fall as the count grows, and a family whose first count's floor is
-slower is not walked. Memory is read off each rank's action order (`Planner.order`), not
-a simulated timeline, and asked before a count's floors; candidates are validated only
-when a walk reaches them and their memory floor fits.
+slower is not walked. Memory is read off each rank's action order (`Planner.order`, its
+moments priced by `activations.InFlight`), not a simulated timeline, and asked before a
+count's floors; candidates are validated only when a walk reaches them and their memory
+fits. `search(jobs=N)` walks the families in N processes, the same answer.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import multiprocessing
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,10 +176,12 @@ class _Ranking:
     """The layouts found so far, and the time a layout must beat to enter the top.
 
     Entries are keyed (time, memory, family, count): the last two are the enumeration
-    order, so ties break the same way whichever layouts pruning left unsimulated."""
+    order, so ties break the same way whichever layouts pruning left unsimulated.
+    `shared`: the `top` best times every process of a search has found, fastest first (a
+    shared array: `_in_processes`), which the threshold reads and `add` keeps."""
 
-    def __init__(self, top: int):
-        self.top = top
+    def __init__(self, top: int, shared: Any = None):
+        self.top, self.shared = top, shared
         self.found: list[tuple[float, float, int, int, Layout]] = []
         self.fastest: list[float] = []  # the `top` best times, negated: a max-heap
 
@@ -186,6 +191,10 @@ class _Ranking:
             heapq.heappush(self.fastest, -t)
         elif self.top > 0 and t < -self.fastest[0]:
             heapq.heapreplace(self.fastest, -t)
+        if self.shared is not None and self.top > 0:
+            with self.shared.get_lock():
+                if t < self.shared[-1]:
+                    self.shared[:] = sorted([*self.shared[:-1], t])
 
     @property
     def threshold(self) -> float:
@@ -193,16 +202,16 @@ class _Ranking:
         slower than it cannot be in the answer, whatever comes later."""
         if self.top <= 0:
             return -math.inf  # nothing is asked for: nothing needs simulating
-        if len(self.fastest) < self.top:
-            return math.inf
-        return -self.fastest[0]
+        mine = -self.fastest[0] if len(self.fastest) == self.top else math.inf
+        return mine if self.shared is None else min(mine, self.shared[-1])
 
     def within(self, floor: float) -> bool:
         """Whether a layout whose step is at least `floor` could enter the answer."""
         return floor * (1 - 1e-9) <= self.threshold
 
-    def best(self) -> list[Layout]:
-        return [f[-1] for f in sorted(self.found, key=lambda f: f[:4])[: max(self.top, 0)]]
+    def best(self) -> list[tuple[float, float, int, int, Layout]]:
+        """The `top` best entries (time, memory, family, count, layout), best first."""
+        return sorted(self.found, key=lambda f: f[:4])[: max(self.top, 0)]
 
 
 def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate],
@@ -222,8 +231,8 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
     would add is slower than the threshold, which only falls). The answer is the unpruned
     walk's.
 
-    A count's memory is asked before its floors (its memory floor, then its memory; a
-    count is validated only once its memory floor fits): a count that does not fit adds
+    A count's memory is asked before its floors (its total, then, once validated, its
+    memory; a count is validated only once its total fits): a count that does not fit adds
     nothing, and the floor that would have ended the walk there ends it at the next count
     that fits, whose floor is no lower (the threshold has not moved between them), so the
     walk adds what it did; a large model's counts mostly do not fit, and their memory is
@@ -250,15 +259,16 @@ def _walk_family(planner: Planner, base: Layout, m: ModelConfig, family: list[Ca
 def _fitting(planner: Planner, base: Layout, m: ModelConfig, family: list[Candidate],
              first: Layout) -> Iterator[tuple[int, Layout, Memory]]:  # fmt: skip
     """(index, layout, memory) of the family's counts that fit in memory, in order: a
-    count's memory floor asked first, then the count validated (where it could fit: most
-    counts of a large model cannot), then its memory."""
+    count's memory total asked first (its schedule's order is all it needs besides the
+    family's), then the count validated (where it fits: most counts of a large model do
+    not), then its memory built."""
     capacity = planner.cluster.device.hbm_bytes
     for k, cand in _counts(family, first):
-        if planner.memory_floor(cand, m) > capacity:
-            continue
         try:
+            if planner.memory_total(cand, m) > capacity:
+                continue
             cand = candidate(base, m, **family[k])
-        except ValueError:
+        except ValueError:  # a count its schedule does not take, or the layout does not
             continue
         memory = planner.memory(cand, m)
         if memory.fits:
@@ -302,17 +312,32 @@ def _fits_somewhere(planner: Planner, base: Layout, m: ModelConfig,
 
 def search(
     planner: Planner, base: Layout, m: ModelConfig, world: int, space: Space = Space(),
-    top: int = 10, prune: bool = True,
+    top: int = 10, prune: bool = True, jobs: int = 1,
 ) -> list[Prediction]:  # fmt: skip
     """The `top` fastest predicted layouts of model `m` with `base`'s batch, sequence,
     dtypes and loss chunk on `world` ranks that fit in memory, fastest first.
 
     prune=False simulates every count the walk reaches (the reference the pruned search is
-    tested against: the same answer)."""
-    ranking = _Ranking(top)
+    tested against: the same answer). jobs > 1 walks the families in that many processes
+    (`_in_processes`), the same answer."""
+    listed = list(enumerate(families(base, m, world, planner.cluster.gpus_per_node, space)))
+    if jobs > 1:
+        found = _in_processes(jobs, listed, (planner, base, m, space, top, prune))
+    else:
+        found = _walk(listed, planner, base, m, space, top, prune)
+    best = sorted(found, key=lambda f: f[:4])[: max(top, 0)]
+    return [planner.predict(f[-1], m) for f in best]
+
+
+def _walk(listed: list[tuple[int, list[Candidate]]], planner: Planner, base: Layout,
+          m: ModelConfig, space: Space, top: int, prune: bool,
+          shared: Any = None) -> list[tuple]:  # fmt: skip
+    """The `top` best (time, memory, family, count, layout) of the (index, family) pairs
+    `listed`, walked in order against one ranking (`_Ranking`'s `shared`)."""
+    ranking = _Ranking(top, shared)
     at_cp1: dict[tuple[int, int], list[list[Candidate]]] = {}  # (tp, pp) -> cp = 1 families
     fitted: dict[tuple[int, int], bool] = {}  # (tp, pp): a cp = 1 layout fits
-    for index, family in enumerate(families(base, m, world, planner.cluster.gpus_per_node, space)):
+    for index, family in listed:
         first = _first_valid(base, m, family)
         if not _buildable(planner, m, first):
             continue
@@ -330,4 +355,33 @@ def search(
                 continue  # those ranks as data parallelism fit, and are faster (no exchange)
         if _walk_family(planner, base, m, family, first, index, ranking, prune) and first.cp == 1:
             fitted[key] = True  # a cp = 1 layout of (tp, pp) fits: no need to look for one
-    return [planner.predict(cand, m) for cand in ranking.best()]
+    return ranking.best()
+
+
+_WORK: tuple = ()  # what `_walk_group` reads in a forked process: `_walk`'s arguments
+
+
+def _in_processes(jobs: int, listed: list[tuple[int, list[Candidate]]], work: tuple) -> list:
+    """`_walk` of `listed`, split among `jobs` forked processes (each inherits the planner
+    and its caches) by (tp, pp): what `_walk` carries from one family to the next (the cp
+    rule's) is per (tp, pp), so each group is walked as the one walk would. Each group
+    has a ranking of its own, whose threshold is also the best `top` times of all (shared
+    memory): a layout is pruned only where `top` others are faster, so none of the answer
+    is, and the answer is the union's `top` best. The costliest groups (counts x pp) go
+    first, each to the next process free."""
+    groups: dict[int, list[tuple[int, list[Candidate]]]] = {}
+    for index, family in listed:
+        groups.setdefault(family[0]["pp"], []).append((index, family))
+    ordered = sorted(groups.values(), key=lambda g: -sum(len(f) * f[0]["pp"] for _, f in g))
+    context = multiprocessing.get_context("fork")
+    global _WORK
+    _WORK = (*work, context.Array("d", [math.inf] * max(work[-2], 0)))
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            return [found for part in pool.map(_walk_group, ordered) for found in part]
+    finally:
+        _WORK = ()
+
+
+def _walk_group(group: list[tuple[int, list[Candidate]]]) -> list[tuple]:
+    return _walk(group, *_WORK)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tetrad.layout import check_schedule
 
@@ -24,9 +24,8 @@ COMPUTE = ("F", "B", "W", "BW")
 TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
-@dataclass(frozen=True)
-class Action:
-    """One step of a rank's program.
+class Action(NamedTuple):
+    """One step of a rank's program (a named tuple: a search builds millions).
 
     kind: "F" forward; "B" backward w.r.t. the stage input only (zero-bubble split);
         "W" weight gradient; "BW" full backward (B and W together); "SEND_F"/"RECV_F"
@@ -115,18 +114,20 @@ def wire(a: Action) -> tuple[str, int, int]:
 def add_transfers(order: list[Action], place: Callable[[int], int], n_stages: int) -> list[Action]:
     """Weave receives (just before) and sends (just after) around each compute action."""
     out: list[Action] = []
+    ranks = [place(s) for s in range(n_stages)]
     for a in order:
         if a.kind == "W":  # its inputs and outputs stay on the stage
             out.append(a)
             continue
         # F takes its input from the stage before and feeds the next; B (or BW) the reverse
         step = 1 if a.kind == "F" else -1
-        src, dst, me = a.stage - step, a.stage + step, place(a.stage)
-        if 0 <= src < n_stages and place(src) != me:
-            out.append(Action(f"RECV_{a.kind[0]}", a.stage, a.microbatch, place(src)))
+        src, dst = a.stage - step, a.stage + step
+        me = ranks[a.stage] if 0 <= a.stage < n_stages else place(a.stage)  # place's error
+        if 0 <= src < n_stages and ranks[src] != me:
+            out.append(Action(f"RECV_{a.kind[0]}", a.stage, a.microbatch, ranks[src]))
         out.append(a)
-        if 0 <= dst < n_stages and place(dst) != me:
-            out.append(Action(f"SEND_{a.kind[0]}", dst, a.microbatch, place(dst)))
+        if 0 <= dst < n_stages and ranks[dst] != me:
+            out.append(Action(f"SEND_{a.kind[0]}", dst, a.microbatch, ranks[dst]))
     return out
 
 
@@ -167,19 +168,16 @@ def _interleaved(pp: int, m: int, v: int, lag: int) -> list[list[Action]]:
     an engine that runs so (`Implementation.interleaved_lag`), not tetrad's runtime.
     """
     total = m * v
+    chunks = [(k // pp) % v for k in range(total)]  # forward k's chunk (backwards: reversed)
+    microbatch = [(k // (pp * v)) * pp + k % pp for k in range(total)]
     orders = []
     for r in range(pp):
         warm = min((pp - r - 1) * lag + (v - 1) * pp, total)
-        fwd = [_interleaved_action("F", k, r, pp, v) for k in range(total)]
-        bwd = [_interleaved_action("BW", k, r, pp, v) for k in range(total)]
+        fwd = [Action("F", c * pp + r, i) for c, i in zip(chunks, microbatch)]
+        bwd = [Action("BW", (v - 1 - c) * pp + r, i) for c, i in zip(chunks, microbatch)]
         steady = [a for pair in zip(fwd[warm:], bwd) for a in pair]  # one F, then one BW
         orders.append(fwd[:warm] + steady + bwd[total - warm :])
     return orders
-
-
-def _interleaved_action(kind: str, k: int, rank: int, pp: int, v: int) -> Action:
-    chunk = (k // pp) % v if kind == "F" else v - 1 - (k // pp) % v  # backwards in reverse
-    return Action(kind, chunk * pp + rank, (k // (pp * v)) * pp + k % pp)
 
 
 def _zb_h1(pp: int, m: int, v: int) -> list[list[Action]]:
