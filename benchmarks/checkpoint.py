@@ -72,7 +72,7 @@ def tetrad_round(trainer, root: Path, r: int) -> dict[str, float]:
     saver = checkpoint.Saver(asynchronous=True)
     t0 = time.perf_counter()
     stall, _ = timed(lambda: saver.save(root / "async", r + 1, e, opt, loader, cfg))
-    saver.pending.thread.join()  # training would run meanwhile; the trainer commits after
+    saver.pending[3].join()  # the writer: training would run meanwhile; the trainer commits after
     commit, _ = timed(lambda: saver.finish(e, cfg))
     out["async_stall_s"] = stall
     out["async_total_s"] = max_over_ranks(time.perf_counter() - t0)
