@@ -122,9 +122,8 @@ class Cluster:
         """The link a collective over these global ranks (ascending) runs at: NVLink when
         they share a node, else as `link` prices a group of their first stride."""
         if ranks[-1] // self.gpus_per_node == ranks[0] // self.gpus_per_node:
-            return self.intra
-        stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
-        return self.link(stride, len(ranks))
+            return self.intra  # a lone rank too: the group has a second rank below
+        return self.link(ranks[1] - ranks[0], len(ranks))
 
     def all_to_all(self, ranks: list[int], nbytes: float, leaving: float = 1.0) -> float:
         """Seconds of an all-to-all over these global ranks in which each sends `nbytes`
