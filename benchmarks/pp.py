@@ -102,7 +102,7 @@ from tetrad.parallel.pipeline.measure import measure_step, plot_pair
 from tetrad.parallel.pipeline.partition import even_split, stage_costs
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.parallel.pipeline.split_costs import measure_item_costs
-from tetrad.parallel.pipeline.stage import layer_split, prune, rank_chunks
+from tetrad.parallel.pipeline.stage import layer_split, rank_chunks
 from tetrad.testing import spawn
 from tetrad.train.optim import lr_at, set_lr
 
@@ -213,7 +213,8 @@ class PeerRunner:
         name, per_rank = PEER_SCHEDULES[kind]
         if len(chunks) != per_rank:
             raise ValueError(f"{name} runs {per_rank} stages per rank, cfg gives {len(chunks)}")
-        prune(model, chunks, LLAMA)
+        layers = [name for c in chunks for name in c.layers]
+        LLAMA.prune(model, layers, chunks[0].first, chunks[-1].last)
         materialize(model, cfg.model, cfg.train.seed, "cpu")  # tetrad's exact initial weights
         self.model, self.meter, self.steps = model, ActivationMeter(), 0
         self.ends = (chunks[0].first, chunks[-1].last)  # this rank feeds inputs / targets

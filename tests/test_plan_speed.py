@@ -125,10 +125,11 @@ def test_a_family_counts_are_its_candidates():
     """The walk prices a count's memory on the family's first valid layout with the
     count's microbatches (`search._counts`), validating only counts that could fit: that
     layout is the one `candidate` builds wherever the count is valid (dense and MoE,
-    every schedule, counts some of which a schedule refuses)."""
+    every schedule, counts some of which a schedule refuses); its model facts are the first
+    count's, which the walk passes on (`Planner.memory_total`)."""
     from tetrad.plan.search import Space, _counts, families, valid
 
-    checked = 0
+    checked, planner = 0, Planner(cluster_preset("h100"))
     for name, gpus in (("llama3-8b", 16), ("mixtral-8x7b", 16)):
         m = model_preset(name)
         base = layout_for(m, 64, 4096)
@@ -136,8 +137,11 @@ def test_a_family_counts_are_its_candidates():
             built = dict(valid(base, m, family))
             if not built:
                 continue
-            derived = dict(_counts(family, next(iter(built.values()))))
+            first = next(iter(built.values()))
+            derived = dict(_counts(family, first))
             assert all(derived[k] == lay for k, lay in built.items()), family[0]
+            facts = planner.facts(first, m)
+            assert all(planner.facts(lay, m) == facts for lay in built.values()), family[0]
             checked += len(built)
     assert checked > 100
 

@@ -99,19 +99,7 @@ def peak_in_flight(
     releases act.
     """
     events = sorted(timeline.ranks[rank], key=lambda e: e.start)
-    return peak_in_order(events, act, pending_w, sent, shared)
-
-
-def peak_in_order(
-    computes: Sequence[Any],
-    act: Sequence[float],
-    pending_w: Sequence[float] = (),
-    sent: Sequence[float] = (),
-    shared: Sequence[float] = (),
-) -> float:
-    """`peak_in_flight` of one rank's computes (events or actions: their kind and stage)
-    in the order it runs them."""
-    return InFlight(computes).peak(act, pending_w, sent, shared)
+    return InFlight(events).peak(act, pending_w, sent, shared)
 
 
 class InFlight:

@@ -364,9 +364,14 @@ class Planner:
         """Local parameter counts and exact model state of pp rank `pp_rank`."""
         return self.facts(lay, m)[pp_rank]
 
-    def memory_total(self, lay: Layout, m: ModelConfig) -> float:
-        """`memory(lay, m).total`, without building the fullest rank's peak."""
-        return self.footprint.total(lay, m, self.split(lay, m), self.facts(lay, m), self.order(lay))
+    def memory_total(
+        self, lay: Layout, m: ModelConfig, facts: list[RankFacts] | None = None
+    ) -> float:
+        """`memory(lay, m).total`, without building the fullest rank's peak. `facts`:
+        `self.facts(lay, m)`, or those of a layout that differs in the microbatches alone
+        (they do not read them)."""
+        facts = facts or self.facts(lay, m)
+        return self.footprint.total(lay, m, self.split(lay, m), facts, self.order(lay))
 
     # --- compute and per-microbatch communication -----------------------------------------
 

@@ -262,10 +262,10 @@ def _fitting(planner: Planner, base: Layout, m: ModelConfig, family: list[Candid
     count's memory total asked first (its schedule's order is all it needs besides the
     family's), then the count validated (where it fits: most counts of a large model do
     not), then its memory built."""
-    capacity = planner.cluster.device.hbm_bytes
+    capacity, facts = planner.cluster.device.hbm_bytes, planner.facts(first, m)
     for k, cand in _counts(family, first):
         try:
-            if planner.memory_total(cand, m) > capacity:
+            if planner.memory_total(cand, m, facts) > capacity:
                 continue
             cand = candidate(base, m, **family[k])
         except ValueError:  # a count its schedule does not take, or the layout does not
