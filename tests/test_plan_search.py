@@ -81,6 +81,8 @@ def test_cli_search_json_and_table(capsys):
     assert "not divisible" in capsys.readouterr().err
     assert main([*base, "--dp", "2", "--tp", "1"]) == 2  # 2 ranks on 4 GPUs
     assert "!= --gpus 4" in capsys.readouterr().err
+    assert main([*base, "--search", "--jobs", "0"]) == 2
+    assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
 
 
 # --- pruning: the same answer, fewer simulations -------------------------------------------

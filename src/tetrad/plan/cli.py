@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -97,6 +98,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="links from a `tetrad bench comm --json` result")  # fmt: skip
     p.add_argument("--search", action="store_true", help="search layouts; given flags stay fixed")
     p.add_argument("--top", type=int, default=10, help="layouts to show with --search")
+    p.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 8),
+                   help="processes a --search walks its layouts in (default: the CPUs, "
+                        "at most 8); the same answer with any")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -115,6 +119,8 @@ def fill_from_runs(args: argparse.Namespace) -> list[Run]:
                if getattr(args, k) is None]  # fmt: skip
     if missing:
         raise ValueError(f"{', '.join(missing)} required (or --from-run RUN)")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     return runs
 
 
@@ -173,7 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.search:
         base = _search_base(args, model)
         fixed = {f: getattr(args, f) for f in LAYOUT_FLAGS if getattr(args, f) is not None}
-        preds = search(planner, base, model, args.gpus, Space(**fixed), top=args.top)
+        space = Space(**fixed)
+        preds = search(planner, base, model, args.gpus, space, top=args.top, jobs=args.jobs)
     else:
         lay, note = build_layout(args, model), ""
         if args.microbatches is None:
