@@ -8,21 +8,21 @@ rotary tables (float32 even in an fp64 model) would differ by float32 ulps throu
 inductor's own pow/cos/sin, so they are an opaque op computed by ATen's kernels
 (`models/llama.rotary_at`). bf16 is held to its own rounding (`check_rounded`).
 
-One world of 2 ranks runs every layout, all ranks sharing one inductor cache directory, so
-a graph that two layouts (or two ranks) share compiles once. dp, ZeRO-3 and pp 1F1B compile
-with inductor (one block graph, which they share: inductor compiles it once); full
-recomputation, tp + sp, the layouts whose blocks break around eager parts (tp's
-collectives, zero-bubble's deferred matmuls, cp's attention, the MoE dispatch) and bf16
-with `aot_eager`: dynamo and AOT autograd without inductor's kernels, so their graph
-breaks, guards and recompilations are dynamo's. Inductor's C++ compilation is most of this
-file's time (on 2 cores 10 to 25 s a graph, each of tp's pieces between collectives one).
-The runs whose bounds rest on rounding (bf16, FP8) are test_compile_rounding.py's, so the
-pass on SSE4.2 kernels reruns them alone. The head with the chunked loss (on by default)
-compiles whole, once, where tp does not split the vocabulary: in the aot_eager layouts
-(dp with full recomputation runs it in 4 chunks); the inductor ones run full logits."""
+One world of 2 ranks runs every layout with inductor, all ranks sharing one inductor cache
+directory, so a graph that two layouts (or two ranks) share compiles once: dp, ZeRO-3 and
+pp 1F1B share one block graph, the layouts that run the chunked loss one head + loss
+graph. Inductor's C++ compilation is most of this file's time (about 0.8 s of CPU a
+kernel, a block's forward and backward 13 kernels; the layouts whose blocks break around
+eager parts compile their pieces' kernels: docs/compile.md, "graph breaks"), so the ranks
+take turns to compile (`_compiling_with`) and the other reads the cache. The runs whose
+bounds rest on rounding (bf16, FP8) are test_compile_rounding.py's, so the pass on SSE4.2
+kernels reruns them alone. The head with the chunked loss compiles whole, once, where tp
+does not split the vocabulary (here in chunks of 8 tokens); dp, ZeRO-3 and 1F1B run full
+logits."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -41,30 +41,34 @@ from tetrad.train.metrics import CompileCost
 pytestmark = pytest.mark.distributed
 
 MOE = {"family": "moe", "experts": 4, "top_k": 2, "moe_ffn_dim": 32, "shared_experts": 1}
-# name -> (model, parallel, train overrides): a block's input [2, 16, 32] where the layout
-# lets it be (dp's and pp's share their compiled graph)
-AOT_EAGER = {"dp2-full", "tp2-sp", "pp2-zb-h1", "cp2-ring", "moe-ep2"}
 # graphs rank 0 compiles: a block's whole body is one graph, which every block shares (full
 # recomputation: its forward without grad and its rerun with it); ZeRO-3's hooks stay
 # outside it (one traced into the body gave each block a graph of its own, and past
-# dynamo's recompile limit of 8 blocks, eager ones). The head with the chunked loss
-# (`loss_chunk`, 1024 tokens by default: 8 in dp2-full) is one graph more on the rank that
-# holds it (a pipeline's last: rank 1), unless tp splits the vocabulary (then eager). The
-# inductor layouts run full logits (`FULL`): the loss's graph would cost them about 25 s
-# more of C++ compilation; the aot_eager layouts check what dynamo and AOT autograd make
-# of it (breaks, guards, recompilations)
-GRAPHS = {"dp2": 1, "dp2-full": 3, "fsdp2-zero3": 1, "pp2-1f1b": 1}
+# dynamo's recompile limit of 8 blocks, eager ones). Where a block breaks around eager
+# parts (docs/compile.md, "graph breaks"), each piece between two breaks is a graph: tp +
+# sp's collectives, zero-bubble's deferred matmuls, cp's attention, the MoE dispatch. The
+# head with the chunked loss is one graph more on the rank that holds it (a pipeline's
+# last: rank 1), unless tp splits the vocabulary (then eager)
+GRAPHS = {
+    "dp2": 1, "dp2-full": 3, "fsdp2-zero3": 1, "tp2-sp": 7, "pp2-1f1b": 1, "pp2-zb-h1": 6,
+    "cp2-ring": 5, "moe-ep2": 6,
+}  # fmt: skip
 LOSS_RANK = {"pp2-1f1b": 1, "pp2-zb-h1": 1}
-FULL = {"loss_chunk": 0}
+# name -> (model, parallel, train overrides). A graph that two layouts share is compiled
+# once (inductor's cache, one for every rank and layout), so the shapes are shared where
+# the layout lets them be: a block's input [2, 16, 32] (dp's, ZeRO-3's and pp's block
+# graph is one); the chunked loss in chunks of 8 tokens (one head + loss graph) where a
+# layout computes it, else full logits (`FULL`)
+FULL, CHUNKED = {"loss_chunk": 0}, {"loss_chunk": 8}
 LAYOUTS = {
     "dp2": ({}, {"dp": 2, "microbatches": 2}, FULL),
-    "dp2-full": ({}, {"dp": 2, "microbatches": 2}, {"recompute": "full", "loss_chunk": 8}),
+    "dp2-full": ({}, {"dp": 2, "microbatches": 2}, {"recompute": "full", **CHUNKED}),
     "fsdp2-zero3": ({}, {"fsdp": 2, "zero_stage": 3, "microbatches": 2}, FULL),
     "tp2-sp": ({}, {"tp": 2, "sp": True}, {}),
     "pp2-1f1b": ({}, {"pp": 2, "microbatches": 4, "pp_schedule": "1f1b"}, FULL),
-    "pp2-zb-h1": ({}, {"pp": 2, "microbatches": 4, "pp_schedule": "zb-h1"}, {}),
-    "cp2-ring": ({}, {"cp": 2, "cp_attention": "ring"}, {}),
-    "moe-ep2": (MOE, {"dp": 2, "ep": 2}, {}),
+    "pp2-zb-h1": ({}, {"pp": 2, "microbatches": 4, "pp_schedule": "zb-h1"}, CHUNKED),
+    "cp2-ring": ({}, {"cp": 2, "cp_attention": "ring"}, CHUNKED),
+    "moe-ep2": (MOE, {"dp": 2, "ep": 2}, CHUNKED),
 }
 
 
@@ -85,19 +89,23 @@ def _train_compiled(
     """Each (config, backend) trained with its blocks compiled, its metrics rows kept;
     then (`restart`) the first one again after dynamo forgets every compiled frame: a
     restart, reading the compiled graphs back from OUT/compile_cache (every config's `out`)."""
+    with _vector_isa_assumed():
+        return _train_each(rank, runs, out, restart)
+
+
+def _train_each(rank: int, runs: list[tuple[dict, str]], out: str, restart: bool) -> list[dict]:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
     from tetrad.models.loss import linear_cross_entropy
 
-    _warm_cache(rank, runs, out)
     results = []
     for raw, backend in runs:
         torch._dynamo.reset()  # each layout traces its own blocks (inductor's cache kept)
         counters.clear()
         t0 = time.perf_counter()
         cfg = from_dict(raw | {"train": {**raw["train"], "out": out}})
-        with mock.patch.object(torch, "compile", partial(torch.compile, backend=backend)):
+        with _compiling_with(backend, Path(out) / "compile.lock"):
             trainer = trainer_for(cfg, rank)  # its blocks compiled with `backend`
             rows = trainer.fit()
         results.append(
@@ -123,34 +131,42 @@ def _train_compiled(
     return results
 
 
-def _warm_cache(rank: int, runs: list[tuple[dict, str]], out: str) -> None:
-    """Rank 0 compiles the first layout's block (inductor) alone while rank 1 waits: both
-    then read it from the cache, where they would each compile it at once (about 30 s of
-    CPU each)."""
-    import torch.distributed as dist
+def _vector_isa_assumed():
+    """Inductor takes the CPU's vector instructions (its cpuinfo flags) as the compiler's,
+    where it would first compile a probe for each (6 g++ calls, about 8 s of CPU, before
+    the first kernel): the same kernels, for the test's time. A compiler without them
+    fails the first kernel's compilation, loudly."""
+    from torch._inductor import config as inductor_config
 
-    from tetrad.models.init import build_model
-    from tetrad.train.loop import use_compile_cache
+    return mock.patch.object(inductor_config.cpp, "vec_isa_ok", True)
 
-    raw, backend = runs[0]
-    if rank == 0 and backend == "inductor":
-        cfg = from_dict(raw)
-        use_compile_cache(Path(out) / "compile_cache")
-        block = build_model(cfg.model, 0).to(torch.float64).layers["0"]
-        block.compile(dynamic=False)
-        x = torch.randn(2, cfg.train.seq_len, cfg.model.dim, dtype=torch.float64)
-        block.attention.core.tables(cfg.train.seq_len, x.device)  # kept, as the model keeps them
-        block(x.requires_grad_()).sum().backward()
-    dist.barrier()
+
+@contextlib.contextmanager
+def _compiling_with(backend: str, lock: Path):
+    """`torch.compile` with `backend`; inductor's compilations one rank at a time (a file
+    lock): a graph that another rank compiled is then read from the shared cache, where
+    both ranks would lower it at once (their C++ kernels are compiled once either way,
+    under inductor's own lock, but each rank lowers the graph itself: 1 to 2 s of CPU a
+    graph). The backward is compiled with the forward, inside the lock."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+    from torch.utils._filelock import FileLock
+
+    def inductor(gm, inputs):
+        with FileLock(str(lock)):
+            return compile_fx(gm, inputs)
+
+    compiler = inductor if backend == "inductor" else backend
+    with (
+        mock.patch.object(torch, "compile", partial(torch.compile, backend=compiler)),
+        mock.patch.object(functorch_config, "force_non_lazy_backward_lowering", True),
+    ):
+        yield
 
 
 def declare_jobs(jobs: Jobs) -> None:
-    runs = [(_config(*c).to_dict(), _backend(name)) for name, c in LAYOUTS.items()]
+    runs = [(_config(*c).to_dict(), "inductor") for c in LAYOUTS.values()]
     jobs.add("compiled", 2, _train_compiled, runs, str(jobs.tmp("run")))
-
-
-def _backend(name: str) -> str:
-    return "aot_eager" if name in AOT_EAGER else "inductor"
 
 
 def _got(jobs, index: int) -> dict:
@@ -172,7 +188,7 @@ def test_compiled_layout_matches_eager_single_process(reference, jobs, name):
     assert_close_run(got, _single(reference, model, par, train))
     assert got["compile_s"][0] > 0  # compiled: the blocks' graphs were built in step 0
     assert got["recompiles"][1:] == [0] * (len(got["recompiles"]) - 1)
-    assert got["graphs"] == GRAPHS.get(name, got["graphs"])
+    assert got["graphs"] == GRAPHS[name]
     loss = jobs["compiled"][LOSS_RANK.get(name, 0)][list(LAYOUTS).index(name)]
     chunked = train.get("loss_chunk") != 0 and "tp" not in par  # else eager: tp's collectives
     assert loss["loss_compiled"] == chunked  # compiled, once: no recompilation
