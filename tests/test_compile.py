@@ -68,7 +68,7 @@ LAYOUTS = {
     "pp2-1f1b": ({}, {"pp": 2, "microbatches": 4, "pp_schedule": "1f1b"}, FULL),
     "pp2-zb-h1": ({}, {"pp": 2, "microbatches": 4, "pp_schedule": "zb-h1"}, CHUNKED),
     "cp2-ring": ({}, {"cp": 2, "cp_attention": "ring"}, CHUNKED),
-    "moe-ep2": (MOE, {"dp": 2, "ep": 2}, CHUNKED),
+    "moe-ep2": (MOE, {"dp": 2, "ep": 2, "microbatches": 2}, CHUNKED),
 }
 
 
