@@ -26,11 +26,12 @@ count: the bubble shrinks, per-microbatch overheads grow).
 Pruned, as unable to win (the answer is the unpruned search's, tested): a count whose
 `Planner.step_floor` (the busiest rank's own work plus the longest tail, no simulation)
 is slower than the `top`-th best time found so far ends its family's walk, since the
-floor does not fall as the count grows; families are walked by their first count's floor,
-lowest first, until one is slower (`_walk`). Memory is read off each rank's action order (`Planner.order`, its
-moments priced by `activations.InFlight`), not a simulated timeline, and asked before a
-count's floors; candidates are validated only when a walk reaches them and their memory
-fits. `search(jobs=N)` walks the families in N processes, the same answer.
+floor does not fall as the count grows; families are walked by their first count's
+floor, lowest first, until one is slower (`_walk`). Memory is read off each rank's action
+order (`Planner.order`, its moments priced by `activations.InFlight`), not a simulated
+timeline, and asked before a count's floors; candidates are validated only when a walk
+reaches them and their memory fits. `search(jobs=N)` walks the families in N processes,
+the same answer.
 """
 
 from __future__ import annotations
@@ -280,24 +281,19 @@ def _first_valid(base: Layout, m: ModelConfig, family: list[Candidate]) -> Layou
     return next(valid(base, m, family), (0, None))[1]
 
 
-def _buildable(planner: Planner, m: ModelConfig, lay: Layout | None) -> bool:
+def _state_fits(planner: Planner, m: ModelConfig, lay: Layout | None) -> bool:
     """Whether the runtime can build the model on the ranks of `lay`, a family's first
-    valid count (None: a family none of whose counts is valid has nothing to walk): a
-    model with a module its tp plan lacks (Qwen3's QK-norm under tp, today) cannot, and
-    is left out rather than failing the search."""
+    valid count (None: a family none of whose counts is valid has nothing to walk), and
+    every pp rank's model state alone fits (it does not depend on the count). A model with
+    a module its tp plan lacks (Qwen3's QK-norm under tp, today) cannot be built, and is
+    left out rather than failing the search."""
     if lay is None:
         return False
     try:
-        planner.facts(lay, m)
+        facts = planner.facts(lay, m)
     except ValueError:
         return False
-    return True
-
-
-def _state_fits(planner: Planner, lay: Layout, m: ModelConfig) -> bool:
-    """Whether every pp rank's model state alone fits (it does not depend on the count)."""
-    states = [fa.state.total for fa in planner.facts(lay, m)]
-    return max(states) < planner.cluster.device.hbm_bytes
+    return max(fa.state.total for fa in facts) < planner.cluster.device.hbm_bytes
 
 
 def _fits_somewhere(planner: Planner, base: Layout, m: ModelConfig,
@@ -346,12 +342,11 @@ def _walk(listed: list[tuple[int, list[Candidate]]], planner: Planner, base: Lay
     walks = []
     for index, family in listed:
         first = _first_valid(base, m, family)
-        if not _buildable(planner, m, first):
-            continue
+        if not _state_fits(planner, m, first):
+            continue  # no count of it can be built, or fit
         if first.cp == 1:
             at_cp1.setdefault((first.tp, first.pp), []).append(family)
-        if _state_fits(planner, first, m):  # else its state alone overflows, at any count
-            walks.append((planner.step_floor(first, m) if prune else 0.0, index, family, first))
+        walks.append((planner.step_floor(first, m) if prune else 0.0, index, family, first))
     for floor, index, family, first in sorted(walks, key=lambda w: w[:2]):
         if not ranking.within(floor):
             break  # nor can any after it
