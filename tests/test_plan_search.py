@@ -1,13 +1,16 @@
-"""The layout search and the `tetrad plan` command; no processes."""
+"""The layout search and the `tetrad plan` command; no processes but a search's own
+(`jobs`)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from plan_helpers import layout_config, planned
 from tetrad.config import model_preset
+from tetrad.plan import search as search_module
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import MEGATRON
 from tetrad.plan.hardware import cluster_preset
@@ -97,7 +100,9 @@ def _answer(preds):
     [("llama3-8b", 16, 64, 4096, "h100"), ("small", 8, 32, 128, "cpu"),
      ("mixtral-8x7b", 16, 64, 4096, "h100")],  # an MoE: ep chosen, experts' ZeRO units
 )  # fmt: skip
-def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu, monkeypatch):
+def test_pruned_search_gives_the_unpruned_answer(
+    model, gpus, batch, seq, gpu, monkeypatch, tmp_path
+):
     """The same answer from a planner of its own (no cache shared with the reference),
     having priced (`Planner.predict`) under half the layouts the unpruned walk prices,
     and from the walk split among processes (`jobs`)."""
@@ -109,9 +114,23 @@ def test_pruned_search_gives_the_unpruned_answer(model, gpus, batch, seq, gpu, m
     planner = Planner(cluster_preset(gpu))
     assert _answer(search(planner, *planned(base), gpus, top=6)) == _answer(full)
     assert 2 * priced[0] < unpruned, (priced[0], unpruned)
+    monkeypatch.setattr(search_module, "_walk_group", _recorded_walk)  # forks inherit it
+    monkeypatch.setenv("WALKED_IN", str(tmp_path / "pids"))
     split = search(Planner(cluster_preset(gpu)), *planned(base), gpus, top=6, jobs=2)
-    assert _answer(split) == _answer(full)  # walked in 2 processes by pp
+    assert _answer(split) == _answer(full)  # walked in processes other than this one
+    assert str(os.getpid()) not in (tmp_path / "pids").read_text().split()
     assert search(planner, *planned(base), gpus, top=0) == []
+
+
+_WALK_GROUP = search_module._walk_group
+
+
+def _recorded_walk(group):
+    """`search._walk_group`, writing down the process it ran in (a module-level function:
+    the pool sends it by name)."""
+    with open(os.environ["WALKED_IN"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return _WALK_GROUP(group)
 
 
 def _count_predictions(monkeypatch) -> list[int]:

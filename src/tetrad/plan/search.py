@@ -315,10 +315,10 @@ def search(
 
     prune=False simulates every count the walk reaches (the reference the pruned search is
     tested against: the same answer). jobs > 1 walks the families in that many processes
-    (`_in_processes`), the same answer."""
+    (`_in_processes`), the same answer, where processes can be forked (one elsewhere)."""
     listed = list(enumerate(families(base, m, world, planner.cluster.gpus_per_node, space)))
     groups = _by_pp(listed)
-    if jobs > 1:
+    if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():  # not on Windows
         found = _in_processes(jobs, groups, (planner, base, m, space, top, prune))
     else:
         found = _walk([f for group in groups for f in group], planner, base, m, space, top, prune)
