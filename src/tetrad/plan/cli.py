@@ -33,7 +33,7 @@ from tetrad.plan.candidates import layout_for
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES
 from tetrad.plan.hardware import CLUSTERS, Cluster, at_efficiency, calibrated, cluster_preset
-from tetrad.plan.search import Space, divisors, search
+from tetrad.plan.search import Space, divisors, priced, search
 
 GiB = 2**30
 MODEL_FLAGS = ("layers", "dim", "heads", "kv_heads", "vocab", "ffn_dim",
@@ -185,8 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lay, note = build_layout(args, model), ""
         if args.microbatches is None:
             lay, note = fewest_that_fit(planner, args, model, lay)
-        preds = [planner.predict(lay, model)]
-    preds = [planner.with_range(_layout_of(p, model), model, p) for p in preds]
+        preds = [priced(planner, lay, model)]
     answer = {
         "mode": "search" if args.search else "predict",
         "cluster": dataclasses.asdict(cluster),
@@ -237,15 +236,6 @@ def _reduction(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"error_feedback": not args.no_error_feedback}
     out["fp8_all_gather"] = args.fp8_all_gather
     return out | ({"reduce_dtype": args.reduce_dtype} if args.reduce_dtype else {})
-
-
-def _layout_of(pred: Any, model: ModelConfig) -> Layout:
-    """The Layout a prediction describes."""
-    lay = pred.layout
-    given = {k: lay[k] for k in (*LAYOUT_FLAGS, "sp", "reduce_dtype", "error_feedback",
-                                 "fp8_all_gather")}  # fmt: skip
-    return layout_for(model, lay["global_batch"], lay["seq_len"], lay["dtype"], lay["world"],
-                      lay["fp8"], **given)  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

@@ -315,15 +315,22 @@ def search(
 
     prune=False simulates every count the walk reaches (the reference the pruned search is
     tested against: the same answer). jobs > 1 walks the families in that many processes
-    (`_in_processes`), the same answer, where processes can be forked (one elsewhere)."""
+    (`_in_processes`), the same answer, where processes can be forked (one elsewhere).
+    Each prediction has its step-time range (`priced`)."""
     listed = list(enumerate(families(base, m, world, planner.cluster.gpus_per_node, space)))
     groups = _by_pp(listed)
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():  # not on Windows
         found = _in_processes(jobs, groups, (planner, base, m, space, top, prune))
     else:
-        found = _walk([f for group in groups for f in group], planner, base, m, space, top, prune)
-    best = sorted(found, key=lambda f: f[:4])[: max(top, 0)]
-    return [planner.predict(f[-1], m) for f in best]
+        listed = [f for group in groups for f in group]
+        found = [(f, None) for f in _walk(listed, planner, base, m, space, top, prune)]
+    best = sorted(found, key=lambda f: f[0][:4])[: max(top, 0)]
+    return [pred or priced(planner, entry[-1], m) for entry, pred in best]
+
+
+def priced(planner: Planner, lay: Layout, m: ModelConfig) -> Prediction:
+    """`lay`'s prediction in detail, with its step-time range (`Planner.with_range`)."""
+    return planner.with_range(lay, m, planner.predict(lay, m))
 
 
 def _walk(listed: list[tuple[int, list[Candidate]]], planner: Planner, base: Layout,
@@ -395,4 +402,9 @@ def _in_processes(jobs: int, groups: list[list[tuple[int, list[Candidate]]]], wo
 
 
 def _walk_group(group: list[tuple[int, list[Candidate]]]) -> list[tuple]:
-    return _walk(group, *_WORK)
+    """(entry, its `priced` prediction or None) of `_walk` of one group: an entry no
+    slower than the best `top` times of all so far (which only fall) may be in the answer,
+    and is priced here, by the caches that found it (the parent's are cold)."""
+    planner, m, top, shared = _WORK[0], _WORK[2], _WORK[4], _WORK[-1]
+    found, threshold = _walk(group, *_WORK), shared[-1] if top > 0 else -math.inf
+    return [(f, priced(planner, f[-1], m) if f[0] <= threshold else None) for f in found]
