@@ -216,3 +216,21 @@ def test_zero_with_split_backward_and_tied_embeddings_is_accepted(schedule):
         fsdp=2, pp=2, pp_schedule=schedule, microbatches=2, virtual_stages=v
     )
     Layout.build(cfg, 4)
+
+
+def test_what_this_machine_cannot_run_refuses_training_not_plans(monkeypatch):
+    """FP8 without a CPU FP8 kernel (torch 2.6) and --compile without a C++ compiler are
+    refused when training on CPU, naming the cause, and not when planning: a plan prices
+    other machines (`tetrad plan --fp8` on a laptop with torch 2.6 was refused)."""
+    from tetrad import config
+    from tetrad.plan.candidates import layout_for
+
+    monkeypatch.setattr(config, "_scaled_mm_on_cpu", lambda: False)
+    monkeypatch.setattr(config, "_cpp_compiler", lambda: None)
+    for train, cause in (({"fp8": "tensorwise"}, "no CPU kernel for FP8"),
+                         ({"compile": True}, r"found no C\+\+ compiler")):  # fmt: skip
+        cfg = from_dict({"train": {"device": "cpu", **train}})
+        with pytest.raises(ValueError, match=cause):
+            Layout.build(cfg, 1)
+        assert Layout.build(from_dict({"train": {"device": "cuda", **train}}), 1)
+    assert layout_for(model_preset("llama3-8b"), 64, 4096, "bf16", 8, "tensorwise", fsdp=8)

@@ -592,15 +592,32 @@ def load_raw(path: str | Path) -> dict[str, Any]:
 
 def check_sections(cfg: Config) -> None:
     """Raise ValueError naming the offending values of the sections that need no layout
-    (the model, training, data and checkpoints); `Layout.build` checks the rest."""
+    (the model, training, data and checkpoints), and what this machine cannot run of the
+    training settings; `Layout.build` checks the rest."""
     check_model_and_train(cfg.model, cfg.train)
+    _check_this_machine(cfg.train)
     _validate_data(cfg.data, cfg.model)
     _validate_checkpoint(cfg.checkpoint)
 
 
+def _check_this_machine(t: TrainConfig) -> None:
+    """What the training settings ask of this machine's torch and compiler, on CPU."""
+    _require(
+        not t.fp8 or _uses_cuda(t.device) or _scaled_mm_on_cpu(),
+        f"train.fp8={t.fp8!r} on CPU: torch {torch.__version__} has no CPU kernel for FP8"
+        " matmuls (torch._scaled_mm; torch 2.6 has none): a newer torch, or a GPU",
+    )
+    _require(
+        not t.compile or _uses_cuda(t.device) or _cpp_compiler() is not None,
+        "train.compile on CPU: inductor found no C++ compiler (it tries $CXX, else g++): "
+        "install one, or set CXX",
+    )
+
+
 def check_model_and_train(model: ModelConfig, train: TrainConfig) -> None:
     """Raise ValueError naming the offending values of a model and its training settings
-    (what the planner's layouts are built from, beside the parallel section)."""
+    (what the planner's layouts are built from, beside the parallel section); not what
+    this machine can run (`check_sections`: a plan prices other machines)."""
     check_choices("model", model)
     check_choices("train", train)
     _validate_model(model)
@@ -685,22 +702,12 @@ def _validate_train(t: TrainConfig, model: ModelConfig) -> None:
         not (t.fp8 == "rowwise" and t.dtype == "fp32" and _uses_cuda(t.device)),
         "train.fp8='rowwise' with train.dtype='fp32' on CUDA: its kernel returns bf16 only",
     )
-    _require(
-        not t.fp8 or _uses_cuda(t.device) or _scaled_mm_on_cpu(),
-        f"train.fp8={t.fp8!r} on CPU: torch {torch.__version__} has no CPU kernel for FP8"
-        " matmuls (torch._scaled_mm; torch 2.6 has none): a newer torch, or a GPU",
-    )
     _require(t.timeout > 0, f"train.timeout must be > 0 seconds, got {t.timeout}")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: never), got {t.eval_every}")
     _require(
         not (t.compile and t.recompute == "selective"),
         "train.compile with train.recompute='selective': its tape reads the block's kernels "
         "one by one, which a compiled block does not run; use recompute 'full' or 'none'",
-    )
-    _require(
-        not t.compile or _uses_cuda(t.device) or _cpp_compiler() is not None,
-        "train.compile on CPU: inductor found no C++ compiler (it tries $CXX, else g++): "
-        "install one, or set CXX",
     )
     _require(
         t.meter_every >= 0,
