@@ -105,9 +105,11 @@ def test_export_loads_in_hf_with_the_same_logits(tmp_path, tie):
 def test_lazy_slices_are_slices_of_the_full_tensor(tmp_path):
     save_hf_llama(tmp_path)
     weights = hf.HFWeights(tmp_path, hf.model_config(tmp_path))
-    for name in ("layers.0.attention.wq.weight", "layers.1.attention.wk.weight"):
+    for name in ("layers.0.attention.wq.weight", "layers.1.attention.wk.weight",
+                 "layers.0.attention.wv.weight"):  # fmt: skip
         full = weights[name][...]
-        for index in [(slice(8, 24),), (slice(0, 8), slice(16, 32)), (slice(3, 13),)]:
+        for index in [(slice(8, 24),), (slice(0, 8), slice(16, 32)), (slice(3, 13),),
+                      (slice(1, 15, 2), slice(0, 8))]:  # fmt: skip
             assert torch.equal(weights[name][index], full[index]), (name, index)
 
 

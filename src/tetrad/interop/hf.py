@@ -386,14 +386,12 @@ class HFWeights(dict):
         hd = self.model.head_dim
         lo, hi, step = rows.indices(full_shape(name, self.model)[0])
         # q/k rows permute within a head: read whole heads, permute, then keep the rows
-        aligned = not rotary or (lo % hd == 0 and hi % hd == 0 and step == 1)
-        read_rows = slice(lo, hi) if aligned else slice(None)
-        t = self._slice(hf_name(name, self.model), (read_rows, *rest))
+        # (and every row where only some are asked for)
+        whole = step != 1 or (rotary and (lo % hd or hi % hd))
+        t = self._slice(hf_name(name, self.model), (slice(None) if whole else slice(lo, hi), *rest))
         if rotary:
             t = permute(t, hd)
-            if not aligned:
-                t = t[rows]
-        return t
+        return t[rows] if whole else t
 
     def _read_experts(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """Elements `index` of a stack of per-expert tensors: the experts index[0] selects."""
