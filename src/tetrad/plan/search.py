@@ -297,13 +297,9 @@ def _state_fits(planner: Planner, m: ModelConfig, lay: Layout | None) -> bool:
 
 
 def _fits_somewhere(planner: Planner, base: Layout, m: ModelConfig,
-                    families: list[list[Candidate]]) -> bool:  # fmt: skip
-    """Whether any count of any of `families` fits in memory."""
-    for family in families:
-        first = _first_valid(base, m, family)
-        if first and next(_fitting(planner, base, m, family, first), None):
-            return True
-    return False
+                    families: list[tuple[list[Candidate], Layout]]) -> bool:  # fmt: skip
+    """Whether any count of any of `families` (each with its first valid layout) fits."""
+    return any(next(_fitting(planner, base, m, f, first), None) for f, first in families)
 
 
 def search(
@@ -322,8 +318,8 @@ def search(
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():  # not on Windows
         found = _in_processes(jobs, groups, (planner, base, m, space, top, prune))
     else:
-        listed = [f for group in groups for f in group]
-        found = [(f, None) for f in _walk(listed, planner, base, m, space, top, prune)]
+        ordered = [f for group in groups for f in group]
+        found = [(f, None) for f in _walk(ordered, planner, base, m, space, top, prune)]
     best = sorted(found, key=lambda f: f[0][:4])[: max(top, 0)]
     return [pred or priced(planner, entry[-1], m) for entry, pred in best]
 
@@ -344,7 +340,7 @@ def _walk(listed: list[tuple[int, list[Candidate]]], planner: Planner, base: Lay
     not depend on the order: the ranking breaks ties by the enumeration's index, and the
     cp rule reads every cp = 1 family of its (tp, pp), collected first."""
     ranking = _Ranking(top, shared)
-    at_cp1: dict[tuple[int, int], list[list[Candidate]]] = {}  # (tp, pp) -> cp = 1 families
+    at_cp1: dict[tuple[int, int], list] = {}  # (tp, pp) -> cp = 1 (family, first layout)
     fitted: dict[tuple[int, int], bool] = {}  # (tp, pp): a cp = 1 layout fits
     walks = []
     for index, family in listed:
@@ -352,7 +348,7 @@ def _walk(listed: list[tuple[int, list[Candidate]]], planner: Planner, base: Lay
         if not _state_fits(planner, m, first):
             continue  # no count of it can be built, or fit
         if first.cp == 1:
-            at_cp1.setdefault((first.tp, first.pp), []).append(family)
+            at_cp1.setdefault((first.tp, first.pp), []).append((family, first))
         walks.append((planner.step_floor(first, m) if prune else 0.0, index, family, first))
     for floor, index, family, first in sorted(walks, key=lambda w: w[:2]):
         if not ranking.within(floor):
@@ -366,9 +362,6 @@ def _walk(listed: list[tuple[int, list[Candidate]]], planner: Planner, base: Lay
         if _walk_family(planner, base, m, family, first, index, ranking, prune) and first.cp == 1:
             fitted[key] = True  # a cp = 1 layout of (tp, pp) fits: no need to look for one
     return ranking.best()
-
-
-_WORK: tuple = ()  # what `_walk_group` reads in a forked process: `_walk`'s arguments
 
 
 def _by_pp(listed: list[tuple[int, list[Candidate]]]) -> list[list[tuple[int, list[Candidate]]]]:
@@ -390,21 +383,27 @@ def _in_processes(jobs: int, groups: list[list[tuple[int, list[Candidate]]]], wo
     caches, and the pp groups share no orders or rank facts), each group taken by the
     next process free and walked against a ranking of its own, whose threshold is also the
     best `top` times of all (shared memory): a layout is pruned only where `top` others
-    are faster, so none of the answer is, and the answer is the union's `top` best."""
+    are faster, so none of the answer is, and the answer is the union's `top` best.
+    `work`: `_walk`'s arguments after the families, which each process is given once, as
+    it starts (forked: not pickled)."""
     context = multiprocessing.get_context("fork")
-    global _WORK
-    _WORK = (*work, context.Array("d", [math.inf] * max(work[-2], 0)))
-    try:
-        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-            return [found for part in pool.map(_walk_group, groups) for found in part]
-    finally:
-        _WORK = ()
+    shared = context.Array("d", [math.inf] * max(work[-2], 0))
+    with ProcessPoolExecutor(jobs, context, _take_work, ((*work, shared),)) as pool:
+        return [found for part in pool.map(_walk_group, groups) for found in part]
+
+
+_work: tuple = ()  # in a search's process only: `_walk`'s arguments after the families
+
+
+def _take_work(work: tuple) -> None:
+    global _work
+    _work = work
 
 
 def _walk_group(group: list[tuple[int, list[Candidate]]]) -> list[tuple]:
     """(entry, its `priced` prediction or None) of `_walk` of one group: an entry no
     slower than the best `top` times of all so far (which only fall) may be in the answer,
     and is priced here, by the caches that found it (the parent's are cold)."""
-    planner, m, top, shared = _WORK[0], _WORK[2], _WORK[4], _WORK[-1]
-    found, threshold = _walk(group, *_WORK), shared[-1] if top > 0 else -math.inf
+    planner, _, m, _, top, _, shared = _work
+    found, threshold = _walk(group, *_work), shared[-1] if top > 0 else -math.inf
     return [(f, priced(planner, f[-1], m) if f[0] <= threshold else None) for f in found]
