@@ -18,10 +18,10 @@ from plan_helpers import layout_config, planned
 from tetrad.config import DTYPES, ModelConfig, model_preset
 from tetrad.models.families import spec_for
 from tetrad.models.llama_spec import LLAMA
-from tetrad.parallel.pipeline.schedules import compute_orders
+from tetrad.parallel.pipeline.schedules import compute_orders, steady_count
 from tetrad.parallel.pipeline.simulate import Costs, simulate_schedule
 from tetrad.plan import activations as act
-from tetrad.plan.cost import Planner
+from tetrad.plan.cost import Planner, cool_downs
 from tetrad.plan.engines import MEGATRON
 from tetrad.plan.hardware import cluster_preset
 
@@ -202,6 +202,34 @@ def test_in_flight_moments_price_as_the_walk():
                 assert flight.peak(*held) == _walked_peak(order, *held), (name, p, m, v)
                 checked += 1
     assert checked > 1000
+
+
+def test_a_steady_count_holds_and_ends_as_every_larger_count():
+    """Memory and the floors' cool-down read a schedule's order at `steady_count`
+    microbatches, not at the layout's count: past it, every rank's in-flight moments and
+    the computes after its last backward are those of the steady count (it fails with a
+    steady count one short of pp·v). GPipe's are not: it holds
+    every microbatch."""
+    checked = 0
+    for name, p, v, lag in itertools.product(
+        ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v"), (1, 2, 3, 4, 7, 12), (1, 2, 3), (1, 2)
+    ):
+        try:
+            steady = steady_count(name, p, 10**6, v)
+            held = compute_orders(name, p, steady, v, lag)
+        except ValueError:
+            continue
+        moments = [sorted(act.InFlight(order).moments) for order in held]
+        for n in range(steady + 1, steady + p * v + 1):
+            try:
+                orders = compute_orders(name, p, n, v, lag)
+            except ValueError:
+                continue
+            assert [sorted(act.InFlight(o).moments) for o in orders] == moments, (name, p, v, n)
+            assert cool_downs(orders) == cool_downs(held), (name, p, v, lag, n)
+            checked += 1
+    assert checked > 250
+    assert steady_count("gpipe", 4, 64) == 64
 
 
 def _cp_pair():

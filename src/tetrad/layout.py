@@ -244,7 +244,10 @@ class Layout:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """`dtype`'s name in the configuration (`config.DTYPES`' key: "bf16", "fp32", "fp64")."""
-    return next(name for name, dt in DTYPES.items() if dt == dtype)
+    return _DTYPE_NAMES[dtype]
+
+
+_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
 
 # --- elastic shrink: the one degree that follows the world -----------------------------

@@ -22,7 +22,7 @@ total is the paper's 16Ψ/N.
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -64,7 +64,12 @@ class ModelState:
         return self.params + self.grads + self.optimizer
 
     def __add__(self, other: ModelState) -> ModelState:
-        return ModelState(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        return ModelState(*(a + b for a, b in zip(self.parts, other.parts)))
+
+    @property
+    def parts(self) -> tuple[int, int, int]:
+        """(params, grads, optimizer): `dataclasses.astuple`'s, without its deep copies."""
+        return self.params, self.grads, self.optimizer
 
 
 # --- prediction ---------------------------------------------------------------------------

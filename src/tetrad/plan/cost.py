@@ -55,6 +55,7 @@ from tetrad.parallel.pipeline.schedules import (
     compute_orders,
     placement,
     stage_to_rank,
+    steady_count,
 )
 from tetrad.parallel.pipeline.simulate import Costs, Dag
 from tetrad.parallel.pipeline.stage import layer_split
@@ -187,6 +188,16 @@ class Planner:
             self._schedules[key] = Dag.of(actions)
         return self._schedules[key]
 
+    def held_order(self, lay: Layout) -> list[list[Action]]:
+        """`order` of `lay`'s schedule at `steady_count` microbatches: what memory and the
+        cool-down read off the order is the same there (a family's larger counts share it,
+        and its moments are priced once)."""
+        return cached(self._orders, self._held_key(lay), compute_orders, *self._held_key(lay))
+
+    def _held_key(self, lay: Layout) -> tuple:
+        n = steady_count(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
+        return (lay.schedule, lay.pp, n, lay.virtual_stages, self.engine.interleaved_lag)
+
     def order(self, lay: Layout) -> list[list[Action]]:
         """Each rank's compute actions in the order it runs them (built once per schedule,
         pp, m and v): a rank runs its actions in one order whatever they cost, so what is
@@ -262,7 +273,7 @@ class Planner:
     def memory(self, lay: Layout, m: ModelConfig, facts: list[RankFacts] | None = None) -> Memory:
         """The fullest rank's memory (what `predict` reports), without timing the step."""
         facts = facts or self.facts(lay, m)
-        return self.footprint.memory(lay, m, self.split(lay, m), facts, self.order(lay))
+        return self.footprint.memory(lay, m, self.split(lay, m), facts, self.held_order(lay))
 
     def step_floor(self, lay: Layout, m: ModelConfig) -> float:
         """A lower bound of `predict(lay, m).step_time_s` without simulating the schedule: no
@@ -318,31 +329,15 @@ class Planner:
         return busy + tail, started + tail
 
     def _cool_down_of(self, lay: Layout) -> list[tuple[tuple[str, ...], bool, tuple]]:
-        """Per pp rank, read off the schedule's order (built once per schedule key): the
-        kinds ("BW" whole, "B" with W split off) of the backwards of stages 0, ..., s-1
-        for the microbatch j of its last backward (of stage s), whether stage 0 runs a W
-        of j after them, and the (kind, stage, count) of the computes the rank runs
-        after that backward."""
-        key = self._schedule_key(lay)
-        if key not in self._cool_downs:
-            ranks = self.order(lay)
-            events = [e for rank in ranks for e in rank]
-            backward = {(e.stage, e.microbatch): e.kind for e in events if e.kind in ("B", "BW")}
-            weights = {(e.stage, e.microbatch) for e in events if e.kind == "W"}
-            ends = []
-            for rank in ranks:
-                i = max(k for k, e in enumerate(rank) if e.kind in ("B", "BW"))
-                last, j = rank[i].stage, rank[i].microbatch
-                after = collections.Counter((e.kind, e.stage) for e in rank[i + 1 :])
-                kinds = tuple(backward[s, j] for s in range(last))
-                counts = tuple((k, s, c) for (k, s), c in after.items())
-                ends.append((kinds, (0, j) in weights, counts))
-            self._cool_downs[key] = ends
-        return self._cool_downs[key]
+        """`cool_downs` of the schedule's order (one per schedule key, at its steady count:
+        the same there, `steady_count`)."""
+        return cached(self._cool_downs, self._held_key(lay), cool_downs, self.held_order(lay))
 
     def rank_activations(self, lay: Layout, m: ModelConfig, pp_rank: int) -> float:
         """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory)."""
-        return self.footprint.rank_activations(lay, m, self.split(lay, m), self.order(lay), pp_rank)
+        return self.footprint.rank_activations(
+            lay, m, self.split(lay, m), self.held_order(lay), pp_rank
+        )
 
     def with_range(self, lay: Layout, m: ModelConfig, pred: Prediction) -> Prediction:
         """`pred` with a step-time range: the layout predicted at the lowest and highest
@@ -371,7 +366,7 @@ class Planner:
         `self.facts(lay, m)`, or those of a layout that differs in the microbatches alone
         (they do not read them)."""
         facts = facts or self.facts(lay, m)
-        return self.footprint.total(lay, m, self.split(lay, m), facts, self.order(lay))
+        return self.footprint.total(lay, m, self.split(lay, m), facts, self.held_order(lay))
 
     # --- compute and per-microbatch communication -----------------------------------------
 
@@ -688,6 +683,25 @@ class Planner:
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+
+def cool_downs(orders: list[list[Action]]) -> list[tuple[tuple[str, ...], bool, tuple]]:
+    """Per pp rank of a schedule's `orders`: the kinds ("BW" whole, "B" with W split off)
+    of the backwards of stages 0, ..., s-1 for the microbatch j of its last backward (of
+    stage s), whether stage 0 runs a W of j after them, and the (kind, stage, count) of the
+    computes the rank runs after that backward (`Planner.step_floors`' cool-down)."""
+    events = [e for rank in orders for e in rank]
+    backward = {(e.stage, e.microbatch): e.kind for e in events if e.kind in ("B", "BW")}
+    weights = {(e.stage, e.microbatch) for e in events if e.kind == "W"}
+    ends = []
+    for rank in orders:
+        i = max(k for k, e in enumerate(rank) if e.kind in ("B", "BW"))
+        last, j = rank[i].stage, rank[i].microbatch
+        after = collections.Counter((e.kind, e.stage) for e in rank[i + 1 :])
+        kinds = tuple(backward[s, j] for s in range(last))
+        counts = tuple((k, s, c) for (k, s), c in after.items())
+        ends.append((kinds, (0, j) in weights, counts))
+    return ends
 
 
 def _exposed(seconds: float, units: int, window: float) -> float:

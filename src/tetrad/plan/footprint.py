@@ -533,7 +533,7 @@ def _ends(pp: int, v: int, schedule: str) -> tuple[tuple[bool, bool], ...]:
 def _added(state: ModelState, part: ModelState, n: int) -> ModelState:
     """`state` with `part` added `n` times, one at a time; whole bytes (ints, as the state's
     are) n times at once, the same sum (a search sums thousands of 94-block stacks)."""
-    ours, theirs = dataclasses.astuple(state), dataclasses.astuple(part)
+    ours, theirs = state.parts, part.parts
     if all(isinstance(v, int) for v in ours + theirs):
         return ModelState(*(a + n * b for a, b in zip(ours, theirs)))
     for _ in range(n):

@@ -101,6 +101,18 @@ def compute_orders(
     return _ORDERS[name](pp, microbatches, virtual_stages)
 
 
+def steady_count(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """The fewest microbatches whose orders hold at each rank what `microbatches` give at
+    their fullest, and end as they do: past the warm-up (at most 2·pp forwards of each
+    chunk, `_interleaved`, `_zb_v`) every further microbatch repeats the steady phase
+    and shifts the cool-down, so from pp·v microbatches on a rank's in-flight moments and
+    the computes after its last backward no longer change (2·pp·v taken: twice that,
+    tests/test_plan_activations.py). GPipe holds every microbatch: all of them."""
+    if name == "gpipe":
+        return microbatches
+    return min(microbatches, 2 * pp * virtual_stages)
+
+
 def compute_only(rank_actions: list[Action]) -> list[Action]:
     """Drop the transfers: the compute order of one rank."""
     return [a for a in rank_actions if a.is_compute]
