@@ -422,10 +422,6 @@ class SliceReader:
         entry = self.tensors.get(key)
         return None if entry is None else tuple(entry["shape"])
 
-    def verify_all(self) -> None:
-        for fname in self.files:
-            self._file(fname)
-
     def _file(self, fname: str):
         if fname not in self._open:
             file = self.path / fname
@@ -476,7 +472,8 @@ def tensor_entries(manifest: dict[str, Any]) -> dict[str, dict]:
 def read(path: Path) -> SliceReader:
     """A checkpoint whose manifest parses and whose every file matches its sha256."""
     ckpt = SliceReader(path, read_manifest(path))
-    ckpt.verify_all()
+    for fname in ckpt.files:
+        ckpt._file(fname)
     return ckpt
 
 
