@@ -155,70 +155,44 @@ class ModelConfig:
         return self.ffn_dim or 32 * -(-(8 * self.dim // 3) // 32)
 
 
+# what presets of a family share: the tiny shape (each tiny variant adds its family's
+# features); Llama 3's vocabulary, context and rotary; Qwen3's (dense, and its mixtures)
+TINY = dict(layers=2, dim=32, heads=4, kv_heads=2, vocab=256)
+LLAMA3 = dict(kv_heads=8, vocab=128256, max_seq_len=8192, rope_theta=500000.0)
+QWEN3 = dict(
+    family="qwen3",
+    head_size=128,
+    vocab=151936,
+    max_seq_len=40960,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+    qk_norm=True,
+)
+QWEN3_MOE = dict(QWEN3, family="moe", experts=128, top_k=8)
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(layers=2, dim=32, heads=4, kv_heads=2, vocab=256),
+    "tiny": TINY,
     "small": dict(layers=4, dim=128, heads=4, kv_heads=2, vocab=256),
     "base": dict(layers=8, dim=256, heads=8, kv_heads=4, vocab=256),
-    "llama3-8b": dict(
-        layers=32,
-        dim=4096,
-        heads=32,
-        kv_heads=8,
-        vocab=128256,
-        ffn_dim=14336,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama3-70b": dict(
-        layers=80,
-        dim=8192,
-        heads=64,
-        kv_heads=8,
-        vocab=128256,
-        ffn_dim=28672,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama3-405b": dict(
-        layers=126, dim=16384, heads=128, kv_heads=8, vocab=128256, ffn_dim=53248,
-        max_seq_len=8192, rope_theta=500000.0,
-    ),
+    "llama3-8b": dict(LLAMA3, layers=32, dim=4096, heads=32, ffn_dim=14336),
+    "llama3-70b": dict(LLAMA3, layers=80, dim=8192, heads=64, ffn_dim=28672),
+    "llama3-405b": dict(LLAMA3, layers=126, dim=16384, heads=128, ffn_dim=53248),
     # Llama's decoder under other names (docs/models.md): Qwen3 with QK-norm and its own
     # head size, Qwen2/2.5 with q/k/v biases, Mistral (v0.3: no sliding window)
-    "qwen3-tiny": dict(
-        family="qwen3", layers=2, dim=32, heads=4, kv_heads=2, head_size=16, vocab=256,
-        qk_norm=True, norm_eps=1e-6,
-    ),
-    "qwen3-8b": dict(
-        family="qwen3", layers=36, dim=4096, heads=32, kv_heads=8, head_size=128,
-        vocab=151936, ffn_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
-        qk_norm=True,
-    ),
-    "qwen3-32b": dict(
-        family="qwen3", layers=64, dim=5120, heads=64, kv_heads=8, head_size=128,
-        vocab=151936, ffn_dim=25600, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
-        qk_norm=True,
-    ),
-    "qwen2-tiny": dict(
-        family="qwen2", layers=2, dim=32, heads=4, kv_heads=2, vocab=256, qkv_bias=True,
-        norm_eps=1e-6,
-    ),
+    "qwen3-tiny": dict(TINY, family="qwen3", head_size=16, qk_norm=True, norm_eps=1e-6),
+    "qwen3-8b": dict(QWEN3, layers=36, dim=4096, heads=32, kv_heads=8, ffn_dim=12288),
+    "qwen3-32b": dict(QWEN3, layers=64, dim=5120, heads=64, kv_heads=8, ffn_dim=25600),
+    "qwen2-tiny": dict(TINY, family="qwen2", qkv_bias=True, norm_eps=1e-6),
     "qwen2.5-7b": dict(
         family="qwen2", layers=28, dim=3584, heads=28, kv_heads=4, vocab=152064,
         ffn_dim=18944, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True,
     ),
-    "mistral-tiny": dict(
-        family="mistral", layers=2, dim=32, heads=4, kv_heads=2, vocab=256, sliding_window=128,
-    ),
+    "mistral-tiny": dict(TINY, family="mistral", sliding_window=128),
     "mistral-7b": dict(
         family="mistral", layers=32, dim=4096, heads=32, kv_heads=8, vocab=32768,
         ffn_dim=14336, max_seq_len=32768, rope_theta=1e6,
     ),
     # mixtures of experts: the first two train here, the rest are for the planner
-    "moe-tiny": dict(
-        family="moe", layers=2, dim=32, heads=4, kv_heads=2, vocab=256,
-        experts=4, top_k=2, moe_ffn_dim=32, shared_experts=1,
-    ),
+    "moe-tiny": dict(TINY, family="moe", experts=4, top_k=2, moe_ffn_dim=32, shared_experts=1),
     "moe-small": dict(
         family="moe", layers=4, dim=128, heads=4, kv_heads=2, vocab=256,
         experts=8, top_k=2, moe_ffn_dim=128, shared_experts=1, dense_layers=1,
@@ -227,16 +201,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         family="moe", layers=32, dim=4096, heads=32, kv_heads=8, vocab=32000,
         experts=8, top_k=2, moe_ffn_dim=14336, max_seq_len=32768, rope_theta=1e6,
     ),
-    "qwen3-30b-a3b": dict(
-        family="moe", layers=48, dim=2048, heads=32, kv_heads=4, head_size=128,
-        vocab=151936, experts=128, top_k=8, moe_ffn_dim=768, max_seq_len=40960,
-        rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
-    ),
-    "qwen3-235b-a22b": dict(
-        family="moe", layers=94, dim=4096, heads=64, kv_heads=4, head_size=128,
-        vocab=151936, experts=128, top_k=8, moe_ffn_dim=1536, max_seq_len=40960,
-        rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
-    ),
+    "qwen3-30b-a3b": dict(QWEN3_MOE, layers=48, dim=2048, heads=32, kv_heads=4, moe_ffn_dim=768),
+    "qwen3-235b-a22b": dict(QWEN3_MOE, layers=94, dim=4096, heads=64, kv_heads=4, moe_ffn_dim=1536),
     # DeepSeek-V3: multi-head latent attention, 3 dense layers, then 256 routed experts in
     # 8 groups (top 8 within the best 4 groups) and one shared; its 4096 positions before
     # yarn (the 128K context is yarn's, not implemented); the tiny one trains here
