@@ -21,13 +21,9 @@ from tetrad.comm.tp import gather_from_tp
 from tetrad.compiling import graph_break
 from tetrad.mesh import Group
 
-
-@graph_break
-def gather_from_cp(x: torch.Tensor, comm: Comm, group: Group, dim: int) -> torch.Tensor:
-    """Concatenate every cp rank's `x` along `dim`, rank 0 first; the backward sums the
-    gradient over the ranks and keeps this rank's part."""
-    # SP's gather is the same operator (all-gather; backward, a reduce-scatter of the sum)
-    return gather_from_tp(x, comm, group, dim)
+# every cp rank's `x` along `dim`, rank 0 first; the backward sums the gradient over the
+# ranks and keeps this rank's part: SP's gather, the same operator over another group
+gather_from_cp = gather_from_tp
 
 
 @graph_break

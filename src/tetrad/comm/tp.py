@@ -110,23 +110,21 @@ def reduce_from_tp(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     return Conjugate.apply(x, partial(_all_reduce, comm, group), same) if group.size > 1 else x
 
 
-@graph_break
-def gather_from_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> torch.Tensor:
-    """All-gather along `dim` (the sequence, [b, s/tp, h] -> [b, s, h]); reduce-scatter back."""
+def _along(x: torch.Tensor, fwd, bwd, comm: Comm, group: Group, dim: int) -> torch.Tensor:
+    """`fwd` along `dim` forward and `bwd` backward (gather_along, reduce_scatter_along)."""
     if group.size == 1:
         return x
     along = {"dim": dim, "comm": comm, "group": group}
-    return Conjugate.apply(
-        x, partial(gather_along, **along), partial(reduce_scatter_along, **along)
-    )
+    return Conjugate.apply(x, partial(fwd, **along), partial(bwd, **along))
+
+
+@graph_break
+def gather_from_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> torch.Tensor:
+    """All-gather along `dim` (the sequence, [b, s/tp, h] -> [b, s, h]); reduce-scatter back."""
+    return _along(x, gather_along, reduce_scatter_along, comm, group, dim)
 
 
 @graph_break
 def scatter_to_tp(x: torch.Tensor, comm: Comm, group: Group, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter along `dim` (partial [b, s, h] -> summed [b, s/tp, h]); all-gather back."""
-    if group.size == 1:
-        return x
-    along = {"dim": dim, "comm": comm, "group": group}
-    return Conjugate.apply(
-        x, partial(reduce_scatter_along, **along), partial(gather_along, **along)
-    )
+    return _along(x, reduce_scatter_along, gather_along, comm, group, dim)
