@@ -11,7 +11,7 @@ import dataclasses
 import functools
 
 from tetrad.config import DTYPE_BYTES, ModelConfig
-from tetrad.models import flops, moe_spec
+from tetrad.models import flops, llama_activations, moe_spec
 from tetrad.models.llama import rotary_at
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import swiglu_names
@@ -135,7 +135,7 @@ class MLAActivations(MoEActivations):
                        gqa_native: bool = False) -> list[Saved]:  # fmt: skip
         """The dense formula's, the other shards' keys and values at MLA's widths: per head
         nope + rope key channels and v_head_dim value channels, side by side."""
-        items = super().cp_gathered_kv(m, t, dtype, cp, seq_len, gqa_native)
+        items = llama_activations.cp_gathered_kv(m, t, dtype, cp, seq_len, gqa_native)
         width = (m.heads // t) * (m.qk_nope_dim + m.qk_rope_dim + m.v_head_dim)
         kv = Saved("other shards' k, v", DTYPE_BYTES[dtype] * width * (cp - 1), "rank")
         return [kv if it.name == kv.name else it for it in items]

@@ -173,9 +173,8 @@ class CausalCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
-        q = q.view(b, s, -1, self.head_dim)  # [b, s, local heads, hd]
-        k = k.view(b, s, -1, self.head_dim)  # [b, s, local kv heads, hd]
-        v = v.view(b, s, -1, self.head_dim)
+        # [b, s, local heads, hd]; k and v [b, s, local kv heads, hd]
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         rope = self.tables(s, q.device)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         rep = q.shape[2] // k.shape[2]

@@ -110,8 +110,6 @@ def apply_rotary_tail(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """x [b, s, heads, d] with its last channels, as many as the tables `rope` [s, r/2, 2]
     rotate, rotated (interleaved pairs, `apply_rotary`); the first d - r untouched."""
     rope_dim = 2 * rope.shape[-2]
-    if rope_dim == x.shape[-1]:
-        return apply_rotary(x, rope)
     plain, rot = x.split([x.shape[-1] - rope_dim, rope_dim], dim=-1)
     return torch.cat([plain, apply_rotary(rot, rope)], dim=-1)
 

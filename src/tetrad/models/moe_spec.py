@@ -90,10 +90,6 @@ class MoEActivations:
     count, tests/test_plan_activations.py); the dense layers of `dense_layers` are priced
     as MoE layers, and the load is taken as perfectly balanced."""
 
-    # the attention is Llama's: its rotary tables, kept by the layer, are shared by the
-    # microbatches in flight
-    SHARED_ACROSS_MICROBATCHES = llama_activations.SHARED_ACROSS_MICROBATCHES
-
     @staticmethod
     def _dense(m: ModelConfig) -> ModelConfig:
         return dataclasses.replace(m, family="llama", experts=0, ffn_dim=active_ffn(m))
@@ -111,13 +107,11 @@ class MoEActivations:
     def pending_w(self, m: ModelConfig, t: int, dtype: str) -> list[Saved]:
         return llama_activations.pending_w(self._dense(m), t, dtype)
 
-    # the rest as the dense family's
-    attention_scores = staticmethod(llama_activations.attention_scores)
-    cp_gathered_kv = staticmethod(llama_activations.cp_gathered_kv)
-    head = staticmethod(llama_activations.head)
-    embedding = staticmethod(llama_activations.embedding)
-    pending_w_head = staticmethod(llama_activations.pending_w_head)
-    stage_output = staticmethod(llama_activations.stage_output)
+    def __getattr__(self, name: str):
+        # the rest as the dense family's: the head, the embedding, the scores, cp's keys,
+        # the stage output, and the rotary tables the microbatches in flight share (the
+        # attention is Llama's, its tables kept by the layer)
+        return getattr(llama_activations, name)
 
 
 # tetrad parameter -> Hugging Face name, as a MixtralForCausalLM checkpoint stores it

@@ -171,11 +171,10 @@ def replay_costs(tl: Timeline, costs: Costs, actions: list[list[Action]] | None 
     each = {(e.kind, e.stage, e.microbatch): e.duration for ev in tl.ranks for e in ev}
     gaps = transfer_gaps(tl)
     comm = statistics.fmean(gaps) if gaps else costs.comm
-    out = replace(costs, each=each, comm=comm)
-    if actions:
+    if actions:  # overheads fitted at the given latency
         overhead, p2p = estimate_overhead(tl, actions, costs.comm, statistics.fmean)
-        out = replace(out, overhead=overhead, p2p=p2p)
-    return out
+        costs = replace(costs, overhead=overhead, p2p=p2p)
+    return replace(costs, each=each, comm=comm)
 
 
 def measure_step(

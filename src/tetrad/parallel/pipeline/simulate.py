@@ -151,8 +151,8 @@ def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> T
             raise ValueError(f"Costs.{name} has {len(value)} entries for {n_stages} stages")
     dag = Dag.of(actions)
     start, end = dag.times(costs)
-    ranks = [[Event(dag.computes[i].kind, dag.computes[i].stage, dag.computes[i].microbatch,
-                    start[i], end[i]) for i in rank] for rank in dag.ranks]  # fmt: skip
+    # an Action's first three fields are an Event's: kind, stage, microbatch
+    ranks = [[Event(*dag.computes[i][:3], start[i], end[i]) for i in rank] for rank in dag.ranks]
     return Timeline(ranks, unit="cost", schedule=schedule)
 
 
