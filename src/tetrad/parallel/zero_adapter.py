@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from tetrad.comm.tp import gather_along
 from tetrad.parallel.boxes import Box, box_numel, box_shape, flat_boxes, shift
 from tetrad.parallel.state_adapter import (
     MOMENTS,
@@ -56,9 +57,7 @@ class ZeroAdapter(PlainAdapter):
         each unit's master shard all-gathered over its group's axis."""
         out: dict[str, torch.Tensor] = {}
         for sh, u in self._units():
-            shard = widen(u.master)
-            full = torch.empty(u.layout.padded, dtype=shard.dtype, device=sh.device)
-            sh.comm.all_gather(full, shard, sh.group)
+            full = gather_along(widen(u.master), 0, sh.comm, sh.group)  # [padded]
             out |= {n: t.cpu().clone() for n, t in zip(u.layout.names, u.layout.split(full))}
         return out | super().local_state_dict()
 
