@@ -133,10 +133,8 @@ def build_config(args: argparse.Namespace) -> Config:
     cfg, model_table = from_dict(raw), raw.get("model", {})
     if args.model:
         cfg.model = model_preset(args.model)
-    if args.init_from_hf:
-        cfg.model.init_from_hf = args.init_from_hf
-    if cfg.model.init_from_hf:
-        cfg.model = hf_model(cfg, args, model_table)
+    if hf_dir := args.init_from_hf or cfg.model.init_from_hf:
+        cfg.model = hf_model(hf_dir, args, model_table)
     for dest, (section, f) in TRAIN_OPTIONS.items():
         value = getattr(args, dest)
         if value == "auto" and dest in ELASTIC_AXES:  # only their type lets auto through
@@ -231,9 +229,9 @@ def vocab_from_data(cfg: Config, args: argparse.Namespace, model_table: dict[str
     )
 
 
-def hf_model(cfg: Config, args: argparse.Namespace, model_table: dict[str, Any]) -> ModelConfig:
-    """The model of --init-from-hf DIR; a flag or a value of the --config file's [model]
-    table that contradicts its config.json is an error naming both."""
+def hf_model(directory: str, args: argparse.Namespace, model_table: dict[str, Any]) -> ModelConfig:
+    """The model of --init-from-hf DIR (`directory`); a flag or a value of the --config
+    file's [model] table that contradicts its config.json is an error naming both."""
     from tetrad.interop import hf
 
     if args.model:
@@ -243,7 +241,7 @@ def hf_model(cfg: Config, args: argparse.Namespace, model_table: dict[str, Any])
         value = getattr(args, dest)
         if section == "model" and f.name != "init_from_hf" and value is not None:
             given[f"--{flag(dest)}"] = (f.name, value)
-    return hf.model_config(cfg.model.init_from_hf, given)
+    return hf.model_config(directory, given)
 
 
 def fill_world(cfg: Config, args: argparse.Namespace, nnodes: int) -> int:

@@ -123,17 +123,15 @@ def launch(
         # so a node that joins a later round (a grown job) waits for one never published;
         # without sharing, every round's rank 0 publishes its own
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    logs = Path(out) / "logs" if out is not None else None
-    if logs is not None:
-        reports = logs / f"reports-{uuid.uuid4().hex[:8]}"
-        reports.mkdir(parents=True)
-        env |= {REPORT_DIR: str(reports), LOG_DIR: str(logs)}
-        log = logs / "torchrun.log"
-        log_start = log.stat().st_size if log.exists() else 0  # this launch's part follows
-    code, signalled = _supervise(cmd, env, logs)
-    if logs is None:
-        return code
-    code = explain(code, signalled, reports, logs, log_start)
+    if out is None:
+        return _supervise(cmd, env, None)[0]
+    logs = Path(out) / "logs"
+    reports = logs / f"reports-{uuid.uuid4().hex[:8]}"
+    reports.mkdir(parents=True)
+    env |= {REPORT_DIR: str(reports), LOG_DIR: str(logs)}
+    log = logs / "torchrun.log"
+    log_start = log.stat().st_size if log.exists() else 0  # this launch's part follows
+    code = explain(*_supervise(cmd, env, logs), reports, logs, log_start)
     with contextlib.suppress(OSError):
         reports.rmdir()  # kept only when it holds reports
     return code
@@ -141,29 +139,27 @@ def launch(
 
 def _supervise(cmd: list[str], env: dict, logs: Path | None) -> tuple[int, int | None]:
     """Run torchrun, forwarding SIGTERM/SIGINT once; returns (its code, the signal)."""
-    log = open(logs / "torchrun.log", "ab") if logs else None  # noqa: SIM115
-    proc = start_agent(cmd, env, log)
-    got: list[tuple[int, float]] = []  # (signal, when)
+    with open(logs / "torchrun.log", "ab") if logs else contextlib.nullcontext() as log:
+        proc = start_agent(cmd, env, log)
+        got: list[tuple[int, float]] = []  # (signal, when)
 
-    def forward(signum, _frame):
-        if not got:
-            proc.send_signal(signal.SIGTERM)  # torchrun's agent passes it to every worker
-        got.append((signum, time.monotonic()))
+        def forward(signum, _frame):
+            if not got:
+                proc.send_signal(signal.SIGTERM)  # torchrun's agent passes it to every worker
+            got.append((signum, time.monotonic()))
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while proc.poll() is None:
-            time.sleep(0.1)
-            # asked twice, or the workers outlive torchrun's own grace: do not wait longer
-            if len(got) > 1 or (got and time.monotonic() - got[0][1] > KILL_AFTER_S):
-                _kill_group(proc.pid)
-        return proc.returncode, (got[0][0] if got else None)
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        _kill_group(proc.pid)  # anything torchrun left in its session
-        if log:
-            log.close()
+        old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while proc.poll() is None:
+                time.sleep(0.1)
+                # asked twice, or the workers outlive torchrun's own grace: do not wait longer
+                if len(got) > 1 or (got and time.monotonic() - got[0][1] > KILL_AFTER_S):
+                    _kill_group(proc.pid)
+            return proc.returncode, (got[0][0] if got else None)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            _kill_group(proc.pid)  # anything torchrun left in its session
 
 
 def start_agent(cmd: list[str], env: dict, log) -> subprocess.Popen | ForkedAgent:
