@@ -88,13 +88,13 @@ def _operand(t: Operand, dtype, dim, names: str, splits) -> tuple[torch.Tensor, 
     return t if isinstance(t, tuple) else scaled(t, dtype, dim, _reducer(names, dim, splits))
 
 
-def _mm(a: Operand, b: Operand, dtypes, dims, out_dtype, names=("", ""), splits=None):
+def _mm(a: Operand, b: Operand, dtypes, dims, out_dtype, names, splits):
     """a [M, K] @ b [K, N] with each operand scaled into its FP8 dtype along its `dims`
     entry (None: one scale; else the contracted dimension, so the scale is per kept row),
     unless it comes cast already, as (FP8 values, scale). `names`: the operands' logical
     dimensions, `splits` the max over the ranks holding the rest of a split one."""
-    a8, sa = _operand(a, dtypes[0], dims[0], names[0], splits or {})
-    b8, sb = _operand(b, dtypes[1], dims[1], names[1], splits or {})
+    a8, sa = _operand(a, dtypes[0], dims[0], names[0], splits)
+    b8, sb = _operand(b, dtypes[1], dims[1], names[1], splits)
     b8 = b8.t().contiguous().t()  # column-major, as CUDA's kernels want their second operand
     return torch._scaled_mm(a8.contiguous(), b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 

@@ -45,7 +45,7 @@ def layer(
         return [Saved("block input", c * h, "seq")]
     heads, kv, kv_width = _local_heads(m, t, gqa_native)  # kv_width: (repeated) k, v
     if recompute == "op":
-        return _op_policy(m, t, c, heads)
+        return _op_policy(m, c, heads)
     if recompute == "selective":
         return _selective(m, c, heads, kv)
     norm = c * h + 4 if fused else (4 + c) * h + 4  # (fp32 copy,) normalised, fp32 rsqrt
@@ -106,7 +106,7 @@ def _selective(m: ModelConfig, c: int, heads: int, kv: int) -> list[Saved]:
     ]
 
 
-def _op_policy(m: ModelConfig, t: int, c: int, heads: int) -> list[Saved]:
+def _op_policy(m: ModelConfig, c: int, heads: int) -> list[Saved]:
     """torchtitan's per-op selective checkpointing: the block input, flash attention's
     outputs and every other matmul output are kept; the rest is recomputed."""
     h, f, q, kv_dim = m.dim, m.hidden_dim, m.heads * m.head_dim, m.kv_heads * m.head_dim

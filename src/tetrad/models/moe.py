@@ -459,7 +459,6 @@ def param_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
         return (n, d) if parts[-1] == "weight" else (n,)
     if "experts" in parts:
         return (n, d, f) if parts[-1] == "w2" else (n, f, d)
-    if "shared" in parts:
-        inner = cfg.shared_experts * f
-        return (d, inner) if parts[-2] == "w2" else (inner, d)
+    if "shared" in parts:  # a dense SwiGLU of the shared experts' width (`MoEFeedForward`)
+        return dense_shape(name, dataclasses.replace(cfg, ffn_dim=cfg.shared_experts * f))
     return dense_shape(name, cfg)

@@ -5,9 +5,8 @@
 the transfer latency off that timeline (medians), and `simulated_timeline` replays the
 same schedule in the simulator with those costs, so a measured bubble can be held
 against the bubble the schedule itself predicts. `write_timeline` draws both and writes
-Chrome traces. `ActivationMeter` counts activation bytes through autograd's saved-tensor
-hooks (parallel/activation_meter.py, re-exported here), for tetrad's runtimes and for the peer in
-benchmarks/pp.py alike.
+Chrome traces. (Activation bytes are counted by parallel/activation_meter.py's
+`ActivationMeter`, for tetrad's runtimes and the peer in benchmarks/pp.py alike.)
 """
 
 from __future__ import annotations
