@@ -48,18 +48,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gain = self.weight if self._gain is None else self._gain(self.weight)
-        return self.normed(x) * gain
+        xf = widen(x)  # normalised in float32 at least, then back in x's dtype before the gain
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * gain
 
     def use_gain(self, gain: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Multiply by `gain(weight)` instead of the weight itself: how parallel code
         changes the way the gain enters (sequence parallelism sums its gradient over
         tp), not what the norm computes."""
         self._gain = gain
-
-    def normed(self, x: torch.Tensor) -> torch.Tensor:
-        """x normalised, in its dtype, before the gain."""
-        xf = widen(x)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
 
 
 def rotary(seq_len: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:

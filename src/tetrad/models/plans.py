@@ -87,16 +87,12 @@ def style_of(name: str, plan: dict[str, str]) -> str | None:
     return found[0] if found else None
 
 
-def check_plan(plan: dict[str, str]) -> None:
-    """Reject unknown styles (a typo must not silently leave a module unsharded)."""
+def assign(names: list[str], plan: dict[str, str]) -> dict[str, str]:
+    """Style of every named module the plan covers, in the order given. Unknown styles are
+    refused first (a typo must not silently leave a module unsharded)."""
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"plan entry {pattern!r}: unknown style {style!r}; known: {STYLES}")
-
-
-def assign(names: list[str], plan: dict[str, str]) -> dict[str, str]:
-    """Style of every named module the plan covers, in the order given."""
-    check_plan(plan)
     styles = {name: style_of(name, plan) for name in names}
     return {name: style for name, style in styles.items() if style is not None}
 
