@@ -101,7 +101,7 @@ BAD = {
         {"parallel": {"pp_schedule": "zigzag"}}, None, r"pp_schedule='zigzag' is not one of",
     ),
     "bad zero stage": (
-        {"parallel": {"zero_stage": 4}}, None, r"zero_stage must be 1, 2 or 3, got 4",
+        {"parallel": {"zero_stage": 4}}, None, r"parallel\.zero_stage=4 is not one of \(1, 2, 3\)",
     ),
     "sp without tp": ({"parallel": {"sp": True}}, None, r"sp=True needs tp > 1"),
     "sp needs seq divisible by tp": (

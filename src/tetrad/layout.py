@@ -432,11 +432,10 @@ def _check_parallel(p: ParallelConfig, world: int | None) -> None:
             f"world size {world} != dp*fsdp*cp*tp*pp = {p.dp}*{p.fsdp}*{p.cp}*{p.tp}*{p.pp}"
             f" = {p.world}",
         )
-    _require(p.zero_stage in (1, 2, 3), f"zero_stage must be 1, 2 or 3, got {p.zero_stage}")
     _require(
         p.reduce_dtype != "fp64", "reduce_dtype='fp64' is fp64 compute's alone: use dtype='fp64'"
     )
-    check_choices("parallel", p)  # cp_attention, cp_kernel, reduce_dtype, pp_schedule
+    check_choices("parallel", p)  # zero_stage, cp_attention, cp_kernel, reduce_dtype, pp_schedule
     _require(p.bucket_mb > 0, f"bucket_mb must be > 0, got {p.bucket_mb}")
     _require(p.first_bucket_mb >= 0, f"first_bucket_mb must be >= 0, got {p.first_bucket_mb}")
     _require(not p.sp or p.tp > 1, "sp=True needs tp > 1 (sequence parallelism splits over tp)")
