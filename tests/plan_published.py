@@ -16,7 +16,7 @@ import statistics
 
 from plan_helpers import layout_config, planned
 from tetrad.config import ModelConfig, model_preset
-from tetrad.models.moe_spec import matmul_params
+from tetrad.models.flops import matmul_params
 from tetrad.plan.candidates import gpt_as_llama
 from tetrad.plan.cost import Planner
 from tetrad.plan.engines import ENGINES, MEGATRON

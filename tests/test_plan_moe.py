@@ -15,8 +15,8 @@ from plan_helpers import layout_config, planned
 from tetrad.config import DTYPE_BYTES, MODEL_PRESETS, model_preset
 from tetrad.layout import Layout
 from tetrad.mesh import rank_of
+from tetrad.models.flops import flops_per_token
 from tetrad.models.moe import meta_moe
-from tetrad.models.moe_spec import flops_per_token
 from tetrad.parallel.model_state import model_state_bytes
 from tetrad.plan.candidates import ep_bytes_per_layer
 from tetrad.plan.compute import ROUTING_IMBALANCE

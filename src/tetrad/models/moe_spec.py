@@ -9,8 +9,6 @@ from tetrad.config import DTYPE_BYTES, ModelConfig
 from tetrad.models import llama_activations
 from tetrad.models.flops import active_ffn, swiglu_linears
 from tetrad.models.flops import block_linears as llama_block_linears
-from tetrad.models.flops import flops_per_token as flops_per_token  # the family's counts,
-from tetrad.models.flops import matmul_params as matmul_params  # re-exported
 from tetrad.models.llama_spec import HF_NAMES as LLAMA_NAMES
 from tetrad.models.llama_spec import LLAMA, QK_NORM_NAMES, QK_NORM_PLAN, swiglu_names
 from tetrad.models.moe import (
