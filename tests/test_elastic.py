@@ -276,20 +276,23 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
 
 
-def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+def _wait(proc: subprocess.Popen, timeout: float, out: Path) -> tuple[int, str]:
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
         _, err = proc.communicate()
+        log = out / "logs" / "torchrun.log"  # the agents' own account of the restart
+        agents = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
         raise AssertionError(
-            f"the surviving node still runs after {timeout} s:\n{err[-3000:]}"
+            f"the surviving node still runs after {timeout} s; its last row "
+            f"{_rows(out)[-1:]}\n{err[-3000:]}\ntorchrun.log:\n{agents}"
         ) from None
     return proc.returncode, err
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 def test_killed_node_shrinks_the_job_which_matches_the_uninterrupted_run(tmp_path):
     """Nodes A (the one hosting the rendezvous store) and B, 2 ranks each: dp = 4. B's
     whole process tree is SIGKILLed after step 12; A's agent re-forms the job alone (one
@@ -314,7 +317,7 @@ def test_killed_node_shrinks_the_job_which_matches_the_uninterrupted_run(tmp_pat
         _kill_tree(b)  # the node is gone: launcher, torchrun, ranks
         killed_at = time.time()
         b.communicate()
-        code, err = _wait(a, 180)
+        code, err = _wait(a, 300, out)  # 15 s on an idle machine; over 180 once at load 12
         assert code == 0, err[-3000:]
     finally:
         for proc in (a, b):
