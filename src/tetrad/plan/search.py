@@ -30,8 +30,8 @@ floor does not fall as the count grows; families are walked by their first count
 floor, lowest first, until one is slower (`_walk`). Memory is read off each rank's action
 order at the schedule's steady count (`Planner.held_order`, its moments priced by
 `activations.InFlight`), not a simulated timeline, and asked before a count's floors;
-candidates are validated only when a walk reaches them and their memory fits. `search(jobs=N)` walks the families in N processes,
-the same answer.
+candidates are validated only when a walk reaches them and their memory fits.
+`search(jobs=N)` walks the families in N processes, the same answer.
 """
 
 from __future__ import annotations
