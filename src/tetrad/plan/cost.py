@@ -192,17 +192,19 @@ class Planner:
         """`order` of `lay`'s schedule at `steady_count` microbatches: what memory and the
         cool-down read off the order is the same there (a family's larger counts share it,
         and its moments are priced once)."""
-        return cached(self._orders, self._held_key(lay), compute_orders, *self._held_key(lay))
+        key = self._held_key(lay)
+        return cached(self._orders, key, compute_orders, *key)
 
     def _held_key(self, lay: Layout) -> tuple:
+        """`_schedule_key` at the schedule's steady count."""
         n = steady_count(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
         return (lay.schedule, lay.pp, n, lay.virtual_stages, self.engine.interleaved_lag)
 
     def order(self, lay: Layout) -> list[list[Action]]:
         """Each rank's compute actions in the order it runs them (built once per schedule,
-        pp, m and v): a rank runs its actions in one order whatever they cost, so what is
-        in flight when, all that memory reads off a timeline, is read off this order
-        without simulating the step."""
+        pp, m and v), which `schedule` simulates: a rank runs its actions in one order
+        whatever they cost, so what is in flight when, all that memory reads off a
+        timeline, is read off the order without simulating the step (`held_order`)."""
         key = self._schedule_key(lay)
         return cached(self._orders, key, compute_orders, *key)
 
@@ -331,7 +333,10 @@ class Planner:
     def _cool_down_of(self, lay: Layout) -> list[tuple[tuple[str, ...], bool, tuple]]:
         """`cool_downs` of the schedule's order (one per schedule key, at its steady count:
         the same there, `steady_count`)."""
-        return cached(self._cool_downs, self._held_key(lay), cool_downs, self.held_order(lay))
+        key = self._held_key(lay)
+        if key not in self._cool_downs:
+            self._cool_downs[key] = cool_downs(self.held_order(lay))
+        return self._cool_downs[key]
 
     def rank_activations(self, lay: Layout, m: ModelConfig, pp_rank: int) -> float:
         """Peak activation bytes of pp rank `pp_rank` (what `predict` counts in its memory)."""
