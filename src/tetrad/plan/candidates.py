@@ -156,31 +156,18 @@ def candidate(base: Layout, model: ModelConfig, **parallel: Any) -> Layout:
     degrees, validated for their world (`Layout.build`: ValueError naming what fails).
     Cached by the model and the candidate's values: a search asks for one candidate's
     layout several times, and validating it was a third of the search."""
-    return _candidate(_Model(model), base, tuple(sorted(parallel.items())))
-
-
-class _Model:
-    """A ModelConfig (mutable, so unhashable) keyed by its fields' values as they are now."""
-
-    __slots__ = ("model", "key")
-
-    def __init__(self, model: ModelConfig):
-        self.model, self.key = model, model_key(model)
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Model) and self.key == other.key
+    return _candidate(model_key(model), base, tuple(sorted(parallel.items())))
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a 256-GPU MoE search validates 20,000
-def _candidate(model: _Model, base: Layout, parallel: tuple) -> Layout:
+def _candidate(model: tuple, base: Layout, parallel: tuple) -> Layout:
+    """`candidate`, `model` given by its fields' values as they are now (`model_key`, in
+    the fields' order: a ModelConfig is mutable, so unhashable)."""
     given = dict(parallel)
     # the FP8 all-gather where the candidate gathers ZeRO-3 shards of whole weights
     gathers = given.get("zero_stage") == 3 and given.get("fsdp", 1) > 1 and given.get("tp", 1) == 1
     given["fp8_all_gather"] = base.fp8_all_gather and gathers
-    m, train = _sections(model.model, base.global_batch, base.seq_len, base.dtype_name,
+    m, train = _sections(ModelConfig(*model), base.global_batch, base.seq_len, base.dtype_name,
                          base.fp8, base.loss_chunk)  # fmt: skip
     parallel = ParallelConfig(**_carried(base) | given)
     return Layout.of(m, train, parallel, parallel.world)

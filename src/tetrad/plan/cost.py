@@ -538,7 +538,7 @@ class Planner:
         for stage, layers in enumerate(split):
             if layers == 0:
                 continue
-            fa = facts[_rank_of_stage(lay, stage)]
+            fa = facts[stage_to_rank(stage, lay.pp, lay.virtual_stages, lay.schedule)]
             calls = _calls(fa.block, 1, self.engine.gather_bucket)
             # FP8 gathers: one byte a value of the FP8 weights (plan/fp8_gather.py)
             nbytes = fa.fp8_block_bytes or fa.block * lay.element_bytes
@@ -569,7 +569,7 @@ class Planner:
         unit waits at the end of the step: `after_schedule`)."""
         out = []
         for stage, layers in enumerate(self.split(lay, m)):
-            rank = _rank_of_stage(lay, stage)
+            rank = stage_to_rank(stage, lay.pp, lay.virtual_stages, lay.schedule)
             fa = facts[rank]
             share = (layers + 1) / (fa.layer_units + 1)  # this chunk's share of the rank
             seconds = sum(self._grad_reduction(lay, fa).values())
@@ -747,7 +747,3 @@ def _node_copies(m: ModelConfig, per_node: int, group: list[int]) -> float:
     held = e // len(nodes)  # experts a node holds
     miss = math.prod((e - held - i) / (e - i) for i in range(k))  # a node gets none
     return off * (1 - miss) / (k * off / len(nodes))
-
-
-def _rank_of_stage(lay: Layout, stage: int) -> int:
-    return stage_to_rank(stage, lay.pp, lay.virtual_stages, lay.schedule)

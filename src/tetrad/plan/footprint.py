@@ -153,27 +153,31 @@ class Footprint:
         made of but for the rank (a search asks a few hundred places tens of thousands of
         times; the layouts of a family, which differ in the microbatch count alone, share
         it), then by what a rank's blocks are (places with the same blocks share them)."""
-        shards = self.shards(lay)
-        place = (model_key(m), tuple(split), lay.pp, lay.virtual_stages, lay.schedule, lay.tp,
-                 shards, lay.zero_stage, lay.compute_dtype, _ep_shape(lay),
-                 _expert_shards(lay, m, shards), _residual_shape(lay),
-                 lay.fp8_all_gather)  # fmt: skip
+        place = (self._state_key(lay, m), tuple(split), lay.pp, lay.virtual_stages, lay.schedule)
         known = self._places.setdefault(place, {})
         for r in range(lay.pp):
             if r not in known:
                 known[r] = self._rank_facts(lay, m, split, r)
         return [known[r] for r in range(lay.pp)]
 
+    def _state_key(self, lay: Layout, m: ModelConfig) -> tuple:
+        """What a rank's facts read of `lay` and `m` besides the blocks it holds and whether
+        it holds the first and the last stage: the model, tp, the ZeRO shards and stage,
+        the dtype, the ep slice (`mesh.expert_groups`: ep, and whether its group spans
+        the tp ranks), the expert shards, the residuals, the FP8 gather."""
+        shards = self.shards(lay)
+        return (model_key(m), lay.tp, shards, lay.zero_stage, lay.compute_dtype, lay.ep,
+                lay.ep_spans_tp, _expert_shards(lay, m, shards), _residual_shape(lay),
+                lay.fp8_all_gather)  # fmt: skip
+
     def _rank_facts(self, lay: Layout, m: ModelConfig, split: list[int], pp_rank: int) -> RankFacts:
         stages = held_stages(lay, pp_rank)
         kinds = block_kinds(m, split, stages)
         first, last = 0 in stages, len(split) - 1 in stages
-        shards = self.shards(lay)
-        key = (model_key(m), lay.tp, shards, lay.zero_stage, lay.compute_dtype, kinds, first,
-               last, _ep_shape(lay), _expert_shards(lay, m, shards),
-               _residual_shape(lay), lay.fp8_all_gather)  # fmt: skip
+        key = (self._state_key(lay, m), kinds, first, last)
         if key not in self._facts:
-            facts = self._facts_by_kind(lay, m, kinds, first, last, key[:5] + key[8:])
+            shards = self.shards(lay)
+            facts = self._facts_by_kind(lay, m, kinds, first, last, key[0])
             whole = _residual_shape(lay) is not None  # its dp buckets span blocks
             if lay.fp8_all_gather or whole:  # what reads every parameter at once
                 named, replicated = self._local_parameters(lay, m, kinds, first, last)
@@ -252,7 +256,7 @@ class Footprint:
         (prefix, parameters) in the template, dense first; the template's replicated
         axes by name): what `_local_parameters` assembles a rank from."""
         template_layers = min(m.layers, m.dense_layers + 1) if m.moe else 1
-        key = (model_key(m), lay.tp, _ep_shape(lay))
+        key = (model_key(m), lay.tp, lay.ep, lay.ep_spans_tp)
         if key not in self._template:
             one = dataclasses.replace(m, layers=template_layers)
             self._template[key] = local_parameters(_template_layout(lay), one, 0)
@@ -570,12 +574,6 @@ def _residual_shape(lay: Layout) -> tuple | None:
     if not (lay.compress and lay.error_feedback):
         return None
     return lay.compress, lay.data, lay.expert_data, lay.bucket_bytes, lay.first_bucket_bytes
-
-
-def _ep_shape(lay: Layout) -> tuple[int, bool]:
-    """(ep, whether the ep group spans the tp ranks): what a rank's expert slice depends
-    on (`mesh.expert_groups`)."""
-    return lay.ep, lay.ep_spans_tp
 
 
 def _state(lay: Layout, m: ModelConfig, named, replicated, shards: int) -> ModelState:

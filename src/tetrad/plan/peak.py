@@ -107,10 +107,10 @@ def busiest_moment(lay: Layout, m: ModelConfig, pp_rank: int, s: PeakSettings) -
              ("ZeRO unsharded gradients", s.zero_grads - s.accumulated_grads)]  # fmt: skip
     moments = [("block backward", block + shared, [])]
     if lay.stages - 1 in stages:  # the last stage: the head and the loss
-        chunked = s.engine.chunked_loss
+        chunked = s.engine.chunked_loss and lay.loss_chunk > 0  # a chunk of tokens at a time
         fwd, bwd = loss_forward(lay, m, chunked), loss_backward(lay, m, chunked)
         hole = []
-        if s.engine.eager_loss and not _chunked(lay, chunked):
+        if s.engine.eager_loss and not chunked:
             bwd = eager_loss_backward(lay, m)
             hole = [("freed logits' space", eager_loss_hole(lay, m))]
         moments.append(("loss forward", [("loss chunk, forward", fwd)] + shared, []))
@@ -123,11 +123,6 @@ def _nonzero(terms: list[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
     return tuple((k, float(v)) for k, v in terms if v)
 
 
-def _chunked(lay: Layout, chunked: bool) -> bool:
-    """Whether the head and loss run a chunk of tokens at a time."""
-    return chunked and lay.loss_chunk > 0
-
-
 def stage_input_bytes(lay: Layout, m: ModelConfig) -> float:
     """Bytes of one microbatch's hidden states between stages: b·s·h·c (s/tp under SP)."""
     tokens = lay.microbatch_size * lay.local_seq / (lay.tp if lay.sp else 1)
@@ -137,8 +132,9 @@ def stage_input_bytes(lay: Layout, m: ModelConfig) -> float:
 def loss_forward(lay: Layout, m: ModelConfig, chunked: bool) -> float:
     """One chunk of logits (c bytes, and their fp32 copy where c < 4) and log-sum-exp's
     fp32 exponentials of them. Unchunked: 0 here (the logits are saved activations and
-    their fp32 work is charged to the loss backward)."""
-    if not _chunked(lay, chunked):
+    their fp32 work is charged to the loss backward). `chunked`: whether the head and the
+    loss run `lay.loss_chunk` tokens at a time."""
+    if not chunked:
         return 0.0
     c = lay.element_bytes
     n, v = min(lay.loss_chunk, lay.microbatch_tokens), m.vocab / lay.tp
@@ -151,7 +147,7 @@ def loss_backward(lay: Layout, m: ModelConfig, chunked: bool) -> float:
     holds its fp32 output gradient and its input gradient at once (its saved output is
     among the activations)."""
     c, n_all = lay.element_bytes, lay.microbatch_tokens
-    if not _chunked(lay, chunked):  # log-softmax's backward: in and out
+    if not chunked:  # log-softmax's backward: in and out
         return n_all * m.vocab / lay.tp * 8
     n, v = min(lay.loss_chunk, n_all), m.vocab / lay.tp
     cast = c if c < 4 else 0

@@ -36,8 +36,8 @@ candidates are validated only when a walk reaches them and their memory fits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import heapq
 import math
 import multiprocessing
 from collections.abc import Iterator
@@ -179,32 +179,28 @@ class _Ranking:
     Entries are keyed (time, memory, family, count): the last two are the enumeration
     order, so ties break the same way whichever layouts pruning left unsimulated.
     `shared`: the `top` best times every process of a search has found, fastest first (a
-    shared array: `_in_processes`), which the threshold reads and `add` keeps."""
+    shared array: `_in_processes`), which the threshold reads and `add` keeps; without it
+    a list of this ranking's own."""
 
     def __init__(self, top: int, shared: Any = None):
-        self.top, self.shared = top, shared
+        self.top = top
         self.found: list[tuple[float, float, int, int, Layout]] = []
-        self.fastest: list[float] = []  # the `top` best times, negated: a max-heap
+        # the `top` best times, ascending (inf until found): `shared`'s where there is one
+        self.fastest = [math.inf] * max(top, 0) if shared is None else shared
+        self.lock = contextlib.nullcontext() if shared is None else shared.get_lock()
 
     def add(self, t: float, mem: float, family: int, count: int, cand: Layout) -> None:
         self.found.append((t, mem, family, count, cand))
-        if len(self.fastest) < self.top:
-            heapq.heappush(self.fastest, -t)
-        elif self.top > 0 and t < -self.fastest[0]:
-            heapq.heapreplace(self.fastest, -t)
-        if self.shared is not None and self.top > 0:
-            with self.shared.get_lock():
-                if t < self.shared[-1]:
-                    self.shared[:] = sorted([*self.shared[:-1], t])
+        if self.top > 0:
+            with self.lock:
+                if t < self.fastest[-1]:
+                    self.fastest[:] = sorted([*self.fastest[:-1], t])
 
     @property
     def threshold(self) -> float:
         """The `top`-th best time found so far (inf until `top` are found): a layout
         slower than it cannot be in the answer, whatever comes later."""
-        if self.top <= 0:
-            return -math.inf  # nothing is asked for: nothing needs simulating
-        mine = -self.fastest[0] if len(self.fastest) == self.top else math.inf
-        return mine if self.shared is None else min(mine, self.shared[-1])
+        return self.fastest[-1] if self.top > 0 else -math.inf  # -inf: nothing is asked for
 
     def within(self, floor: float) -> bool:
         """Whether a layout whose step is at least `floor` could enter the answer."""
