@@ -44,10 +44,6 @@ from tetrad.mesh import Group
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def bus_factor(op: str, n: int) -> float:
     """Bytes each rank sends per buffer byte, for a ring over n ranks (nccl-tests busbw)."""
     if n <= 1:
@@ -275,21 +271,21 @@ class Comm:
     ) -> Work | None:
         """In place over `group`: the "sum" (gloo has no AVG: callers scale) or the "max"."""
         call = partial(dist.all_reduce, t, op=REDUCE_OPS[op], group=group.pg)
-        return self._collective("all_reduce", group, t, t, _nbytes(t), call, async_op)
+        return self._collective("all_reduce", group, t, t, t.nbytes, call, async_op)
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
     ) -> Work | None:
         """Concatenate every rank's `inp` along dim 0 into `out` (size * inp)."""
         call = partial(dist.all_gather_into_tensor, out, inp, group=group.pg)
-        return self._collective("all_gather", group, out, inp, _nbytes(out), call, async_op)
+        return self._collective("all_gather", group, out, inp, out.nbytes, call, async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
     ) -> Work | None:
         """Sum `inp` over the group and keep this rank's dim-0 slice in `out`."""
         call = partial(dist.reduce_scatter_tensor, out, inp, group=group.pg)
-        return self._collective("reduce_scatter", group, out, inp, _nbytes(inp), call, async_op)
+        return self._collective("reduce_scatter", group, out, inp, inp.nbytes, call, async_op)
 
     def all_to_all(
         self,
@@ -307,14 +303,12 @@ class Comm:
         names the record (the expert layer counts its token counts apart)."""
         kept = in_splits[group.rank] * math.prod(inp.shape[1:]) * inp.element_size()
         call = partial(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group.pg)
-        return self._collective(
-            op, group, out, inp, _nbytes(inp), call, async_op, _nbytes(inp) - kept
-        )
+        return self._collective(op, group, out, inp, inp.nbytes, call, async_op, inp.nbytes - kept)
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group) -> None:
         """Broadcast from group-local index `src`."""
         call = partial(dist.broadcast, t, group.ranks[src], group=group.pg)
-        self._collective("broadcast", group, t, t, _nbytes(t), call)
+        self._collective("broadcast", group, t, t, t.nbytes, call)
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[Work]:
         """Post sends/receives together: ops are ("send"|"recv", tensor, global peer rank).
@@ -326,7 +320,7 @@ class Comm:
         CPU each is posted directly, in the batch's order."""
         for kind, t, _ in ops:
             self.check_device(t, group, kind)
-            self._count(group, kind, _nbytes(t) if kind == "send" else 0)  # a recv: a call only
+            self._count(group, kind, t.nbytes if kind == "send" else 0)  # a recv: a call only
         if not ops:
             return []
         post = {"send": dist.isend, "recv": dist.irecv}
@@ -337,7 +331,7 @@ class Comm:
                 handles = [handles[0] if handles else None] * len(p2p)
         else:
             handles = [post[kind](t, peer, group=group.pg) for kind, t, peer in ops]
-        nbytes = sum(_nbytes(t) for _, t, _ in ops)
+        nbytes = sum(t.nbytes for _, t, _ in ops)
         call = self.ledger.issue("send/recv", group, nbytes, numbered=False)
         stats = self.stats[(group.name, "p2p_wait")]
         return [Work(h, stats, self.watchdog, call) for h in handles]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tetrad.comm import Comm, Work
+from tetrad.comm.tp import gather_along
 from tetrad.config import BLOCK  # values per scale
 from tetrad.mesh import Group
 from tetrad.models.fp8 import E4M3
@@ -131,9 +132,7 @@ class QuantizedReduce:
         self.work = self.arrived = None
         if not gather:
             return piece[: self.piece]
-        wire = self.summed.send(piece)
-        everything = wire.new_empty((n * wire.shape[0], wire.shape[1]))
-        self.comm.all_gather(everything, wire, self.group)
+        everything = gather_along(self.summed.send(piece), 0, self.comm, self.group)
         whole = dequantize(everything, self.fmt).view(n, self.width)[:, : self.piece]
         return whole.reshape(-1)[: self.numel]
 

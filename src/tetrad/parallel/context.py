@@ -144,9 +144,7 @@ class _Online:
         # is this very tensor, so the next matmul's saved input and ours are one
         shape = (*q.shape[:-1], v_dim)
         self.out = torch.zeros(shape, dtype=wide(q.dtype), device=q.device).transpose(1, 2)
-        self.lse = torch.full(
-            self.q.shape[:-1], float("-inf"), dtype=wide(q.dtype), device=q.device
-        )  # [b, H, s]
+        self.lse = self.out.new_full(self.q.shape[:-1], float("-inf"))  # [b, H, s], as out
 
     def add(self, kv: torch.Tensor, where: tuple[int, int, int]) -> None:
         """Merge the block of rank `src`'s keys and values; `where` = (rank, src, chunk)."""

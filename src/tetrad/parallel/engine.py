@@ -61,7 +61,8 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return self.state.device
+        """The compute device (the one the collectives take tensors on)."""
+        return self.comm.device
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The tensors the optimizer updates, with their logical names."""

@@ -61,10 +61,6 @@ class PlainAdapter:
         # name -> the tensor the optimizer steps: the parameter, or its fp32 master
         self.optimized = dict(optimized or model.named_parameters())
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     # --- the local half: what a layout holds, by logical name -----------------------------
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (tp shards, its stages) by logical name: the fp32 masters
@@ -155,7 +151,7 @@ class PlainAdapter:
                     continue  # a tied embedding held by two stages: the first one's value
                 shape, dtype = full_shape(name, self.model_cfg), self.layout.master_dtype
                 t = state[name] if r == pp.rank else torch.empty(shape, dtype=dtype)
-                t = t.to(self.device)  # NCCL broadcasts device tensors only
+                t = t.to(self.comm.device)  # NCCL broadcasts device tensors only
                 self.comm.broadcast(t, r, pp)
                 out[name] = t.cpu()
         return out

@@ -111,7 +111,10 @@ class Float8Split(SplitLinear):
 
     split = ""
     fp8: Float8Matmul | None = None
-    tp: TP
+
+    def __init__(self, in_features: int, out_features: int, tp: TP, bias=False, device=None):
+        super().__init__(in_features, out_features, bias=bias, device=device)
+        self.tp = tp
 
     def use_float8(self, fp8: Float8Matmul) -> None:
         fp8.split_over(self.split, max_over(self.tp.comm, self.tp.group))
@@ -131,8 +134,7 @@ class ColumnParallelLinear(Float8Split):
     split = "N"
 
     def __init__(self, in_features: int, out_features: int, tp: TP, device=None, bias=False):
-        super().__init__(in_features, out_features // tp.group.size, bias=bias, device=device)
-        self.tp = tp
+        super().__init__(in_features, out_features // tp.group.size, tp, bias, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x)
@@ -145,8 +147,7 @@ class RowParallelLinear(Float8Split):
     split = "K"
 
     def __init__(self, in_features: int, out_features: int, tp: TP, device=None):
-        super().__init__(in_features // tp.group.size, out_features, bias=False, device=device)
-        self.tp = tp
+        super().__init__(in_features // tp.group.size, out_features, tp, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.leave(self.matmul(x))  # [b, s, h] or [b, s/t, h]
@@ -170,29 +171,27 @@ class ReplicatedKVLinear(nn.Module, Deferrable):
             torch.empty(kv_heads * head_dim, in_features // t, device=device)
         )
         self.bias = nn.Parameter(torch.empty(kv_heads * head_dim, device=device)) if bias else None
-        self.tp, self.head_dim = tp, head_dim
+        self.tp = tp
         self.head = tp.group.rank * kv_heads // t  # the kv head of this rank's query heads
+        self.rows = slice(self.head * head_dim, (self.head + 1) * head_dim)  # its weight rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp, weight = self.tp, self.weight  # the shard this forward uses (ZeRO re-points it)
         full = gather_from_tp(weight, tp.comm, tp.group, dim=1)  # [kv·hd, h]
-        rows = full[self._rows()]
+        rows = full[self.rows]
 
         def sink(g: torch.Tensor) -> None:
             """W's destination (zero-bubble): the gradient of this rank's head rows [hd, h],
             placed in the full [kv·hd, h] and reduce-scattered over tp (what the gather's
             backward does in an ordinary backward), into the shard `weight`."""
             grad = g.new_zeros((weight.shape[0], g.shape[1]))
-            grad[self._rows()] = g
+            grad[self.rows] = g
             accumulate(weight, reduce_scatter_along(grad, 1, tp.comm, tp.group))
 
         out = split_matmul(x, rows, self.store, sink)  # [b, s, hd]
         if self.bias is None:
             return out
-        return out + copy_to_tp(self.bias, tp.comm, tp.group, tp.reduce_dtype)[self._rows()]
-
-    def _rows(self) -> slice:
-        return slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
+        return out + copy_to_tp(self.bias, tp.comm, tp.group, tp.reduce_dtype)[self.rows]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -266,9 +265,7 @@ class SequenceParallelLinear(Float8Split):
     split = "M"
 
     def __init__(self, linear: nn.Linear, tp: TP):
-        device = linear.weight.device
-        super().__init__(linear.in_features, linear.out_features, bias=False, device=device)
-        self.tp = tp
+        super().__init__(linear.in_features, linear.out_features, tp, device=linear.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s/t, in] -> [b, s/t, out]
         matmul = F.linear if self.fp8 is None else self.fp8.matmul
@@ -394,15 +391,13 @@ class TPSharding:
 
 
 def shard_index(kind: str, shape: tuple[int, ...], tp: int, rank: int) -> tuple[slice, ...]:
-    """Index of `rank`'s shard in a full tensor: split `rows`/`cols` evenly, or `vocab` rows."""
-    if kind == "vocab":
-        return (slice(*vocab_range(shape[0], tp, rank)), slice(None))
-    dim = {"rows": 0, "cols": 1}[kind]
-    if shape[dim] % tp:
+    """Index of `rank`'s shard in a full tensor: split `rows`/`cols` evenly, or `vocab` rows
+    (in blocks of ceil(V/tp), `vocab_range`'s: the even split where tp divides the size)."""
+    dim = 1 if kind == "cols" else 0
+    if kind != "vocab" and shape[dim] % tp:
         raise ValueError(f"dimension {dim} of size {shape[dim]} is not divisible by tp={tp}")
-    n = shape[dim] // tp
     index = [slice(None)] * len(shape)
-    index[dim] = slice(rank * n, (rank + 1) * n)
+    index[dim] = slice(*vocab_range(shape[dim], tp, rank))
     return tuple(index)
 
 
@@ -530,14 +525,10 @@ def _layout(kinds: dict[str, str], tp: TP, m: ModelConfig) -> TPSharding:
 
 @torch.no_grad()
 def gather_full(local: torch.Tensor, kind: str, shape: tuple[int, ...], tp: TP) -> torch.Tensor:
-    """The full tensor from every tp rank's shard (shards padded to rank 0's size to gather)."""
-    t = tp.group.size
-    index = [shard_index(kind, shape, t, r) for r in range(t)]
-    sizes = [torch.empty(shape, device="meta")[i].shape for i in index]
-    padded = local.new_zeros(sizes[0])
-    padded[tuple(slice(0, n) for n in local.shape)] = local
-    pieces = gather_along(padded, 0, tp.comm, tp.group).view(t, *sizes[0])
-    full = local.new_empty(shape)
-    for r in range(t):
-        full[index[r]] = pieces[r][tuple(slice(0, n) for n in sizes[r])]
-    return full
+    """The full tensor from every tp rank's shard (`shard_index`'s blocks along one dim, in
+    rank order): each shard padded to a whole block to gather, so the padding (only the
+    last ranks' shards are short) all lies past the full size, which is kept."""
+    dim = 1 if kind == "cols" else 0
+    block = -(-shape[dim] // tp.group.size)
+    pad = [0, 0] * (local.dim() - 1 - dim) + [0, block - local.shape[dim]]  # F.pad: last dim first
+    return gather_along(F.pad(local, pad), dim, tp.comm, tp.group).narrow(dim, 0, shape[dim])

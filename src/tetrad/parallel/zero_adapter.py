@@ -41,10 +41,6 @@ class ZeroAdapter(PlainAdapter):
         super().__init__(*args, **kwargs)
         self.sharded = sharded
 
-    @property
-    def device(self) -> torch.device:
-        return self.sharded[0].device
-
     def _units(self) -> Iterator[tuple[ZeroShards, FlatUnit]]:
         """Every sharded group's units, in order, each group's gathers drained first."""
         for sh in self.sharded:
