@@ -366,13 +366,23 @@ def tally(error: BaseException | None, soft: type, comm, group, device, what: st
 
 
 class SliceReader:
-    """A checkpoint on disk: its manifest, and boxes of its logical tensors. For each box
-    asked, only the overlapping parts of the saved boxes are read (safetensors' lazy
-    slices), from files whose sha256 was checked (streamed, once) before their first use.
-    Whole tensors (`model`, `buffers`, `optim`) are for tests, export and inspection;
-    training reads only its own boxes."""
+    """A checkpoint on disk: its manifest (read and its format checked on construction),
+    and boxes of its logical tensors. For each box asked, only the overlapping parts of the
+    saved boxes are read (safetensors' lazy slices), from files whose sha256 was checked
+    (streamed, once) before their first use. Whole tensors (`model`, `buffers`, `optim`) are
+    for tests, export and inspection; training reads only its own boxes."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any]):
+    def __init__(self, path: Path):
+        file = path / MANIFEST
+        try:
+            manifest = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CorruptCheckpoint(f"checkpoint manifest {file} is unreadable: {e}") from e
+        if manifest.get("format") != FORMAT or manifest.get("version") not in (1, VERSION):
+            raise CorruptCheckpoint(
+                f"{file}: format {manifest.get('format')!r} version {manifest.get('version')!r},"
+                f" expected {FORMAT!r} version 1 or {VERSION}"
+            )
         self.path, self.manifest, self.files = path, manifest, manifest["files"]
         self.tensors = tensor_entries(manifest)
         self._open: dict[str, Any] = {}
@@ -471,24 +481,10 @@ def tensor_entries(manifest: dict[str, Any]) -> dict[str, dict]:
 
 def read(path: Path) -> SliceReader:
     """A checkpoint whose manifest parses and whose every file matches its sha256."""
-    ckpt = SliceReader(path, read_manifest(path))
+    ckpt = SliceReader(path)
     for fname in ckpt.files:
         ckpt._file(fname)
     return ckpt
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    file = path / MANIFEST
-    try:
-        manifest = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CorruptCheckpoint(f"checkpoint manifest {file} is unreadable: {e}") from e
-    if manifest.get("format") != FORMAT or manifest.get("version") not in (1, VERSION):
-        raise CorruptCheckpoint(
-            f"{file}: format {manifest.get('format')!r} version {manifest.get('version')!r},"
-            f" expected {FORMAT!r} version 1 or {VERSION}"
-        )
-    return manifest
 
 
 def check_model(path: Path, tensors: dict[str, dict], cfg: Config) -> None:
@@ -506,14 +502,13 @@ def restore(path: Path, engine, optimizer, loader, cfg: Config) -> int:
     """Load `path` on every rank, each reading and installing only its own boxes; returns
     the step. A rank that cannot load fails every rank (agreed) before the ZeRO gathers."""
     with agreed(engine, f"loading checkpoint {path}"):
-        manifest = read_manifest(path)
-        reader = SliceReader(path, manifest)
+        reader = SliceReader(path)
         check_model(path, reader.tensors, cfg)
-        install(reader, manifest, engine, optimizer, loader, cfg)
+        install(reader, reader.manifest, engine, optimizer, loader, cfg)
     engine.after_load()
     if engine.mesh.rank == 0:
         print(f"tetrad: resumed from {path}", flush=True)
-    return int(manifest["training"]["step"])
+    return int(reader.manifest["training"]["step"])
 
 
 def install(reader, state: dict, engine, optimizer, loader, cfg: Config) -> None:

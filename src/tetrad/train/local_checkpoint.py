@@ -556,9 +556,8 @@ def _partner_group(rank: int, world: int, timeout_s: float) -> Group:
     """Every rank, in a gloo group of its own, whatever the training's backend (a
     collective: every rank makes it, in the same order, on the training thread)."""
     ranks = list(range(world))
-    if world == 1:
-        return Group("partner", ranks, 0)
-    pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
+    timeout = timedelta(seconds=timeout_s)
+    pg = dist.new_group(ranks, timeout=timeout, backend="gloo") if world > 1 else None
     return Group("partner", ranks, rank, pg)
 
 

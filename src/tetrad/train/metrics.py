@@ -72,28 +72,27 @@ def require_tensorboard() -> None:
 
 class MetricsWriter:
     """Appends one JSON object per step to DIR/metrics.jsonl and drives the progress display;
-    with `tensorboard`, the same series as event files under DIR/tensorboard."""
+    with `tensorboard`, the same series as event files under DIR/tensorboard. `resumed`: the
+    step a resumed run starts at (its rows are appended), None on a fresh start."""
 
     def __init__(
         self,
         out_dir: str,
         total_steps: int,
         progress: bool,
-        append: bool = False,
         tensorboard: bool = False,
-        start_step: int = 0,
+        resumed: int | None = None,
     ):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a" if append else "w")  # noqa: SIM115
+        self.file = open(self.path, "w" if resumed is None else "a")  # noqa: SIM115
         self.display = Display(total_steps) if progress else None
         self.events = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # a resumed run purges the events of steps it is about to redo
-            purge = start_step if append else None
-            self.events = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=purge)
+            self.events = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=resumed)
 
     def write(self, row: dict[str, Any]) -> None:
         self.file.write(json.dumps(row) + "\n")

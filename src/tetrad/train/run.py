@@ -84,9 +84,8 @@ def _train(
                 cfg.train.out,
                 cfg.train.steps,
                 cfg.train.progress,
-                append=resumed is not None,
                 tensorboard=cfg.train.tensorboard,
-                start_step=resumed or 0,
+                resumed=resumed,
             )
         rows = trainer.fit(writer)
     finally:
