@@ -229,9 +229,8 @@ class FlatUnit:
         self.gathered = False
 
     def allocate(self) -> None:
-        nbytes = self.layout.padded * self.data.element_size()
-        if self.data.untyped_storage().nbytes() != nbytes:
-            self.data.untyped_storage().resize_(nbytes)
+        if self.data.untyped_storage().nbytes() != self.data.nbytes:  # its shape stays [padded]
+            self.data.untyped_storage().resize_(self.data.nbytes)
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
