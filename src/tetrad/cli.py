@@ -44,9 +44,8 @@ def config_options() -> dict[str, tuple[str, Field]]:
     config.py), by argparse dest: (section, field). Every one is also settable in a --config
     TOML file (an elastic degree there: [parallel] elastic = "dp")."""
     options: dict[str, tuple[str, Field]] = {}
-    cfg = Config()
-    for section in fields(cfg):
-        for f in fields(getattr(cfg, section.name)):
+    for section in fields(Config):
+        for f in fields(section.default_factory):
             if "cli" not in f.metadata:
                 continue
             dest = (f.metadata["cli"]["flag"] or f.name).replace("-", "_")

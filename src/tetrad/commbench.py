@@ -32,10 +32,9 @@ import torch.distributed as dist
 
 from tetrad.comm import Comm, bus_factor
 from tetrad.comm.watchdog import Watchdog, nccl_environment
-from tetrad.config import ParallelConfig
 from tetrad.devices import Clock
 from tetrad.launch import launch, under_torchrun
-from tetrad.mesh import Group, Mesh
+from tetrad.mesh import Group
 
 TIMEOUT_S = 600.0  # the process group's, and the closing barrier's watchdog
 
@@ -234,11 +233,10 @@ def worker(args: argparse.Namespace) -> int:
     if cuda:
         torch.cuda.set_device(device)
         nccl_environment()  # before the process group: async error handling, flight recorder
-    timeout = timedelta(seconds=TIMEOUT_S)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=TIMEOUT_S))
     watchdog = Watchdog(TIMEOUT_S)
     try:
-        group = Mesh.build(ParallelConfig(dp=world), rank, timeout)["world"]
+        group = Group("world", list(range(world)), rank, dist.group.WORLD)
         report = run_bench(args, group, device)
         if rank == 0:
             emit(report, args.json)

@@ -34,8 +34,7 @@ def rank_and_attempt() -> tuple[int, int]:
 def _attempt_dir() -> tuple[Path | None, int, int]:
     """The launcher's report directory (None: no launcher), this rank, this attempt."""
     directory = os.environ.get(REPORT_DIR)
-    rank, attempt = rank_and_attempt()
-    return (Path(directory) if directory else None), rank, attempt
+    return (Path(directory) if directory else None), *rank_and_attempt()
 
 
 def report(kind: str, message: str, code: int, **extra: Any) -> bool:

@@ -68,12 +68,10 @@ def under_torchrun() -> bool:
 
 def drop_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     """`argv` without `--flag V` / `--flag=V` for each of `flags` (launcher-only flags)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
+    out, args = [], iter(argv)
+    for a in args:
+        if a in flags:
+            next(args, None)  # its value
         elif not a.startswith(tuple(f + "=" for f in flags)):
             out.append(a)
     return out

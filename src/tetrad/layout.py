@@ -158,25 +158,8 @@ class Layout:
     def world(self) -> int:
         return math.prod(self.degrees.values())
 
-    @property
-    def dp(self) -> int:
-        return self.degrees["dp"]
-
-    @property
-    def fsdp(self) -> int:
-        return self.degrees["fsdp"]
-
-    @property
-    def pp(self) -> int:
-        return self.degrees["pp"]
-
-    @property
-    def tp(self) -> int:
-        return self.degrees["tp"]
-
-    @property
-    def cp(self) -> int:
-        return self.degrees["cp"]
+    # each axis's degree by its name (`layout.tp`: `degrees["tp"]`), in AXES' order
+    pp, dp, fsdp, cp, tp = (property(lambda self, a=a: self.degrees[a]) for a in AXES)
 
     @property
     def data_ranks(self) -> int:

@@ -174,12 +174,11 @@ class Mesh:
         world's); None: torch's default."""
         import torch.distributed as dist
 
-        degrees, ep = dict(layout.degrees), layout.ep
-        mesh = cls.plan(degrees, rank, ep)
+        mesh = cls.plan(layout.degrees, rank, layout.ep)
         # groups of equal members share one handle (every rank's in ascending order): the
         # whole world's is the default group's
         made: dict[tuple[int, ...], Any] = {tuple(range(mesh.world)): dist.group.WORLD}
-        for name, ranks in named_groups(degrees, ep):
+        for name, ranks in named_groups(mesh.degrees, mesh.ep):
             # new_group is collective over the world: every rank creates every group,
             # in the same order, so the reuse below happens alike on every rank.
             if len(ranks) == 1:
@@ -188,7 +187,7 @@ class Mesh:
                 made[tuple(ranks)] = dist.new_group(ranks, timeout)
             if rank in ranks:
                 mesh.groups[name].pg = made[tuple(ranks)]
-        for ranks in pp_end_groups(degrees):
+        for ranks in pp_end_groups(mesh.degrees):
             pg = dist.new_group(ranks, timeout)
             if rank in ranks:
                 mesh.groups["pp_ends"].pg = pg
