@@ -11,7 +11,6 @@ first or last stage may hold no layer at all; a middle stage holds at least one.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
@@ -40,9 +39,9 @@ def balance(costs: Sequence[float], stages: int) -> list[int]:
         raise ValueError(f"cannot balance {n} items (embedding, layers, head) into {stages}")
     if any(c < 0 for c in costs):
         raise ValueError(f"costs must be non-negative, got {list(costs)}")
-    seg = _sums(costs)
-    limit = _least_max(seg, n, stages)
-    layers = _least_squares(seg, n, stages, limit)
+    prefix = list(accumulate(costs, initial=0.0))
+    limit, _ = _least(prefix, stages, max, float("inf"))
+    _, layers = _least(prefix, stages, lambda total, c: total + c * c, limit)
     layers[0] -= 1  # the embedding
     layers[-1] -= 1  # head + loss
     return layers
@@ -62,50 +61,29 @@ def stage_costs(costs: Sequence[float], split: Sequence[int]) -> list[float]:
 # --- exact search -------------------------------------------------------------------
 
 
-def _sums(costs: Sequence[float]) -> Callable[[int, int], float]:
-    prefix = list(accumulate(costs, initial=0.0))
-    # every comparison uses this one function, so round-off cannot split ties
-    return lambda i, j: prefix[j] - prefix[i]
-
-
-def _least_max(seg: Callable, n: int, stages: int) -> float:
-    """Binary search over every segment sum: the least feasible bottleneck (the largest,
-    the whole model as one segment, always is)."""
-    candidates = sorted({seg(i, j) for i in range(n) for j in range(i + 1, n + 1)})
-    # feasibility is False below the least bottleneck and True from it on
-    i = bisect_left(candidates, True, key=lambda limit: _feasible(seg, n, stages, limit))
-    return candidates[i]
-
-
-def _feasible(seg: Callable, n: int, stages: int, limit: float) -> bool:
-    """Greedy: fewest contiguous segments under `limit`. Needing at most `stages` is
-    enough, since a segment can always be cut further (costs are non-negative)."""
-    count, start = 0, 0
-    while start < n:
-        end = start
-        while end < n and seg(start, end + 1) <= limit:
-            end += 1
-        if end == start:
-            return False  # one item alone is over the limit
-        count, start = count + 1, end
-    return count <= stages
-
-
-def _least_squares(seg: Callable, n: int, stages: int, limit: float) -> list[int]:
-    """DP over (stages used, items covered): least sum of squares with every stage under
-    `limit`; returns items per stage."""
-    inf = float("inf")
+def _least(
+    prefix: list[float], stages: int, join: Callable[[float, float], float], limit: float
+) -> tuple[float, list[int]]:
+    """DP over (stages used, items covered): the least `join` of the stages' costs, folded
+    from 0 (`max`: the bottleneck; or the sum of squares), every stage under `limit`;
+    returns it and the items per stage. A stage's cost is a difference of the `prefix`
+    sums, so round-off cannot split ties; among equal totals the earliest cut wins. A
+    stage only grows costlier as it reaches back, so the search back stops at the first
+    over the limit, or alone over the best found."""
+    n, inf = len(prefix) - 1, float("inf")
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for k in range(1, stages + 1):
         for j in range(k, n + 1):
-            for i in range(k - 1, j):
-                c = seg(i, j)
-                if c <= limit and best[k - 1][i] + c * c < best[k][j]:
-                    best[k][j], cut[k][j] = best[k - 1][i] + c * c, i
+            for i in range(j - 1 if k > 1 else 0, k - 2, -1):  # the first stage starts at 0
+                c = prefix[j] - prefix[i]
+                if c > limit or join(0.0, c) > best[k][j]:
+                    break
+                if (total := join(best[k - 1][i], c)) <= best[k][j]:
+                    best[k][j], cut[k][j] = total, i
     counts, j = [], n
     for k in range(stages, 0, -1):
         counts.append(j - cut[k][j])
         j = cut[k][j]
-    return counts[::-1]
+    return best[stages][n], counts[::-1]
