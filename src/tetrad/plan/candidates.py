@@ -44,7 +44,8 @@ def block_kinds(m: ModelConfig, split: list[int], stages: list[int]) -> tuple[in
 
 
 def model_key(model: ModelConfig) -> tuple:
-    """`model`'s fields as a key for the planner's caches (its repr cost a search seconds)."""
+    """`model`'s fields' values, in the fields' order, as a key for the planner's caches (its
+    repr cost a search seconds; `_candidate` builds the model back from it)."""
     return tuple(vars(model).values())
 
 

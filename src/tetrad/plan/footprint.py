@@ -130,7 +130,7 @@ class Footprint:
     def __init__(self, device: Device, recompute: str, engine: Implementation):
         self.device, self.recompute, self.engine = device, recompute, engine
         self._facts: dict[tuple, RankFacts] = {}
-        self._places: dict[tuple, dict[int, RankFacts]] = {}
+        self._places: dict[tuple, list[RankFacts]] = {}
         self._template: dict[tuple, tuple] = {}
         self._fp8: dict[tuple, frozenset[str]] = {}  # a model's FP8 weights (fp8_weights)
         # a search asks the same activations of many degree sets (dp, fsdp, ep do not
@@ -154,11 +154,11 @@ class Footprint:
         times; the layouts of a family, which differ in the microbatch count alone, share
         it), then by what a rank's blocks are (places with the same blocks share them)."""
         place = (self._state_key(lay, m), tuple(split), lay.pp, lay.virtual_stages, lay.schedule)
-        known = self._places.setdefault(place, {})
-        for r in range(lay.pp):
-            if r not in known:
-                known[r] = self._rank_facts(lay, m, split, r)
-        return [known[r] for r in range(lay.pp)]
+        known = self._places.get(place)
+        if known is None:  # one lookup: the key is long (the model's fields)
+            known = [self._rank_facts(lay, m, split, r) for r in range(lay.pp)]
+            self._places[place] = known
+        return known
 
     def _state_key(self, lay: Layout, m: ModelConfig) -> tuple:
         """What a rank's facts read of `lay` and `m` besides the blocks it holds and whether
