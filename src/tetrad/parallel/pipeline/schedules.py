@@ -251,10 +251,9 @@ def _zb_v_rank(r: int, pp: int, n: int) -> list[Action]:
         do(("B", c0), ("B", c1))
     for _ in range(pp - r):
         do(("B", c0), ("W", c0))
-    while count["W", c1] < count["B", c1]:
-        do(("W", c1))
-    while count["W", c0] < count["B", c0]:
-        do(("W", c0))
+    for c in (c1, c0):
+        while count["W", c] < count["B", c]:
+            do(("W", c))
     return order
 
 
