@@ -106,16 +106,15 @@ class _Float8Matmul(torch.autograd.Function):
         `splits`: logical dimension -> the max over the ranks that split it."""
         ctx.save_for_backward(x, weight)
         ctx.rowwise, ctx.cast, ctx.splits = rowwise, cast, splits  # cast: refilled by ZeRO
-        dims = (1, 0) if rowwise else (None, None)  # per token, per output feature
+        ctx.dims = dims = (1, 0) if rowwise else (None, None)  # per token, per output feature
         b = weight.t() if cast is None else (cast[0].t(), cast[1])
         return _mm(x, b, (E4M3, E4M3), dims, x.dtype, FORWARD, splits)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        rowwise, splits = ctx.rowwise, ctx.splits
-        g = E4M3 if rowwise else E5M2
-        dims = (1, 0) if rowwise else (None, None)
+        dims, splits = ctx.dims, ctx.splits
+        g = E4M3 if ctx.rowwise else E5M2
         w = weight if ctx.cast is None else ctx.cast
         grad_x = _mm(grad, w, (g, E4M3), dims, grad.dtype, GRAD_X, splits)  # [M,N] @ [N,K]
         grad_w = _mm(grad.t(), x, (g, E4M3), dims, weight.dtype, GRAD_W, splits)  # [N,M] @ [M,K]

@@ -372,10 +372,9 @@ class MoEFeedForward(nn.Module):
         counts are the whole sequence's and each rank adds its tokens' part of P."""
         b, s, n = probs.shape
         k = ids.shape[-1]
-        like = dict(dtype=probs.dtype, device=probs.device)
-        counts = torch.zeros(b, n, **like)
-        counts.scatter_add_(1, ids.reshape(b, -1), torch.ones(b, s * k, **like))
-        lengths = torch.full((b, 1), float(s), **like)
+        counts = probs.new_zeros(b, n)
+        counts.scatter_add_(1, ids.reshape(b, -1), probs.new_ones(b, s * k))
+        lengths = probs.new_full((b, 1), float(s))
         whole = self.sequence_sum(torch.cat([counts, lengths], dim=1))
         counts, lengths = whole[:, :n], whole[:, n:]
         f = counts * (n / k) / lengths
@@ -389,9 +388,8 @@ class MoEFeedForward(nn.Module):
             self.stats = torch.zeros(n + STAT_EXTRA, dtype=torch.float64, device=probs.device)
         load = torch.bincount(ids.reshape(-1), minlength=n).double()
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
-        extra = torch.stack([aux.sum().double(), entropy.double()])
-        tokens = torch.tensor([float(probs.shape[0])], dtype=torch.float64, device=probs.device)
-        self.stats += torch.cat([load, extra, tokens])
+        extra = torch.stack([aux.sum().double(), entropy.double(), load.new_tensor(probs.shape[0])])
+        self.stats += torch.cat([load, extra])
 
     def reset_stats(self) -> None:
         self.stats = None

@@ -93,8 +93,7 @@ def assign(names: list[str], plan: dict[str, str]) -> dict[str, str]:
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"plan entry {pattern!r}: unknown style {style!r}; known: {STYLES}")
-    styles = {name: style_of(name, plan) for name in names}
-    return {name: style for name, style in styles.items() if style is not None}
+    return {name: style for name in names if (style := style_of(name, plan)) is not None}
 
 
 def decays(name: str) -> bool:
