@@ -23,6 +23,7 @@ planner's search times one schedule on many costs).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -132,14 +133,8 @@ class Dag:
     def _durations(self, costs: Costs) -> list[float]:
         if costs.each:
             return [costs.of(a.kind, a.stage, a.microbatch) for a in self.computes]
-        table: dict[tuple[str, int], float] = {}
-        out = []
-        for a in self.computes:
-            key = (a.kind, a.stage)
-            if key not in table:
-                table[key] = costs.of(a.kind, a.stage)
-            out.append(table[key])
-        return out
+        of = functools.cache(costs.of)  # a kind's duration on a stage, looked up once
+        return [of(a.kind, a.stage) for a in self.computes]
 
 
 def simulate(actions: list[list[Action]], costs: Costs, schedule: str = "") -> Timeline:
