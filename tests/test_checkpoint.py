@@ -340,3 +340,44 @@ def test_run_appends_metrics_on_resume(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(20))
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in first], rel=1e-6)
+
+
+def _as_version_1(src, dst) -> None:
+    """`src` (a one-process checkpoint) written as version 1 wrote it: every tensor whole
+    under its own name, the model's in model.safetensors, AdamW's (and its count, a tensor
+    "step") in optim.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    manifest = json.loads((src / "manifest.json").read_text())
+    pieces = {}
+    for fname in manifest["files"]:
+        pieces |= {(fname, k): t for k, t in load_file(src / fname).items()}
+    whole = {n: pieces[(e["slices"][0]["file"], e["slices"][0]["key"])]
+             for n, e in manifest["tensors"].items()}  # fmt: skip
+    files = {"model.safetensors": {n: t for n, t in whole.items() if "/" not in n}}
+    files["optim.safetensors"] = {n: t for n, t in whole.items() if "/" in n}
+    files["optim.safetensors"]["step"] = torch.tensor(float(manifest["training"]["step"]))
+    dst.mkdir()
+    tensors, manifest["files"] = {}, {}
+    for fname, group in files.items():
+        save_file(group, dst / fname)
+        data = (dst / fname).read_bytes()
+        manifest["files"][fname] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        tensors |= {n: {"shape": list(t.shape), "dtype": manifest["tensors"].get(n, {}).get(
+            "dtype", "float32"), "file": fname} for n, t in group.items()}  # fmt: skip
+    manifest |= {"version": 1, "tensors": tensors}
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_version_1_checkpoints_are_still_read(interrupted, tmp_path):
+    """docs/checkpoint.md: a consolidated version-1 checkpoint reads as the same tensors,
+    each one whole box, its "step" tensor left out (the count is in "training")."""
+    new = checkpoint.read(interrupted[0] / "checkpoints" / "step_00000010")
+    _as_version_1(new.path, tmp_path / "v1")
+    old = checkpoint.read(tmp_path / "v1")
+    assert set(old.tensors) == set(new.tensors) and "step" not in old.tensors
+    for kind in ("model", "optim"):
+        want, got = getattr(new, kind), getattr(old, kind)
+        assert want.keys() == got.keys() and want
+        for name, t in want.items():
+            assert torch.equal(got[name], t), name
