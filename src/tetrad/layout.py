@@ -158,8 +158,10 @@ class Layout:
     def world(self) -> int:
         return math.prod(self.degrees.values())
 
-    # each axis's degree by its name (`layout.tp`: `degrees["tp"]`), in AXES' order
-    pp, dp, fsdp, cp, tp = (property(lambda self, a=a: self.degrees[a]) for a in AXES)
+    # each axis's degree by its name: `layout.tp` is `degrees["tp"]`
+    pp, dp, fsdp, cp, tp = (
+        property(lambda self, a=a: self.degrees[a]) for a in ("pp", "dp", "fsdp", "cp", "tp")
+    )
 
     @property
     def data_ranks(self) -> int:
