@@ -111,7 +111,9 @@ def test_synthetic_padding_and_token_count():
     assert int(mb.inputs.max()) < 64 and int(mb.targets[real].min()) >= 0
 
 
-@pytest.mark.parametrize("suffix,dtype", [(".u16", np.uint16), (".u32", np.uint32)])
+@pytest.mark.parametrize(
+    "suffix,dtype", [(".u16", np.uint16), (".u32", np.uint32), (".bin", np.uint16)]
+)
 def test_token_file_is_memory_mapped(tmp_path, suffix, dtype):
     tokens = (np.arange(1000) * 7 % 1000).astype(dtype)
     path = tmp_path / f"corpus{suffix}"

@@ -122,6 +122,10 @@ def test_wrong_tokenizer_and_too_small_model_fail_naming_both(prepared, tmp_path
     (tmp_path / "c.txt").write_text(text)
     src = make_source(str(tmp_path / "c.txt"), 300, 0, 1 << 30, 8, 16, tokenizer=str(tok))
     assert np.array_equal(src.tokens, np.fromfile(out, dtype=np.uint16))
+    # a .bin (nanoGPT's uint16 ids, no sidecar) is ids with a tokenizer too, not text
+    (tmp_path / "c.bin").write_bytes(out.read_bytes())
+    src = make_source(str(tmp_path / "c.bin"), 300, 0, 1 << 30, 8, 16, tokenizer=str(tok))
+    assert np.array_equal(src.tokens, np.fromfile(out, dtype=np.uint16))
 
 
 def _train_rows(rank: int, world: int, raws: list[dict]) -> list[list[dict]]:

@@ -148,7 +148,7 @@ def padded_vocab(size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
 def check_token_file(path: str | Path, model_vocab: int, tokenizer_path: str = "") -> None:
     """A prepared token file fits the model and was made with the given tokenizer."""
     side = sidecar(path)
-    if not side.is_file():
+    if not side.is_file() or Path(path).suffix not in TOKEN_SUFFIXES:
         return  # a token file from elsewhere: only its ids are checked, by the loader
     try:
         info = json.loads(side.read_text())

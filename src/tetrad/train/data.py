@@ -40,11 +40,15 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
+# token files by suffix: `tetrad data prepare`'s, and nanoGPT's train.bin (uint16 ids)
+TOKEN_FILES = {".u16": np.uint16, ".u32": np.uint32, ".bin": np.uint16}
+
+
 def load_path(path: str, max_bytes: int) -> np.ndarray:
-    """A pre-tokenised .u16/.u32 file (memory-mapped), or text file(s) read as bytes."""
+    """A pre-tokenised .u16/.u32/.bin file (memory-mapped), or text file(s) read as bytes."""
     p = Path(path)
-    if p.suffix in (".u16", ".u32", ".bin"):
-        return token_file(p, np.dtype(np.uint32 if p.suffix == ".u32" else np.uint16))
+    if p.suffix in TOKEN_FILES:
+        return token_file(p, np.dtype(TOKEN_FILES[p.suffix]))
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
     data = b"".join(f.read_bytes() for f in files)[:max_bytes]
     return np.frombuffer(data, dtype=np.uint8)
@@ -231,7 +235,7 @@ def make_source(
 ):
     """`synthetic`, `stdlib` or a path -> an object with `sequence(step, index, seq_len)`
     (and `heldout_split()`). Text is read as bytes, or through `tokenizer` when given;
-    a prepared .u16/.u32 token file is checked against its sidecar first."""
+    a token file is read as ids (a prepared one checked against its sidecar first)."""
     if source == "synthetic":
         return Synthetic(vocab, seed)
     if tokenizer:
@@ -240,7 +244,7 @@ def make_source(
         tokens = encode([stdlib_corpus(max_bytes).tobytes().decode("utf-8", "replace")], tokenizer)
     elif source == "stdlib":
         tokens = stdlib_corpus(max_bytes)
-    elif Path(source).suffix in (".u16", ".u32"):
+    elif Path(source).suffix in TOKEN_FILES:  # ids, with or without a tokenizer
         tokens = load_path(source, max_bytes)  # a ragged file fails here, by name
         check_token_file(source, vocab, tokenizer)
     elif tokenizer:
