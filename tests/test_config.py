@@ -234,3 +234,8 @@ def test_what_this_machine_cannot_run_refuses_training_not_plans(monkeypatch):
             Layout.build(cfg, 1)
         assert Layout.build(from_dict({"train": {"device": "cuda", **train}}), 1)
     assert layout_for(model_preset("llama3-8b"), 64, 4096, "bf16", 8, "tensorwise", fsdp=8)
+    # a GPU here (device auto): rowwise FP8 in fp32 refused for training, not for a plan
+    monkeypatch.setattr(config.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="rowwise' with train.dtype='fp32' on CUDA"):
+        Layout.build(from_dict({"train": {"fp8": "rowwise", "dtype": "fp32"}}), 1)
+    assert layout_for(model_preset("llama3-8b"), 64, 4096, "fp32", 8, "rowwise", fsdp=8)

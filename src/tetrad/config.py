@@ -567,11 +567,15 @@ def check_sections(cfg: Config) -> None:
 
 
 def _check_this_machine(t: TrainConfig) -> None:
-    """What the training settings ask of this machine's torch and compiler, on CPU."""
+    """What the training settings ask of this machine's torch, GPU and compiler."""
     _require(
         not t.fp8 or _uses_cuda(t.device) or _scaled_mm_on_cpu(),
         f"train.fp8={t.fp8!r} on CPU: torch {torch.__version__} has no CPU kernel for FP8"
         " matmuls (torch._scaled_mm; torch 2.6 has none): a newer torch, or a GPU",
+    )
+    _require(
+        not (t.fp8 == "rowwise" and t.dtype == "fp32" and _uses_cuda(t.device)),
+        "train.fp8='rowwise' with train.dtype='fp32' on CUDA: its kernel returns bf16 only",
     )
     _require(
         not t.compile or _uses_cuda(t.device) or _cpp_compiler() is not None,
@@ -663,10 +667,6 @@ def _validate_train(t: TrainConfig, model: ModelConfig) -> None:
     _require(
         not t.fp8 or t.dtype in ("bf16", "fp32"),
         f"train.fp8={t.fp8!r} needs train.dtype 'bf16' (or 'fp32', to verify), got {t.dtype!r}",
-    )
-    _require(
-        not (t.fp8 == "rowwise" and t.dtype == "fp32" and _uses_cuda(t.device)),
-        "train.fp8='rowwise' with train.dtype='fp32' on CUDA: its kernel returns bf16 only",
     )
     _require(t.timeout > 0, f"train.timeout must be > 0 seconds, got {t.timeout}")
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: never), got {t.eval_every}")
