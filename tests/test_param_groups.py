@@ -71,6 +71,9 @@ class _Fake:
         yield
         self._note("exit")
 
+    def launch_rest(self) -> None:
+        self._note("launch_rest")
+
     def finish(self) -> None:
         self._note("finish")
 
@@ -93,6 +96,7 @@ def test_grouped_grads_forwards_in_order():
     grads.reduce_in_backward(True)
     with grads.final(["x"]):
         log.append(("body", None))
+    grads.launch_rest()
     grads.finish()
     grads.zero_grad()
     grads.after_step()
@@ -101,6 +105,7 @@ def test_grouped_grads_forwards_in_order():
         ("reduce", "dense"), ("reduce", "expert"),
         ("enter", "dense"), ("enter", "expert"), ("body", None),
         ("exit", "expert"), ("exit", "dense"),
+        ("launch_rest", "dense"), ("launch_rest", "expert"),
         ("finish", "dense"), ("finish", "expert"),
         ("zero_grad", "dense"), ("zero_grad", "expert"),
         ("after_step", "dense"), ("after_step", "expert"),

@@ -87,6 +87,10 @@ class GroupedGrads:
                 stack.enter_context(part.final(names))
             yield
 
+    def launch_rest(self) -> None:
+        for part in self.parts:
+            part.launch_rest()
+
     def finish(self) -> None:
         for part in self.parts:
             part.finish()
