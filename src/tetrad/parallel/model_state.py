@@ -134,8 +134,15 @@ def model_state_bytes(layout: Layout, m: ModelConfig, rank: int = 0) -> ModelSta
         layout.degrees["fsdp"],
         mesh["ep_data"].size,
     )
+    return groups_state(groups, named, replicated, layout, m, lambda g: mesh[g.axis].rank)
+
+
+def groups_state(groups, named, replicated, layout: Layout, m: ModelConfig, shard_rank):
+    """The model state of the local parameters `named` (shapes) in parameter `groups`: each
+    group's bytes at its shard `shard_rank(group)`, and a compressed reduction's residuals
+    (the runtime's rank, or the planner's shard 0)."""
     spec, dtype = spec_for(m), layout.compute_dtype
-    states = (group_bytes(g, named, replicated, mesh[g.axis].rank, spec, dtype) for g in groups)
+    states = (group_bytes(g, named, replicated, shard_rank(g), spec, dtype) for g in groups)
     residuals = sum(residual_bytes(g, named, replicated, layout, spec) for g in groups)
     return sum(states, ModelState(0, residuals, 0))
 

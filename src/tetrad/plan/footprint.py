@@ -31,9 +31,8 @@ from tetrad.parallel.groups import param_groups
 from tetrad.parallel.model_state import (
     ModelState,
     expert_names,
-    group_bytes,
+    groups_state,
     local_parameters,
-    residual_bytes,
 )
 from tetrad.parallel.pipeline.schedules import Action, rank_stages
 from tetrad.plan import activations as act
@@ -577,16 +576,14 @@ def _residual_shape(lay: Layout) -> tuple | None:
 
 
 def _state(lay: Layout, m: ModelConfig, named, replicated, shards: int) -> ModelState:
-    """`model_state.model_state_bytes`'s sum over parameter groups, on given local
-    parameters (shard rank 0 of each group's shards): under ZeRO the experts have their own
-    units, sharded over the ranks holding the same experts (ep_data), beside the rest's."""
+    """`model_state.model_state_bytes`'s sum over parameter groups (`groups_state`), on
+    given local parameters (shard rank 0 of each group's shards): under ZeRO the experts
+    have their own units, sharded over the ranks holding the same experts (ep_data),
+    beside the rest's."""
     experts = expert_names(replicated)
     spread = _expert_shards(lay, m, shards)
     groups = param_groups([n for n, _ in named], experts, lay.zero_stage, shards, spread)
-    spec, dtype = spec_for(m), lay.compute_dtype
-    states = (group_bytes(g, named, replicated, 0, spec, dtype) for g in groups)
-    residuals = sum(residual_bytes(g, named, replicated, lay, spec) for g in groups)
-    return sum(states, ModelState(0, residuals, 0))
+    return groups_state(groups, named, replicated, lay, m, lambda g: 0)
 
 
 def _expert_shards(lay: Layout, m: ModelConfig, shards: int) -> int:
