@@ -152,10 +152,11 @@ class Footprint:
         made of but for the rank (a search asks a few hundred places tens of thousands of
         times; the layouts of a family, which differ in the microbatch count alone, share
         it), then by what a rank's blocks are (places with the same blocks share them)."""
-        place = (self._state_key(lay, m), tuple(split), lay.pp, lay.virtual_stages, lay.schedule)
+        state = self._state_key(lay, m)
+        place = (state, tuple(split), lay.pp, lay.virtual_stages, lay.schedule)
         known = self._places.get(place)
         if known is None:  # one lookup: the key is long (the model's fields)
-            known = [self._rank_facts(lay, m, split, r) for r in range(lay.pp)]
+            known = [self._rank_facts(lay, m, split, r, state) for r in range(lay.pp)]
             self._places[place] = known
         return known
 
@@ -169,14 +170,17 @@ class Footprint:
                 lay.ep_spans_tp, _expert_shards(lay, m, shards), _residual_shape(lay),
                 lay.fp8_all_gather)  # fmt: skip
 
-    def _rank_facts(self, lay: Layout, m: ModelConfig, split: list[int], pp_rank: int) -> RankFacts:
+    def _rank_facts(
+        self, lay: Layout, m: ModelConfig, split: list[int], pp_rank: int, state: tuple
+    ) -> RankFacts:
+        """Pipeline rank `pp_rank`'s facts; `state`: `_state_key(lay, m)`, made once a place."""
         stages = held_stages(lay, pp_rank)
         kinds = block_kinds(m, split, stages)
         first, last = 0 in stages, len(split) - 1 in stages
-        key = (self._state_key(lay, m), kinds, first, last)
+        key = (state, kinds, first, last)
         if key not in self._facts:
             shards = self.shards(lay)
-            facts = self._facts_by_kind(lay, m, kinds, first, last, key[0])
+            facts = self._facts_by_kind(lay, m, kinds, first, last, state)
             whole = _residual_shape(lay) is not None  # its dp buckets span blocks
             if lay.fp8_all_gather or whole:  # what reads every parameter at once
                 named, replicated = self._local_parameters(lay, m, kinds, first, last)
